@@ -1,0 +1,56 @@
+"""stateguard: retried, duplicated and concurrent writes made safe in SQLAlchemy.
+
+Every guarded write is one conditional statement; the database decides and
+the affected-row count (or the conflict) says what happened.  See README.md.
+"""
+
+from __future__ import annotations
+
+from .engine import sqlite_engine
+from .exceptions import (
+    ConfigurationError,
+    DeadlockDetected,
+    InsufficientQuantity,
+    InvalidArgument,
+    NotFound,
+    NotSupported,
+    OutcomeError,
+    RefConflict,
+    SerializationConflict,
+    StaleVersion,
+    StateguardError,
+    TransitionRejected,
+    UnknownTrigger,
+)
+from .inserts import insert_once
+from .machine import StateMachine, Trigger
+from .result import Outcome, Result
+from .retry import retry_on_conflict
+from .versioning import guarded_update, version_column
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigurationError",
+    "DeadlockDetected",
+    "InsufficientQuantity",
+    "InvalidArgument",
+    "NotFound",
+    "NotSupported",
+    "Outcome",
+    "OutcomeError",
+    "RefConflict",
+    "Result",
+    "SerializationConflict",
+    "StaleVersion",
+    "StateMachine",
+    "StateguardError",
+    "TransitionRejected",
+    "Trigger",
+    "UnknownTrigger",
+    "guarded_update",
+    "insert_once",
+    "retry_on_conflict",
+    "sqlite_engine",
+    "version_column",
+]

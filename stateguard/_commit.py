@@ -1,0 +1,96 @@
+"""Run callbacks after the outermost commit of a Session, never after a rollback.
+
+Each callback is owned by the session transaction that was current when it
+was scheduled (the innermost savepoint, or the root).  When a savepoint
+commits, its callbacks move to the enclosing transaction; when any
+transaction ends without committing (rollback, close), the callbacks it owns,
+or that its inner savepoints own, are dropped.  When the root commits, the
+remaining callbacks run in the order they were scheduled.
+
+SQLAlchemy dispatches ``after_commit`` both for the root and for a released
+savepoint (``SessionTransaction.commit``), and ``after_transaction_end`` for
+every transaction that closes, committed or not; those two events are all we
+need.  The listeners are registered once on the ``Session`` class, so every
+session (sessionmaker subclasses and ``AsyncSession.sync_session`` included)
+is covered; a session that never scheduled a callback pays one attribute
+lookup per event.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.orm import Session, SessionTransaction
+
+log = logging.getLogger("stateguard")
+
+_ATTR = "_stateguard_on_commit"
+
+_Entry = list[Any]  # [owner transaction, fn, args, kwargs]
+
+
+def schedule(
+    session: Session, fn: Callable[..., object], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    owner = session.get_nested_transaction() or session.get_transaction()
+    if owner is None:  # pragma: no cover - a guarded write always runs in a transaction
+        raise RuntimeError("on_commit() needs a session inside a transaction")
+    entries: list[_Entry] | None = session.__dict__.get(_ATTR)
+    if entries is None:
+        entries = session.__dict__[_ATTR] = []
+    entries.append([owner, fn, args, kwargs])
+
+
+def _within(owner: SessionTransaction | None, ancestor: SessionTransaction) -> bool:
+    while owner is not None:
+        if owner is ancestor:
+            return True
+        owner = owner.parent
+    return False
+
+
+@event.listens_for(Session, "after_commit")
+def _after_commit(session: Session) -> None:
+    entries: list[_Entry] | None = session.__dict__.get(_ATTR)
+    if not entries:
+        return
+    # The committing transaction has not been closed yet, so it is still the
+    # session's current (nested) transaction.
+    nested = session.get_nested_transaction()
+    if nested is not None:
+        parent = nested.parent
+        for entry in entries:
+            if entry[0] is nested:
+                entry[0] = parent
+        return
+    session.__dict__[_ATTR] = []
+    errors: list[BaseException] = []
+    for _, fn, args, kwargs in entries:
+        try:
+            fn(*args, **kwargs)
+        except Exception as exc:  # run every callback even if one fails
+            log.exception("stateguard: after-commit callback %r failed", fn)
+            errors.append(exc)
+    if errors:
+        # The transaction is committed; the first failure is re-raised so that
+        # it is not silently lost (the others were logged).
+        raise errors[0]
+
+
+@event.listens_for(Session, "after_transaction_end")
+def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
+    entries: list[_Entry] | None = session.__dict__.get(_ATTR)
+    if not entries:
+        return
+    if transaction.parent is None:
+        entries.clear()
+    else:
+        entries[:] = [e for e in entries if not _within(e[0], transaction)]
+
+
+def pending(session: Session) -> int:
+    """How many callbacks wait for a commit of ``session`` (for tests)."""
+    return len(session.__dict__.get(_ATTR) or ())

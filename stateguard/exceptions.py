@@ -1,0 +1,173 @@
+"""The exceptions stateguard raises.
+
+Every exception derives from :class:`StateguardError` and has a ``retryable``
+attribute: ``True`` only when running the *whole unit of work* again in a new
+transaction may succeed (see :func:`stateguard.retry_on_conflict`).
+
+::
+
+    StateguardError                      retryable=False
+    ├── ConfigurationError               a declaration is wrong (raised at class definition)
+    ├── InvalidArgument (ValueError)     a call got bad input; nothing was written
+    │   └── UnknownTrigger (AttributeError)
+    ├── NotSupported                     the backend cannot do this honestly
+    ├── OutcomeError                     raised by Result.raise_for_outcome()
+    │   ├── TransitionRejected           the row's state does not allow the trigger
+    │   ├── StaleVersion (StaleDataError) the row's version is not the expected one
+    │   ├── NotFound (LookupError)       no such row
+    │   └── InsufficientQuantity         a guarded counter would cross its bound
+    ├── RefConflict                      a counter ref was reused with a different amount
+    └── SerializationConflict            retryable=True: serialization failure / busy snapshot
+        └── DeadlockDetected             retryable=True: the database broke a deadlock
+
+``OutcomeError`` instances carry what was found: ``.model``, ``.key``,
+``.trigger`` (``None`` outside transitions), ``.state`` and the full
+``.result``.  ``StaleVersion`` also carries ``.expected_version`` and
+``.version``, and is a subclass of SQLAlchemy's
+:class:`~sqlalchemy.orm.exc.StaleDataError`, so existing handlers for ORM
+version conflicts keep working.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.orm.exc import StaleDataError
+
+if TYPE_CHECKING:
+    from .result import Result
+
+__all__ = [
+    "ConfigurationError",
+    "DeadlockDetected",
+    "InsufficientQuantity",
+    "InvalidArgument",
+    "NotFound",
+    "NotSupported",
+    "OutcomeError",
+    "RefConflict",
+    "SerializationConflict",
+    "StaleVersion",
+    "StateguardError",
+    "TransitionRejected",
+    "UnknownTrigger",
+]
+
+
+class StateguardError(Exception):
+    """Root of every stateguard exception."""
+
+    retryable: bool = False
+
+
+class ConfigurationError(StateguardError):
+    """A declaration (state machine, version column, ...) is inconsistent.
+
+    Raised while the mapped class is being defined, never during a flush.
+    """
+
+
+class InvalidArgument(StateguardError, ValueError):
+    """A call received bad input.  Nothing was sent to the database."""
+
+
+class UnknownTrigger(InvalidArgument, AttributeError):
+    """The trigger name is not declared on the state machine."""
+
+
+class NotSupported(StateguardError):
+    """The backend cannot provide this operation with its guarantees."""
+
+
+def _key_repr(key: Any) -> str:
+    return repr(key[0]) if isinstance(key, tuple) and len(key) == 1 else repr(key)
+
+
+class OutcomeError(StateguardError):
+    """Base of the errors :meth:`Result.raise_for_outcome` raises."""
+
+    def __init__(self, result: Result, message: str | None = None) -> None:
+        self.result = result
+        self.model = result.model
+        self.key = result.key
+        self.trigger = result.trigger
+        self.state = result.state
+        super().__init__(message or self._message())
+
+    def _where(self) -> str:
+        name = getattr(self.model, "__name__", str(self.model))
+        return f"{name} {_key_repr(self.key)}"
+
+    def _message(self) -> str:  # pragma: no cover - overridden
+        return f"{self._where()}: {self.result.outcome.name}"
+
+
+class TransitionRejected(OutcomeError):
+    """The row exists but its current state does not allow the trigger."""
+
+    def _message(self) -> str:
+        return (
+            f"{self._where()}: trigger {self.trigger!r} is not allowed from state "
+            f"{self.state!r}; reload the row and check its state before retrying "
+            f"(this is a business conflict, usually HTTP 409)"
+        )
+
+
+class NotFound(OutcomeError, LookupError):
+    """No row has the given primary key."""
+
+    def _message(self) -> str:
+        what = f"trigger {self.trigger!r}" if self.trigger else "the update"
+        return f"{self._where()} does not exist; {what} changed nothing"
+
+
+class StaleVersion(OutcomeError, StaleDataError):
+    """The row's version is not the one the caller read (someone else wrote it)."""
+
+    def __init__(self, result: Result, message: str | None = None) -> None:
+        self.expected_version = result.expected_version
+        self.version = result.version
+        super().__init__(result, message)
+
+    def _message(self) -> str:
+        what = f"trigger {self.trigger!r}" if self.trigger else "the guarded update"
+        return (
+            f"{self._where()}: {what} expected version {self.expected_version!r} but the "
+            f"row is at version {self.version!r} (state {self.state!r}); reload it and "
+            f"retry, or use retry_on_conflict()"
+        )
+
+
+class InsufficientQuantity(OutcomeError):
+    """A guarded counter change would cross its floor or ceiling."""
+
+    def __init__(self, result: Result, message: str | None = None) -> None:
+        self.target = result.key
+        self.value = result.value
+        super().__init__(result, message)
+
+    def _message(self) -> str:
+        found = "" if self.value is None else f" (found {self.value!r})"
+        return (
+            f"{self._where()}: the change would cross the counter's bound{found}; "
+            f"nothing was changed"
+        )
+
+
+class RefConflict(StateguardError):
+    """A counter ``ref`` was used again with a different amount or target."""
+
+
+class SerializationConflict(StateguardError):
+    """The database aborted the statement to keep transactions serializable.
+
+    The transaction is no longer usable: roll it back and run the whole unit
+    of work again (``retry_on_conflict`` does that).  The driver's error is
+    chained as ``__cause__``.
+    """
+
+    retryable = True
+
+
+class DeadlockDetected(SerializationConflict):
+    """The database detected a deadlock and chose this transaction as victim."""

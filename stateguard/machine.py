@@ -1,0 +1,826 @@
+"""Declarative state machines whose transitions are one conditional UPDATE.
+
+A :class:`StateMachine` is declared as a class attribute of a mapped class.
+Each trigger compiles to::
+
+    UPDATE t SET <values>, version = version + 1, state = :dest
+    WHERE pk = :pk AND state IN (:sources) [AND <where guard>] [AND version = :expected]
+
+and the affected-row count decides the outcome (see SCHEMES.md, scheme 1).
+The graph itself is held by one ``transitions.Machine`` per declaration, used
+for validation, :meth:`StateMachine.available` and diagrams; rows never get a
+machine or listener of their own, so loading rows costs what it costs without
+stateguard.
+"""
+
+from __future__ import annotations
+
+import enum
+import keyword
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, ClassVar, Final, Generic, TypeVar, overload
+
+from sqlalchemy import ColumnElement, Connection, Update, and_, case, event, or_, update
+from sqlalchemy import Enum as SAEnum
+from sqlalchemy.engine import Dialect
+from sqlalchemy.exc import InvalidRequestError
+from sqlalchemy.orm import Mapper, Session
+from sqlalchemy.schema import Column
+from sqlalchemy.sql import visitors
+from sqlalchemy.sql.selectable import Exists, ScalarSelect, Select
+from transitions import Machine as _GraphMachine
+
+from . import _commit, _sql
+from .exceptions import ConfigurationError, InvalidArgument, UnknownTrigger
+from .result import Outcome, Result
+
+__all__ = ["StateMachine", "Trigger"]
+
+S = TypeVar("S")
+
+#: Names a trigger may not use because the machine itself needs them.
+RESERVED_NAMES: Final = frozenset(
+    {
+        "available",
+        "column",
+        "edges",
+        "fire",
+        "graph",
+        "history",
+        "initial",
+        "machine",
+        "many",
+        "model",
+        "name",
+        "states",
+        "statement",
+        "transitions",
+        "triggers",
+        "where",
+    }
+)
+
+_EDGE_KEYS: Final = frozenset({"trigger", "source", "dest", "where", "values", "after_commit"})
+_CALLBACK_KEYS: Final = frozenset(
+    {"conditions", "unless", "before", "after", "prepare", "on_enter", "on_exit"}
+)
+
+
+class _Edge:
+    """One declared transition entry: sources -> dest for a trigger."""
+
+    __slots__ = ("after_commit", "dest", "sources", "values", "where")
+
+    def __init__(
+        self,
+        sources: tuple[Any, ...],
+        dest: Any,
+        where: Callable[[Any], ColumnElement[bool]] | None,
+        values: Mapping[str, Any],
+        after_commit: tuple[Callable[[Result], object], ...],
+    ) -> None:
+        self.sources = sources
+        self.dest = dest
+        self.where = where
+        self.values = dict(values)
+        self.after_commit = after_commit
+
+
+class _Plan:
+    """A compiled trigger statement for one dialect and one call variant."""
+
+    __slots__ = ("returns_state", "returns_version", "stmt", "uses_last_insert_id")
+
+    def __init__(self, stmt: Update, returns_state: bool, returns_version: bool, lid: bool) -> None:
+        self.stmt = stmt
+        self.returns_state = returns_state
+        self.returns_version = returns_version
+        self.uses_last_insert_id = lid
+
+
+class Trigger:
+    """A trigger of a bound :class:`StateMachine`: ``Order.flow.pay``.
+
+    Calling it runs the transition; :meth:`statement` shows the SQL.
+    """
+
+    def __init__(self, machine: StateMachine[Any], name: str, edges: list[_Edge]) -> None:
+        self.machine = machine
+        self.name = name
+        self.edges = edges
+        self.sources = tuple(dict.fromkeys(s for e in edges for s in e.sources))
+        self.dests = tuple(dict.fromkeys(e.dest for e in edges))
+        self._plans: dict[Any, _Plan] = {}
+
+    def __repr__(self) -> str:
+        model = self.machine.model.__name__ if self.machine.model is not None else "?"
+        return f"<Trigger {model}.{self.machine.name}.{self.name}>"
+
+    # -- building -----------------------------------------------------------
+
+    def _build(
+        self,
+        backend: _sql.Backend | None,
+        items: tuple[tuple[str, Column[Any], Any], ...],
+        expected: bool,
+        embed: bool,
+        bound: Mapping[str, Any] | None = None,
+    ) -> _Plan:
+        m = self.machine
+        info = m.info
+        state_col = m.state_column
+        model = info.model
+        to_db = m._to_db
+        conds: list[ColumnElement[bool]] = []
+        for edge in self.edges:
+            cond: ColumnElement[bool] = state_col.in_([to_db[s] for s in edge.sources])
+            if edge.where is not None:
+                cond = and_(cond, edge.where(model))
+            conds.append(cond)
+        single = len(self.edges) == 1
+        pairs: list[tuple[Any, Any]] = []
+        # Declared per-edge values, then call-time values.  MySQL evaluates SET
+        # assignments left to right with the *new* values of earlier columns,
+        # so the state is assigned last: every expression sees the old state.
+        declared: dict[Column[Any], list[tuple[ColumnElement[bool], Any]]] = {}
+        for edge, cond in zip(self.edges, conds, strict=True):
+            for attr, value in edge.values.items():
+                declared.setdefault(info.column_by_attr[attr], []).append((cond, value))
+        call_cols = {col for _, col, _ in items}
+        for col, whens in declared.items():
+            if col in call_cols:
+                continue
+            if single:
+                pairs.append((col, whens[0][1]))
+            else:
+                pairs.append((col, case(*whens, else_=col)))
+        pairs.extend(_sql.set_clause(items, embed=embed))
+        vcol = info.version_column
+        lid = False
+        if vcol is not None:
+            if backend is None:
+                pairs.append((vcol, vcol + 1))
+            else:
+                pairs.append((vcol, _sql.version_increment(vcol, backend)))
+                lid = backend.last_insert_id
+        if single:
+            pairs.append((state_col, to_db[self.edges[0].dest]))
+        else:
+            pairs.append((state_col, case(*[(c, to_db[e.dest]) for c, e in zip(conds, self.edges, strict=True)], else_=state_col)))
+        pk_where = info.pk_where if bound is None else info.bound_pk_where(bound)
+        where = [pk_where, conds[0] if single else or_(*conds)]
+        if expected:
+            assert vcol is not None
+            expected_value = None if bound is None else bound["sg_expected"]
+            where.append(vcol == _sql.bindparam("sg_expected", expected_value, type_=vcol.type))
+        stmt = update(info.table).where(*where).ordered_values(*pairs)
+        returning: list[Column[Any]] = []
+        returns_state = not single
+        returns_version = vcol is not None
+        if backend is not None and backend.returning:
+            if vcol is not None:
+                returning.append(vcol)
+            if returns_state:
+                returning.append(state_col)
+            stmt = stmt.returning(*returning)
+        elif backend is not None:
+            returns_state = False
+            returns_version = lid
+        return _Plan(stmt, returns_state, returns_version, lid)
+
+    def _plan(
+        self,
+        dialect: Dialect,
+        items: tuple[tuple[str, Column[Any], Any], ...],
+        has_sql: bool,
+        expected: bool,
+    ) -> _Plan:
+        variant = _sql.variant_key(items, has_sql) if items else ()
+        if variant is None:
+            return self._build(_sql.backend(dialect), items, expected, embed=False)
+        cache_key = (dialect, variant, expected)
+        plan = self._plans.get(cache_key)
+        if plan is None:
+            plan = self._build(_sql.backend(dialect), items, expected, embed=False)
+            if len(self._plans) < _sql.MAX_CACHED_VARIANTS:
+                self._plans[cache_key] = plan
+        return plan
+
+    def _prepare(
+        self, session: Session | None, target: Any, values: Mapping[str, Any] | None, expected_version: int | None
+    ) -> tuple[_sql.ModelInfo, tuple[Any, ...], Any, tuple[tuple[str, Column[Any], Any], ...], bool]:
+        m = self.machine
+        info = m.info
+        key, instance = _sql.resolve_target(session, info, target)
+        if values:
+            items, has_sql = _sql.split_values(info, values, forbidden=m._forbidden)
+        else:
+            items, has_sql = (), False
+        if expected_version is not None:
+            if info.version_column is None:
+                raise InvalidArgument(
+                    f"{info.model.__name__} has no version column, so expected_version "
+                    f"cannot be checked; declare one with version_column()"
+                )
+            if type(expected_version) is not int:
+                raise InvalidArgument(f"expected_version must be an int, got {expected_version!r}")
+        return info, key, instance, items, has_sql
+
+    def statement(
+        self,
+        target: Any,
+        *,
+        values: Mapping[str, Any] | None = None,
+        expected_version: int | None = None,
+        dialect: Dialect | None = None,
+    ) -> Update:
+        """The ``UPDATE`` this trigger runs for ``target``, with its parameters bound.
+
+        Without ``dialect`` it is the portable statement; with one it is exactly
+        what runs there (``RETURNING`` on PostgreSQL/SQLite, ``LAST_INSERT_ID``
+        on MySQL/MariaDB)::
+
+            print(Order.flow.pay.statement(42))
+            # UPDATE orders SET version=(orders.version + :version_1), status=:param_1
+            # WHERE orders.id = :sg_pk0 AND orders.status IN (__[POSTCOMPILE_status_1])
+        """
+        info, key, _, items, _ = self._prepare(None, target, values, expected_version)
+        backend = _sql.backend(dialect) if dialect is not None else None
+        params: dict[str, Any] = info.key_params(key)
+        params["sg_expected"] = expected_version
+        return self._build(backend, items, expected_version is not None, embed=True, bound=params).stmt
+
+    # -- running ------------------------------------------------------------
+
+    def __call__(
+        self,
+        session: Session,
+        target: Any,
+        *,
+        values: Mapping[str, Any] | None = None,
+        expected_version: int | None = None,
+    ) -> Result:
+        """Fire the trigger on ``target`` (a primary key or a loaded instance).
+
+        One UPDATE when it applies, one more read when it does not::
+
+            r = Order.flow.pay(session, 42, values={"paid_at": func.now()})
+            r.outcome   # APPLIED, REPEATED, REJECTED, STALE or NOT_FOUND
+        """
+        m = self.machine
+        info, key, instance, items, has_sql = self._prepare(session, target, values, expected_version)
+        if session.autoflush:
+            session.flush()
+        conn = session.connection(bind_arguments=m._bind_args)
+        plan = self._plan(conn.dialect, items, has_sql, expected_version is not None)
+        params = info.key_params(key)
+        if items:
+            params.update(_sql.value_params(items))
+        if expected_version is not None:
+            params["sg_expected"] = expected_version
+        result = _sql.execute(conn, plan.stmt, params)
+        version: int | None = None
+        db_state: Any = None
+        applied: bool
+        if plan.returns_state or (plan.returns_version and not plan.uses_last_insert_id):
+            row = result.first()
+            applied = row is not None
+            if row is not None:
+                i = 0
+                if info.version_column is not None:
+                    version = row[0]
+                    i = 1
+                if plan.returns_state:
+                    db_state = row[i]
+        else:
+            applied = result.rowcount == 1
+            if applied and plan.uses_last_insert_id:
+                version = result.lastrowid
+        if applied:
+            if len(self.dests) == 1:
+                state = self.dests[0]
+                db_state = m._to_db[state]
+            elif db_state is None:
+                # MySQL/MariaDB cannot return the new state of a trigger with
+                # several destinations: read it back.  Our UPDATE holds the row
+                # lock, so this is exactly the row we wrote.
+                row = _sql.execute(conn, m._read_stmt(conn.dialect), info.key_params(key)).one()
+                db_state = row[0]
+                if info.version_column is not None:
+                    version = row[1]
+                state = m._from_db(db_state)
+            else:
+                state = m._from_db(db_state)
+            if expected_version is not None and version is None:
+                version = expected_version + 1
+            out = Result(
+                Outcome.APPLIED,
+                model=info.model,
+                key=_sql.public_key(key),
+                trigger=self.name,
+                state=state,
+                version=version,
+                expected_version=expected_version,
+                session=session,
+            )
+            for edge in self.edges:
+                if edge.after_commit and (len(self.edges) == 1 or edge.dest == state):
+                    for fn in edge.after_commit:
+                        _commit.schedule(session, fn, (out,), {})
+            if instance is None:
+                instance = _sql.identity_instance(session, info, key)
+            if instance is not None:
+                committed = {m.attr: db_state}
+                expire = [attr for attr, _, _ in items]
+                for edge in self.edges:
+                    expire.extend(edge.values)
+                if info.version_attr is not None:
+                    if version is not None:
+                        committed[info.version_attr] = version
+                    else:
+                        expire.append(info.version_attr)
+                _sql.sync_instance(session, instance, committed, expire)
+            return out
+        return self._classify(session, conn, info, key, instance, expected_version)
+
+    def _classify(
+        self,
+        session: Session,
+        conn: Connection,
+        info: _sql.ModelInfo,
+        key: tuple[Any, ...],
+        instance: Any,
+        expected_version: int | None,
+    ) -> Result:
+        m = self.machine
+        row = _sql.execute(conn, m._read_stmt(conn.dialect), info.key_params(key)).first()
+        public = _sql.public_key(key)
+        if row is None:
+            return Result(
+                Outcome.NOT_FOUND,
+                model=info.model,
+                key=public,
+                trigger=self.name,
+                expected_version=expected_version,
+                session=session,
+            )
+        db_state = row[0]
+        version = row[1] if info.version_column is not None else None
+        state = m._from_db(db_state)
+        if state in self.dests:
+            outcome = Outcome.REPEATED
+        elif expected_version is not None and version != expected_version and state in self.sources:
+            outcome = Outcome.STALE
+        else:
+            outcome = Outcome.REJECTED
+        if instance is None:
+            instance = _sql.identity_instance(session, info, key)
+        if instance is not None:
+            committed = {m.attr: db_state}
+            if info.version_attr is not None:
+                committed[info.version_attr] = version
+            _sql.sync_instance(session, instance, committed)
+        return Result(
+            outcome,
+            model=info.model,
+            key=public,
+            trigger=self.name,
+            state=state,
+            version=version,
+            expected_version=expected_version,
+            session=session,
+        )
+
+
+class StateMachine(Generic[S]):
+    """A state graph over one column of a mapped class.
+
+    ::
+
+        class Order(Base):
+            __tablename__ = "orders"
+            id: Mapped[int] = mapped_column(primary_key=True)
+            status: Mapped[str] = mapped_column(String(20), default="pending")
+            version: Mapped[int] = version_column()
+
+            flow = StateMachine(
+                "status",
+                states=["pending", "paid", "shipped", "cancelled"],
+                transitions=[
+                    {"trigger": "pay", "source": "pending", "dest": "paid"},
+                    {"trigger": "ship", "source": "paid", "dest": "shipped"},
+                    ["cancel", ["pending", "paid"], "cancelled"],
+                ],
+            )
+
+        Order.flow.pay(session, 42)            # -> Result
+
+    ``states`` is a list of strings or an :class:`enum.Enum` class.
+    ``transitions`` uses the ``transitions`` package's format (dicts with
+    ``trigger``, ``source`` -- a state, a list or ``"*"`` -- and ``dest``, or
+    ``[trigger, source, dest]`` lists) plus three stateguard keys:
+
+    ``where``
+        ``lambda cls: <SQL expression over the row's own columns>``, ANDed into
+        the UPDATE's WHERE: an atomic guard.  Subqueries and other tables are
+        rejected, because PostgreSQL re-checks a waiting UPDATE's WHERE only
+        against the target row: a guard over other rows would not be atomic.
+    ``values``
+        ``{attribute: value or SQL expression}`` set along with the state.
+    ``after_commit``
+        a callable (or list) called with the :class:`Result` after the
+        outermost transaction commits, only when the call was APPLIED.
+
+    Mistakes are :class:`ConfigurationError` at class definition.
+    """
+
+    #: The class used for triggers; subclass to extend.
+    trigger_cls: ClassVar[type[Trigger]] = Trigger
+
+    def __init__(
+        self,
+        column: str,
+        *,
+        states: Sequence[S] | type[S],
+        transitions: Sequence[Mapping[str, Any] | Sequence[Any]],
+        initial: S | str | None = None,
+    ) -> None:
+        self.attr = column
+        self.name: str = "?"
+        self.model: type[Any] | None = None
+        self._owner_name = "?"
+        if not isinstance(column, str) or not column:
+            raise ConfigurationError(f"StateMachine column must be an attribute name (str), got {column!r}")
+        self._enum: type[enum.Enum] | None = None
+        if isinstance(states, type) and issubclass(states, enum.Enum):
+            self._enum = states
+            declared: list[Any] = list(states)
+        else:
+            if isinstance(states, str | bytes) or not isinstance(states, Sequence):
+                raise ConfigurationError(f"states must be a list of strings or an Enum class, got {states!r}")
+            declared = list(states)
+            for s in declared:
+                if not isinstance(s, str) or not s:
+                    raise ConfigurationError(f"states must be non-empty strings, got {s!r}")
+        if not declared:
+            raise ConfigurationError("a StateMachine needs at least one state")
+        if len(set(declared)) != len(declared):
+            raise ConfigurationError(f"duplicate states in {declared!r}")
+        self.states: tuple[Any, ...] = tuple(declared)
+        self._raw_transitions = transitions
+        self._initial_arg = initial
+        self.initial: Any = None
+        self.triggers: dict[str, Trigger] = {}
+        self._edges_by_trigger: dict[str, list[_Edge]] = {}
+        self._graph: Any = None
+        self._info: _sql.ModelInfo | None = None
+        self.state_column: Column[Any] = None  # type: ignore[assignment]
+        self._to_db: dict[Any, Any] = {}
+        self._from_db_map: dict[Any, Any] = {}
+        self._forbidden: dict[str, str] = {}
+        self._bind_args: dict[str, Any] = {}
+        self._reads: dict[Dialect, Any] = {}
+
+    # -- declaration ----------------------------------------------------------
+
+    def _where(self) -> str:
+        return f"{self._owner_name}.{self.name}"
+
+    def _state(self, value: Any, role: str, trigger: str | None = None) -> Any:
+        """Resolve a declared state reference (name, value or member)."""
+        if self._enum is not None:
+            if isinstance(value, self._enum):
+                return value
+            if isinstance(value, str):
+                if value in self._enum.__members__:
+                    return self._enum[value]
+                for member in self._enum:
+                    if member.value == value:
+                        return member
+        elif isinstance(value, str) and value in self.states:
+            return value
+        where = f" of trigger {trigger!r}" if trigger else ""
+        raise ConfigurationError(
+            f"{self._where()}: {role}{where} {value!r} is not a declared state; "
+            f"declared: {[self._name(s) for s in self.states]}"
+        )
+
+    @staticmethod
+    def _name(state: Any) -> str:
+        return state.name if isinstance(state, enum.Enum) else str(state)
+
+    def __set_name__(self, owner: type[Any], name: str) -> None:
+        self.name = name
+        self._owner_name = owner.__name__
+        self._declare()
+        _machines_by_owner.setdefault(owner, []).append(self)
+
+    def _declare(self) -> None:
+        if self.triggers:
+            return
+        initial = self._state(self._initial_arg, "initial") if self._initial_arg is not None else None
+        self.initial = initial
+        edges_by: dict[str, list[_Edge]] = {}
+        seen: dict[tuple[str, Any], Any] = {}
+        graph_transitions: list[dict[str, Any]] = []
+        for raw in self._raw_transitions:
+            spec = self._normalise(raw)
+            trig = spec["trigger"]
+            self._check_trigger_name(trig)
+            src = spec["source"]
+            if src == "*":
+                sources = self.states
+            elif isinstance(src, str | enum.Enum):
+                sources = (self._state(src, "source", trig),)
+            elif isinstance(src, Sequence) and src:
+                sources = tuple(self._state(s, "source", trig) for s in src)
+            else:
+                raise ConfigurationError(f"{self._where()}: trigger {trig!r} has no source state")
+            dest = self._state(spec["dest"], "dest", trig)
+            for s in sources:
+                other = seen.get((trig, s))
+                if other is not None and other != dest:
+                    raise ConfigurationError(
+                        f"{self._where()}: trigger {trig!r} goes from {self._name(s)!r} to two "
+                        f"different states ({self._name(other)!r} and {self._name(dest)!r}); "
+                        f"a trigger must be deterministic: use two triggers"
+                    )
+                if other is not None:
+                    raise ConfigurationError(
+                        f"{self._where()}: trigger {trig!r} from {self._name(s)!r} is declared twice"
+                    )
+                seen[(trig, s)] = dest
+            where = spec.get("where")
+            if where is not None and not callable(where):
+                raise ConfigurationError(
+                    f"{self._where()}: 'where' of trigger {trig!r} must be a callable taking the "
+                    f"mapped class and returning a SQL expression, got {where!r}"
+                )
+            values = spec.get("values") or {}
+            if not isinstance(values, Mapping) or not all(isinstance(k, str) for k in values):
+                raise ConfigurationError(f"{self._where()}: 'values' of trigger {trig!r} must map attribute names to values")
+            cbs = spec.get("after_commit") or ()
+            cbs = (cbs,) if callable(cbs) else tuple(cbs)
+            for cb in cbs:
+                if not callable(cb):
+                    raise ConfigurationError(f"{self._where()}: after_commit of trigger {trig!r} must be callables, got {cb!r}")
+            edges_by.setdefault(trig, []).append(_Edge(sources, dest, where, values, cbs))
+            graph_transitions.append(
+                {"trigger": trig, "source": [self._name(s) for s in sources], "dest": self._name(dest)}
+            )
+        if not edges_by:
+            raise ConfigurationError(f"{self._where()}: a StateMachine needs at least one transition")
+        try:
+            self._graph = _GraphMachine(
+                model=None,
+                states=[self._name(s) for s in self.states],
+                transitions=graph_transitions,
+                initial=self._name(initial if initial is not None else self.states[0]),
+                auto_transitions=False,
+            )
+        except (ValueError, AttributeError, TypeError) as error:  # pragma: no cover - validated above
+            raise ConfigurationError(f"{self._where()}: {error}") from error
+        self._edges_by_trigger = edges_by
+        for trig, edges in edges_by.items():
+            trigger = self.trigger_cls(self, trig, edges)
+            self.triggers[trig] = trigger
+            setattr(self, trig, trigger)
+
+    def _normalise(self, raw: Mapping[str, Any] | Sequence[Any]) -> dict[str, Any]:
+        if isinstance(raw, Mapping):
+            unknown = set(raw) - _EDGE_KEYS
+            if unknown & _CALLBACK_KEYS:
+                raise ConfigurationError(
+                    f"{self._where()}: {sorted(unknown & _CALLBACK_KEYS)} callbacks are not supported: "
+                    f"they would run in Python before the database decides, also for the "
+                    f"losers of a race; use 'where' for guards and 'after_commit' for side effects"
+                )
+            if unknown:
+                raise ConfigurationError(f"{self._where()}: unknown transition keys {sorted(unknown)}")
+            missing = {"trigger", "source", "dest"} - set(raw)
+            if missing:
+                raise ConfigurationError(f"{self._where()}: transition {dict(raw)!r} lacks {sorted(missing)}")
+            return dict(raw)
+        if isinstance(raw, Sequence) and not isinstance(raw, str) and len(raw) == 3:
+            return {"trigger": raw[0], "source": raw[1], "dest": raw[2]}
+        raise ConfigurationError(
+            f"{self._where()}: a transition is a dict or a [trigger, source, dest] list, got {raw!r}"
+        )
+
+    def _check_trigger_name(self, trig: Any) -> None:
+        if not isinstance(trig, str) or not trig.isidentifier() or keyword.iskeyword(trig):
+            raise ConfigurationError(f"{self._where()}: trigger name {trig!r} is not a Python identifier")
+        if trig.startswith("_") or trig in RESERVED_NAMES or hasattr(StateMachine, trig):
+            raise ConfigurationError(
+                f"{self._where()}: trigger name {trig!r} clashes with the machine's own "
+                f"attributes; rename the trigger"
+            )
+
+    def _bind(self, mapper: Mapper[Any], cls: type[Any]) -> None:
+        """Attach to the mapped class; checks that need the mapping run here."""
+        self.model = cls
+        self._owner_name = cls.__name__
+        try:
+            prop = mapper.get_property(self.attr, _configure_mappers=False)
+        except InvalidRequestError:
+            prop = None
+        columns = getattr(prop, "columns", None)
+        if not columns or not isinstance(columns[0], Column) or columns[0].table is not mapper.local_table:
+            raise ConfigurationError(
+                f"{self._where()}: {self.attr!r} is not a mapped column of {cls.__name__}'s table"
+            )
+        col: Column[Any] = columns[0]
+        self.state_column = col
+        if self._enum is not None and isinstance(col.type, SAEnum) and col.type.enum_class is not None:
+            if col.type.enum_class is not self._enum:
+                raise ConfigurationError(
+                    f"{self._where()}: column {col.name!r} is an Enum of {col.type.enum_class.__name__}, "
+                    f"but the machine declares states of {self._enum.__name__}"
+                )
+            self._to_db = {s: s for s in self.states}
+        elif self._enum is not None:
+            self._to_db = {s: s.value for s in self.states}
+        else:
+            self._to_db = {s: s for s in self.states}
+        self._from_db_map = {v: k for k, v in self._to_db.items()}
+        for trig, edges in self._edges_by_trigger.items():
+            for edge in edges:
+                for attr in edge.values:
+                    vprop = None
+                    try:
+                        vprop = mapper.get_property(attr, _configure_mappers=False)
+                    except InvalidRequestError:
+                        pass
+                    if vprop is None or not getattr(vprop, "columns", None):
+                        raise ConfigurationError(f"{self._where()}: values of trigger {trig!r} name unknown column {attr!r}")
+                    if attr == self.attr:
+                        raise ConfigurationError(f"{self._where()}: values of trigger {trig!r} set the state column")
+                if edge.where is not None:
+                    _check_guard(self, trig, edge.where(cls), mapper)
+        self._bind_args = {"mapper": mapper}
+
+    @property
+    def info(self) -> _sql.ModelInfo:
+        info = self._info
+        if info is None:
+            if self.model is None:
+                raise ConfigurationError(
+                    f"StateMachine {self._where()} is not attached to a mapped class; declare it "
+                    f"as a class attribute of a mapped (declarative) class"
+                )
+            info = _sql.model_info(self.model)
+            forbidden = {self.attr: f"it is the state column; fire a trigger of {self.name} instead"}
+            if info.version_attr is not None:
+                forbidden[info.version_attr] = "it is the version column; stateguard increments it"
+            self._forbidden = forbidden
+            self._info = info
+        return info
+
+    def _from_db(self, value: Any) -> Any:
+        return self._from_db_map.get(value, value)
+
+    def _read_stmt(self, dialect: Dialect) -> Any:
+        stmt = self._reads.get(dialect)
+        if stmt is None:
+            info = self.info
+            cols = [self.state_column]
+            if info.version_column is not None:
+                cols.append(info.version_column)
+            stmt = self._reads[dialect] = info.read(cols, _sql.backend(dialect))
+        return stmt
+
+    # -- public API -----------------------------------------------------------
+
+    @overload
+    def __get__(self, instance: None, owner: type[Any]) -> StateMachine[S]: ...
+    @overload
+    def __get__(self, instance: object, owner: type[Any]) -> StateMachine[S]: ...
+    def __get__(self, instance: object | None, owner: type[Any]) -> StateMachine[S]:
+        return self
+
+    def __getattr__(self, name: str) -> Trigger:
+        # Only reached for names that are not triggers (those are attributes).
+        if name.startswith("__"):
+            raise AttributeError(name)
+        triggers = self.__dict__.get("triggers") or {}
+        raise UnknownTrigger(
+            f"{self.__dict__.get('_owner_name', '?')}.{self.__dict__.get('name', '?')} has no trigger "
+            f"{name!r}; declared: {sorted(triggers)}"
+        )
+
+    def trigger(self, name: str) -> Trigger:
+        """The :class:`Trigger` called ``name`` (``UnknownTrigger`` if there is none)."""
+        found = self.triggers.get(name) if isinstance(name, str) else None
+        if found is None:
+            raise UnknownTrigger(
+                f"{self._where()} has no trigger {name!r}; declared: {sorted(self.triggers)}"
+            )
+        return found
+
+    def fire(
+        self,
+        session: Session,
+        trigger: str,
+        target: Any,
+        *,
+        values: Mapping[str, Any] | None = None,
+        expected_version: int | None = None,
+    ) -> Result:
+        """Fire the trigger named ``trigger``: ``Order.flow.fire(session, "pay", 42)``."""
+        return self.trigger(trigger)(session, target, values=values, expected_version=expected_version)
+
+    def available(self, obj: Any) -> list[str]:
+        """Trigger names the graph allows from a loaded object's current state.
+
+        ``where`` guards are not evaluated (they are SQL, checked by the
+        database when the trigger fires)::
+
+            Order.flow.available(order)   # ['pay', 'cancel']
+        """
+        if self.model is not None and not isinstance(obj, self.model):
+            raise InvalidArgument(f"expected a {self.model.__name__} instance, got {type(obj).__name__}")
+        state = self._from_db(getattr(obj, self.attr))
+        if state not in self._to_db:
+            return []
+        return sorted(self._graph.get_triggers(self._name(state)))
+
+    def can(self, trigger: str, state: Any) -> bool:
+        """Whether the graph has an edge for ``trigger`` out of ``state``."""
+        t = self.trigger(trigger)
+        return self._state(state, "state") in t.sources
+
+    def target_of(self, trigger: str, state: Any) -> Any:
+        """The state ``trigger`` leads to from ``state``, or ``None`` if it is not allowed."""
+        t = self.trigger(trigger)
+        s = self._state(state, "state")
+        for edge in t.edges:
+            if s in edge.sources:
+                return edge.dest
+        return None
+
+    @property
+    def graph(self) -> Any:
+        """The ``transitions.Machine`` built from this declaration (one per class)."""
+        return self._graph
+
+    def __repr__(self) -> str:
+        return f"<StateMachine {self._where()} on {self.attr!r}: {len(self.triggers)} triggers>"
+
+
+def _check_guard(machine: StateMachine[Any], trigger: str, expr: Any, mapper: Mapper[Any]) -> None:
+    if not isinstance(expr, ColumnElement):
+        raise ConfigurationError(
+            f"{machine._where()}: 'where' of trigger {trigger!r} must return a SQL expression, got {expr!r}"
+        )
+    table = mapper.local_table
+    for node in visitors.iterate(expr):
+        if isinstance(node, Select | ScalarSelect | Exists):
+            raise ConfigurationError(
+                f"{machine._where()}: 'where' of trigger {trigger!r} contains a subquery; a guard "
+                f"must only use the row's own columns, because PostgreSQL re-checks a waiting "
+                f"UPDATE's WHERE against the target row only, so a guard over other rows is not atomic"
+            )
+        if isinstance(node, Column) and node.table is not table:
+            raise ConfigurationError(
+                f"{machine._where()}: 'where' of trigger {trigger!r} uses {node.table.name}.{node.name}; "
+                f"a guard must only use columns of {table.name}"  # type: ignore[attr-defined]
+            )
+
+
+_machines_by_owner: dict[type, list[StateMachine[Any]]] = {}
+
+
+def machines_of(cls: type[Any]) -> list[StateMachine[Any]]:
+    """Every StateMachine declared on ``cls`` (including inherited ones)."""
+    found: list[StateMachine[Any]] = []
+    for klass in cls.__mro__:
+        for value in vars(klass).values():
+            if isinstance(value, StateMachine) and value not in found:
+                found.append(value)
+    return found
+
+
+@event.listens_for(Mapper, "after_mapper_constructed")
+def _on_mapper(mapper: Mapper[Any], cls: type[Any]) -> None:
+    for klass in cls.__mro__:
+        for name, value in list(vars(klass).items()):
+            if not isinstance(value, StateMachine):
+                continue
+            if value.model is None:
+                value._bind(mapper, cls)
+            elif value.model is not cls and not issubclass(cls, value.model):
+                # Declared on a mixin used by several models: each gets its own copy.
+                copy: StateMachine[Any] = StateMachine(
+                    value.attr,
+                    states=value._enum if value._enum is not None else list(value.states),
+                    transitions=value._raw_transitions,
+                    initial=value._initial_arg,
+                )
+                copy.__set_name__(cls, name)
+                type.__setattr__(cls, name, copy)
+                copy._bind(mapper, cls)
+
+
+def iter_triggers(machines: Iterable[StateMachine[Any]]) -> Iterable[Trigger]:
+    for m in machines:
+        yield from m.triggers.values()

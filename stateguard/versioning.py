@@ -1,0 +1,156 @@
+"""Version columns and the optimistic-lock guarded update (SCHEMES.md, scheme 2).
+
+:func:`version_column` declares an integer column that is *also* SQLAlchemy's
+``version_id_col``: ordinary ORM flushes of the model are version-checked by
+SQLAlchemy itself (raising ``StaleDataError``) and stateguard's statements
+increment the same column, so both paths agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from sqlalchemy import Integer, text, update
+from sqlalchemy.orm import MappedColumn, Session
+
+from . import _sql
+from .exceptions import ConfigurationError, InvalidArgument
+from .result import Outcome, Result
+
+__all__ = ["guarded_update", "version_column"]
+
+
+class _VersionColumn(MappedColumn[int]):
+    """A ``mapped_column`` that registers itself as the mapper's ``version_id_col``."""
+
+    def __set_name__(self, owner: type[Any], name: str) -> None:
+        # Runs while the class body is being turned into a class, before the
+        # declarative scan reads ``__mapper_args__``.
+        args = owner.__dict__.get("__mapper_args__")
+        if args is None:
+            inherited = getattr(owner, "__mapper_args__", None)
+            args = dict(inherited) if isinstance(inherited, Mapping) else {}
+        elif not isinstance(args, Mapping):
+            raise ConfigurationError(
+                f"{owner.__name__}.{name}: version_column() cannot be combined with a "
+                f"__mapper_args__ that is not a plain dict; set version_id_col there yourself"
+            )
+        existing = args.get("version_id_col")
+        if existing is not None and existing is not self.column:
+            raise ConfigurationError(
+                f"{owner.__name__}.{name}: the model already declares another version_id_col"
+            )
+        type.__setattr__(owner, "__mapper_args__", {**args, "version_id_col": self.column})
+
+
+def version_column(*, name: str | None = None, **kw: Any) -> MappedColumn[int]:
+    """An ``INTEGER NOT NULL`` version column with server default ``0``.
+
+    It is wired as SQLAlchemy's ``version_id_col``, so plain ORM updates of the
+    model are version-checked too; every stateguard write increments it::
+
+        class Order(Base):
+            __tablename__ = "orders"
+            id: Mapped[int] = mapped_column(primary_key=True)
+            version: Mapped[int] = version_column()
+
+    Rows inserted through the ORM start at 1 (SQLAlchemy's version counter);
+    rows inserted otherwise, and existing rows when the column is added by a
+    migration, start at 0.
+    """
+    kw.setdefault("nullable", False)
+    kw.setdefault("server_default", text("0"))
+    info = dict(kw.pop("info", None) or {})
+    info[_sql.INFO_KEY] = "version"
+    args: tuple[Any, ...] = (name, Integer) if name else (Integer,)
+    return _VersionColumn(*args, info=info, **kw)
+
+
+_plans: dict[Any, Any] = {}
+
+
+def guarded_update(
+    session: Session,
+    model: type[Any],
+    target: Any,
+    values: Mapping[str, Any],
+    *,
+    expected_version: int,
+) -> Result:
+    """``UPDATE ... SET values, version = version + 1 WHERE pk = :pk AND version = :expected``.
+
+    APPLIED when the row still had ``expected_version``; STALE (with the
+    version found) when someone else changed it; NOT_FOUND when it is gone::
+
+        order = session.get(Order, 42)
+        r = guarded_update(session, Order, 42, {"note": "gift"},
+                           expected_version=order.version)
+        r.raise_for_outcome()      # StaleVersion if someone else wrote first
+    """
+    from .machine import machines_of
+
+    info = _sql.model_info(model)
+    if info.version_column is None:
+        raise ConfigurationError(
+            f"{model.__name__} has no version column; declare one with version_column()"
+        )
+    if type(expected_version) is not int:
+        raise InvalidArgument(f"expected_version must be an int, got {expected_version!r}")
+    key, instance = _sql.resolve_target(session, info, target)
+    forbidden = {info.version_attr or "": "it is the version column; stateguard increments it"}
+    for m in machines_of(model):
+        forbidden[m.attr] = f"it is the state column of {m.name}; fire a trigger instead"
+    items, has_sql = _sql.split_values(info, values, forbidden=forbidden)
+    if not items:
+        raise InvalidArgument("guarded_update needs at least one value to set")
+    if session.autoflush:
+        session.flush()
+    conn = session.connection(bind_arguments={"mapper": info.mapper})
+    backend = _sql.backend(conn.dialect)
+    variant = _sql.variant_key(items, has_sql)
+    cache_key = (model, conn.dialect, variant)
+    stmt = _plans.get(cache_key) if variant is not None else None
+    if stmt is None:
+        vcol = info.version_column
+        pairs = _sql.set_clause(items, embed=False)
+        pairs.append((vcol, vcol + 1))
+        stmt = (
+            update(info.table)
+            .where(info.pk_where, vcol == _sql.bindparam("sg_expected", type_=vcol.type))
+            .ordered_values(*pairs)
+        )
+        if variant is not None and len(_plans) < _sql.MAX_CACHED_VARIANTS * 4:
+            _plans[cache_key] = stmt
+    params = info.key_params(key)
+    params.update(_sql.value_params(items))
+    params["sg_expected"] = expected_version
+    result = _sql.execute(conn, stmt, params)
+    public = _sql.public_key(key)
+    if result.rowcount == 1:
+        version = expected_version + 1
+        if instance is None:
+            instance = _sql.identity_instance(session, info, key)
+        if instance is not None and info.version_attr is not None:
+            _sql.sync_instance(
+                session, instance, {info.version_attr: version}, [a for a, _, _ in items]
+            )
+        return Result(
+            Outcome.APPLIED,
+            model=model,
+            key=public,
+            version=version,
+            expected_version=expected_version,
+            session=session,
+        )
+    row = _sql.execute(conn, info.read([info.version_column], backend), info.key_params(key)).first()
+    if row is None:
+        return Result(Outcome.NOT_FOUND, model=model, key=public, expected_version=expected_version, session=session)
+    return Result(
+        Outcome.STALE,
+        model=model,
+        key=public,
+        version=row[0],
+        expected_version=expected_version,
+        session=session,
+    )
