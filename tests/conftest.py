@@ -1,0 +1,207 @@
+"""Shared fixtures: one ``backend`` fixture parametrized over SQLite, PostgreSQL
+and MariaDB, each test run in a private namespace (a PostgreSQL schema, a
+MariaDB database, a SQLite file) so parallel runs and leftovers of a crashed
+run never collide.
+
+A server that cannot be reached makes its tests skip loudly on a laptop; with
+``CI=true`` it fails them instead, so CI can never pass without exercising
+every backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, MetaData, create_engine, event, text
+from sqlalchemy.engine import make_url
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+PG_URL = os.environ.get("STATEGUARD_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+MYSQL_URL = os.environ.get("STATEGUARD_MYSQL_URL", "mysql+pymysql://root@127.0.0.1:3306/test")
+REDIS_URL = os.environ.get("STATEGUARD_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+BACKENDS = ("sqlite", "postgresql", "mariadb")
+
+
+def unavailable(what: str, error: BaseException) -> None:
+    """Skip (laptop) or fail (CI) because a server is unreachable."""
+    message = f"{what} is unreachable ({type(error).__name__}: {error})"
+    if IN_CI:
+        pytest.fail(f"{message}; in CI every backend must run", pytrace=False)
+    pytest.skip(f"!!! SKIPPED: {message}; start it to run these tests")
+
+
+@dataclass
+class Backend:
+    """A database to test against: ``url`` works from other processes too."""
+
+    name: str
+    url: str
+    engine: Engine
+    _metadatas: list[MetaData] = field(default_factory=list)
+
+    def create(self, *metadatas: MetaData) -> Engine:
+        """Create the tables of ``metadatas`` now and drop them after the test."""
+        for md in metadatas:
+            md.drop_all(self.engine)
+            md.create_all(self.engine)
+            self._metadatas.append(md)
+        return self.engine
+
+    def new_engine(self, **kw: Any) -> Engine:
+        """A separate engine (own pool) on the same private namespace."""
+        return make_engine(self.name, self.url, **kw)
+
+    def _drop(self) -> None:
+        while self._metadatas:
+            self._metadatas.pop().drop_all(self.engine)
+
+
+def make_engine(name: str, url: str, **kw: Any) -> Engine:
+    kw.setdefault("pool_size", 24)
+    kw.setdefault("max_overflow", 8)
+    if name == "sqlite":
+        kw.setdefault("connect_args", {"timeout": 60})
+    return create_engine(url, **kw)
+
+
+class _Namespaces:
+    """Private per-run namespaces on each server, created on first use."""
+
+    def __init__(self, tmp_dir: str) -> None:
+        self.tmp_dir = tmp_dir
+        self.tag = f"sgt_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+        self.urls: dict[str, str] = {}
+        self.errors: dict[str, BaseException] = {}
+        self.cleanups: list[Any] = []
+
+    def url(self, name: str) -> str:
+        if name in self.errors:
+            unavailable(name, self.errors[name])
+        if name not in self.urls:
+            try:
+                self.urls[name] = self._create(name)
+            except Exception as error:  # connection refused, auth, ...
+                self.errors[name] = error
+                unavailable(name, error)
+        return self.urls[name]
+
+    def _create(self, name: str) -> str:
+        if name == "sqlite":
+            return f"sqlite:///{self.tmp_dir}/{self.tag}.db"
+        if name == "postgresql":
+            admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
+            with admin.connect() as conn:
+                conn.execute(text(f'CREATE SCHEMA "{self.tag}"'))
+            self.cleanups.append(lambda: _drop_pg(admin, self.tag))
+            url = make_url(PG_URL).update_query_dict({"options": f"-csearch_path={self.tag}"})
+            return url.render_as_string(hide_password=False)
+        if name == "mariadb":
+            admin = create_engine(MYSQL_URL, isolation_level="AUTOCOMMIT")
+            with admin.connect() as conn:
+                conn.execute(text(f"CREATE DATABASE `{self.tag}`"))
+            self.cleanups.append(lambda: _drop_mysql(admin, self.tag))
+            return make_url(MYSQL_URL).set(database=self.tag).render_as_string(hide_password=False)
+        raise ValueError(name)
+
+
+def _drop_pg(admin: Engine, tag: str) -> None:
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP SCHEMA IF EXISTS "{tag}" CASCADE'))
+    admin.dispose()
+
+
+def _drop_mysql(admin: Engine, tag: str) -> None:
+    with admin.connect() as conn:
+        conn.execute(text(f"DROP DATABASE IF EXISTS `{tag}`"))
+    admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def namespaces(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Namespaces]:
+    ns = _Namespaces(str(tmp_path_factory.mktemp("sqlite")))
+    yield ns
+    for cleanup in reversed(ns.cleanups):
+        with contextlib.suppress(Exception):
+            cleanup()
+
+
+_engines: dict[str, Engine] = {}
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest, namespaces: _Namespaces) -> Iterator[Backend]:
+    """Each backend in turn; the test creates its tables with ``backend.create``."""
+    name: str = request.param
+    url = namespaces.url(name)
+    engine = _engines.get(name)
+    if engine is None:
+        engine = _engines[name] = make_engine(name, url)
+    b = Backend(name, url, engine)
+    yield b
+    b._drop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _dispose_engines() -> Iterator[None]:
+    yield
+    for engine in _engines.values():
+        engine.dispose()
+
+
+@pytest.fixture
+def pg(namespaces: _Namespaces) -> Iterator[Backend]:
+    """PostgreSQL only (for behaviour that exists only there)."""
+    url = namespaces.url("postgresql")
+    engine = _engines.get("postgresql")
+    if engine is None:
+        engine = _engines["postgresql"] = make_engine("postgresql", url)
+    b = Backend("postgresql", url, engine)
+    yield b
+    b._drop()
+
+
+@pytest.fixture
+def mariadb(namespaces: _Namespaces) -> Iterator[Backend]:
+    """MariaDB only."""
+    url = namespaces.url("mariadb")
+    engine = _engines.get("mariadb")
+    if engine is None:
+        engine = _engines["mariadb"] = make_engine("mariadb", url)
+    b = Backend("mariadb", url, engine)
+    yield b
+    b._drop()
+
+
+class StatementCounter:
+    """Records every statement sent to the driver while active."""
+
+    def __init__(self) -> None:
+        self.statements: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self.statements)
+
+    def clear(self) -> None:
+        self.statements.clear()
+
+    def _on_execute(self, conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        self.statements.append(statement)
+
+
+@contextlib.contextmanager
+def count_statements(engine: Engine) -> Iterator[StatementCounter]:
+    """``with count_statements(engine) as c: ...; assert len(c) == 1``."""
+    counter = StatementCounter()
+    event.listen(engine, "before_cursor_execute", counter._on_execute)
+    try:
+        yield counter
+    finally:
+        event.remove(engine, "before_cursor_execute", counter._on_execute)
