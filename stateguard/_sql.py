@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from sqlalchemy import (
+    Table,
     ColumnElement,
     Connection,
     CursorResult,
@@ -31,6 +32,16 @@ from sqlalchemy.orm import Mapper, Session
 from sqlalchemy.orm.attributes import set_committed_value
 from sqlalchemy.schema import Column
 from sqlalchemy.sql.elements import ClauseElement
+
+__all__ = [
+    "Backend",
+    "ClauseElement",
+    "ModelInfo",
+    "backend",
+    "bindparam",
+    "execute",
+    "model_info",
+]
 
 from .exceptions import (
     ConfigurationError,
@@ -188,15 +199,15 @@ class ModelInfo:
     def __init__(self, model: type[Any]) -> None:
         mapper: Mapper[Any] = inspect(model)
         table = mapper.local_table
-        if not isinstance(table, sa_table_types()):
+        if not isinstance(table, Table):
             raise ConfigurationError(
                 f"{model.__name__} is not mapped to a single table; stateguard needs one"
             )
         self.model = model
         self.mapper = mapper
-        self.table = table
+        self.table: Table = table
         self.identity_class = mapper._identity_class
-        self.pk_columns: tuple[Column[Any], ...] = tuple(mapper.primary_key)
+        self.pk_columns: tuple[Column[Any], ...] = tuple(mapper.primary_key)  # type: ignore[arg-type]
         self.pk_names = tuple(f"sg_pk{i}" for i in range(len(self.pk_columns)))
         self.pk_where = and_(
             *(c == bindparam(n, type_=c.type) for c, n in zip(self.pk_columns, self.pk_names, strict=True))
@@ -213,7 +224,7 @@ class ModelInfo:
         if vcol is not None and vcol.table is not table:  # pragma: no cover - inheritance edge
             vcol = None
         self.version_column: Column[Any] | None = vcol  # type: ignore[assignment]
-        self.version_attr = self.attr_by_column.get(vcol) if vcol is not None else None
+        self.version_attr = self.attr_by_column.get(vcol) if vcol is not None else None  # type: ignore[call-overload]
         self.read_cache: dict[Any, Select[Any]] = {}
 
     def column(self, attr: str, *, role: str) -> Column[Any]:
@@ -243,12 +254,6 @@ class ModelInfo:
                 stmt = stmt.with_for_update()
             self.read_cache[cache_key] = stmt
         return stmt
-
-
-def sa_table_types() -> tuple[type, ...]:
-    from sqlalchemy import Table
-
-    return (Table,)
 
 
 def _python_type(col: Column[Any]) -> type | None:

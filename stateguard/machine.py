@@ -283,7 +283,7 @@ class Trigger:
         db_state: Any = None
         applied: bool
         if plan.returns_state or (plan.returns_version and not plan.uses_last_insert_id):
-            row = result.first()
+            row: Any = result.first()
             applied = row is not None
             if row is not None:
                 i = 0
@@ -353,7 +353,7 @@ class Trigger:
         expected_version: int | None,
     ) -> Result:
         m = self.machine
-        row = _sql.execute(conn, m._read_stmt(conn.dialect), info.key_params(key)).first()
+        row: Any = _sql.execute(conn, m._read_stmt(conn.dialect), info.key_params(key)).first()
         public = _sql.public_key(key)
         if row is None:
             return Result(

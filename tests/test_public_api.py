@@ -1,0 +1,57 @@
+"""The public surface is pinned: adding or removing a name is a deliberate change."""
+
+import stateguard
+
+EXPECTED = [
+    "ConfigurationError",
+    "DeadlockDetected",
+    "InsufficientQuantity",
+    "InvalidArgument",
+    "NotFound",
+    "NotSupported",
+    "Outcome",
+    "OutcomeError",
+    "RefConflict",
+    "Result",
+    "SerializationConflict",
+    "StaleVersion",
+    "StateMachine",
+    "StateguardError",
+    "TransitionRejected",
+    "Trigger",
+    "UnknownTrigger",
+    "guarded_update",
+    "insert_once",
+    "retry_on_conflict",
+    "sqlite_engine",
+    "version_column",
+]
+
+
+def test_all_is_pinned_and_sorted() -> None:
+    """``stateguard.__all__`` is sorted and equals the pinned list of public names."""
+    assert stateguard.__all__ == sorted(stateguard.__all__)
+    assert stateguard.__all__ == EXPECTED
+
+
+def test_every_public_name_exists_and_is_documented() -> None:
+    """Every exported name resolves and carries a docstring."""
+    for name in stateguard.__all__:
+        obj = getattr(stateguard, name)
+        assert obj.__doc__, f"{name} has no docstring"
+
+
+def test_every_error_derives_from_the_root_and_has_retryable() -> None:
+    """All stateguard exceptions derive from StateguardError and say whether a retry can help."""
+    for name in stateguard.__all__:
+        obj = getattr(stateguard, name)
+        if isinstance(obj, type) and issubclass(obj, Exception):
+            assert issubclass(obj, stateguard.StateguardError), name
+            assert isinstance(obj.retryable, bool), name
+
+
+def test_py_typed_marker_is_shipped() -> None:
+    """The package ships its py.typed marker."""
+    from importlib.resources import files
+
+    assert files("stateguard").joinpath("py.typed").is_file()
