@@ -12,6 +12,8 @@ from .exceptions import (
     DeadlockDetected,
     InsufficientQuantity,
     InvalidArgument,
+    LockLost,
+    LockNotAcquired,
     NotFound,
     NotSupported,
     OutcomeError,
@@ -26,7 +28,7 @@ from .inserts import insert_once
 from .machine import StateMachine, Trigger
 from .result import Outcome, Result
 from .retry import retry_on_conflict
-from .versioning import guarded_update, version_column
+from .versioning import fence_column, guarded_update, version_column
 
 __version__ = "0.1.0"
 
@@ -35,6 +37,8 @@ __all__ = [
     "DeadlockDetected",
     "InsufficientQuantity",
     "InvalidArgument",
+    "LockLost",
+    "LockNotAcquired",
     "NotFound",
     "NotSupported",
     "Outcome",
@@ -48,6 +52,7 @@ __all__ = [
     "TransitionRejected",
     "Trigger",
     "UnknownTrigger",
+    "fence_column",
     "guarded_update",
     "insert_once",
     "retry_on_conflict",

@@ -21,6 +21,7 @@ from sqlalchemy import (
     Select,
     Update,
     and_,
+    or_,
     bindparam,
     func,
     inspect,
@@ -47,6 +48,7 @@ from .exceptions import (
     ConfigurationError,
     DeadlockDetected,
     InvalidArgument,
+    LockNotAcquired,
     SerializationConflict,
     StateguardError,
 )
@@ -111,12 +113,15 @@ def backend(dialect: Dialect) -> Backend:
 
 _PG_SERIALIZATION = "40001"
 _PG_DEADLOCK = "40P01"
+_PG_LOCK_NOT_AVAILABLE = "55P03"  # NOWAIT, lock_timeout
+_MYSQL_LOCK_WAIT_TIMEOUT = 1205  # also what MariaDB's NOWAIT / WAIT n report
+_MYSQL_NOWAIT = 3572  # MySQL 8's ER_LOCK_NOWAIT
 _MYSQL_DEADLOCK = 1213
 _MYSQL_RECORD_CHANGED = 1020  # innodb_snapshot_isolation=ON at REPEATABLE READ
 _SQLITE_BUSY = 5  # primary result code; BUSY_SNAPSHOT is 517 (5 | 2 << 8)
 
 
-def classify_db_error(error: BaseException) -> type[SerializationConflict] | None:
+def classify_db_error(error: BaseException) -> type[StateguardError] | None:
     """Which retryable conflict a driver error is, if any.
 
     Works through SQLAlchemy's wrapping (``DBAPIError.orig``) with the
@@ -132,6 +137,8 @@ def classify_db_error(error: BaseException) -> type[SerializationConflict] | Non
         return DeadlockDetected
     if sqlstate == _PG_SERIALIZATION:
         return SerializationConflict
+    if sqlstate == _PG_LOCK_NOT_AVAILABLE:
+        return LockNotAcquired
     code = getattr(orig, "sqlite_errorcode", None)
     if isinstance(code, int):
         # SQLITE_BUSY (a writer held the lock past the busy timeout) and
@@ -146,6 +153,8 @@ def classify_db_error(error: BaseException) -> type[SerializationConflict] | Non
             return DeadlockDetected
         if args[0] == _MYSQL_RECORD_CHANGED:
             return SerializationConflict
+        if args[0] in (_MYSQL_LOCK_WAIT_TIMEOUT, _MYSQL_NOWAIT):
+            return LockNotAcquired
     return None
 
 
@@ -153,6 +162,11 @@ def conflict_error(error: sa_exc.DBAPIError) -> StateguardError | None:
     kind = classify_db_error(error)
     if kind is None:
         return None
+    if kind is LockNotAcquired:
+        return kind(
+            f"a lock is held by another transaction ({error.orig!r}); roll the transaction back "
+            f"and retry later (retry_on_conflict() does this)"
+        )
     what = "a deadlock" if kind is DeadlockDetected else "a serialization conflict"
     return kind(
         f"the database aborted the statement because of {what} ({error.orig!r}); "
@@ -183,6 +197,8 @@ class ModelInfo:
     __slots__ = (
         "attr_by_column",
         "column_by_attr",
+        "fence_attr",
+        "fence_column",
         "identity_class",
         "mapper",
         "model",
@@ -225,6 +241,11 @@ class ModelInfo:
             vcol = None
         self.version_column: Column[Any] | None = vcol  # type: ignore[assignment]
         self.version_attr = self.attr_by_column.get(vcol) if vcol is not None else None  # type: ignore[call-overload]
+        self.fence_column: Column[Any] | None = None
+        self.fence_attr: str | None = None
+        for attr, col in self.column_by_attr.items():
+            if col.info.get(INFO_KEY) == "fence":
+                self.fence_column, self.fence_attr = col, attr
         self.read_cache: dict[Any, Select[Any]] = {}
 
     def column(self, attr: str, *, role: str) -> Column[Any]:
@@ -472,3 +493,32 @@ def ensure_real_transaction(conn: Connection) -> None:
     dbapi_conn = conn.connection.dbapi_connection
     if dbapi_conn is not None and not getattr(dbapi_conn, "in_transaction", True):
         conn.exec_driver_sql("BEGIN")
+
+
+# --------------------------------------------------------------------------
+# Fencing tokens
+# --------------------------------------------------------------------------
+
+
+def check_fence(info: ModelInfo, fence: Any) -> None:
+    if info.fence_column is None:
+        raise InvalidArgument(
+            f"{info.model.__name__} has no fence column, so fence= cannot be checked; "
+            f"declare one with fence_column()"
+        )
+    if type(fence) is not int or fence < 0:
+        raise InvalidArgument(f"fence must be a non-negative int (a fencing token), got {fence!r}")
+
+
+def fence_condition(col: Column[Any], value: int | None = None) -> ColumnElement[bool]:
+    """``fence IS NULL OR fence <= :fence``: only an older (or the same) holder's mark passes.
+
+    Fencing tokens only grow and no two lock holders share one, so an equal
+    token is the same holder writing again; an older one is a holder whose
+    lock expired while it was paused.
+    """
+    return or_(col.is_(None), col <= bindparam("sg_fence", value, type_=col.type))
+
+
+def fence_allows(found: Any, fence: int) -> bool:
+    return found is None or found <= fence

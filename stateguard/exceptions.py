@@ -17,6 +17,8 @@ transaction may succeed (see :func:`stateguard.retry_on_conflict`).
     │   ├── NotFound (LookupError)       no such row
     │   └── InsufficientQuantity         a guarded counter would cross its bound
     ├── RefConflict                      a counter ref was reused with a different amount
+    ├── LockNotAcquired                  retryable=True: a lock was held (NOWAIT / timeout)
+    ├── LockLost                         a lock expired and another holder took it
     └── SerializationConflict            retryable=True: serialization failure / busy snapshot
         └── DeadlockDetected             retryable=True: the database broke a deadlock
 
@@ -42,6 +44,8 @@ __all__ = [
     "DeadlockDetected",
     "InsufficientQuantity",
     "InvalidArgument",
+    "LockLost",
+    "LockNotAcquired",
     "NotFound",
     "NotSupported",
     "OutcomeError",
@@ -171,3 +175,21 @@ class SerializationConflict(StateguardError):
 
 class DeadlockDetected(SerializationConflict):
     """The database detected a deadlock and chose this transaction as victim."""
+
+
+class LockNotAcquired(StateguardError):
+    """A lock could not be taken: NOWAIT found it held, or the timeout passed.
+
+    On PostgreSQL the transaction is aborted by the failed statement: roll it
+    back (``retry_on_conflict`` retries the whole unit of work).
+    """
+
+    retryable = True
+
+
+class LockLost(StateguardError):
+    """A lock expired while held and another holder took it.
+
+    Writes made under the lock with its fencing token are protected (a newer
+    holder's writes win); anything else done after the expiry was unprotected.
+    """

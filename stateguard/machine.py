@@ -5,6 +5,7 @@ Each trigger compiles to::
 
     UPDATE t SET <values>, version = version + 1, state = :dest
     WHERE pk = :pk AND state IN (:sources) [AND <where guard>] [AND version = :expected]
+          [AND (fence IS NULL OR fence <= :fence)]
 
 and the affected-row count decides the outcome (see SCHEMES.md, scheme 1).
 The graph itself is held by one ``transitions.Machine`` per declaration, used
@@ -125,6 +126,7 @@ class Trigger:
         expected: bool,
         embed: bool,
         bound: Mapping[str, Any] | None = None,
+        fence: bool = False,
     ) -> _Plan:
         m = self.machine
         info = m.info
@@ -163,6 +165,11 @@ class Trigger:
             else:
                 pairs.append((vcol, _sql.version_increment(vcol, backend)))
                 lid = backend.last_insert_id
+        fcol = info.fence_column
+        if fence:
+            assert fcol is not None
+            fence_value = None if bound is None else bound["sg_fence"]
+            pairs.append((fcol, _sql.bindparam("sg_fence", fence_value, type_=fcol.type)))
         if single:
             pairs.append((state_col, to_db[self.edges[0].dest]))
         else:
@@ -173,6 +180,9 @@ class Trigger:
             assert vcol is not None
             expected_value = None if bound is None else bound["sg_expected"]
             where.append(vcol == _sql.bindparam("sg_expected", expected_value, type_=vcol.type))
+        if fence:
+            assert fcol is not None
+            where.append(_sql.fence_condition(fcol, None if bound is None else bound["sg_fence"]))
         stmt = update(info.table).where(*where).ordered_values(*pairs)
         returning: list[Column[Any]] = []
         returns_state = not single
@@ -194,20 +204,26 @@ class Trigger:
         items: tuple[tuple[str, Column[Any], Any], ...],
         has_sql: bool,
         expected: bool,
+        fence: bool = False,
     ) -> _Plan:
         variant = _sql.variant_key(items, has_sql) if items else ()
         if variant is None:
-            return self._build(_sql.backend(dialect), items, expected, embed=False)
-        cache_key = (dialect, variant, expected)
+            return self._build(_sql.backend(dialect), items, expected, embed=False, fence=fence)
+        cache_key = (dialect, variant, expected, fence)
         plan = self._plans.get(cache_key)
         if plan is None:
-            plan = self._build(_sql.backend(dialect), items, expected, embed=False)
+            plan = self._build(_sql.backend(dialect), items, expected, embed=False, fence=fence)
             if len(self._plans) < _sql.MAX_CACHED_VARIANTS:
                 self._plans[cache_key] = plan
         return plan
 
     def _prepare(
-        self, session: Session | None, target: Any, values: Mapping[str, Any] | None, expected_version: int | None
+        self,
+        session: Session | None,
+        target: Any,
+        values: Mapping[str, Any] | None,
+        expected_version: int | None,
+        fence: int | None = None,
     ) -> tuple[_sql.ModelInfo, tuple[Any, ...], Any, tuple[tuple[str, Column[Any], Any], ...], bool]:
         m = self.machine
         info = m.info
@@ -224,6 +240,8 @@ class Trigger:
                 )
             if type(expected_version) is not int:
                 raise InvalidArgument(f"expected_version must be an int, got {expected_version!r}")
+        if fence is not None:
+            _sql.check_fence(info, fence)
         return info, key, instance, items, has_sql
 
     def statement(
@@ -232,6 +250,7 @@ class Trigger:
         *,
         values: Mapping[str, Any] | None = None,
         expected_version: int | None = None,
+        fence: int | None = None,
         dialect: Dialect | None = None,
     ) -> Update:
         """The ``UPDATE`` this trigger runs for ``target``, with its parameters bound.
@@ -244,11 +263,14 @@ class Trigger:
             # UPDATE orders SET version=(orders.version + :version_1), status=:param_1
             # WHERE orders.id = :sg_pk0 AND orders.status IN (__[POSTCOMPILE_status_1])
         """
-        info, key, _, items, _ = self._prepare(None, target, values, expected_version)
+        info, key, _, items, _ = self._prepare(None, target, values, expected_version, fence)
         backend = _sql.backend(dialect) if dialect is not None else None
         params: dict[str, Any] = info.key_params(key)
         params["sg_expected"] = expected_version
-        return self._build(backend, items, expected_version is not None, embed=True, bound=params).stmt
+        params["sg_fence"] = fence
+        return self._build(
+            backend, items, expected_version is not None, embed=True, bound=params, fence=fence is not None
+        ).stmt
 
     # -- running ------------------------------------------------------------
 
@@ -259,6 +281,7 @@ class Trigger:
         *,
         values: Mapping[str, Any] | None = None,
         expected_version: int | None = None,
+        fence: int | None = None,
     ) -> Result:
         """Fire the trigger on ``target`` (a primary key or a loaded instance).
 
@@ -266,18 +289,25 @@ class Trigger:
 
             r = Order.flow.pay(session, 42, values={"paid_at": func.now()})
             r.outcome   # APPLIED, REPEATED, REJECTED, STALE or NOT_FOUND
+
+        ``expected_version`` adds an optimistic version check (a mismatch is
+        STALE).  ``fence`` (a fencing token, e.g. from :class:`RedisLock`)
+        needs a :func:`fence_column` on the model: the row's fence must not be
+        newer than ``fence`` (else STALE), and the row records ``fence``.
         """
         m = self.machine
-        info, key, instance, items, has_sql = self._prepare(session, target, values, expected_version)
+        info, key, instance, items, has_sql = self._prepare(session, target, values, expected_version, fence)
         if session.autoflush:
             session.flush()
         conn = session.connection(bind_arguments=m._bind_args)
-        plan = self._plan(conn.dialect, items, has_sql, expected_version is not None)
+        plan = self._plan(conn.dialect, items, has_sql, expected_version is not None, fence is not None)
         params = info.key_params(key)
         if items:
             params.update(_sql.value_params(items))
         if expected_version is not None:
             params["sg_expected"] = expected_version
+        if fence is not None:
+            params["sg_fence"] = fence
         result = _sql.execute(conn, plan.stmt, params)
         version: int | None = None
         db_state: Any = None
@@ -339,9 +369,11 @@ class Trigger:
                         committed[info.version_attr] = version
                     else:
                         expire.append(info.version_attr)
+                if fence is not None and info.fence_attr is not None:
+                    committed[info.fence_attr] = fence
                 _sql.sync_instance(session, instance, committed, expire)
             return out
-        return self._classify(session, conn, info, key, instance, expected_version)
+        return self._classify(session, conn, info, key, instance, expected_version, fence)
 
     def _classify(
         self,
@@ -351,6 +383,7 @@ class Trigger:
         key: tuple[Any, ...],
         instance: Any,
         expected_version: int | None,
+        fence: int | None = None,
     ) -> Result:
         m = self.machine
         row: Any = _sql.execute(conn, m._read_stmt(conn.dialect), info.key_params(key)).first()
@@ -369,6 +402,9 @@ class Trigger:
         state = m._from_db(db_state)
         if state in self.dests:
             outcome = Outcome.REPEATED
+        elif fence is not None and not _sql.fence_allows(row[-1], fence) and state in self.sources:
+            # A newer lock holder already wrote this row.
+            outcome = Outcome.STALE
         elif expected_version is not None and version != expected_version and state in self.sources:
             outcome = Outcome.STALE
         else:
@@ -672,6 +708,8 @@ class StateMachine(Generic[S]):
             forbidden = {self.attr: f"it is the state column; fire a trigger of {self.name} instead"}
             if info.version_attr is not None:
                 forbidden[info.version_attr] = "it is the version column; stateguard increments it"
+            if info.fence_attr is not None:
+                forbidden[info.fence_attr] = "it is the fence column; pass fence= instead"
             self._forbidden = forbidden
             self._info = info
         return info
@@ -686,6 +724,8 @@ class StateMachine(Generic[S]):
             cols = [self.state_column]
             if info.version_column is not None:
                 cols.append(info.version_column)
+            if info.fence_column is not None:
+                cols.append(info.fence_column)
             stmt = self._reads[dialect] = info.read(cols, _sql.backend(dialect))
         return stmt
 
@@ -725,9 +765,12 @@ class StateMachine(Generic[S]):
         *,
         values: Mapping[str, Any] | None = None,
         expected_version: int | None = None,
+        fence: int | None = None,
     ) -> Result:
         """Fire the trigger named ``trigger``: ``Order.flow.fire(session, "pay", 42)``."""
-        return self.trigger(trigger)(session, target, values=values, expected_version=expected_version)
+        return self.trigger(trigger)(
+            session, target, values=values, expected_version=expected_version, fence=fence
+        )
 
     def available(self, obj: Any) -> list[str]:
         """Trigger names the graph allows from a loaded object's current state.

@@ -11,7 +11,7 @@ from typing import TypeVar
 from sqlalchemy import exc as sa_exc
 
 from . import _sql
-from .exceptions import StateguardError
+from .exceptions import LockNotAcquired, StateguardError
 from .result import Outcome, Result
 
 __all__ = ["retry_on_conflict"]
@@ -21,14 +21,21 @@ log = logging.getLogger("stateguard")
 T = TypeVar("T")
 
 
-def _retryable(error: BaseException) -> bool:
+def _retryable(error: BaseException, lock_not_acquired: bool) -> bool:
+    kind: type[BaseException] | None
     if isinstance(error, StateguardError):
-        return error.retryable or _is_stale(error)
-    if isinstance(error, sa_exc.DBAPIError):
+        if not (error.retryable or _is_stale(error)):
+            return False
+        kind = type(error)
+    elif isinstance(error, sa_exc.DBAPIError):
         # A serialization failure can surface at COMMIT, outside any stateguard
         # call (PostgreSQL SERIALIZABLE): recognise the driver error itself.
-        return _sql.classify_db_error(error) is not None
-    return False
+        kind = _sql.classify_db_error(error)
+        if kind is None:
+            return False
+    else:
+        return False
+    return lock_not_acquired or not issubclass(kind, LockNotAcquired)
 
 
 def _is_stale(error: StateguardError) -> bool:
@@ -44,6 +51,7 @@ def retry_on_conflict(
     backoff: float = 0.01,
     max_backoff: float = 1.0,
     max_time: float | None = None,
+    lock_not_acquired: bool = True,
     sleep: Callable[[float], object] = time.sleep,
 ) -> T:
     """Call ``fn()`` until it succeeds, retrying on conflicts; return its last result.
@@ -53,8 +61,9 @@ def retry_on_conflict(
     transaction would see the same snapshot and fail again.  ``fn`` is called
     again when it returns a STALE :class:`Result`, or raises
     :class:`SerializationConflict` / :class:`DeadlockDetected` /
-    :class:`StaleVersion`, or a driver serialization failure or deadlock
-    (also when raised by COMMIT).  Waits between attempts grow exponentially
+    :class:`StaleVersion`, :class:`LockNotAcquired` (unless
+    ``lock_not_acquired=False``), or a driver serialization failure, deadlock
+    or lock timeout (also when raised by COMMIT).  Waits between attempts grow exponentially
     from ``backoff`` (full jitter) up to ``max_backoff``; ``max_time`` bounds
     the total time.  After the last attempt the last result is returned (a
     STALE result) or the last error re-raised::
@@ -76,7 +85,7 @@ def retry_on_conflict(
         try:
             result = fn()
         except Exception as error:
-            if not _retryable(error) or attempt >= attempts or _past(deadline):
+            if not _retryable(error, lock_not_acquired) or attempt >= attempts or _past(deadline):
                 raise
             log.debug("stateguard: attempt %d hit %r, retrying", attempt, error)
         else:

@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from sqlalchemy import Integer, text, update
+from sqlalchemy import BigInteger, Integer, text, update
 from sqlalchemy.orm import MappedColumn, Session
 
 from . import _sql
 from .exceptions import ConfigurationError, InvalidArgument
 from .result import Outcome, Result
 
-__all__ = ["guarded_update", "version_column"]
+__all__ = ["fence_column", "guarded_update", "version_column"]
 
 
 class _VersionColumn(MappedColumn[int]):
@@ -67,6 +67,29 @@ def version_column(*, name: str | None = None, **kw: Any) -> MappedColumn[int]:
     return _VersionColumn(*args, info=info, **kw)
 
 
+def fence_column(*, name: str | None = None, **kw: Any) -> MappedColumn[int | None]:
+    """A nullable ``BIGINT`` column that records the fencing token of the last writer.
+
+    Triggers and :func:`guarded_update` called with ``fence=`` only write when
+    the stored token is NULL or not newer than the caller's, and store the
+    caller's token, so a lock holder whose lock expired while it was paused
+    gets STALE instead of overwriting a newer holder's write::
+
+        class Payout(Base):
+            __tablename__ = "payouts"
+            id: Mapped[int] = mapped_column(primary_key=True)
+            fence: Mapped[int | None] = fence_column()
+
+        with RedisLock(redis, "payout:42", ttl=timedelta(seconds=30)) as token:
+            Payout.flow.send(session, 42, fence=token)
+    """
+    kw.setdefault("nullable", True)
+    info = dict(kw.pop("info", None) or {})
+    info[_sql.INFO_KEY] = "fence"
+    args: tuple[Any, ...] = (name, BigInteger) if name else (BigInteger,)
+    return MappedColumn(*args, info=info, **kw)
+
+
 _plans: dict[Any, Any] = {}
 
 
@@ -77,6 +100,7 @@ def guarded_update(
     values: Mapping[str, Any],
     *,
     expected_version: int,
+    fence: int | None = None,
 ) -> Result:
     """``UPDATE ... SET values, version = version + 1 WHERE pk = :pk AND version = :expected``.
 
@@ -87,6 +111,9 @@ def guarded_update(
         r = guarded_update(session, Order, 42, {"note": "gift"},
                            expected_version=order.version)
         r.raise_for_outcome()      # StaleVersion if someone else wrote first
+
+    With ``fence=`` (a fencing token) the model needs a :func:`fence_column`;
+    the row's stored token must not be newer (else STALE) and becomes ``fence``.
     """
     from .machine import machines_of
 
@@ -98,7 +125,11 @@ def guarded_update(
     if type(expected_version) is not int:
         raise InvalidArgument(f"expected_version must be an int, got {expected_version!r}")
     key, instance = _sql.resolve_target(session, info, target)
+    if fence is not None:
+        _sql.check_fence(info, fence)
     forbidden = {info.version_attr or "": "it is the version column; stateguard increments it"}
+    if info.fence_attr is not None:
+        forbidden[info.fence_attr] = "it is the fence column; pass fence= instead"
     for m in machines_of(model):
         forbidden[m.attr] = f"it is the state column of {m.name}; fire a trigger instead"
     items, has_sql = _sql.split_values(info, values, forbidden=forbidden)
@@ -109,22 +140,25 @@ def guarded_update(
     conn = session.connection(bind_arguments={"mapper": info.mapper})
     backend = _sql.backend(conn.dialect)
     variant = _sql.variant_key(items, has_sql)
-    cache_key = (model, conn.dialect, variant)
+    cache_key = (model, conn.dialect, variant, fence is not None)
     stmt = _plans.get(cache_key) if variant is not None else None
     if stmt is None:
         vcol = info.version_column
         pairs = _sql.set_clause(items, embed=False)
         pairs.append((vcol, vcol + 1))
-        stmt = (
-            update(info.table)
-            .where(info.pk_where, vcol == _sql.bindparam("sg_expected", type_=vcol.type))
-            .ordered_values(*pairs)
-        )
+        conditions = [info.pk_where, vcol == _sql.bindparam("sg_expected", type_=vcol.type)]
+        fcol = info.fence_column
+        if fence is not None and fcol is not None:
+            pairs.append((fcol, _sql.bindparam("sg_fence", type_=fcol.type)))
+            conditions.append(_sql.fence_condition(fcol))
+        stmt = update(info.table).where(*conditions).ordered_values(*pairs)
         if variant is not None and len(_plans) < _sql.MAX_CACHED_VARIANTS * 4:
             _plans[cache_key] = stmt
     params = info.key_params(key)
     params.update(_sql.value_params(items))
     params["sg_expected"] = expected_version
+    if fence is not None:
+        params["sg_fence"] = fence
     result = _sql.execute(conn, stmt, params)
     public = _sql.public_key(key)
     if result.rowcount == 1:
@@ -132,9 +166,10 @@ def guarded_update(
         if instance is None:
             instance = _sql.identity_instance(session, info, key)
         if instance is not None and info.version_attr is not None:
-            _sql.sync_instance(
-                session, instance, {info.version_attr: version}, [a for a, _, _ in items]
-            )
+            committed: dict[str, Any] = {info.version_attr: version}
+            if fence is not None and info.fence_attr is not None:
+                committed[info.fence_attr] = fence
+            _sql.sync_instance(session, instance, committed, [a for a, _, _ in items])
         return Result(
             Outcome.APPLIED,
             model=model,
