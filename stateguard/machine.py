@@ -119,15 +119,20 @@ class Trigger:
 
     # -- building -----------------------------------------------------------
 
-    def _build(
+    def _parts(
         self,
         backend: _sql.Backend | None,
         items: tuple[tuple[str, Column[Any], Any], ...],
-        expected: bool,
+        *,
         embed: bool,
-        bound: Mapping[str, Any] | None = None,
         fence: bool = False,
-    ) -> _Plan:
+        bound: Mapping[str, Any] | None = None,
+        last_insert_id: bool = True,
+    ) -> tuple[list[tuple[Any, Any]], ColumnElement[bool], bool]:
+        """The SET pairs and the state condition shared by single and bulk statements.
+
+        Returns ``(pairs, condition, uses_last_insert_id)``.
+        """
         m = self.machine
         info = m.info
         state_col = m.state_column
@@ -160,22 +165,41 @@ class Trigger:
         vcol = info.version_column
         lid = False
         if vcol is not None:
-            if backend is None:
+            if backend is None or not last_insert_id:
                 pairs.append((vcol, vcol + 1))
             else:
                 pairs.append((vcol, _sql.version_increment(vcol, backend)))
                 lid = backend.last_insert_id
-        fcol = info.fence_column
         if fence:
+            fcol = info.fence_column
             assert fcol is not None
             fence_value = None if bound is None else bound["sg_fence"]
             pairs.append((fcol, _sql.bindparam("sg_fence", fence_value, type_=fcol.type)))
         if single:
             pairs.append((state_col, to_db[self.edges[0].dest]))
         else:
-            pairs.append((state_col, case(*[(c, to_db[e.dest]) for c, e in zip(conds, self.edges, strict=True)], else_=state_col)))
+            whens_state = [(c, to_db[e.dest]) for c, e in zip(conds, self.edges, strict=True)]
+            pairs.append((state_col, case(*whens_state, else_=state_col)))
+        return pairs, conds[0] if single else or_(*conds), lid
+
+    def _build(
+        self,
+        backend: _sql.Backend | None,
+        items: tuple[tuple[str, Column[Any], Any], ...],
+        expected: bool,
+        embed: bool,
+        bound: Mapping[str, Any] | None = None,
+        fence: bool = False,
+    ) -> _Plan:
+        m = self.machine
+        info = m.info
+        state_col = m.state_column
+        single = len(self.edges) == 1
+        vcol = info.version_column
+        fcol = info.fence_column
+        pairs, state_cond, lid = self._parts(backend, items, embed=embed, fence=fence, bound=bound)
         pk_where = info.pk_where if bound is None else info.bound_pk_where(bound)
-        where = [pk_where, conds[0] if single else or_(*conds)]
+        where = [pk_where, state_cond]
         if expected:
             assert vcol is not None
             expected_value = None if bound is None else bound["sg_expected"]
