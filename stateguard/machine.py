@@ -399,6 +399,47 @@ class Trigger:
             return out
         return self._classify(session, conn, info, key, instance, expected_version, fence)
 
+    def many(
+        self,
+        session: Session,
+        targets: Iterable[Any],
+        *,
+        values: Mapping[str, Any] | None = None,
+        chunk_size: int = 1000,
+    ) -> dict[Any, Result]:
+        """Fire the trigger on many rows with one UPDATE per chunk; a Result per key.
+
+        Outcomes are exact per key (APPLIED / REPEATED / REJECTED / NOT_FOUND),
+        also when other transactions move some of the same rows concurrently;
+        see :mod:`stateguard.bulk` for the statements each backend runs::
+
+            results = Order.flow.ship.many(session, [1, 2, 3], values={"note": "batch 7"})
+            results[2].outcome
+        """
+        from .bulk import fire_many
+
+        return fire_many(self, session, targets, values=values, chunk_size=chunk_size)
+
+    def where(
+        self,
+        session: Session,
+        condition: ColumnElement[bool],
+        *,
+        limit: int | None = None,
+        values: Mapping[str, Any] | None = None,
+    ) -> list[Any]:
+        """Fire the trigger on every row matching ``condition`` (a sweeper); the applied keys.
+
+        Rows not in a source state are left alone.  With ``limit``, at most
+        that many rows, in primary-key order; concurrent sweepers skip each
+        other's locked rows instead of waiting::
+
+            expired = Order.flow.cancel.where(session, Order.created_at < cutoff, limit=500)
+        """
+        from .bulk import fire_where
+
+        return fire_where(self, session, condition, limit=limit, values=values)
+
     def _classify(
         self,
         session: Session,
