@@ -26,7 +26,8 @@ from sqlalchemy import Enum as SAEnum
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import InvalidRequestError
 from sqlalchemy.orm import Mapper, Session
-from sqlalchemy.schema import Column
+from sqlalchemy.schema import CheckConstraint, Column
+from sqlalchemy.sql.elements import conv
 from sqlalchemy.sql import visitors
 from sqlalchemy.sql.selectable import Exists, ScalarSelect, Select
 from transitions import Machine as _GraphMachine
@@ -545,8 +546,10 @@ class StateMachine(Generic[S]):
         states: Sequence[S] | type[S],
         transitions: Sequence[Mapping[str, Any] | Sequence[Any]],
         initial: S | str | None = None,
+        check_constraint: bool = True,
     ) -> None:
         self.attr = column
+        self.check_constraint = check_constraint
         self.name: str = "?"
         self.model: type[Any] | None = None
         self._owner_name = "?"
@@ -759,6 +762,26 @@ class StateMachine(Generic[S]):
                 if edge.where is not None:
                     _check_guard(self, trig, edge.where(cls), mapper)
         self._bind_args = {"mapper": mapper}
+        if self.check_constraint:
+            self._add_check_constraint(mapper, col)
+
+    def check_constraint_name(self) -> str:
+        """``ck_<table>_<column>_states``: the name of the CHECK constraint on the state column."""
+        return f"ck_{self.state_column.table.name}_{self.state_column.name}_states"
+
+    def _add_check_constraint(self, mapper: Mapper[Any], col: Column[Any]) -> None:
+        # The database refuses an undeclared state even from raw SQL.  conv()
+        # keeps a metadata naming convention from renaming the constraint, so
+        # the alembic comparator (stateguard.alembic) can find it by name.
+        table = mapper.local_table
+        name = self.check_constraint_name()
+        for existing in getattr(table, "constraints", ()):
+            if isinstance(existing, CheckConstraint) and existing.name == name:
+                return
+        values = [self._to_db[s] for s in self.states]
+        table.append_constraint(  # type: ignore[attr-defined]
+            CheckConstraint(col.in_(values), name=conv(name), info={_sql.INFO_KEY: "states"})
+        )
 
     @property
     def info(self) -> _sql.ModelInfo:
@@ -923,6 +946,7 @@ def _on_mapper(mapper: Mapper[Any], cls: type[Any]) -> None:
                     states=value._enum if value._enum is not None else list(value.states),
                     transitions=value._raw_transitions,
                     initial=value._initial_arg,
+                    check_constraint=value.check_constraint,
                 )
                 copy.__set_name__(cls, name)
                 type.__setattr__(cls, name, copy)
