@@ -1,0 +1,396 @@
+"""The ``stateguard`` command line and ``stateguard demo`` on every backend."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import os
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, func, select, update
+from sqlalchemy.orm import Session
+
+from stateguard import Outcome, Result, cli, demo
+from stateguard.demo import DemoBase, DemoOrder, DemoRun, DemoSideEffect, Request, SchemeRow
+
+from .conftest import Backend
+
+SCHEMES = ("state machine", "optimistic version", "insert-once")
+ROW = re.compile(
+    r"^(?P<scheme>[a-z][a-z -]*?)\s{2,}(?P<attempts>\d+)\s+(?P<applied>\d+)\s+(?P<repeated>\d+)\s+"
+    r"(?P<rejected>\d+)\s+(?P<retried>\d+)\s+(?P<effects>\d+)\s+(?P<invariant>ok|VIOLATED)\b"
+)
+
+
+def table(out: str) -> dict[str, dict[str, str]]:
+    """The demo's result rows by scheme."""
+    rows = {}
+    for line in out.splitlines():
+        m = ROW.match(line)
+        if m:
+            rows[m["scheme"]] = m.groupdict()
+    return rows
+
+
+# --------------------------------------------------------------------------
+# Arguments, help, exit codes
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"]])
+def test_help_exits_zero_and_documents_exit_codes(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--help`` on every command prints usage and the exit codes, and returns 0."""
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: stateguard")
+    assert "exit codes:" in out and "0  ok" in out and "1  an invariant was violated" in out
+    assert "2  usage error" in out
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--version`` prints the package version and returns 0."""
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == "stateguard 0.1.0"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["nope"], ["demo", "--workers", "0"], ["demo", "--orders", "x"], ["demo", "--bogus"]],
+)
+def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """A missing or unknown command and bad options return 2 with a usage message."""
+    assert cli.main(argv) == 2
+    assert "usage: stateguard" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------
+# The demo on every backend
+# --------------------------------------------------------------------------
+
+
+def test_demo_on_backend(backend: Backend, capsys: pytest.CaptureFixture[str]) -> None:
+    """The demo exits 0, prints one row per scheme with invariant "ok", and the database agrees."""
+    backend.create(DemoBase.metadata)  # dropped again after the test
+    code = cli.main(["demo", "--db", backend.url, "--orders", "30", "--workers", "8", "--seed", "11"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.out + captured.err
+    assert "Traceback" not in captured.err
+    assert "\x1b[" not in captured.out  # not a terminal: no colour
+    rows = table(captured.out)
+    assert sorted(rows) == sorted(SCHEMES), captured.out
+    with Session(backend.engine) as s:
+        for scheme, row in rows.items():
+            assert row["invariant"] == "ok"
+            applied = int(row["applied"])
+            total = int(row["applied"]) + int(row["repeated"]) + int(row["rejected"])
+            assert int(row["attempts"]) == total, row
+            assert applied > 0 and int(row["repeated"]) > 0, row
+            assert int(row["effects"]) == applied, row
+            effects = s.scalar(
+                select(func.count()).select_from(DemoSideEffect).where(DemoSideEffect.scheme == scheme)
+            )
+            doubles = s.execute(
+                select(DemoSideEffect.order_id, DemoSideEffect.action)
+                .where(DemoSideEffect.scheme == scheme)
+                .group_by(DemoSideEffect.order_id, DemoSideEffect.action)
+                .having(func.count() > 1)
+            ).all()
+            assert effects == applied and doubles == []
+    # 30 orders, a pay and a follow-up each, every request delivered at least twice.
+    assert int(rows["state machine"]["attempts"]) >= 2 * 2 * 30
+    assert "invariant held" in captured.out
+
+
+def test_demo_reruns_on_the_default_sqlite_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --db the demo uses stateguard-demo.db in the current folder, and a rerun works."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["demo", "--orders", "10", "--seed", "1"]) == 0
+    assert cli.main(["demo", "--orders", "12", "--seed", "2"]) == 0
+    assert (tmp_path / "stateguard-demo.db").exists()
+    out = capsys.readouterr().out
+    assert "sqlite:///stateguard-demo.db" in out
+    engine = create_engine(f"sqlite:///{tmp_path / 'stateguard-demo.db'}")
+    try:
+        with engine.connect() as conn:
+            # Tables were dropped and recreated: only the second run's orders are there.
+            assert conn.scalar(select(func.count()).select_from(DemoOrder)) == 3 * 12
+    finally:
+        engine.dispose()
+
+
+def _side_effect_first(run: DemoRun) -> list[SchemeRow]:
+    """A broken consumer: it runs the side effect before looking at the outcome."""
+    ids = run.create_orders(run.orders)
+
+    def deliver(session: Session, request: Request, worker: str) -> Result:
+        result = DemoOrder.flow.pay(session, request.order_id)
+        run.side_effect(session, "broken", request, worker)
+        return result
+
+    tally = run.fire(run.plan([[[Request(i, "pay")] for i in ids]]), deliver)
+    return [run.row("broken", "side effect before the outcome", tally)]
+
+
+def test_violated_invariant_exits_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A scenario whose side effects run for duplicates too is reported VIOLATED and exits 1."""
+    monkeypatch.setattr(demo, "SCENARIOS", [demo.Scenario("broken", _side_effect_first)])
+    code = cli.main(["demo", "--db", f"sqlite:///{tmp_path / 'broken.db'}", "--orders", "10"])
+    out = capsys.readouterr().out
+    assert code == 1
+    row = table(out)["broken"]
+    assert row["invariant"] == "VIOLATED"
+    assert int(row["effects"]) > int(row["applied"]) == 10
+    assert "side effects ran for 10 APPLIED calls" in out
+    assert "'pay' side effect ran" in out and "INVARIANT VIOLATED" in out
+
+
+def test_invariant_check_sees_a_double_side_effect_it_did_not_cause(backend: Backend) -> None:
+    """A side-effect row added behind the demo's back turns a correct scheme's row into a violation."""
+    engine = backend.create(DemoBase.metadata)
+    run = DemoRun(backend.engine, 4, 5, random.Random(3))
+    ids = run.create_orders(2)
+    with Session(engine) as s, s.begin():
+        r = DemoOrder.flow.pay(s, ids[0])
+        run.side_effect(s, "manual", Request(ids[0], "pay"), "w0")
+        run.side_effect(s, "manual", Request(ids[0], "pay"), "w1")
+    tally = demo.Tally(attempts=1)
+    tally.outcomes[r.outcome] += 1
+    row = run.row("manual", "by hand", tally)
+    assert not row.ok and row.side_effects == 2 and row.applied == 1
+    assert any("ran 2 times" in p for p in row.problems)
+
+
+# --------------------------------------------------------------------------
+# The storm machinery: plans and simultaneous twins
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [1, 3, 8])
+def test_plan_sends_every_request_two_to_four_times(workers: int) -> None:
+    """Each request is delivered 2-4 times, some as simultaneous twins, in groups no bigger than the pool."""
+    run = DemoRun(create_engine("sqlite://"), workers, 100, random.Random(5))
+    requests = [Request(i, "pay") for i in range(200)]
+    plan = run.plan([[[r] for r in requests[:100]], [[r] for r in requests[100:]]])
+    counts = {r: 0 for r in requests}
+    for group in plan:
+        assert 1 <= len(group) <= workers
+        for r in group:
+            counts[r] += 1
+    assert all(2 <= n <= 4 for n in counts.values())
+    twins = [g for g in plan if len(g) > 1 and len(set(g)) < len(g)]
+    assert bool(twins) == (workers > 1)
+
+
+def test_twins_really_run_at_the_same_time(tmp_path: Path) -> None:
+    """Members of a group are released together by a barrier and overlap in time, without deadlock."""
+    engine = create_engine(f"sqlite:///{tmp_path / 'twins.db'}")
+    run = DemoRun(engine, 2, 0, random.Random(1))
+    plan = [[Request(i, "pay"), Request(i, "pay")] for i in range(6)] + [[Request(99, "ship")]]
+    spans: dict[int, list[tuple[float, float]]] = {}
+    lock = threading.Lock()
+
+    def deliver(session: Session, request: Request, worker: str) -> Result:
+        start = time.monotonic()
+        time.sleep(0.05)
+        with lock:
+            spans.setdefault(request.order_id, []).append((start, time.monotonic()))
+        return Result(Outcome.APPLIED, model=DemoOrder, key=request.order_id)
+
+    tally = run.fire(plan, deliver)
+    engine.dispose()
+    assert tally.attempts == 13 and tally.outcomes[Outcome.APPLIED] == 13 and not tally.errors
+    for order_id in range(6):
+        (a0, a1), (b0, b1) = spans[order_id]
+        assert a0 < b1 and b0 < a1, f"the twins of {order_id} did not overlap"
+
+
+def test_unexpected_errors_are_reported_not_raised(tmp_path: Path) -> None:
+    """A delivery that raises is counted as an error and makes the row fail; the storm continues."""
+    engine = create_engine(f"sqlite:///{tmp_path / 'errors.db'}")
+    DemoBase.metadata.create_all(engine)
+    run = DemoRun(engine, 4, 0, random.Random(1))
+
+    def deliver(session: Session, request: Request, worker: str) -> Result:
+        if request.order_id == 3:
+            raise RuntimeError("boom\nsecond line")
+        return Result(Outcome.REPEATED, model=DemoOrder, key=request.order_id)
+
+    tally = run.fire([[Request(i, "pay")] for i in range(5)], deliver)
+    row = run.row("errors", "raising", tally)
+    engine.dispose()
+    assert tally.attempts == 5 and tally.outcomes[Outcome.REPEATED] == 4
+    assert tally.errors == ["3:pay: RuntimeError: boom"]
+    assert not row.ok and row.other == {"errors": 1}
+
+
+def test_state_machine_scenario_counts_outcomes_of_real_triggers(backend: Backend) -> None:
+    """A pay that is redelivered after the order was cancelled is REJECTED and records no side effect."""
+    engine = backend.create(DemoBase.metadata)
+    run = DemoRun(engine, 4, 3, random.Random(2))
+    ids = run.create_orders(1)
+    with engine.begin() as conn:
+        conn.execute(update(DemoOrder).where(DemoOrder.id == ids[0]).values(status="cancelled"))
+
+    def deliver(session: Session, request: Request, worker: str) -> Result:
+        result = DemoOrder.flow.fire(session, request.action, request.order_id)
+        if result.applied:
+            run.side_effect(session, "late", request, worker)
+        return result
+
+    tally = run.fire([[Request(ids[0], "pay"), Request(ids[0], "pay")], [Request(ids[0], "cancel")]], deliver)
+    row = run.row("late", "late pay", tally)
+    assert tally.outcomes == {Outcome.REJECTED: 2, Outcome.REPEATED: 1}
+    assert row.ok and row.side_effects == 0
+
+
+# --------------------------------------------------------------------------
+# Errors before the demo starts
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql+psycopg://postgres@127.0.0.1:1/test",
+        "mysql+pymysql://root@127.0.0.1:1/test",
+        "sqlite:////nonexistent-stateguard-dir/demo.db",
+    ],
+)
+def test_unreachable_db_exits_2_with_one_line(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """An unreachable database gives one clear line on stderr, no traceback, and exit code 2."""
+    assert cli.main(["demo", "--db", url]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("stateguard demo: cannot connect to ")
+
+
+def test_missing_driver_names_the_extra(capsys: pytest.CaptureFixture[str]) -> None:
+    """A URL naming a driver that is not installed says how to install one, exit code 2."""
+    assert importlib.util.find_spec("pg8000") is None, "this test needs pg8000 to be absent"
+    assert cli.main(["demo", "--db", "postgresql+pg8000://postgres@127.0.0.1/test"]) == 2
+    err = capsys.readouterr().err
+    assert "pg8000 driver for postgresql is not installed" in err
+    assert "pip install 'stateguard[postgres]'" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("sqlite://", "needs a SQLite file"),
+        ("sqlite:///:memory:", "needs a SQLite file"),
+        ("not a url", "not a database URL"),
+        ("nosuchdb://x/y", "unknown database URL scheme"),
+    ],
+)
+def test_unusable_urls_exit_2(url: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """URLs the demo cannot use are usage errors with a one-line reason."""
+    assert cli.main(["demo", "--db", url]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.splitlines()) == 1
+
+
+# --------------------------------------------------------------------------
+# Terminal behaviour
+# --------------------------------------------------------------------------
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_colour_only_on_a_terminal_without_no_color(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Colour is used for a terminal, not for a pipe, and never when NO_COLOR is set."""
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    assert cli.use_color(_Terminal()) is True
+    assert cli.use_color(io.StringIO()) is False
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert cli.use_color(_Terminal()) is False
+
+
+def test_render_colours_the_verdict_only_when_asked() -> None:
+    """render() emits ANSI codes only with color=True, green for ok and red for a violation."""
+    good = SchemeRow("a", "x", 4, 1, 3, 0, 0, 1)
+    bad = SchemeRow("b", "y", 4, 1, 3, 0, 0, 2, problems=["b: 2 side effects ran for 1 APPLIED calls"])
+    report = demo.DemoReport([good, bad], seed=1, workers=2, orders=1, url="sqlite:///x.db", elapsed=0.1)
+    plain = demo.render(report)
+    coloured = demo.render(report, color=True)
+    assert "\x1b[" not in plain
+    assert "\x1b[32mok" in coloured and "\x1b[1;31mVIOLATED" in coloured
+    assert table(plain)["a"]["invariant"] == "ok" and table(plain)["b"]["invariant"] == "VIOLATED"
+
+
+def test_progress_on_a_terminal_is_one_line_redrawn_then_cleared() -> None:
+    """On a terminal, progress is one line redrawn with \\r and erased when the scenario ends."""
+    stream = _Terminal()
+    progress = cli.StderrProgress(stream, delay=0.0, interval=0.0)
+    progress.begin(1, 2, "state machine")
+    progress.total(4)
+    for _ in range(4):
+        progress.advance()
+    progress.end([])
+    text = stream.getvalue()
+    assert "\n" not in text
+    assert "[1/2] state machine: 4/4 100%" in text
+    assert text.endswith("\r\x1b[K")
+
+
+def test_progress_in_a_log_is_one_line_per_scenario_after_a_second() -> None:
+    """Not on a terminal: nothing while the run is short, then one plain line per finished scenario."""
+    stream = io.StringIO()
+    progress = cli.StderrProgress(stream, delay=1.0)
+    progress.begin(1, 2, "state machine")
+    progress.total(2)
+    progress.advance()
+    progress.end([])
+    assert stream.getvalue() == ""  # finished within the first second
+    progress.started -= 5  # the run has now lasted more than a second
+    progress.begin(2, 2, "insert-once")
+    progress.total(3)
+    for _ in range(3):
+        progress.advance()
+    progress.end([])
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 1 and "\r" not in stream.getvalue()
+    assert lines[0].startswith("stateguard demo: [2/2] insert-once: 3 deliveries in ")
+    assert lines[0].endswith("invariant ok")
+
+
+# --------------------------------------------------------------------------
+# A real process
+# --------------------------------------------------------------------------
+
+
+def test_python_m_stateguard_demo_in_a_subprocess(tmp_path: Path) -> None:
+    """``python -m stateguard demo`` runs in a real process, prints the table and exits 0."""
+    env = {k: v for k, v in os.environ.items() if k != "NO_COLOR"}
+    db = f"sqlite:///{tmp_path / 'sub.db'}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "stateguard", "demo", "--db", db, "--orders", "20"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    rows = table(proc.stdout)
+    assert sorted(rows) == sorted(SCHEMES)
+    assert all(row["invariant"] == "ok" for row in rows.values())
+    assert "\x1b[" not in proc.stdout + proc.stderr  # pipes, not terminals
