@@ -21,7 +21,7 @@ import keyword
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Final, Generic, TypeVar, overload
 
-from sqlalchemy import ColumnElement, Connection, Update, and_, case, event, or_, update
+from sqlalchemy import ColumnElement, Connection, Update, and_, case, event, or_, select, update
 from sqlalchemy import Enum as SAEnum
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import InvalidRequestError
@@ -307,6 +307,8 @@ class Trigger:
         values: Mapping[str, Any] | None = None,
         expected_version: int | None = None,
         fence: int | None = None,
+        request_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> Result:
         """Fire the trigger on ``target`` (a primary key or a loaded instance).
 
@@ -319,12 +321,52 @@ class Trigger:
         STALE).  ``fence`` (a fencing token, e.g. from :class:`RedisLock`)
         needs a :func:`fence_column` on the model: the row's fence must not be
         newer than ``fence`` (else STALE), and the row records ``fence``.
+
+        On a machine declared with ``history=True``, ``request_id`` and
+        ``metadata`` go into the transition log; a ``request_id`` that already
+        applied this trigger to this row makes the call REPEATED even after
+        the row moved on (see :mod:`stateguard.history`).
         """
         m = self.machine
         info, key, instance, items, has_sql = self._prepare(session, target, values, expected_version, fence)
         if session.autoflush:
             session.flush()
         conn = session.connection(bind_arguments=m._bind_args)
+        old_db_state: Any = None
+        if m.history_enabled:
+            from . import history
+
+            history.check_request(request_id, metadata)
+            if request_id is not None:
+                logged = history.applied_by_request(conn, m, self.name, key, request_id)
+                if logged is not None:
+                    return Result(
+                        Outcome.REPEATED,
+                        model=info.model,
+                        key=_sql.public_key(key),
+                        trigger=self.name,
+                        state=m._state_named(logged[0]),
+                        version=logged[1],
+                        expected_version=expected_version,
+                        session=session,
+                    )
+            if len(self.sources) > 1:
+                # Several possible sources: lock the row and read the real one first.
+                locked: Any = _sql.execute(conn, m._lock_stmt(conn.dialect), info.key_params(key)).first()
+                if locked is None:
+                    return Result(
+                        Outcome.NOT_FOUND,
+                        model=info.model,
+                        key=_sql.public_key(key),
+                        trigger=self.name,
+                        expected_version=expected_version,
+                        session=session,
+                    )
+                old_db_state = locked[0]
+        elif request_id is not None or metadata is not None:
+            raise InvalidArgument(
+                f"{m._where()} keeps no history; request_id and metadata need StateMachine(..., history=True)"
+            )
         plan = self._plan(conn.dialect, items, has_sql, expected_version is not None, fence is not None)
         params = info.key_params(key)
         if items:
@@ -355,6 +397,9 @@ class Trigger:
             if len(self.dests) == 1:
                 state = self.dests[0]
                 db_state = m._to_db[state]
+            elif db_state is None and old_db_state is not None:
+                state = m.target_of(self.name, m._from_db(old_db_state))
+                db_state = m._to_db[state]
             elif db_state is None:
                 # MySQL/MariaDB cannot return the new state of a trigger with
                 # several destinations: read it back.  Our UPDATE holds the row
@@ -368,6 +413,11 @@ class Trigger:
                 state = m._from_db(db_state)
             if expected_version is not None and version is None:
                 version = expected_version + 1
+            if m.history_enabled:
+                from . import history
+
+                source = self.sources[0] if old_db_state is None else m._from_db(old_db_state)
+                history.record(conn, self, [(key, source, state, version)], request_id, history.meta_of(metadata))
             out = Result(
                 Outcome.APPLIED,
                 model=info.model,
@@ -547,9 +597,14 @@ class StateMachine(Generic[S]):
         transitions: Sequence[Mapping[str, Any] | Sequence[Any]],
         initial: S | str | None = None,
         check_constraint: bool = True,
+        history: bool = False,
+        legal_edges: bool = False,
     ) -> None:
         self.attr = column
         self.check_constraint = check_constraint
+        self.history_enabled = history
+        #: PostgreSQL only: a trigger refusing undeclared edges (see stateguard.alembic).
+        self.legal_edges = legal_edges
         self.name: str = "?"
         self.model: type[Any] | None = None
         self._owner_name = "?"
@@ -805,6 +860,27 @@ class StateMachine(Generic[S]):
     def _from_db(self, value: Any) -> Any:
         return self._from_db_map.get(value, value)
 
+    def _state_named(self, name: str) -> Any:
+        for s in self.states:
+            if self._name(s) == name:
+                return s
+        return name
+
+    def _lock_stmt(self, dialect: Dialect) -> Any:
+        """``SELECT state, version ... FOR UPDATE`` (plain on SQLite, which has one writer)."""
+        key = ("lock", dialect)
+        stmt = self._reads.get(key)  # type: ignore[call-overload]
+        if stmt is None:
+            info = self.info
+            cols = [self.state_column]
+            if info.version_column is not None:
+                cols.append(info.version_column)
+            stmt = select(*cols).where(info.pk_where)
+            if dialect.name != "sqlite":
+                stmt = stmt.with_for_update()
+            self._reads[key] = stmt  # type: ignore[index]
+        return stmt
+
     def _read_stmt(self, dialect: Dialect) -> Any:
         stmt = self._reads.get(dialect)
         if stmt is None:
@@ -854,11 +930,34 @@ class StateMachine(Generic[S]):
         values: Mapping[str, Any] | None = None,
         expected_version: int | None = None,
         fence: int | None = None,
+        request_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> Result:
         """Fire the trigger named ``trigger``: ``Order.flow.fire(session, "pay", 42)``."""
         return self.trigger(trigger)(
-            session, target, values=values, expected_version=expected_version, fence=fence
+            session,
+            target,
+            values=values,
+            expected_version=expected_version,
+            fence=fence,
+            request_id=request_id,
+            metadata=metadata,
         )
+
+    def history(self, session: Session, target: Any) -> list[Any]:
+        """The logged transitions of one row, oldest first (needs ``history=True``).
+
+        Each entry is a :class:`~stateguard.history.HistoryEntry`
+        ``(trigger, source, dest, at, request_id, metadata, version)``::
+
+            Order.flow.pay(session, 42, request_id="req-7f3a", metadata={"by": "user:12"})
+            [e.trigger for e in Order.flow.history(session, 42)]   # ['pay']
+        """
+        if not self.history_enabled:
+            raise InvalidArgument(f"{self._where()} keeps no history; declare it with history=True")
+        from . import history
+
+        return list(history.history(session, self, target))
 
     def available(self, obj: Any) -> list[str]:
         """Trigger names the graph allows from a loaded object's current state.
@@ -947,6 +1046,8 @@ def _on_mapper(mapper: Mapper[Any], cls: type[Any]) -> None:
                     transitions=value._raw_transitions,
                     initial=value._initial_arg,
                     check_constraint=value.check_constraint,
+                    history=value.history_enabled,
+                    legal_edges=value.legal_edges,
                 )
                 copy.__set_name__(cls, name)
                 type.__setattr__(cls, name, copy)
