@@ -14,17 +14,17 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from sqlalchemy import (
-    Table,
     ColumnElement,
     Connection,
     CursorResult,
     Select,
+    Table,
     Update,
     and_,
-    or_,
     bindparam,
     func,
     inspect,
+    or_,
     select,
 )
 from sqlalchemy import exc as sa_exc
@@ -146,8 +146,12 @@ def classify_db_error(error: BaseException) -> type[StateguardError] | None:
         # upgraded to a write because another connection committed since).
         return SerializationConflict if code & 0xFF == _SQLITE_BUSY else None
     args = getattr(orig, "args", ())
-    if args and isinstance(args[0], int) and type(orig).__module__.startswith(
-        ("pymysql", "MySQLdb", "mysql", "mariadb", "asyncmy", "aiomysql")
+    if (
+        args
+        and isinstance(args[0], int)
+        and type(orig).__module__.startswith(
+            ("pymysql", "MySQLdb", "mysql", "mariadb", "asyncmy", "aiomysql")
+        )
     ):
         if args[0] == _MYSQL_DEADLOCK:
             return DeadlockDetected
@@ -259,7 +263,10 @@ class ModelInfo:
 
     def bound_pk_where(self, params: Mapping[str, Any]) -> ColumnElement[bool]:
         return and_(
-            *(c == bindparam(n, params[n], type_=c.type) for c, n in zip(self.pk_columns, self.pk_names, strict=True))
+            *(
+                c == bindparam(n, params[n], type_=c.type)
+                for c, n in zip(self.pk_columns, self.pk_names, strict=True)
+            )
         )
 
     def key_params(self, key: tuple[Any, ...]) -> dict[str, Any]:
@@ -299,7 +306,9 @@ def model_info(model: type[Any]) -> ModelInfo:
 
 
 def _bad_key(info: ModelInfo, target: Any, why: str) -> InvalidArgument:
-    pk = ", ".join(f"{c.name}: {t.__name__ if t else '?'}" for c, t in zip(info.pk_columns, info.pk_checks, strict=True))
+    pk = ", ".join(
+        f"{c.name}: {t.__name__ if t else '?'}" for c, t in zip(info.pk_columns, info.pk_checks, strict=True)
+    )
     return InvalidArgument(
         f"{info.model.__name__}: {target!r} is not a valid target ({why}); pass a primary key "
         f"({pk}){' as a tuple' if len(info.pk_columns) > 1 else ''} or a loaded "
@@ -406,7 +415,9 @@ def split_values(
     if not values:
         return (), False
     if not isinstance(values, Mapping):
-        raise InvalidArgument(f"values must be a mapping of attribute names to values, got {type(values).__name__}")
+        raise InvalidArgument(
+            f"values must be a mapping of attribute names to values, got {type(values).__name__}"
+        )
     items = []
     has_sql = False
     for attr in sorted(values):
@@ -417,7 +428,9 @@ def split_values(
             raise InvalidArgument(f"{info.model.__name__}.{attr} cannot be set through values: {reason}")
         col = info.column(attr, role="a values entry")
         if col.primary_key:
-            raise InvalidArgument(f"{info.model.__name__}.{attr} is part of the primary key and cannot be set")
+            raise InvalidArgument(
+                f"{info.model.__name__}.{attr} is part of the primary key and cannot be set"
+            )
         value = values[attr]
         if isinstance(value, ClauseElement):
             has_sql = True
@@ -425,12 +438,21 @@ def split_values(
     return tuple(items), has_sql
 
 
-def set_clause(items: Iterable[tuple[str, Column[Any], Any]], *, embed: bool) -> list[tuple[Column[Any], Any]]:
+def set_clause(
+    items: Iterable[tuple[str, Column[Any], Any]], *, embed: bool
+) -> list[tuple[Column[Any], Any]]:
     """SET pairs: SQL expressions embedded, plain values as typed bind parameters."""
     pairs: list[tuple[Column[Any], Any]] = []
     for attr, col, value in items:
         if embed or isinstance(value, ClauseElement):
-            pairs.append((col, value if isinstance(value, ClauseElement) else bindparam(f"sg_v_{attr}", value, type_=col.type)))
+            pairs.append(
+                (
+                    col,
+                    value
+                    if isinstance(value, ClauseElement)
+                    else bindparam(f"sg_v_{attr}", value, type_=col.type),
+                )
+            )
         else:
             pairs.append((col, bindparam(f"sg_v_{attr}", type_=col.type)))
     return pairs

@@ -133,7 +133,9 @@ def fire_many(
                 by_key = {tuple(r[:npk]): r for r in found}
                 for k in rest:
                     r = by_key.get(k)
-                    unapplied.append((k,) if r is None else (k, r[npk], r[npk + 1] if vcol is not None else None))
+                    unapplied.append(
+                        (k,) if r is None else (k, r[npk], r[npk + 1] if vcol is not None else None)
+                    )
         else:
             # No UPDATE RETURNING: lock the batch in key order and let the
             # database evaluate the trigger's condition on the latest rows.
@@ -155,9 +157,7 @@ def fire_many(
                 else:
                     unapplied.append((k, r[npk], r[npk + 1] if vcol is not None else None))
             if ok:
-                result = _sql.execute(
-                    conn, update_stmt, {**params_base, "sg_keys": _key_param(ok, single)}
-                )
+                result = _sql.execute(conn, update_stmt, {**params_base, "sg_keys": _key_param(ok, single)})
                 if result.rowcount != len(ok):  # pragma: no cover - the rows are locked
                     raise RuntimeError(
                         f"stateguard: bulk {trigger!r} matched {result.rowcount} of {len(ok)} locked rows"
@@ -193,13 +193,21 @@ def fire_many(
         key = entry[0]
         public = _sql.public_key(key)
         if len(entry) == 1:
-            out[public] = Result(Outcome.NOT_FOUND, model=info.model, key=public, trigger=trigger.name, session=session)
+            out[public] = Result(
+                Outcome.NOT_FOUND, model=info.model, key=public, trigger=trigger.name, session=session
+            )
             continue
         db_state, version = entry[1], entry[2]
         state = m._from_db(db_state)
         outcome = Outcome.REPEATED if state in trigger.dests else Outcome.REJECTED
         out[public] = Result(
-            outcome, model=info.model, key=public, trigger=trigger.name, state=state, version=version, session=session
+            outcome,
+            model=info.model,
+            key=public,
+            trigger=trigger.name,
+            state=state,
+            version=version,
+            session=session,
         )
         _sync(session, info, m.attr, instances.get(key), key, db_state, version, ())
     # Results in the order the keys were given.
@@ -259,7 +267,9 @@ def fire_where(
         if limit is None:
             where = condition & state_cond
         else:
-            pick = select(*info.pk_columns).where(condition, state_cond).order_by(*info.pk_columns).limit(limit)
+            pick = (
+                select(*info.pk_columns).where(condition, state_cond).order_by(*info.pk_columns).limit(limit)
+            )
             if backend.name == "postgresql":
                 # Concurrent sweepers share the work instead of queueing on each other's rows.
                 pick = pick.with_for_update(skip_locked=True)
@@ -293,7 +303,9 @@ def fire_where(
                 {**params, "sg_keys": _key_param(keys, single)},
             )
             if result.rowcount != len(keys):  # pragma: no cover - the rows are locked
-                raise RuntimeError(f"stateguard: sweep {trigger!r} matched {result.rowcount} of {len(keys)} locked rows")
+                raise RuntimeError(
+                    f"stateguard: sweep {trigger!r} matched {result.rowcount} of {len(keys)} locked rows"
+                )
             for r in found:
                 dest = m.target_of(trigger.name, m._from_db(r[npk]))
                 states.append(m._to_db[dest])
@@ -318,4 +330,3 @@ def fire_where(
                     _commit.schedule(session, fn, (res,), {})
         _sync(session, info, m.attr, None, key, db_state, version, expire)
     return [_sql.public_key(k) for k in keys]
-

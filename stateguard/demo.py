@@ -425,8 +425,8 @@ ScenarioFn = Callable[[DemoRun], list[SchemeRow]]
 def scenario(title: str) -> Callable[[ScenarioFn], ScenarioFn]:
     """Register a scenario function (appended to :data:`SCENARIOS`)::
 
-        @scenario("insert-once")
-        def consumer(run: DemoRun) -> list[SchemeRow]: ...
+    @scenario("insert-once")
+    def consumer(run: DemoRun) -> list[SchemeRow]: ...
     """
 
     def register(fn: ScenarioFn) -> ScenarioFn:
@@ -616,7 +616,7 @@ _COLUMNS = (
 def render(report: DemoReport, *, color: bool = False) -> str:
     """The result table as text (ANSI colours only when ``color``)::
 
-        print(render(run_demo(engine), color=sys.stdout.isatty()))
+    print(render(run_demo(engine), color=sys.stdout.isatty()))
     """
 
     def paint(text: str, code: str) -> str:
@@ -676,8 +676,10 @@ def render(report: DemoReport, *, color: bool = False) -> str:
         else "INVARIANT VIOLATED: see the problems above"
     )
     out.append(paint(verdict, _GREEN if report.ok else _RED))
-    out.append(paint(
-        f"finished in {report.elapsed:.1f}s; the sg_demo_* tables are kept for inspection",
-        _DIM,
-    ))
+    out.append(
+        paint(
+            f"finished in {report.elapsed:.1f}s; the sg_demo_* tables are kept for inspection",
+            _DIM,
+        )
+    )
     return "\n".join(out)

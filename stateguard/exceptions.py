@@ -152,10 +152,7 @@ class InsufficientQuantity(OutcomeError):
 
     def _message(self) -> str:
         found = "" if self.value is None else f" (found {self.value!r})"
-        return (
-            f"{self._where()}: the change would cross the counter's bound{found}; "
-            f"nothing was changed"
-        )
+        return f"{self._where()}: the change would cross the counter's bound{found}; nothing was changed"
 
 
 class RefConflict(StateguardError):

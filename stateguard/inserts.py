@@ -37,7 +37,9 @@ _plans: dict[Any, Any] = {}
 def _build(info: _sql.ModelInfo, backend: _sql.Backend, items: tuple[tuple[str, Any, Any], ...]) -> Any:
     pairs = dict(_sql.set_clause(items, embed=False))
     if backend.name == "postgresql":
-        return postgresql.insert(info.table).values(pairs).on_conflict_do_nothing().returning(*info.pk_columns)
+        return (
+            postgresql.insert(info.table).values(pairs).on_conflict_do_nothing().returning(*info.pk_columns)
+        )
     if backend.name == "sqlite":
         return sqlite.insert(info.table).values(pairs).on_conflict_do_nothing().returning(*info.pk_columns)
     return insert(info.table).values(pairs)

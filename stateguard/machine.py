@@ -27,8 +27,8 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import InvalidRequestError
 from sqlalchemy.orm import Mapper, Session
 from sqlalchemy.schema import CheckConstraint, Column
-from sqlalchemy.sql.elements import conv
 from sqlalchemy.sql import visitors
+from sqlalchemy.sql.elements import conv
 from sqlalchemy.sql.selectable import Exists, ScalarSelect, Select
 from transitions import Machine as _GraphMachine
 
@@ -417,7 +417,9 @@ class Trigger:
                 from . import history
 
                 source = self.sources[0] if old_db_state is None else m._from_db(old_db_state)
-                history.record(conn, self, [(key, source, state, version)], request_id, history.meta_of(metadata))
+                history.record(
+                    conn, self, [(key, source, state, version)], request_id, history.meta_of(metadata)
+                )
             out = Result(
                 Outcome.APPLIED,
                 model=info.model,
@@ -717,12 +719,16 @@ class StateMachine(Generic[S]):
                 )
             values = spec.get("values") or {}
             if not isinstance(values, Mapping) or not all(isinstance(k, str) for k in values):
-                raise ConfigurationError(f"{self._where()}: 'values' of trigger {trig!r} must map attribute names to values")
+                raise ConfigurationError(
+                    f"{self._where()}: 'values' of trigger {trig!r} must map attribute names to values"
+                )
             cbs = spec.get("after_commit") or ()
             cbs = (cbs,) if callable(cbs) else tuple(cbs)
             for cb in cbs:
                 if not callable(cb):
-                    raise ConfigurationError(f"{self._where()}: after_commit of trigger {trig!r} must be callables, got {cb!r}")
+                    raise ConfigurationError(
+                        f"{self._where()}: after_commit of trigger {trig!r} must be callables, got {cb!r}"
+                    )
             edges_by.setdefault(trig, []).append(_Edge(sources, dest, where, values, cbs))
             graph_transitions.append(
                 {"trigger": trig, "source": [self._name(s) for s in sources], "dest": self._name(dest)}
@@ -805,15 +811,15 @@ class StateMachine(Generic[S]):
         for trig, edges in self._edges_by_trigger.items():
             for edge in edges:
                 for attr in edge.values:
-                    vprop = None
-                    try:
-                        vprop = mapper.get_property(attr, _configure_mappers=False)
-                    except InvalidRequestError:
-                        pass
+                    vprop = mapper._props.get(attr)
                     if vprop is None or not getattr(vprop, "columns", None):
-                        raise ConfigurationError(f"{self._where()}: values of trigger {trig!r} name unknown column {attr!r}")
+                        raise ConfigurationError(
+                            f"{self._where()}: values of trigger {trig!r} name unknown column {attr!r}"
+                        )
                     if attr == self.attr:
-                        raise ConfigurationError(f"{self._where()}: values of trigger {trig!r} set the state column")
+                        raise ConfigurationError(
+                            f"{self._where()}: values of trigger {trig!r} set the state column"
+                        )
                 if edge.where is not None:
                     _check_guard(self, trig, edge.where(cls), mapper)
         self._bind_args = {"mapper": mapper}

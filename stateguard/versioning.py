@@ -119,9 +119,7 @@ def guarded_update(
 
     info = _sql.model_info(model)
     if info.version_column is None:
-        raise ConfigurationError(
-            f"{model.__name__} has no version column; declare one with version_column()"
-        )
+        raise ConfigurationError(f"{model.__name__} has no version column; declare one with version_column()")
     if type(expected_version) is not int:
         raise InvalidArgument(f"expected_version must be an int, got {expected_version!r}")
     key, instance = _sql.resolve_target(session, info, target)
@@ -180,7 +178,9 @@ def guarded_update(
         )
     row = _sql.execute(conn, info.read([info.version_column], backend), info.key_params(key)).first()
     if row is None:
-        return Result(Outcome.NOT_FOUND, model=model, key=public, expected_version=expected_version, session=session)
+        return Result(
+            Outcome.NOT_FOUND, model=model, key=public, expected_version=expected_version, session=session
+        )
     return Result(
         Outcome.STALE,
         model=model,
