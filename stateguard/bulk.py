@@ -87,7 +87,11 @@ def fire_many(
     info = m.info
     if type(chunk_size) is not int or chunk_size < 1:
         raise InvalidArgument(f"chunk_size must be a positive int, got {chunk_size!r}")
-    keys, instances = _resolve_many(session, info, targets)
+    given, instances = _resolve_many(session, info, targets)
+    try:
+        keys = sorted(given)
+    except TypeError:  # pragma: no cover - keys of one column type always compare
+        keys = given
     items, _ = _sql.split_values(info, values, forbidden=m._forbidden)
     if session.autoflush:
         session.flush()
@@ -107,6 +111,20 @@ def fire_many(
         read_cols.append(vcol)
     npk = len(info.pk_columns)
     update_stmt = update(info.table).where(keys_in, state_cond).ordered_values(*pairs)
+    if backend.name == "postgresql":
+        # Lock the chunk's rows in key order before updating them: a plain
+        # UPDATE locks rows in whatever order its plan visits them (physical
+        # order under a sequential scan), and two overlapping batches locking
+        # in different orders deadlock.  With the keys sorted across chunks
+        # too, every batch takes its locks in ascending key order.
+        locked = (
+            select(*info.pk_columns).where(keys_in).order_by(*info.pk_columns).with_for_update().subquery()
+        )
+        update_stmt = (
+            update(info.table)
+            .where(*(c == locked.c[c.key] for c in info.pk_columns), state_cond)
+            .ordered_values(*pairs)
+        )
 
     for start in range(0, len(keys), chunk_size):
         chunk = keys[start : start + chunk_size]
@@ -211,7 +229,7 @@ def fire_many(
         )
         _sync(session, info, m.attr, instances.get(key), key, db_state, version, ())
     # Results in the order the keys were given.
-    return {_sql.public_key(k): out[_sql.public_key(k)] for k in keys}
+    return {_sql.public_key(k): out[_sql.public_key(k)] for k in given}
 
 
 def _sync(

@@ -1,0 +1,196 @@
+"""Bulk transitions: Trigger.many() and Trigger.where()."""
+
+from __future__ import annotations
+
+import random
+import threading
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from stateguard import InvalidArgument, Outcome
+
+from .conftest import Backend, count_statements
+from .models import Base, Order, Shipment, SideEffect, Ticket
+
+
+def _orders(engine: Any, states: dict[int, str]) -> None:
+    with Session(engine) as s, s.begin():
+        s.add_all([Order(id=i, status=st) for i, st in states.items()])
+
+
+def test_many_reports_every_outcome_per_key(backend: Backend) -> None:
+    """many() returns APPLIED, REPEATED, REJECTED and NOT_FOUND per key, in the order given."""
+    engine = backend.create(Base.metadata)
+    _orders(engine, {1: "pending", 2: "pending", 3: "paid", 4: "shipped"})
+    with Session(engine) as s, s.begin():
+        results = Order.flow.pay.many(s, [4, 1, 99, 3, 2, 1])
+    assert list(results) == [4, 1, 99, 3, 2]
+    assert {k: r.outcome for k, r in results.items()} == {
+        1: Outcome.APPLIED,
+        2: Outcome.APPLIED,
+        3: Outcome.REPEATED,
+        4: Outcome.REJECTED,
+        99: Outcome.NOT_FOUND,
+    }
+    assert results[1].state == "paid" and results[1].version == 2
+    assert results[4].state == "shipped"
+    with Session(engine) as s:
+        assert dict(s.execute(select(Order.id, Order.status).order_by(Order.id)).all()) == {
+            1: "paid",
+            2: "paid",
+            3: "paid",
+            4: "shipped",
+        }
+
+
+def test_many_sets_values_and_syncs_loaded_instances(backend: Backend) -> None:
+    """values= are written for applied rows only, and loaded instances see the new state and version."""
+    engine = backend.create(Base.metadata)
+    _orders(engine, {1: "pending", 2: "shipped"})
+    with Session(engine) as s, s.begin():
+        one = s.get_one(Order, 1)
+        Order.flow.pay.many(s, [one, 2], values={"note": "batch", "paid_at": func.now()})
+        assert one.status == "paid" and one.version == 2
+        assert one.note == "batch" and one.paid_at is not None
+        assert s.get_one(Order, 2).note is None
+
+
+def test_many_is_chunked_and_uses_two_statements_per_chunk_at_most(backend: Backend) -> None:
+    """Chunks bound the statement size; each chunk is at most one UPDATE plus one read."""
+    engine = backend.create(Base.metadata)
+    _orders(engine, {i: ("pending" if i % 2 else "paid") for i in range(1, 51)})
+    with Session(engine) as s, s.begin():
+        s.connection()
+        with count_statements(engine) as c:
+            results = Order.flow.pay.many(s, range(1, 51), chunk_size=10)
+    assert sum(r.applied for r in results.values()) == 25
+    assert sum(r.outcome is Outcome.REPEATED for r in results.values()) == 25
+    assert len(c) == 10  # 5 chunks x (UPDATE + read), or (locking read + UPDATE) on MariaDB
+
+
+def test_many_all_applied_is_one_statement_per_chunk_with_returning(backend: Backend) -> None:
+    """When every key applies, PostgreSQL and SQLite need only the UPDATE ... RETURNING."""
+    engine = backend.create(Base.metadata)
+    _orders(engine, {i: "pending" for i in range(1, 21)})
+    with Session(engine) as s, s.begin():
+        s.connection()
+        with count_statements(engine) as c:
+            results = Order.flow.pay.many(s, range(1, 21))
+    assert all(r.applied for r in results.values())
+    assert len(c) == (2 if backend.name == "mariadb" else 1)
+
+
+def test_many_with_composite_keys_and_several_destinations(backend: Backend) -> None:
+    """Tuple keys work and a multi-destination trigger reports where each row went."""
+    engine = backend.create(Base.metadata)
+    with Session(engine) as s, s.begin():
+        s.add_all(
+            [
+                Shipment(warehouse="w", number=1, stage="new"),
+                Shipment(warehouse="w", number=2, stage="packed"),
+                Shipment(warehouse="w", number=3, stage="sent"),
+                Shipment(warehouse="w", number=4, stage="delivered"),
+            ]
+        )
+    with Session(engine) as s, s.begin():
+        results = Shipment.flow.advance.many(s, [("w", n) for n in range(1, 6)])
+    assert [(r.outcome, r.state) for r in results.values()] == [
+        (Outcome.APPLIED, "packed"),
+        (Outcome.APPLIED, "sent"),
+        (Outcome.REPEATED, "sent"),
+        (Outcome.REJECTED, "delivered"),
+        (Outcome.NOT_FOUND, None),
+    ]
+
+
+def test_many_rejects_bad_input_without_writing(backend: Backend) -> None:
+    """A bad key anywhere in the batch raises InvalidArgument before anything is written."""
+    engine = backend.create(Base.metadata)
+    _orders(engine, {1: "pending"})
+    with Session(engine) as s, s.begin():
+        with pytest.raises(InvalidArgument):
+            Order.flow.pay.many(s, [1, "two"])
+        with pytest.raises(InvalidArgument):
+            Order.flow.pay.many(s, [1], values={"status": "paid"})
+        with pytest.raises(InvalidArgument):
+            Order.flow.pay.many(s, [1], chunk_size=0)
+        assert s.get_one(Order, 1).status == "pending"
+
+
+def test_where_sweeps_matching_rows_in_source_states(backend: Backend) -> None:
+    """where() transitions the matching rows that are in a source state and returns their keys."""
+    engine = backend.create(Base.metadata)
+    with Session(engine) as s, s.begin():
+        s.add_all([Ticket(id=i, priority=i % 7) for i in range(1, 21)])
+        s.add(Ticket(id=21, priority=1, state="closed"))
+    with Session(engine) as s, s.begin():
+        first = Ticket.flow.close.where(s, Ticket.id > 5, limit=4)
+        rest = Ticket.flow.close.where(s, Ticket.id > 0)
+    # The declared guard (priority < 5) still applies to a sweep.
+    eligible = [i for i in range(1, 21) if i % 7 < 5]
+    assert first == [i for i in eligible if i > 5][:4]
+    assert sorted(first + rest) == eligible
+    with Session(engine) as s:
+        closed = s.scalars(select(Ticket.id).where(Ticket.state == "closed").order_by(Ticket.id)).all()
+    assert sorted(closed) == sorted([*eligible, 21])
+
+
+def test_many_is_exact_while_other_workers_move_the_same_rows(backend: Backend) -> None:
+    """Concurrent single pays and bulk pays over the same keys: exactly one APPLIED per row in total."""
+    engine = backend.create(Base.metadata)
+    n_orders, n_single, n_bulk = 60, 8, 4
+    _orders(engine, {i: "pending" for i in range(1, n_orders + 1)})
+    barrier = threading.Barrier(n_single + n_bulk)
+    applied: list[int] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def single(worker: int) -> None:
+        keys = list(range(1, n_orders + 1))
+        random.Random(worker).shuffle(keys)
+        try:
+            barrier.wait()
+            for k in keys:
+                with Session(engine) as s, s.begin():
+                    r = Order.flow.pay(s, k)
+                    if r.applied:
+                        s.add(SideEffect(order_id=k, what="pay", worker=f"single-{worker}"))
+                        with lock:
+                            applied.append(k)
+        except BaseException as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    def bulk(worker: int) -> None:
+        keys = list(range(1, n_orders + 1))
+        random.Random(100 + worker).shuffle(keys)
+        try:
+            barrier.wait()
+            for start in range(0, n_orders, 15):
+                with Session(engine) as s, s.begin():
+                    results = Order.flow.pay.many(s, keys[start : start + 15], chunk_size=7)
+                    for k, r in results.items():
+                        assert r.outcome in (Outcome.APPLIED, Outcome.REPEATED), r
+                        if r.applied:
+                            s.add(SideEffect(order_id=k, what="pay", worker=f"bulk-{worker}"))
+                            with lock:
+                                applied.append(k)
+        except BaseException as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=single, args=(i,)) for i in range(n_single)]
+    threads += [threading.Thread(target=bulk, args=(i,)) for i in range(n_bulk)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:3]
+    assert sorted(applied) == list(range(1, n_orders + 1))
+    with Session(engine) as s:
+        per_order = dict(
+            s.execute(select(SideEffect.order_id, func.count()).group_by(SideEffect.order_id)).all()
+        )
+        assert per_order == {i: 1 for i in range(1, n_orders + 1)}
+        assert set(s.scalars(select(Order.status))) == {"paid"}
