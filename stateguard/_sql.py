@@ -26,6 +26,7 @@ from sqlalchemy import (
     inspect,
     or_,
     select,
+    text,
 )
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Dialect
@@ -544,3 +545,24 @@ def fence_condition(col: Column[Any], value: int | None = None) -> ColumnElement
 
 def fence_allows(found: Any, fence: int) -> bool:
     return found is None or found <= fence
+
+
+def sqlite_write_lock(conn: Connection) -> None:
+    """On SQLite, make sure the transaction holds the write lock before a read-then-write.
+
+    SQLite has no row locks; its equivalent of ``SELECT ... FOR UPDATE`` is
+    holding the database's write lock.  Python's sqlite3 (legacy transaction
+    control) does not even BEGIN before a SELECT, so a read would run outside
+    the transaction of the UPDATE that follows it.  Outside a transaction,
+    start one with ``BEGIN IMMEDIATE``; inside a deferred transaction that has
+    only read, the UPDATE's upgrade either succeeds or fails with a busy error
+    (a retryable SerializationConflict), never silently on stale data.
+    """
+    if conn.dialect.name != "sqlite":
+        return
+    dbapi_conn = conn.connection.dbapi_connection
+    if dbapi_conn is not None and not getattr(dbapi_conn, "in_transaction", True):
+        execute(conn, _BEGIN_IMMEDIATE)
+
+
+_BEGIN_IMMEDIATE = text("BEGIN IMMEDIATE")

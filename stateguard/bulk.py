@@ -81,6 +81,7 @@ def fire_many(
     *,
     values: Mapping[str, Any] | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    metadata: Mapping[str, Any] | None = None,
 ) -> dict[Any, Result]:
     """Implementation of :meth:`Trigger.many`."""
     m = trigger.machine
@@ -104,7 +105,18 @@ def fire_many(
     state_col = m.state_column
     params_base = _sql.value_params(items)
     out: dict[Any, Result] = {}
-    applied_rows: list[tuple[tuple[Any, ...], Any, int | None]] = []  # key, db state, version
+    # A trigger with several sources needs each row's previous state for the
+    # history: read it with the locking read (the path MySQL always takes).
+    need_old = m.history_enabled and len(trigger.sources) > 1
+    if m.history_enabled:
+        from . import history
+
+        history.check_request(None, metadata)
+    elif metadata is not None:
+        raise InvalidArgument(
+            f"{m._where()} keeps no history; metadata needs StateMachine(..., history=True)"
+        )
+    applied_rows: list[tuple[tuple[Any, ...], Any, int | None, Any]] = []  # key, db state, version, source
     unapplied: list[tuple[tuple[Any, ...], Any, int | None] | tuple[tuple[Any, ...]]] = []
     read_cols: list[Any] = [*info.pk_columns, state_col]
     if vcol is not None:
@@ -128,7 +140,7 @@ def fire_many(
 
     for start in range(0, len(keys), chunk_size):
         chunk = keys[start : start + chunk_size]
-        if backend.returning:
+        if backend.returning and not need_old:
             returning = [*info.pk_columns]
             if vcol is not None:
                 returning.append(vcol)
@@ -142,7 +154,9 @@ def fire_many(
             for row in rows:
                 key = tuple(row[:npk])
                 done.add(key)
-                applied_rows.append((key, row[-1], row[npk] if vcol is not None else None))
+                applied_rows.append(
+                    (key, row[-1], row[npk] if vcol is not None else None, trigger.sources[0])
+                )
             rest = [k for k in chunk if k not in done]
             if rest:
                 found = _sql.execute(
@@ -157,6 +171,7 @@ def fire_many(
         else:
             # No UPDATE RETURNING: lock the batch in key order and let the
             # database evaluate the trigger's condition on the latest rows.
+            _sql.sqlite_write_lock(conn)
             probe = (
                 select(*read_cols, state_cond.label("sg_ok"))
                 .where(keys_in)
@@ -185,12 +200,20 @@ def fire_many(
                     old_state = m._from_db(r[npk])
                     dest = m.target_of(trigger.name, old_state)
                     version = r[npk + 1] + 1 if vcol is not None else None
-                    applied_rows.append((k, m._to_db[dest], version))
+                    applied_rows.append((k, m._to_db[dest], version, old_state))
 
     expire = [attr for attr, _, _ in items]
     for edge in trigger.edges:
         expire.extend(edge.values)
-    for key, db_state, version in applied_rows:
+    if m.history_enabled and applied_rows:
+        from . import history
+
+        log_rows = [(k, src, m._from_db(st), v) for k, st, v, src in applied_rows]
+        for start in range(0, len(log_rows), chunk_size):
+            history.record(
+                conn, trigger, log_rows[start : start + chunk_size], None, history.meta_of(metadata)
+            )
+    for key, db_state, version, _source in applied_rows:
         state = m._from_db(db_state)
         result_obj = Result(
             Outcome.APPLIED,
@@ -280,7 +303,9 @@ def fire_where(
     keys: list[tuple[Any, ...]]
     states: list[Any]
     versions: list[int | None]
-    if backend.returning:
+    sources: list[Any]
+    need_old = m.history_enabled and len(trigger.sources) > 1
+    if backend.returning and not need_old:
         where: ColumnElement[bool]
         if limit is None:
             where = condition & state_cond
@@ -303,6 +328,7 @@ def fire_where(
         keys = [tuple(r[:npk]) for r in rows]
         states = [r[npk] for r in rows]
         versions = [r[npk + 1] if vcol is not None else None for r in rows]
+        sources = [trigger.sources[0]] * len(rows)
     else:
         cols: list[Any] = [*info.pk_columns, state_col]
         if vcol is not None:
@@ -310,9 +336,10 @@ def fire_where(
         pick = select(*cols).where(condition, state_cond).order_by(*info.pk_columns)
         if limit is not None:
             pick = pick.limit(limit)
+        _sql.sqlite_write_lock(conn)
         found = _sql.execute(conn, pick.with_for_update(skip_locked=True), params).all()
         keys = [tuple(r[:npk]) for r in found]
-        states, versions = [], []
+        states, versions, sources = [], [], []
         if keys:
             single = npk == 1
             result = _sql.execute(
@@ -325,12 +352,21 @@ def fire_where(
                     f"stateguard: sweep {trigger!r} matched {result.rowcount} of {len(keys)} locked rows"
                 )
             for r in found:
-                dest = m.target_of(trigger.name, m._from_db(r[npk]))
+                old_state = m._from_db(r[npk])
+                dest = m.target_of(trigger.name, old_state)
+                sources.append(old_state)
                 states.append(m._to_db[dest])
                 versions.append(r[npk + 1] + 1 if vcol is not None else None)
     expire = [attr for attr, _, _ in items]
     for edge in trigger.edges:
         expire.extend(edge.values)
+    if m.history_enabled and keys:
+        from . import history
+
+        log_rows = [
+            (k, src, m._from_db(st), v) for k, st, v, src in zip(keys, states, versions, sources, strict=True)
+        ]
+        history.record(conn, trigger, log_rows, None, None)
     for key, db_state, version in zip(keys, states, versions, strict=True):
         state = m._from_db(db_state)
         for edge in trigger.edges:

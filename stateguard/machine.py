@@ -352,6 +352,7 @@ class Trigger:
                     )
             if len(self.sources) > 1:
                 # Several possible sources: lock the row and read the real one first.
+                _sql.sqlite_write_lock(conn)
                 locked: Any = _sql.execute(conn, m._lock_stmt(conn.dialect), info.key_params(key)).first()
                 if locked is None:
                     return Result(
@@ -459,6 +460,7 @@ class Trigger:
         *,
         values: Mapping[str, Any] | None = None,
         chunk_size: int = 1000,
+        metadata: Mapping[str, Any] | None = None,
     ) -> dict[Any, Result]:
         """Fire the trigger on many rows with one UPDATE per chunk; a Result per key.
 
@@ -471,7 +473,7 @@ class Trigger:
         """
         from .bulk import fire_many
 
-        return fire_many(self, session, targets, values=values, chunk_size=chunk_size)
+        return fire_many(self, session, targets, values=values, chunk_size=chunk_size, metadata=metadata)
 
     def where(
         self,

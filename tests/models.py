@@ -118,3 +118,24 @@ class Message(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     message_id: Mapped[str] = mapped_column(String(10), unique=True)
     consumer: Mapped[str] = mapped_column(String(20), default="c")
+
+
+class Invoice(Base):
+    """A machine with history=True; 'void' has several sources."""
+
+    __tablename__ = "invoices"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    status: Mapped[str] = mapped_column(String(20), default="draft")
+    version: Mapped[int] = version_column()
+
+    flow = StateMachine(
+        "status",
+        states=["draft", "sent", "paid", "void"],
+        transitions=[
+            {"trigger": "send", "source": "draft", "dest": "sent"},
+            {"trigger": "pay", "source": "sent", "dest": "paid"},
+            {"trigger": "void", "source": ["draft", "sent", "paid"], "dest": "void"},
+            {"trigger": "reopen", "source": "void", "dest": "draft"},
+        ],
+        history=True,
+    )

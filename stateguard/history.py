@@ -1,0 +1,219 @@
+"""An exact transition history, written in the same transaction as each transition.
+
+Enabled per machine with ``StateMachine(..., history=True)``.  Every APPLIED
+transition inserts one row into ``stateguard_transition_log``; REPEATED,
+REJECTED and NOT_FOUND write nothing.  The source state logged is the row's
+real previous state: for a trigger with a single source it is that source
+(the UPDATE only matched rows in it); for a trigger with several sources the
+row is first read with a locking read (``FOR UPDATE`` on PostgreSQL and
+MariaDB; SQLite has one writer at a time), so the UPDATE that follows cannot
+see anything else.
+
+With a ``request_id``, the log's unique index on (model, machine, key,
+trigger, request_id) makes repeat detection exact even after the row moved
+on: a retried ``pay`` that arrives after the order was shipped finds its own
+log row and reports REPEATED, while a ``pay`` with another request id is
+REJECTED.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Column,
+    Connection,
+    DateTime,
+    Index,
+    Integer,
+    String,
+    Table,
+    and_,
+    bindparam,
+    func,
+    insert,
+    select,
+)
+from sqlalchemy import exc as sa_exc
+
+from . import _sql
+from .exceptions import InvalidArgument, SerializationConflict
+from .tables import metadata
+
+if TYPE_CHECKING:
+    from .machine import StateMachine, Trigger
+
+__all__ = ["HistoryEntry", "transition_log"]
+
+#: Longest request id accepted (bytes of UTF-8 are not counted: characters).
+MAX_REQUEST_ID = 200
+
+transition_log = Table(
+    "stateguard_transition_log",
+    metadata,
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
+    Column("model", String(200), nullable=False),
+    Column("machine", String(100), nullable=False),
+    Column("row_key", String(255), nullable=False),
+    Column("trigger", String(100), nullable=False),
+    Column("source", String(100), nullable=False),
+    Column("dest", String(100), nullable=False),
+    Column("version", Integer, nullable=True),
+    Column("at", DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()),
+    Column("request_id", String(MAX_REQUEST_ID), nullable=True),
+    Column("meta", JSON, nullable=True),
+    Index("ix_stateguard_transition_log_row", "model", "machine", "row_key", "id"),
+    Index(
+        "uq_stateguard_transition_log_request",
+        "model",
+        "machine",
+        "row_key",
+        "trigger",
+        "request_id",
+        unique=True,
+    ),
+)
+
+
+class HistoryEntry(NamedTuple):
+    """One logged transition, as returned by :meth:`StateMachine.history`."""
+
+    trigger: str
+    source: Any
+    dest: Any
+    at: datetime.datetime
+    request_id: str | None
+    metadata: Any
+    version: int | None
+
+
+def row_key(key: tuple[Any, ...]) -> str:
+    """The primary key as stored in the log: JSON of the key (a list for composite keys)."""
+    value: Any = key[0] if len(key) == 1 else list(key)
+    return json.dumps(value, separators=(",", ":"), default=str, sort_keys=True)
+
+
+def check_request(request_id: Any, meta: Any) -> None:
+    if request_id is not None and (
+        not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID
+    ):
+        raise InvalidArgument(
+            f"request_id must be a non-empty string of at most {MAX_REQUEST_ID} characters, "
+            f"got {request_id!r}"
+        )
+    if meta is not None:
+        try:
+            json.dumps(meta)
+        except (TypeError, ValueError) as error:
+            raise InvalidArgument(f"metadata must be JSON-serialisable: {error}") from error
+
+
+_lookup = (
+    select(transition_log.c.dest, transition_log.c.version)
+    .where(
+        transition_log.c.model == bindparam("sg_model"),
+        transition_log.c.machine == bindparam("sg_machine"),
+        transition_log.c.row_key == bindparam("sg_row_key"),
+        transition_log.c.trigger == bindparam("sg_trigger"),
+        transition_log.c.request_id == bindparam("sg_request_id"),
+    )
+    .limit(1)
+)
+
+
+def applied_by_request(
+    conn: Connection, machine: StateMachine[Any], trigger: str, key: tuple[Any, ...], request_id: str
+) -> Any:
+    """The logged row (dest, version) if ``request_id`` already applied ``trigger`` to ``key``."""
+    return _sql.execute(
+        conn,
+        _lookup,
+        {
+            "sg_model": machine.info.table.fullname,
+            "sg_machine": machine.name,
+            "sg_row_key": row_key(key),
+            "sg_trigger": trigger,
+            "sg_request_id": request_id,
+        },
+    ).first()
+
+
+def record(
+    conn: Connection,
+    trigger: Trigger,
+    entries: Sequence[tuple[tuple[Any, ...], Any, Any, int | None]],
+    request_id: str | None,
+    meta: Any,
+) -> None:
+    """Insert log rows ``(key, source, dest, version)`` with one (multi-row) INSERT."""
+    if not entries:
+        return
+    m = trigger.machine
+    model = m.info.table.fullname
+    rows = [
+        {
+            "model": model,
+            "machine": m.name,
+            "row_key": row_key(key),
+            "trigger": trigger.name,
+            "source": m._name(source),
+            "dest": m._name(dest),
+            "version": version,
+            "request_id": request_id,
+            "meta": meta,
+        }
+        for key, source, dest, version in entries
+    ]
+    try:
+        if len(rows) == 1:
+            _sql.execute(conn, insert(transition_log), rows[0])
+        else:
+            _sql.execute(conn, insert(transition_log).values(rows))
+    except sa_exc.IntegrityError as error:
+        # Two calls with the same request id raced after the row came back to a
+        # source state: the unique index refused the second.  A retry of the
+        # unit of work finds the first one's log row and reports REPEATED.
+        raise SerializationConflict(
+            f"{trigger!r}: request {request_id!r} was applied concurrently by another call; "
+            f"roll back and retry (retry_on_conflict() does this)"
+        ) from error
+
+
+def history(session: Any, machine: StateMachine[Any], target: Any) -> list[HistoryEntry]:
+    info = machine.info
+    key, _ = _sql.resolve_target(session, info, target)
+    log = transition_log
+    stmt = (
+        select(log.c.trigger, log.c.source, log.c.dest, log.c.at, log.c.request_id, log.c.meta, log.c.version)
+        .where(
+            and_(
+                log.c.model == info.table.fullname,
+                log.c.machine == machine.name,
+                log.c.row_key == row_key(key),
+            )
+        )
+        .order_by(log.c.id)
+    )
+    conn = session.connection(bind_arguments=machine._bind_args)
+    names = {machine._name(s): s for s in machine.states}
+    return [
+        HistoryEntry(
+            r.trigger,
+            names.get(r.source, r.source),
+            names.get(r.dest, r.dest),
+            r.at,
+            r.request_id,
+            r.meta,
+            r.version,
+        )
+        for r in _sql.execute(conn, stmt)
+    ]
+
+
+def meta_of(value: Mapping[str, Any] | None) -> Any:
+    return None if value is None else dict(value)

@@ -1,0 +1,36 @@
+"""stateguard's own tables, on one ``MetaData``: the transition log (and, as
+they land, the counter ledger, idempotency keys, tokens and worker leases).
+
+Create them with the alembic revisions in ``migrations/`` (branch label
+``stateguard``) or, without alembic, with :func:`create_tables`.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import Connection, Engine, MetaData
+
+__all__ = ["create_tables", "drop_tables", "metadata"]
+
+#: The MetaData holding every stateguard table.
+metadata = MetaData()
+
+
+def _load() -> None:
+    # Table definitions live next to the code that uses them; importing the
+    # modules registers them on ``metadata``.
+    from . import history  # noqa: F401
+
+
+def create_tables(bind: Engine | Connection) -> None:
+    """Create every stateguard table that does not exist yet (no alembic needed)::
+
+    stateguard.create_tables(engine)
+    """
+    _load()
+    metadata.create_all(bind, checkfirst=True)
+
+
+def drop_tables(bind: Engine | Connection) -> None:
+    """Drop every stateguard table (for tests and teardown)."""
+    _load()
+    metadata.drop_all(bind, checkfirst=True)
