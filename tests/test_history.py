@@ -83,7 +83,7 @@ def test_request_id_repeat_is_exact_after_the_row_moved_on(engine: Any) -> None:
 
 
 def test_history_statement_counts(engine: Any) -> None:
-    """Single source: UPDATE + log INSERT; a request id adds one lookup; several sources add a locking read."""
+    """Single source: UPDATE + log INSERT; a request id adds a lookup; several sources add a locked read."""
     _invoices(engine, 3)
     with Session(engine) as s, s.begin():
         s.connection()
@@ -158,7 +158,7 @@ def test_log_rows_equal_applied_count_under_a_16_thread_storm(engine: Any, backe
                 key = rnd.randint(1, n_rows)
                 trig = rnd.choice(["send", "pay", "void", "reopen"])
 
-                def unit() -> Any:
+                def unit(trig: str = trig, key: int = key) -> Any:
                     with Session(engine) as s, s.begin():
                         return Invoice.flow.fire(s, trig, key)
 
@@ -193,9 +193,8 @@ def test_same_request_racing_after_a_cycle_is_refused_by_the_unique_index(engine
     _invoices(engine, 1)
     with Session(engine) as s, s.begin():
         Invoice.flow.send(s, 1, request_id="dup")
-    with Session(engine) as s:
-        with pytest.raises(SerializationConflict), s.begin():
-            from stateguard import history
+    with Session(engine) as s, pytest.raises(SerializationConflict), s.begin():
+        from stateguard import history
 
-            conn = s.connection()
-            history.record(conn, Invoice.flow.send, [((1,), "draft", "sent", 9)], "dup", None)
+        conn = s.connection()
+        history.record(conn, Invoice.flow.send, [((1,), "draft", "sent", 9)], "dup", None)
