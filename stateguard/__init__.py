@@ -24,10 +24,12 @@ from .exceptions import (
     TransitionRejected,
     UnknownTrigger,
 )
+from .history import HistoryEntry
 from .inserts import insert_once
 from .machine import StateMachine, Trigger
 from .result import Outcome, Result
 from .retry import retry_on_conflict
+from .tables import create_tables, drop_tables, migrations_location
 from .versioning import fence_column, guarded_update, version_column
 
 __version__ = "0.1.0"
@@ -35,6 +37,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ConfigurationError",
     "DeadlockDetected",
+    "HistoryEntry",
     "InsufficientQuantity",
     "InvalidArgument",
     "LockLost",
@@ -52,9 +55,12 @@ __all__ = [
     "TransitionRejected",
     "Trigger",
     "UnknownTrigger",
+    "create_tables",
+    "drop_tables",
     "fence_column",
     "guarded_update",
     "insert_once",
+    "migrations_location",
     "retry_on_conflict",
     "sqlite_engine",
     "version_column",

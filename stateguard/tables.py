@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from sqlalchemy import Connection, Engine, MetaData
 
-__all__ = ["create_tables", "drop_tables", "metadata"]
+__all__ = ["create_tables", "drop_tables", "metadata", "migrations_location"]
 
 #: The MetaData holding every stateguard table.
 metadata = MetaData()
@@ -19,6 +19,21 @@ def _load() -> None:
     # Table definitions live next to the code that uses them; importing the
     # modules registers them on ``metadata``.
     from . import history  # noqa: F401
+
+
+def migrations_location() -> str:
+    """The absolute path of stateguard's alembic revisions (branch label ``stateguard``).
+
+    Add it to your alembic ``version_locations`` and run
+    ``alembic upgrade stateguard@head``::
+
+        cfg.set_main_option(
+            "version_locations", f"{here}/versions {stateguard.migrations_location()}"
+        )
+    """
+    from importlib.resources import files
+
+    return str(files("stateguard.migrations").joinpath("versions"))
 
 
 def create_tables(bind: Engine | Connection) -> None:
