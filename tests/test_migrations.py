@@ -54,7 +54,7 @@ def _config(tmp_path: Path, url: str) -> Config:
 def test_upgrade_creates_exactly_the_metadata_tables_and_downgrade_removes_them(
     backend: Backend, tmp_path: Path
 ) -> None:
-    """`alembic upgrade stateguard@head` creates tables identical to stateguard's metadata; downgrade drops them."""
+    """Upgrading stateguard@head creates tables matching stateguard's metadata; downgrading drops them."""
     cfg = _config(tmp_path, backend.url)
     command.upgrade(cfg, "stateguard@head")
     try:
