@@ -23,7 +23,7 @@ def _engine(name: str, url: str) -> Any:
 def fire_storm(
     name: str, url: str, trigger: str, keys: list[int], worker: str, barrier: Any, seed: int
 ) -> dict[str, int]:
-    """Fire ``trigger`` at every key (shuffled), recording a side effect per APPLIED in the same transaction."""
+    """Fire ``trigger`` at every key (shuffled); a side effect per APPLIED, in the same transaction."""
     engine = _engine(name, url)
     counts = {o.name: 0 for o in Outcome}
     order = list(keys)
