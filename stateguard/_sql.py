@@ -133,19 +133,6 @@ def classify_db_error(error: BaseException) -> type[StateguardError] | None:
     orig = error.orig if isinstance(error, sa_exc.DBAPIError) else error
     if orig is None:
         return None
-    sqlstate = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
-    if sqlstate == _PG_DEADLOCK:
-        return DeadlockDetected
-    if sqlstate == _PG_SERIALIZATION:
-        return SerializationConflict
-    if sqlstate == _PG_LOCK_NOT_AVAILABLE:
-        return LockNotAcquired
-    code = getattr(orig, "sqlite_errorcode", None)
-    if isinstance(code, int):
-        # SQLITE_BUSY (a writer held the lock past the busy timeout) and
-        # SQLITE_BUSY_SNAPSHOT (a deferred read transaction could not be
-        # upgraded to a write because another connection committed since).
-        return SerializationConflict if code & 0xFF == _SQLITE_BUSY else None
     args = getattr(orig, "args", ())
     if (
         args
@@ -154,12 +141,28 @@ def classify_db_error(error: BaseException) -> type[StateguardError] | None:
             ("pymysql", "MySQLdb", "mysql", "mariadb", "asyncmy", "aiomysql")
         )
     ):
+        # MySQL drivers: the error number is exact (SQLSTATE 40001 covers both
+        # deadlocks and other rollbacks there), so it is checked first.
         if args[0] == _MYSQL_DEADLOCK:
             return DeadlockDetected
         if args[0] == _MYSQL_RECORD_CHANGED:
             return SerializationConflict
         if args[0] in (_MYSQL_LOCK_WAIT_TIMEOUT, _MYSQL_NOWAIT):
             return LockNotAcquired
+        return None
+    code = getattr(orig, "sqlite_errorcode", None)
+    if isinstance(code, int):
+        # SQLITE_BUSY (a writer held the lock past the busy timeout) and
+        # SQLITE_BUSY_SNAPSHOT (a deferred read transaction could not be
+        # upgraded to a write because another connection committed since).
+        return SerializationConflict if code & 0xFF == _SQLITE_BUSY else None
+    sqlstate = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    if sqlstate == _PG_DEADLOCK:
+        return DeadlockDetected
+    if sqlstate == _PG_SERIALIZATION:
+        return SerializationConflict
+    if sqlstate == _PG_LOCK_NOT_AVAILABLE:
+        return LockNotAcquired
     return None
 
 

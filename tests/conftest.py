@@ -169,6 +169,18 @@ def pg(namespaces: _Namespaces) -> Iterator[Backend]:
 
 
 @pytest.fixture
+def sqlite(namespaces: _Namespaces) -> Iterator[Backend]:
+    """SQLite only (a file database)."""
+    url = namespaces.url("sqlite")
+    engine = _engines.get("sqlite")
+    if engine is None:
+        engine = _engines["sqlite"] = make_engine("sqlite", url)
+    b = Backend("sqlite", url, engine)
+    yield b
+    b._drop()
+
+
+@pytest.fixture
 def mariadb(namespaces: _Namespaces) -> Iterator[Backend]:
     """MariaDB only."""
     url = namespaces.url("mariadb")
