@@ -348,7 +348,7 @@ def test_bad_input_is_typed_and_changes_nothing(engine: Any) -> None:
 
 @pytest.mark.parametrize("level", ["REPEATABLE READ", "SERIALIZABLE"])
 def test_serialization_failures_become_retryable_conflicts(pg: Backend, level: str) -> None:
-    """At REPEATABLE READ / SERIALIZABLE a concurrent change raises SerializationConflict; a retry is REPEATED."""
+    """At REPEATABLE READ / SERIALIZABLE a lost race raises SerializationConflict; a retry is REPEATED."""
     engine = pg.create(Base.metadata)
     with Session(engine) as s, s.begin():
         s.add(Order(id=1))
