@@ -673,10 +673,10 @@ class StateMachine(Generic[S]):
         return state.name if isinstance(state, enum.Enum) else str(state)
 
     def __set_name__(self, owner: type[Any], name: str) -> None:
+        # Validation waits for the mapper (see _bind): Python 3.11 wraps any
+        # exception raised here in a RuntimeError, hiding ConfigurationError.
         self.name = name
         self._owner_name = owner.__name__
-        self._declare()
-        _machines_by_owner.setdefault(owner, []).append(self)
 
     def _declare(self) -> None:
         if self.triggers:
@@ -784,9 +784,10 @@ class StateMachine(Generic[S]):
             )
 
     def _bind(self, mapper: Mapper[Any], cls: type[Any]) -> None:
-        """Attach to the mapped class; checks that need the mapping run here."""
+        """Attach to the mapped class and validate the whole declaration."""
         self.model = cls
         self._owner_name = cls.__name__
+        self._declare()
         try:
             prop = mapper.get_property(self.attr, _configure_mappers=False)
         except InvalidRequestError:
@@ -1023,9 +1024,6 @@ def _check_guard(machine: StateMachine[Any], trigger: str, expr: Any, mapper: Ma
                 f"{machine._where()}: 'where' of trigger {trigger!r} uses {node.table.name}.{node.name}; "
                 f"a guard must only use columns of {table.name}"  # type: ignore[attr-defined]
             )
-
-
-_machines_by_owner: dict[type, list[StateMachine[Any]]] = {}
 
 
 def machines_of(cls: type[Any]) -> list[StateMachine[Any]]:
