@@ -32,7 +32,7 @@ from sqlalchemy import ColumnElement, any_, bindparam, select, tuple_, update
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
 
-from . import _commit, _sql
+from . import _sql
 from .exceptions import InvalidArgument
 from .result import Outcome, Result
 
@@ -214,21 +214,8 @@ def fire_many(
                 conn, trigger, log_rows[start : start + chunk_size], None, history.meta_of(metadata)
             )
     for key, db_state, version, _source in applied_rows:
-        state = m._from_db(db_state)
-        result_obj = Result(
-            Outcome.APPLIED,
-            model=info.model,
-            key=_sql.public_key(key),
-            trigger=trigger.name,
-            state=state,
-            version=version,
-            session=session,
-        )
+        result_obj = trigger._applied(session, key, m._from_db(db_state), version)
         out[result_obj.key] = result_obj
-        for edge in trigger.edges:
-            if edge.after_commit and edge.dest == state:
-                for fn in edge.after_commit:
-                    _commit.schedule(session, fn, (result_obj,), {})
         _sync(session, info, m.attr, instances.get(key), key, db_state, version, expire)
     for entry in unapplied:
         key = entry[0]
@@ -368,19 +355,6 @@ def fire_where(
         ]
         history.record(conn, trigger, log_rows, None, None)
     for key, db_state, version in zip(keys, states, versions, strict=True):
-        state = m._from_db(db_state)
-        for edge in trigger.edges:
-            if edge.after_commit and edge.dest == state:
-                res = Result(
-                    Outcome.APPLIED,
-                    model=info.model,
-                    key=_sql.public_key(key),
-                    trigger=trigger.name,
-                    state=state,
-                    version=version,
-                    session=session,
-                )
-                for fn in edge.after_commit:
-                    _commit.schedule(session, fn, (res,), {})
+        trigger._applied(session, key, m._from_db(db_state), version)
         _sync(session, info, m.attr, None, key, db_state, version, expire)
     return [_sql.public_key(k) for k in keys]

@@ -421,20 +421,7 @@ class Trigger:
                 history.record(
                     conn, self, [(key, source, state, version)], request_id, history.meta_of(metadata)
                 )
-            out = Result(
-                Outcome.APPLIED,
-                model=info.model,
-                key=_sql.public_key(key),
-                trigger=self.name,
-                state=state,
-                version=version,
-                expected_version=expected_version,
-                session=session,
-            )
-            for edge in self.edges:
-                if edge.after_commit and (len(self.edges) == 1 or edge.dest == state):
-                    for fn in edge.after_commit:
-                        _commit.schedule(session, fn, (out,), {})
+            out = self._applied(session, key, state, version, expected_version)
             if instance is None:
                 instance = _sql.identity_instance(session, info, key)
             if instance is not None:
@@ -452,6 +439,31 @@ class Trigger:
                 _sql.sync_instance(session, instance, committed, expire)
             return out
         return self._classify(session, conn, info, key, instance, expected_version, fence)
+
+    def _applied(
+        self,
+        session: Session,
+        key: tuple[Any, ...],
+        state: Any,
+        version: int | None,
+        expected_version: int | None = None,
+    ) -> Result:
+        """The APPLIED result for ``key``, with the edge's after-commit callbacks scheduled."""
+        out = Result(
+            Outcome.APPLIED,
+            model=self.machine.info.model,
+            key=_sql.public_key(key),
+            trigger=self.name,
+            state=state,
+            version=version,
+            expected_version=expected_version,
+            session=session,
+        )
+        for edge in self.edges:
+            if edge.after_commit and edge.dest == state:
+                for fn in edge.after_commit:
+                    _commit.schedule(session, fn, (out,), {})
+        return out
 
     def many(
         self,

@@ -139,14 +139,7 @@ _engines: dict[str, Engine] = {}
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest, namespaces: _Namespaces) -> Iterator[Backend]:
     """Each backend in turn; the test creates its tables with ``backend.create``."""
-    name: str = request.param
-    url = namespaces.url(name)
-    engine = _engines.get(name)
-    if engine is None:
-        engine = _engines[name] = make_engine(name, url)
-    b = Backend(name, url, engine)
-    yield b
-    b._drop()
+    yield from _only(request.param, namespaces)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -156,40 +149,32 @@ def _dispose_engines() -> Iterator[None]:
         engine.dispose()
 
 
+def _only(name: str, namespaces: _Namespaces) -> Iterator[Backend]:
+    url = namespaces.url(name)
+    engine = _engines.get(name)
+    if engine is None:
+        engine = _engines[name] = make_engine(name, url)
+    b = Backend(name, url, engine)
+    yield b
+    b._drop()
+
+
 @pytest.fixture
 def pg(namespaces: _Namespaces) -> Iterator[Backend]:
     """PostgreSQL only (for behaviour that exists only there)."""
-    url = namespaces.url("postgresql")
-    engine = _engines.get("postgresql")
-    if engine is None:
-        engine = _engines["postgresql"] = make_engine("postgresql", url)
-    b = Backend("postgresql", url, engine)
-    yield b
-    b._drop()
+    yield from _only("postgresql", namespaces)
 
 
 @pytest.fixture
 def sqlite(namespaces: _Namespaces) -> Iterator[Backend]:
     """SQLite only (a file database)."""
-    url = namespaces.url("sqlite")
-    engine = _engines.get("sqlite")
-    if engine is None:
-        engine = _engines["sqlite"] = make_engine("sqlite", url)
-    b = Backend("sqlite", url, engine)
-    yield b
-    b._drop()
+    yield from _only("sqlite", namespaces)
 
 
 @pytest.fixture
 def mariadb(namespaces: _Namespaces) -> Iterator[Backend]:
     """MariaDB only."""
-    url = namespaces.url("mariadb")
-    engine = _engines.get("mariadb")
-    if engine is None:
-        engine = _engines["mariadb"] = make_engine("mariadb", url)
-    b = Backend("mariadb", url, engine)
-    yield b
-    b._drop()
+    yield from _only("mariadb", namespaces)
 
 
 class StatementCounter:

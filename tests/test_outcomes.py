@@ -46,7 +46,6 @@ class Job(JobBase):
     )
 
 
-
 @pytest.fixture
 def engine(backend: Backend) -> Any:
     eng = backend.create(Base.metadata)
