@@ -5,7 +5,9 @@ was scheduled (the innermost savepoint, or the root).  When a savepoint
 commits, its callbacks move to the enclosing transaction; when any
 transaction ends without committing (rollback, close), the callbacks it owns,
 or that its inner savepoints own, are dropped.  When the root commits, the
-remaining callbacks run in the order they were scheduled.
+remaining callbacks run in the order they were scheduled, once the root
+transaction is closed: its connection is back in the pool and the session is
+usable, so a failing callback cannot leave the session half-committed.
 
 SQLAlchemy dispatches ``after_commit`` both for the root and for a released
 savepoint (``SessionTransaction.commit``), and ``after_transaction_end`` for
@@ -44,12 +46,15 @@ def schedule(
     entries.append([owner, fn, args, kwargs])
 
 
-def _within(owner: SessionTransaction | None, ancestor: SessionTransaction) -> bool:
-    while owner is not None:
+def _within(owner: Any, ancestor: SessionTransaction) -> bool:
+    while isinstance(owner, SessionTransaction):
         if owner is ancestor:
             return True
         owner = owner.parent
     return False
+
+
+_COMMITTED = object()  # owner marker: the root committed, run after it closes
 
 
 @event.listens_for(Session, "after_commit")
@@ -60,15 +65,27 @@ def _after_commit(session: Session) -> None:
     # The committing transaction has not been closed yet, so it is still the
     # session's current (nested) transaction.
     nested = session.get_nested_transaction()
-    if nested is not None:
-        parent = nested.parent
-        for entry in entries:
-            if entry[0] is nested:
-                entry[0] = parent
+    target: Any = nested.parent if nested is not None else _COMMITTED
+    for entry in entries:
+        if nested is None or entry[0] is nested:
+            entry[0] = target
+
+
+@event.listens_for(Session, "after_transaction_end")
+def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
+    entries: list[_Entry] | None = session.__dict__.get(_ATTR)
+    if not entries:
         return
+    if transaction.parent is not None:
+        entries[:] = [e for e in entries if not _within(e[0], transaction)]
+        return
+    # The root transaction is closed (connections released, session usable):
+    # run what its commit made ready, drop the rest (rollback or close).
     session.__dict__[_ATTR] = []
     errors: list[BaseException] = []
-    for _, fn, args, kwargs in entries:
+    for owner, fn, args, kwargs in entries:
+        if owner is not _COMMITTED:
+            continue
         try:
             fn(*args, **kwargs)
         except Exception as exc:  # run every callback even if one fails
@@ -78,17 +95,6 @@ def _after_commit(session: Session) -> None:
         # The transaction is committed; the first failure is re-raised so that
         # it is not silently lost (the others were logged).
         raise errors[0]
-
-
-@event.listens_for(Session, "after_transaction_end")
-def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
-    entries: list[_Entry] | None = session.__dict__.get(_ATTR)
-    if not entries:
-        return
-    if transaction.parent is None:
-        entries.clear()
-    else:
-        entries[:] = [e for e in entries if not _within(e[0], transaction)]
 
 
 def pending(session: Session) -> int:

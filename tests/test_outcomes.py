@@ -447,3 +447,20 @@ def test_sqlite_busy_snapshot_is_a_serialization_conflict(sqlite: Backend) -> No
             reader.rollback()
     finally:
         wal.dispose()
+
+
+def test_a_failing_after_commit_callback_leaves_the_session_usable(engine: Any) -> None:
+    """Every callback runs; the first failure is re-raised after the commit; the session stays usable."""
+    calls: list[str] = []
+
+    def boom() -> None:
+        raise ValueError("callback failed")
+
+    with Session(engine) as s:
+        with pytest.raises(ValueError, match="callback failed"), s.begin():
+            Order.flow.pay(s, 1).on_commit(boom)
+            Order.flow.pay(s, 2).on_commit(calls.append, "never: REPEATED")
+            Order.flow.cancel(s, 2).on_commit(calls.append, "second")
+        assert calls == ["second"]
+        with s.begin():
+            assert s.get_one(Order, 1).status == "paid"  # committed despite the failing callback
