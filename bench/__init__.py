@@ -1,0 +1,1 @@
+"""stateguard's benchmarks: ``python -m bench run [--db URL ...] [--quick]``."""
