@@ -6,6 +6,7 @@ the affected-row count (or the conflict) says what happened.  See README.md.
 
 from __future__ import annotations
 
+from .counters import decrement, increment, release, reserve
 from .engine import sqlite_engine
 from .exceptions import (
     ConfigurationError,
@@ -56,11 +57,15 @@ __all__ = [
     "Trigger",
     "UnknownTrigger",
     "create_tables",
+    "decrement",
     "drop_tables",
     "fence_column",
     "guarded_update",
+    "increment",
     "insert_once",
     "migrations_location",
+    "release",
+    "reserve",
     "retry_on_conflict",
     "sqlite_engine",
     "version_column",

@@ -274,6 +274,8 @@ class ModelInfo:
         )
 
     def key_params(self, key: tuple[Any, ...]) -> dict[str, Any]:
+        if len(key) == 1:
+            return {"sg_pk0": key[0]}
         return dict(zip(self.pk_names, key, strict=True))
 
     def read(self, columns: Sequence[Column[Any]], backend: Backend) -> Select[Any]:

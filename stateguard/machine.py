@@ -112,6 +112,7 @@ class Trigger:
         self.edges = edges
         self.sources = tuple(dict.fromkeys(s for e in edges for s in e.sources))
         self.dests = tuple(dict.fromkeys(e.dest for e in edges))
+        self._callbacks = any(e.after_commit for e in edges)
         self._plans: dict[Any, _Plan] = {}
 
     def __repr__(self) -> str:
@@ -328,7 +329,15 @@ class Trigger:
         the row moved on (see :mod:`stateguard.history`).
         """
         m = self.machine
-        info, key, instance, items, has_sql = self._prepare(session, target, values, expected_version, fence)
+        if values is None and expected_version is None and fence is None and type(target) is m._fast_key:
+            # The common call, a scalar primary key and nothing else: skip the
+            # general validation (the key's type is exactly the column's).
+            info, key, instance, has_sql = m.info, (target,), None, False
+            items: tuple[tuple[str, Column[Any], Any], ...] = ()
+        else:
+            info, key, instance, items, has_sql = self._prepare(
+                session, target, values, expected_version, fence
+            )
         if session.autoflush:
             session.flush()
         conn = session.connection(bind_arguments=m._bind_args)
@@ -459,10 +468,11 @@ class Trigger:
             expected_version=expected_version,
             session=session,
         )
-        for edge in self.edges:
-            if edge.after_commit and edge.dest == state:
-                for fn in edge.after_commit:
-                    _commit.schedule(session, fn, (out,), {})
+        if self._callbacks:
+            for edge in self.edges:
+                if edge.after_commit and edge.dest == state:
+                    for fn in edge.after_commit:
+                        _commit.schedule(session, fn, (out,), {})
         return out
 
     def many(
@@ -655,6 +665,7 @@ class StateMachine(Generic[S]):
         self._forbidden: dict[str, str] = {}
         self._bind_args: dict[str, Any] = {}
         self._reads: dict[Dialect, Any] = {}
+        self._fast_key: type | None = None
 
     # -- declaration ----------------------------------------------------------
 
@@ -875,6 +886,9 @@ class StateMachine(Generic[S]):
             if info.fence_attr is not None:
                 forbidden[info.fence_attr] = "it is the fence column; pass fence= instead"
             self._forbidden = forbidden
+            checks = info.pk_checks
+            # A scalar key of exactly this type needs no further validation.
+            self._fast_key = checks[0] if len(checks) == 1 and checks[0] in (int, str) else None
             self._info = info
         return info
 

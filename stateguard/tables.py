@@ -1,5 +1,5 @@
-"""stateguard's own tables, on one ``MetaData``: the transition log (and, as
-they land, the counter ledger, idempotency keys, tokens and worker leases).
+"""stateguard's own tables, on one ``MetaData``: the transition log and the
+counter ledger (and, as they land, idempotency keys, tokens and worker leases).
 
 Create them with the alembic revisions in ``migrations/`` (branch label
 ``stateguard``) or, without alembic, with :func:`create_tables`.
@@ -18,7 +18,7 @@ metadata = MetaData()
 def _load() -> None:
     # Table definitions live next to the code that uses them; importing the
     # modules registers them on ``metadata``.
-    from . import history  # noqa: F401
+    from . import counters, history  # noqa: F401
 
 
 def migrations_location() -> str:
