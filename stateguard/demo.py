@@ -35,6 +35,7 @@ import queue
 import random
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,10 +43,12 @@ from dataclasses import dataclass, field
 from sqlalchemy import Engine, String, func, insert, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
+from .counters import decrement
 from .inserts import insert_once
 from .machine import StateMachine
 from .result import Outcome, Result
 from .retry import retry_on_conflict
+from .tables import create_tables
 from .versioning import guarded_update, version_column
 
 __all__ = [
@@ -56,6 +59,7 @@ __all__ = [
     "DemoReport",
     "DemoRun",
     "DemoSideEffect",
+    "DemoStock",
     "Progress",
     "Request",
     "Scenario",
@@ -111,6 +115,14 @@ class DemoSideEffect(DemoBase):
     action: Mapped[str] = mapped_column(String(20))
     request_id: Mapped[str] = mapped_column(String(60))
     worker: Mapped[str] = mapped_column(String(20))
+
+
+class DemoStock(DemoBase):
+    """One hot stock row for the flash sale (no CHECK: only the guard keeps it >= 0)."""
+
+    __tablename__ = "sg_demo_stock"
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    amount: Mapped[int]
 
 
 class DemoInbox(DemoBase):
@@ -544,6 +556,37 @@ def insert_once_consumer(run: DemoRun) -> list[SchemeRow]:
 
     tally = run.fire(run.plan([paid, shipped]), deliver)
     return [run.row(scheme, "message consumer redelivery, insert_once", tally)]
+
+
+@scenario("flash sale")
+def flash_sale(run: DemoRun) -> list[SchemeRow]:
+    """More buyers than stock, every purchase retried: ``decrement`` with a ref per purchase."""
+    scheme = "flash sale"
+    stock = max(1, run.orders // 4)
+    token = uuid.uuid4().hex[:8]  # refs are unique per run: the ledger outlives the demo tables
+    create_tables(run.engine)
+    with run.engine.begin() as conn:
+        conn.execute(insert(DemoStock), [{"id": 1, "amount": stock}])
+    buyers = run.create_orders(run.orders)
+    purchases = [[Request(buyer, "buy")] for buyer in buyers]
+
+    def deliver(session: Session, request: Request, worker: str) -> Result:
+        result = decrement(session, DemoStock.amount, 1, by=1, ref=f"demo-{token}-{request.request_id}")
+        if result.applied:
+            run.side_effect(session, scheme, request, worker)
+        return result
+
+    tally = run.fire(run.plan([purchases]), deliver)
+    with run.engine.connect() as conn:
+        left = int(conn.scalar(select(DemoStock.amount).where(DemoStock.id == 1)) or 0)
+    sold = tally.outcomes[Outcome.APPLIED]
+    problems = []
+    oversell = max(0, sold - stock) + max(0, -left)
+    if oversell or stock - left != sold:
+        problems.append(f"oversell {oversell}: stock {stock}, sold {sold}, left {left}")
+    row = run.row(scheme, f"decrement with a ref per purchase, stock {stock}, oversell {oversell}", tally,
+                  problems=problems)  # fmt: skip
+    return [row]
 
 
 # --------------------------------------------------------------------------
