@@ -6,6 +6,7 @@ the affected-row count (or the conflict) says what happened.  See README.md.
 
 from __future__ import annotations
 
+from . import schema as _schema  # noqa: F401  (registers the legal-edges DDL events)
 from .counters import decrement, increment, release, reserve
 from .engine import sqlite_engine
 from .exceptions import (
@@ -27,6 +28,7 @@ from .exceptions import (
 )
 from .history import HistoryEntry
 from .inserts import insert_once
+from .locks import RedisLock, advisory_lock, row_lock
 from .machine import StateMachine, Trigger
 from .result import Outcome, Result
 from .retry import retry_on_conflict
@@ -47,6 +49,7 @@ __all__ = [
     "NotSupported",
     "Outcome",
     "OutcomeError",
+    "RedisLock",
     "RefConflict",
     "Result",
     "SerializationConflict",
@@ -56,6 +59,7 @@ __all__ = [
     "TransitionRejected",
     "Trigger",
     "UnknownTrigger",
+    "advisory_lock",
     "create_tables",
     "decrement",
     "drop_tables",
@@ -67,6 +71,7 @@ __all__ = [
     "release",
     "reserve",
     "retry_on_conflict",
+    "row_lock",
     "sqlite_engine",
     "version_column",
 ]

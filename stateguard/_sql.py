@@ -353,7 +353,7 @@ def resolve_target(session: Session | None, info: ModelInfo, target: Any) -> tup
         if identity is None:
             if state.pending and session is not None and state.session_id == session.hash_key:
                 # A pending instance has no row yet: flush it, as ORM autoflush would.
-                session.flush([target])
+                session.flush()
                 identity = state.identity
             if identity is None:
                 raise InvalidArgument(

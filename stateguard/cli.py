@@ -3,6 +3,8 @@
 ::
 
     $ stateguard demo --db postgresql+psycopg://postgres@127.0.0.1:5432/test
+    $ stateguard graph myapp.models:Order --format mermaid
+    $ stateguard check myapp.models --db postgresql+psycopg://app@db/app --json
 
 Exit codes: 0 ok, 1 an invariant was violated or problems were found,
 2 usage error (bad arguments, unreachable database, missing driver).
@@ -13,11 +15,15 @@ tested without a subprocess.
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import os
 import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
 from typing import Any, TextIO
 
 from sqlalchemy import Engine, create_engine
@@ -25,8 +31,10 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL, make_url
 
 from . import __version__
+from . import schema as _schema
 from .demo import Progress, SchemeRow, render, run_demo
 from .engine import sqlite_engine
+from .machine import StateMachine, machines_of
 
 __all__ = ["main"]
 
@@ -159,11 +167,12 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0].strip() if text else type(orig).__name__
 
 
-def open_engine(db: str, *, workers: int) -> Engine:
+def open_engine(db: str, *, workers: int, purpose: str = "the demo") -> Engine:
     """An engine for ``db`` that has connected once, or :class:`UsageError` saying why not.
 
     SQLite URLs go through :func:`stateguard.sqlite_engine` (WAL, busy
     timeout, ``BEGIN IMMEDIATE``); the pool has room for every worker.
+    ``purpose`` names the command in the "needs a SQLite file" message.
     """
     try:
         url = make_url(db)
@@ -176,7 +185,7 @@ def open_engine(db: str, *, workers: int) -> Engine:
             database = url.database or ""
             if database in ("", ":memory:") or url.query.get("mode") == "memory":
                 # Every worker needs its own connection to the same database.
-                raise UsageError("the demo needs a SQLite file, e.g. sqlite:///stateguard-demo.db")
+                raise UsageError(f"{purpose} needs a SQLite file, e.g. sqlite:///stateguard-demo.db")
             engine = sqlite_engine(db, **pool)
         else:
             connect_args: dict[str, Any] = {}
@@ -243,6 +252,170 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return EXIT_OK if report.ok else EXIT_PROBLEMS
 
 
+# -- graph and check --------------------------------------------------------
+
+
+def import_module(name: str) -> ModuleType:
+    """Import ``name`` as ``python -m`` would, from the current folder too, or :class:`UsageError`."""
+    if not name or not all(part.isidentifier() for part in name.split(".")):
+        raise UsageError(f"not a module name: {name!r} (e.g. myapp.models)")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        # The console script does not put the current folder on the path; `python -m` does.
+        sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(name)
+    except Exception as error:  # a model module can fail in any way while importing
+        raise UsageError(f"cannot import {name}: {type(error).__name__}: {error}") from error
+
+
+def _model_machines(module: ModuleType, model_name: str) -> tuple[type[Any], list[StateMachine[Any]]]:
+    model = getattr(module, model_name, None)
+    if not isinstance(model, type):
+        raise UsageError(f"{module.__name__} has no class {model_name!r}")
+    machines = [m for m in machines_of(model) if m.model is not None and issubclass(model, m.model)]
+    if not machines:
+        raise UsageError(f"{module.__name__}.{model_name} declares no StateMachine")
+    return model, machines
+
+
+def _split_target(target: str, *, model_required: bool) -> tuple[str, str | None]:
+    module, sep, model = target.partition(":")
+    if not sep:
+        if model_required:
+            raise UsageError(f"expected MODULE:Model, got {target!r} (e.g. stateguard.demo:DemoOrder)")
+        return module, None
+    if not model.isidentifier():
+        raise UsageError(f"not a class name: {model!r} in {target!r}")
+    return module, model
+
+
+def _cmd_graph(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    module_name, model_name = _split_target(args.target, model_required=True)
+    assert model_name is not None
+    model, machines = _model_machines(import_module(module_name), model_name)
+    if args.machine is not None:
+        picked = [m for m in machines if m.name == args.machine]
+        if not picked:
+            names = ", ".join(m.name for m in machines)
+            raise UsageError(f"{model.__name__} has no StateMachine {args.machine!r}; it has: {names}")
+        machine = picked[0]
+    elif len(machines) > 1:
+        names = ", ".join(m.name for m in machines)
+        raise UsageError(f"{model.__name__} has several machines ({names}); pick one with --machine")
+    else:
+        machine = machines[0]
+    try:
+        drawn = _schema.render_graph(machine, args.format)
+    except _schema.GraphvizMissing as error:
+        raise UsageError(str(error)) from error
+    if args.output is not None:
+        path = Path(args.output)
+        try:
+            if isinstance(drawn, bytes):
+                path.write_bytes(drawn)
+            else:
+                path.write_text(drawn, encoding="utf-8")
+        except OSError as error:
+            raise UsageError(f"cannot write {args.output}: {error.strerror or error}") from error
+        return EXIT_OK
+    if isinstance(drawn, bytes):
+        if args.format == "svg":
+            out.write(drawn.decode("utf-8"))
+        else:
+            buffer = getattr(out, "buffer", None)
+            if buffer is None or _isatty(out):
+                raise UsageError(f"{args.format.upper()} is binary: write it to a file with -o FILE")
+            out.flush()
+            buffer.write(drawn)
+            buffer.flush()
+            return EXIT_OK
+    else:
+        out.write(drawn)
+    out.flush()
+    return EXIT_OK
+
+
+_COLORS = {_schema.PROBLEM: "\x1b[31m", _schema.WARNING: "\x1b[33m", "ok": "\x1b[32m"}
+
+
+def _paint(text: str, level: str, color: bool) -> str:
+    return f"{_COLORS[level]}{text}\x1b[0m" if color else text
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    module_name, model_name = _split_target(args.target, model_required=False)
+    module = import_module(module_name)
+    if model_name is not None:
+        machines = _model_machines(module, model_name)[1]
+    else:
+        machines = _schema.machines_in_module(module)
+        if not machines:
+            raise UsageError(f"no StateMachine found in {module_name}")
+    findings: dict[int, list[_schema.Finding]] = {id(m): _schema.check_declaration(m) for m in machines}
+    database: str | None = None
+    if args.db is not None:
+        engine = open_engine(args.db, workers=1, purpose="stateguard check")
+        database = _safe(engine.url)
+        try:
+            with engine.connect() as conn:
+                for m in machines:
+                    findings[id(m)] += _schema.check_database(conn, m)
+        except sa_exc.SQLAlchemyError as error:
+            err.write(f"stateguard check: database error: {_first_line(error)}\n")
+            return EXIT_PROBLEMS
+        finally:
+            engine.dispose()
+    every = [f for m in machines for f in findings[id(m)]]
+    problems = sum(f.level == _schema.PROBLEM for f in every)
+    warnings_ = len(every) - problems
+    if args.json:
+        report = {
+            "ok": problems == 0,
+            "module": module_name,
+            "database": database,
+            "problems": problems,
+            "warnings": warnings_,
+            "machines": [
+                {
+                    "model": m.model.__name__ if m.model is not None else None,
+                    "machine": m.name,
+                    "table": m.state_column.table.name,
+                    "column": m.state_column.name,
+                    "findings": [f.as_dict() for f in findings[id(m)]],
+                }
+                for m in machines
+            ],
+        }
+        out.write(json.dumps(report, indent=2) + "\n")
+        out.flush()
+        return EXIT_PROBLEMS if problems else EXIT_OK
+    color = use_color(out)
+    against = (
+        f", database {database}" if database else " (declarations only; add --db URL to compare a database)"
+    )
+    lines = [f"stateguard check {args.target}: {_plural(len(machines), 'machine')}{against}"]
+    for m in machines:
+        model = m.model.__name__ if m.model is not None else "?"
+        where = f"{model}.{m.name} ({m.state_column.table.name}.{m.state_column.name})"
+        found = findings[id(m)]
+        if not found:
+            lines.append(f"  {where}: {_paint('ok', 'ok', color)}")
+            continue
+        lines.append(f"  {where}")
+        for f in found:
+            lines.append(f"    {_paint(f'{f.level:<8}', f.level, color)} {f.code}: {f.message}")
+    summary = f"{_plural(problems, 'problem')}, {_plural(warnings_, 'warning')}"
+    lines.append(_paint(summary, _schema.PROBLEM if problems else "ok", color))
+    out.write("\n".join(lines) + "\n")
+    out.flush()
+    return EXIT_PROBLEMS if problems else EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``stateguard`` and its commands."""
     parser = argparse.ArgumentParser(
@@ -284,6 +457,44 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed", type=int, default=None, metavar="N", help="seed of the request plan (default: random)"
     )
     demo.set_defaults(handler=_cmd_demo)
+    graph = commands.add_parser(
+        "graph",
+        help="draw a model's declared state graph (Mermaid, DOT, SVG, PNG)",
+        description=(
+            "Draw the state graph a StateMachine declares, through the transitions package's\n"
+            "diagram support.  Mermaid and DOT are text and need nothing extra; SVG and PNG\n"
+            "need Graphviz (apt install graphviz, and pip install graphviz)."
+        ),
+        epilog=_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    graph.add_argument("target", metavar="MODULE:Model", help="e.g. stateguard.demo:DemoOrder")
+    graph.add_argument("--machine", metavar="NAME", help="the machine to draw, when the model has several")
+    graph.add_argument(
+        "--format",
+        choices=_schema.GRAPH_FORMATS,
+        default="mermaid",
+        help="output format (default: mermaid)",
+    )
+    graph.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of standard output")
+    graph.set_defaults(handler=_cmd_graph)
+    check = commands.add_parser(
+        "check",
+        help="validate the state machines of a module, and compare a live database",
+        description=(
+            "Validate every StateMachine found in MODULE (or only MODULE:Model's):\n"
+            "problems are unreachable states and triggers that can never fire; states with\n"
+            "no way out are warnings unless listed in the model's __stateguard_final__.\n"
+            "With --db, also compare the database: missing tables, columns, CHECK constraints,\n"
+            "version columns and legal-edges triggers, and rows holding undeclared states."
+        ),
+        epilog=_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    check.add_argument("target", metavar="MODULE", help="e.g. myapp.models (or myapp.models:Order)")
+    check.add_argument("--db", metavar="URL", help="SQLAlchemy URL of a database to compare")
+    check.add_argument("--json", action="store_true", help="print a machine-readable report")
+    check.set_defaults(handler=_cmd_check)
     return parser
 
 
@@ -295,6 +506,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         $ stateguard demo --orders 50
         >>> main(["demo", "--db", "sqlite:///demo.db", "--orders", "50"])
         0
+        >>> main(["graph", "stateguard.demo:DemoOrder", "--format", "dot", "-o", "flow.dot"])
+        0
+        >>> main(["check", "myapp.models", "--db", "sqlite:///app.db", "--json"])
+        1
     """
     parser = build_parser()
     try:

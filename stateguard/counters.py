@@ -16,12 +16,25 @@ its unique key on ``(ref, table, key, column)`` decides whether this call is
 the first.  The ledger row is inserted *before* the UPDATE, so a concurrent
 twin with the same ref waits on the unique index and then sees REPEATED; an
 INSUFFICIENT or NOT_FOUND call removes its ledger row again, so retrying the
-same ref after a restock applies.
+same ref after a restock applies.  The fast path is two statements on every
+backend: ``INSERT ... ON CONFLICT DO NOTHING RETURNING id`` on PostgreSQL and
+SQLite; on MariaDB a plain INSERT whose duplicate-key error (1062) InnoDB
+rolls back as a single statement, leaving the transaction usable (MySQL
+manual, "InnoDB Error Handling"), so no SAVEPOINT round trips are needed.
+
+On MariaDB a twin that waited for another transaction's ledger row and then
+hit a duplicate reads that row back with a locking read: a plain SELECT would
+read the transaction's REPEATABLE READ snapshot, which may predate the row.
+Under heavy same-ref contention where the first twin ends INSUFFICIENT,
+InnoDB can report a deadlock between the waiting twins (both held a shared
+lock on the removed key); that is a retryable
+:class:`~stateguard.DeadlockDetected`, and ``retry_on_conflict`` handles it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any
@@ -29,6 +42,7 @@ from typing import Any
 from sqlalchemy import (
     BigInteger,
     Column,
+    Connection,
     DateTime,
     Integer,
     String,
@@ -47,7 +61,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import QueryableAttribute
 
 from . import _sql
-from .exceptions import InvalidArgument, RefConflict
+from .exceptions import InvalidArgument, RefConflict, SerializationConflict
 from .history import row_key
 from .result import Outcome, Result
 from .tables import metadata
@@ -73,6 +87,8 @@ counter_ledger = Table(
 )
 
 _MYSQL_DUPLICATE_KEY = 1062
+
+_LEDGER_FIELDS = ("ref", "table_name", "row_key", "column_name", "delta")
 
 
 class _Counter:
@@ -111,6 +127,10 @@ class _Counter:
             self.bound_column = bcol
         self.plans: dict[Any, Any] = {}
 
+    @property
+    def name(self) -> str:
+        return f"{self.model.__name__}.{self.attr}"
+
 
 _counters: dict[tuple[Any, ...], _Counter] = {}
 
@@ -126,17 +146,33 @@ def _counter(column: Any, bound: Any, role: str) -> _Counter:
     return found
 
 
-def _check_amount(by: Any, name: str = "by") -> None:
-    if isinstance(by, bool) or not isinstance(by, int | float | Decimal) or not by > 0:
-        raise InvalidArgument(f"{name} must be a positive number, got {by!r}")
+def _finite_number(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float | Decimal):
+        return False
+    if isinstance(value, int):
+        return True
+    return value.is_finite() if isinstance(value, Decimal) else math.isfinite(value)
 
 
-def _check_bound(bound: Any, role: str) -> None:
+def _check_amount(counter: _Counter, by: Any) -> None:
+    if not _finite_number(by) or not by > 0:
+        raise InvalidArgument(f"by must be a positive number, got {by!r}")
+    if counter.integer and not isinstance(by, int):
+        # PostgreSQL would round 1.5 on assignment and SQLite would store a REAL
+        # in the INTEGER column: neither is the change the caller asked for.
+        raise InvalidArgument(f"{counter.name} is an integer column: by must be an int, got {by!r}")
+
+
+def _check_bound(counter: _Counter, bound: Any, role: str) -> None:
     if bound is None or isinstance(bound, QueryableAttribute):
         return
-    if isinstance(bound, bool) or not isinstance(bound, int | float | Decimal):
+    if not _finite_number(bound):
         raise InvalidArgument(
-            f"the {role} must be a number, a column of the same model or None, got {bound!r}"
+            f"the {role} must be a number, a column of {counter.model.__name__} or None, got {bound!r}"
+        )
+    if counter.integer and not isinstance(bound, int):
+        raise InvalidArgument(
+            f"{counter.name} is an integer column: the {role} must be an int, got {bound!r}"
         )
 
 
@@ -145,12 +181,12 @@ def _check_ref(ref: Any) -> None:
         raise InvalidArgument(f"ref must be a non-empty string of at most {MAX_REF} characters, got {ref!r}")
 
 
-def _plan(counter: _Counter, backend: _sql.Backend, sign: int, has_bound: bool) -> tuple[Any, bool]:
-    """``(UPDATE statement, uses LAST_INSERT_ID)`` for one backend and bound kind."""
-    cache_key = (backend, sign, has_bound)
+def _plan(counter: _Counter, backend: _sql.Backend, sign: int, has_bound: bool, lid: bool) -> Any:
+    """The guarded UPDATE for one backend, direction, bound kind and value-return mode (cached)."""
+    cache_key = (backend, sign, has_bound, lid)
     found = counter.plans.get(cache_key)
     if found is not None:
-        return found  # type: ignore[no-any-return]
+        return found
     info, col = counter.info, counter.column
     new_value = col + bindparam("sg_delta", type_=col.type)
     conditions = [info.pk_where]
@@ -161,56 +197,133 @@ def _plan(counter: _Counter, backend: _sql.Backend, sign: int, has_bound: bool) 
             else bindparam("sg_bound", type_=col.type)
         )
         conditions.append(new_value >= limit if sign < 0 else new_value <= limit)
-    # MySQL's OK packet can carry the new value (LAST_INSERT_ID(expr)) only when
-    # it is a non-negative integer: a decrement with a numeric floor >= 0.
-    lid = (
-        backend.last_insert_id and counter.integer and sign < 0 and has_bound and counter.bound_column is None
-    )
     pairs: list[tuple[Any, Any]] = [
         (col, func.last_insert_id(new_value, type_=col.type) if lid else new_value)
     ]
     if info.version_column is not None:
+        # The row changed: an ORM holder of the old version must see it as stale.
         pairs.append((info.version_column, info.version_column + 1))
     stmt = update(info.table).where(*conditions).ordered_values(*pairs)
     if backend.returning:
         stmt = stmt.returning(col)
-    counter.plans[cache_key] = (stmt, lid)
-    return stmt, lid
+    counter.plans[cache_key] = stmt
+    return stmt
 
 
-def _change(
+_ledger_plans: dict[tuple[str, _sql.Backend], Any] = {}
+
+
+def _ledger_stmt(kind: str, backend: _sql.Backend) -> Any:
+    """The ledger statements, built once per backend (all parameters bound)."""
+    found = _ledger_plans.get((kind, backend))
+    if found is not None:
+        return found
+    ledger = counter_ledger
+    same_ref = (
+        ledger.c.ref == bindparam("sg_ref"),
+        ledger.c.table_name == bindparam("sg_table_name"),
+        ledger.c.column_name == bindparam("sg_column_name"),
+    )
+    stmt: Any
+    if kind == "claim":
+        values: dict[str, Any] = {name: bindparam(f"sg_{name}") for name in _LEDGER_FIELDS}
+        if backend.on_conflict:
+            dialect_insert = postgresql.insert if backend.name == "postgresql" else sqlite.insert
+            stmt = dialect_insert(ledger).values(values).on_conflict_do_nothing().returning(ledger.c.id)
+        else:
+            stmt = insert(ledger).values(values)
+    elif kind == "find":
+        stmt = select(ledger.c.delta).where(*same_ref, ledger.c.row_key == bindparam("sg_row_key"))
+        if backend.locking_read:
+            # InnoDB: a plain SELECT reads the REPEATABLE READ snapshot, which
+            # may predate the twin's row that just made our INSERT a duplicate.
+            stmt = stmt.with_for_update()
+    elif kind == "forget":
+        stmt = delete(ledger).where(ledger.c.id == bindparam("sg_id"))
+    elif kind == "entries":
+        stmt = select(ledger.c.id, ledger.c.row_key, ledger.c.delta).where(*same_ref)
+    else:
+        stmt = (
+            update(ledger)
+            .where(ledger.c.id.in_(bindparam("sg_ids", expanding=True)), ledger.c.released_at.is_(None))
+            .values(released_at=func.current_timestamp())
+        )
+    _ledger_plans[(kind, backend)] = stmt
+    return stmt
+
+
+def _claim(
+    conn: Connection, backend: _sql.Backend, counter: _Counter, key: tuple[Any, ...], ref: str, delta: Any
+) -> Any:
+    """Insert the ledger row; its id, or ``None`` when this ref already applied the same delta."""
+    params = {
+        "sg_ref": ref,
+        "sg_table_name": counter.info.table.fullname,
+        "sg_row_key": row_key(key),
+        "sg_column_name": counter.column.name,
+        "sg_delta": str(delta),
+    }
+    claim = _ledger_stmt("claim", backend)
+    if backend.on_conflict:
+        # A twin's uncommitted row with the same key makes this INSERT wait;
+        # once the twin commits it does nothing (no row returned).
+        row = _sql.execute(conn, claim, params).first()
+        if row is not None:
+            return row[0]
+    else:
+        try:
+            result = _sql.execute(conn, claim, params)
+        except sa_exc.IntegrityError as error:
+            # InnoDB rolls back only this statement on a duplicate key; the
+            # transaction and everything it did before stay intact.
+            if getattr(error.orig, "args", (None,))[0] != _MYSQL_DUPLICATE_KEY:
+                raise
+        else:
+            return result.inserted_primary_key[0]  # type: ignore[index]
+    existing = _sql.execute(conn, _ledger_stmt("find", backend), params).scalar()
+    if existing is None:  # pragma: no cover - the conflicting row vanished in between
+        raise SerializationConflict(
+            f"the ledger row of ref {ref!r} changed while this call checked it; "
+            f"roll back and retry (retry_on_conflict() does this)"
+        )
+    if Decimal(existing) != Decimal(delta):
+        raise RefConflict(
+            f"ref {ref!r} already changed {counter.name} of {_sql.public_key(key)!r} by "
+            f"{Decimal(existing).normalize()}, not {delta}; use a new ref for a different change"
+        )
+    return None
+
+
+def _apply(
     session: Session,
-    column: Any,
-    target: Any,
+    conn: Connection,
+    backend: _sql.Backend,
+    counter: _Counter,
+    key: tuple[Any, ...],
+    instance: Any,
     by: Any,
     sign: int,
     bound: Any,
-    role: str,
     ref: str | None,
 ) -> Result:
-    _check_amount(by)
-    _check_bound(bound, role)
-    _check_ref(ref)
-    counter = _counter(column, bound, role)
-    if isinstance(bound, QueryableAttribute) and counter.bound_column is None:  # pragma: no cover
-        raise InvalidArgument(f"the {role} must be a column of {counter.model.__name__}")
+    """Claim the ref (if any), run the guarded UPDATE, classify; input already checked."""
     info = counter.info
-    key, instance = _sql.resolve_target(session, info, target)
-    if session.autoflush:
-        session.flush()
-    conn = session.connection(bind_arguments={"mapper": info.mapper})
-    backend = _sql.backend(conn.dialect)
-    delta = by * sign
+    delta = -by if sign < 0 else by
     public = _sql.public_key(key)
     ledger_id = None
     if ref is not None:
         ledger_id = _claim(conn, backend, counter, key, ref, delta)
         if ledger_id is None:
             return Result(Outcome.REPEATED, model=counter.model, key=public, session=session)
-    stmt, lid = _plan(counter, backend, sign, bound is not None)
+    numeric_bound = bound is not None and counter.bound_column is None
+    # MySQL's OK packet carries LAST_INSERT_ID(expr) as an unsigned integer, so
+    # it can return the new value only when that is certainly a non-negative
+    # integer: a decrement of an integer column with a number floor >= 0.
+    lid = backend.last_insert_id and counter.integer and sign < 0 and numeric_bound and bound >= 0
+    stmt = _plan(counter, backend, sign, bound is not None, lid)
     params = info.key_params(key)
     params["sg_delta"] = delta
-    if bound is not None and counter.bound_column is None:
+    if numeric_bound:
         params["sg_bound"] = bound
     result = _sql.execute(conn, stmt, params)
     value: Any = None
@@ -227,71 +340,41 @@ def _change(
         if instance is None:
             instance = _sql.identity_instance(session, info, key)
         if instance is not None:
-            committed = {} if value is None else {counter.attr: value}
             expire = [counter.attr]
             if info.version_attr is not None:
                 expire.append(info.version_attr)
-            _sql.sync_instance(session, instance, committed, expire)
+            _sql.sync_instance(session, instance, {} if value is None else {counter.attr: value}, expire)
         return Result(Outcome.APPLIED, model=counter.model, key=public, value=value, session=session)
     if ledger_id is not None:
         # Nothing changed: forget the claim, so the same ref can apply later.
-        _sql.execute(conn, delete(counter_ledger).where(counter_ledger.c.id == ledger_id))
+        _sql.execute(conn, _ledger_stmt("forget", backend), {"sg_id": ledger_id})
+    # One read tells a missing row from a short one; on MariaDB a locking read,
+    # which sees the latest committed row as the UPDATE did.
     row = _sql.execute(conn, info.read([counter.column], backend), info.key_params(key)).first()
     if row is None:
         return Result(Outcome.NOT_FOUND, model=counter.model, key=public, session=session)
     return Result(Outcome.INSUFFICIENT, model=counter.model, key=public, value=row[0], session=session)
 
 
-def _claim(
-    conn: Any, backend: _sql.Backend, counter: _Counter, key: tuple[Any, ...], ref: str, delta: Any
-) -> Any:
-    """Insert the ledger row; its id, or ``None`` when this ref already applied the same delta."""
-    values = {
-        "ref": ref,
-        "table_name": counter.info.table.fullname,
-        "row_key": row_key(key),
-        "column_name": counter.column.name,
-        "delta": str(delta),
-    }
-    if backend.on_conflict:
-        dialect_insert = postgresql.insert if backend.name == "postgresql" else sqlite.insert
-        stmt = (
-            dialect_insert(counter_ledger)
-            .values(values)
-            .on_conflict_do_nothing()
-            .returning(counter_ledger.c.id)
-        )
-        row = _sql.execute(conn, stmt).first()
-        if row is not None:
-            return row[0]
-    else:
-        _sql.ensure_real_transaction(conn)
-        savepoint = conn.begin_nested()
-        try:
-            result = _sql.execute(conn, insert(counter_ledger).values(values))
-        except sa_exc.IntegrityError as error:
-            savepoint.rollback()
-            if getattr(error.orig, "args", (None,))[0] != _MYSQL_DUPLICATE_KEY:
-                raise
-        else:
-            savepoint.commit()
-            return result.inserted_primary_key[0]  # type: ignore[index]
-    existing = _sql.execute(
-        conn,
-        select(counter_ledger.c.delta).where(
-            counter_ledger.c.ref == ref,
-            counter_ledger.c.table_name == values["table_name"],
-            counter_ledger.c.row_key == values["row_key"],
-            counter_ledger.c.column_name == values["column_name"],
-        ),
-    ).scalar_one()
-    if Decimal(existing) != Decimal(delta):
-        raise RefConflict(
-            f"ref {ref!r} already changed {counter.model.__name__}.{counter.attr} of "
-            f"{_sql.public_key(key)!r} by {Decimal(existing).normalize()}, not {delta}; "
-            f"use a new ref for a different change"
-        )
-    return None
+def _change(
+    session: Session,
+    column: Any,
+    target: Any,
+    by: Any,
+    sign: int,
+    bound: Any,
+    role: str,
+    ref: str | None,
+) -> Result:
+    counter = _counter(column, bound, role)
+    _check_amount(counter, by)
+    _check_bound(counter, bound, role)
+    _check_ref(ref)
+    key, instance = _sql.resolve_target(session, counter.info, target)
+    if session.autoflush:
+        session.flush()
+    conn = session.connection(bind_arguments={"mapper": counter.info.mapper})
+    return _apply(session, conn, _sql.backend(conn.dialect), counter, key, instance, by, sign, bound, ref)
 
 
 def decrement(
@@ -305,14 +388,30 @@ def decrement(
 ) -> Result:
     """Take ``by`` off a counter unless that would go below ``floor``: one UPDATE.
 
-    ``floor`` is a number, another column of the same row, or ``None``
-    (unbounded).  APPLIED (``.value`` is the new amount when the backend can
-    say it in the same round trip), INSUFFICIENT (``.value`` is the amount
-    found; nothing changed), NOT_FOUND, and with ``ref`` REPEATED::
+    ``column`` is a mapped integer or numeric attribute (``Stock.amount``),
+    ``target`` a primary key or a loaded instance.  ``floor`` is a number,
+    another column of the same row (``Stock.reserved``), or ``None``
+    (unbounded).  Outcomes:
+
+    - APPLIED: ``.value`` is the new amount when the backend reports it in
+      the same round trip (PostgreSQL and SQLite always; MariaDB for an
+      integer column with a number floor >= 0), else ``None``;
+    - INSUFFICIENT: the floor would be crossed, nothing changed, ``.value``
+      is the amount found;
+    - NOT_FOUND: no such row;
+    - with ``ref``: REPEATED when this ref already applied the same change
+      (even if stock ran out since); :class:`~stateguard.RefConflict` when it
+      applied a different ``by``.  An INSUFFICIENT call leaves no trace of
+      its ref, so retrying it after a restock applies.
+
+    ::
 
         r = decrement(session, Stock.amount, sku_id, by=2, ref="order-42")
         if r.outcome is Outcome.INSUFFICIENT:
-            raise OutOfStock(sku_id)
+            raise OutOfStock(sku_id, left=r.value)
+
+    :raises InvalidArgument: bad column, ``by``, ``floor``, ``ref`` or target;
+        nothing was sent to the database.
     """
     return _change(session, column, target, by, -1, floor, "floor", ref)
 
@@ -328,9 +427,15 @@ def increment(
 ) -> Result:
     """Add ``by`` to a counter unless that would go above ``ceiling``: one UPDATE.
 
-    ::
+    The mirror of :func:`decrement`: ``ceiling`` is a number, another column
+    of the same row, or ``None`` (unbounded, the default); the same outcomes
+    and ``ref`` rules apply (INSUFFICIENT means the ceiling would be
+    crossed).  ``.value`` is the new amount on PostgreSQL and SQLite and
+    ``None`` on MariaDB::
 
         r = increment(session, Coupon.used, coupon_id, ceiling=Coupon.max_uses, ref=order_ref)
+        if not r:
+            r.raise_for_outcome()   # InsufficientQuantity: the coupon is used up
     """
     return _change(session, column, target, by, 1, ceiling, "ceiling", ref)
 
@@ -338,107 +443,132 @@ def increment(
 def reserve(session: Session, column: Any, amounts: Mapping[Any, Any], *, ref: str) -> Result:
     """Decrement several rows all-or-nothing (floor 0), idempotently per ``ref``.
 
-    Rows are changed in primary-key order, so two reservations over the same
-    items cannot deadlock.  If one target is short, everything is undone (a
-    savepoint) and the result is INSUFFICIENT with ``.key`` the short target::
+    ``amounts`` maps targets (primary keys or instances) to positive amounts.
+    Rows are changed in primary-key order whatever the mapping's order, so
+    two reservations over the same items cannot deadlock.  Outcomes:
+
+    - APPLIED: every row changed; ``.value`` maps each key to its new amount
+      (``None`` where the backend does not report it), ``.key`` is ``ref``;
+    - REPEATED: this ref already reserved exactly these rows;
+    - INSUFFICIENT / NOT_FOUND: a target was short or missing; everything this
+      call did was undone (a savepoint), ``.key`` is that target and
+      ``.value`` the amount found.
+
+    Reusing a ref for a different reservation (another amount, or rows of
+    which only some were reserved under it) raises
+    :class:`~stateguard.RefConflict` and changes nothing::
 
         r = reserve(session, Stock.amount, {sku_a: 2, sku_b: 1}, ref="order-42")
         r.raise_for_outcome()     # InsufficientQuantity(.target, .value)
     """
-    if not isinstance(amounts, Mapping) or not amounts:
-        raise InvalidArgument("reserve needs a non-empty mapping of targets to amounts")
+    counter = _counter(column, 0, "floor")
     if ref is None:
         raise InvalidArgument("reserve needs a ref (it is idempotent per ref)")
     _check_ref(ref)
-    counter = _counter(column, 0, "floor")
-    resolved = []
+    if not isinstance(amounts, Mapping) or not amounts:
+        raise InvalidArgument("reserve needs a non-empty mapping of targets to amounts")
+    resolved: dict[tuple[Any, ...], tuple[Any, Any]] = {}
     for target, by in amounts.items():
-        _check_amount(by)
-        key, _ = _sql.resolve_target(session, counter.info, target)
-        resolved.append((key, by))
-    resolved.sort(key=lambda kb: kb[0])
+        _check_amount(counter, by)
+        key, instance = _sql.resolve_target(session, counter.info, target)
+        if key in resolved:
+            raise InvalidArgument(
+                f"reserve got {counter.model.__name__} {_sql.public_key(key)!r} twice; "
+                f"give each row once with its total amount"
+            )
+        resolved[key] = (by, instance)
     if session.autoflush:
         session.flush()
     conn = session.connection(bind_arguments={"mapper": counter.info.mapper})
+    backend = _sql.backend(conn.dialect)
     _sql.ensure_real_transaction(conn)
     savepoint = conn.begin_nested()
     values: dict[Any, Any] = {}
-    outcomes = set()
+    outcomes: set[Outcome] = set()
     try:
-        for key, by in resolved:
-            r = _change(session, column, key if len(key) > 1 else key[0], by, -1, 0, "floor", ref)
+        for key in sorted(resolved):
+            by, instance = resolved[key]
+            r = _apply(session, conn, backend, counter, key, instance, by, -1, 0, ref)
             if r.outcome in (Outcome.INSUFFICIENT, Outcome.NOT_FOUND):
                 savepoint.rollback()
                 return r
-            values[r.key] = r.value
             outcomes.add(r.outcome)
+            if len(outcomes) > 1:
+                raise RefConflict(
+                    f"ref {ref!r} already reserved some but not all of these {counter.name} rows "
+                    f"(not {r.key!r}): it names a different reservation; use a new ref"
+                )
+            values[r.key] = r.value
     except BaseException:
         if savepoint.is_active:
             savepoint.rollback()
         raise
     savepoint.commit()
-    outcome = Outcome.APPLIED if Outcome.APPLIED in outcomes else Outcome.REPEATED
-    return Result(outcome, model=counter.model, key=ref, value=values, session=session)
+    return Result(outcomes.pop(), model=counter.model, key=ref, value=values, session=session)
 
 
 def release(session: Session, column: Any, ref: str) -> Result:
     """Undo every change ``ref`` made to ``column`` (a cancelled order), exactly once.
 
     APPLIED the first time (``.value`` maps each key to the amount given
-    back), REPEATED after, NOT_FOUND for a ref that changed nothing::
+    back, the opposite of what the ref took), REPEATED after, NOT_FOUND for a
+    ref that changed nothing.  Concurrent releases of the same ref serialise
+    on its ledger rows, so exactly one gives anything back.  A released ref
+    stays used: a later :func:`decrement` with it is REPEATED::
 
-        release(session, Stock.amount, "order-42")
+        if release(session, Stock.amount, "order-42"):
+            notify_restock()
     """
-    _check_ref(ref)
+    counter = _counter(column, None, "floor")
     if ref is None:
         raise InvalidArgument("release needs a ref")
-    counter = _counter(column, None, "floor")
+    _check_ref(ref)
     info = counter.info
     if session.autoflush:
         session.flush()
     conn = session.connection(bind_arguments={"mapper": info.mapper})
-    ledger = counter_ledger
-    mine = (
-        ledger.c.ref == ref,
-        ledger.c.table_name == info.table.fullname,
-        ledger.c.column_name == counter.column.name,
-    )
-    # Lock this ref's ledger rows, then mark the unreleased ones released: a
-    # concurrent release of the same ref waits here and then finds none left.
+    backend = _sql.backend(conn.dialect)
+    params = {"sg_ref": ref, "sg_table_name": info.table.fullname, "sg_column_name": counter.column.name}
+    # Read the ref's entries without locking, then mark them released by
+    # primary key with "released_at IS NULL": that UPDATE decides.  A
+    # concurrent release of the same ref waits on the row locks and then
+    # matches nothing (PostgreSQL re-checks the WHERE of a waiting UPDATE at
+    # READ COMMITTED; InnoDB's UPDATE reads the latest committed row).  A
+    # locking read of the ref would instead take InnoDB next-key locks on the
+    # index range, blocking unrelated refs' ledger inserts and risking
+    # deadlocks with concurrent reservations.
     _sql.sqlite_write_lock(conn)
-    rows = _sql.execute(
-        conn,
-        select(ledger.c.id, ledger.c.row_key, ledger.c.delta, ledger.c.released_at)
-        .where(*mine)
-        .order_by(ledger.c.row_key)
-        .with_for_update(),
-    ).all()
+    rows = _sql.execute(conn, _ledger_stmt("entries", backend), params).all()
     if not rows:
         return Result(Outcome.NOT_FOUND, model=counter.model, key=ref, session=session)
-    claimed = _sql.execute(
-        conn,
-        update(ledger)
-        .where(*mine, ledger.c.released_at.is_(None))
-        .values(released_at=func.current_timestamp()),
-    ).rowcount
-    if not claimed:
+    marked = _sql.execute(conn, _ledger_stmt("mark", backend), {"sg_ids": [row.id for row in rows]}).rowcount
+    if not marked:
         return Result(Outcome.REPEATED, model=counter.model, key=ref, session=session)
-    given_back: dict[Any, Any] = {}
-    for row in rows:
-        if row.released_at is not None:
-            continue
-        raw_key = json.loads(row.row_key)
-        key = tuple(raw_key) if isinstance(raw_key, list) else (raw_key,)
-        amount = -Decimal(row.delta)
-        by: Any = int(amount) if counter.integer else amount
-        stmt = (
-            update(info.table)
-            .where(info.pk_where)
-            .values({counter.column: counter.column + bindparam("sg_delta", type_=counter.column.type)})
+    if marked != len(rows):  # pragma: no cover - a ref's entries are marked together
+        raise SerializationConflict(
+            f"some ledger entries of ref {ref!r} were released by another transaction meanwhile; "
+            f"roll back and retry (retry_on_conflict() does this)"
         )
-        _sql.execute(conn, stmt, {**info.key_params(key), "sg_delta": by})
-        given_back[_sql.public_key(key)] = by
+    undo: list[tuple[tuple[Any, ...], Any]] = []
+    for row in rows:
+        raw_key = json.loads(row.row_key)
+        delta = -Decimal(row.delta)
+        undo.append(
+            (
+                tuple(raw_key) if isinstance(raw_key, list) else (raw_key,),
+                int(delta) if counter.integer else delta,
+            )
+        )
+    # The same row order as reserve() (keys, not their JSON text: 10 sorts after
+    # 2), so a release and a reservation over the same rows cannot deadlock.
+    undo.sort(key=lambda item: item[0])
+    stmt = _plan(counter, backend, 1, False, False)
+    given_back: dict[Any, Any] = {}
+    for key, amount in undo:
+        _sql.execute(conn, stmt, {**info.key_params(key), "sg_delta": amount})
+        given_back[_sql.public_key(key)] = amount
         instance = _sql.identity_instance(session, info, key)
         if instance is not None:
-            _sql.sync_instance(session, instance, {}, [counter.attr])
+            expire = [counter.attr] + ([info.version_attr] if info.version_attr else [])
+            _sql.sync_instance(session, instance, {}, expire)
     return Result(Outcome.APPLIED, model=counter.model, key=ref, value=given_back, session=session)

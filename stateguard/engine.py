@@ -8,6 +8,9 @@ from sqlalchemy import Engine, create_engine, event
 
 __all__ = ["sqlite_engine"]
 
+#: Key in ``Connection.info``: how :func:`sqlite_engine` began the transaction.
+BEGIN_MARK = "stateguard.begin"
+
 
 def sqlite_engine(
     url: str = "sqlite:///stateguard.db",
@@ -57,5 +60,8 @@ def sqlite_engine(
     @event.listens_for(engine, "begin")
     def _begin(conn: Any) -> None:
         conn.exec_driver_sql(statement)
+        # Read by row_lock(): with "immediate" the transaction holds SQLite's
+        # write lock from its first statement, the honest FOR UPDATE there.
+        conn.info[BEGIN_MARK] = begin
 
     return engine

@@ -62,6 +62,9 @@ RESERVED_NAMES: Final = frozenset(
     }
 )
 
+#: How often a call re-runs its UPDATE after a concurrent commit made the row eligible.
+_RACE_RETRIES: Final = 3
+
 _EDGE_KEYS: Final = frozenset({"trigger", "source", "dest", "where", "values", "after_commit"})
 _CALLBACK_KEYS: Final = frozenset(
     {"conditions", "unless", "before", "after", "prepare", "on_enter", "on_exit"}
@@ -310,6 +313,7 @@ class Trigger:
         fence: int | None = None,
         request_id: str | None = None,
         metadata: Mapping[str, Any] | None = None,
+        _raced: int = 0,
     ) -> Result:
         """Fire the trigger on ``target`` (a primary key or a loaded instance).
 
@@ -317,6 +321,11 @@ class Trigger:
 
             r = Order.flow.pay(session, 42, values={"paid_at": func.now()})
             r.outcome   # APPLIED, REPEATED, REJECTED, STALE or NOT_FOUND
+
+        When the read finds the row in a state an unguarded edge of this
+        trigger leaves from (a transaction committed between the UPDATE and
+        the read, possible at READ COMMITTED), the UPDATE runs again, at most
+        three times, rather than report a rejection the row contradicts.
 
         ``expected_version`` adds an optimistic version check (a mismatch is
         STALE).  ``fence`` (a fencing token, e.g. from :class:`RedisLock`)
@@ -447,7 +456,27 @@ class Trigger:
                     committed[info.fence_attr] = fence
                 _sql.sync_instance(session, instance, committed, expire)
             return out
-        return self._classify(session, conn, info, key, instance, expected_version, fence)
+        found = self._classify(session, conn, info, key, instance, expected_version, fence)
+        if found.outcome is Outcome.REJECTED and _raced < _RACE_RETRIES and self._allows(found.state):
+            # At READ COMMITTED (PostgreSQL) the follow-up read takes a newer
+            # snapshot than the UPDATE did: a transaction that committed in
+            # between moved the row into a state this trigger leaves from, so
+            # "rejected" would be false news.  Run the UPDATE again.
+            return self(
+                session,
+                target,
+                values=values,
+                expected_version=expected_version,
+                fence=fence,
+                request_id=request_id,
+                metadata=metadata,
+                _raced=_raced + 1,
+            )
+        return found
+
+    def _allows(self, state: Any) -> bool:
+        """Whether an unguarded edge of this trigger leaves from ``state``."""
+        return any(edge.where is None and state in edge.sources for edge in self.edges)
 
     def _applied(
         self,
@@ -647,8 +676,6 @@ class StateMachine(Generic[S]):
             for s in declared:
                 if not isinstance(s, str) or not s:
                     raise ConfigurationError(f"states must be non-empty strings, got {s!r}")
-        if not declared:
-            raise ConfigurationError("a StateMachine needs at least one state")
         if len(set(declared)) != len(declared):
             raise ConfigurationError(f"duplicate states in {declared!r}")
         self.states: tuple[Any, ...] = tuple(declared)
@@ -704,6 +731,9 @@ class StateMachine(Generic[S]):
     def _declare(self) -> None:
         if self.triggers:
             return
+        if not self.states:
+            # Checked here rather than in __init__ so the message can name the model.
+            raise ConfigurationError(f"{self._where()}: a StateMachine needs at least one state")
         initial = self._state(self._initial_arg, "initial") if self._initial_arg is not None else None
         self.initial = initial
         edges_by: dict[str, list[_Edge]] = {}
@@ -781,7 +811,8 @@ class StateMachine(Generic[S]):
             unknown = set(raw) - _EDGE_KEYS
             if unknown & _CALLBACK_KEYS:
                 raise ConfigurationError(
-                    f"{self._where()}: {sorted(unknown & _CALLBACK_KEYS)} callbacks are not supported: "
+                    f"{self._where()}: trigger {raw.get('trigger')!r}: "
+                    f"{sorted(unknown & _CALLBACK_KEYS)} callbacks are not supported: "
                     f"they would run in Python before the database decides, also for the "
                     f"losers of a race; use 'where' for guards and 'after_commit' for side effects"
                 )

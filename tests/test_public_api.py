@@ -14,6 +14,7 @@ EXPECTED = [
     "NotSupported",
     "Outcome",
     "OutcomeError",
+    "RedisLock",
     "RefConflict",
     "Result",
     "SerializationConflict",
@@ -23,6 +24,7 @@ EXPECTED = [
     "TransitionRejected",
     "Trigger",
     "UnknownTrigger",
+    "advisory_lock",
     "create_tables",
     "decrement",
     "drop_tables",
@@ -34,6 +36,7 @@ EXPECTED = [
     "release",
     "reserve",
     "retry_on_conflict",
+    "row_lock",
     "sqlite_engine",
     "version_column",
 ]

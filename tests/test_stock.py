@@ -203,12 +203,12 @@ def test_hot_row_16_threads_never_oversell(engine: Any, backend: Backend, use_re
 
 
 def test_hot_row_4_processes_never_oversell(engine: Any, backend: Backend) -> None:
-    """Stock 50, 4 processes x 20 purchases with refs: exactly 50 APPLIED, 50 ledger rows, final 0."""
-    _stock(engine, s1=50)
-    results = _processes(w.buy, [(backend.name, backend.url, f"p{i}", 20, BARRIER, True) for i in range(4)])
+    """Stock 100, 4 processes x 30 purchases with refs: exactly 100 APPLIED, 100 ledger rows, final 0."""
+    _stock(engine, s1=100)
+    results = _processes(w.buy, [(backend.name, backend.url, f"p{i}", 30, BARRIER, True) for i in range(4)])
     total = _total(results)
-    assert total["APPLIED"] == 50 and total["INSUFFICIENT"] == 30
-    assert _amount(engine, 1) == 0 and _ledger_rows(engine) == 50
+    assert total["APPLIED"] == 100 and total["INSUFFICIENT"] == 20 and "negative" not in total
+    assert _amount(engine, 1) == 0 and _ledger_rows(engine) == 100
 
 
 def test_retried_purchases_apply_once_per_ref(engine: Any, backend: Backend) -> None:

@@ -1,0 +1,457 @@
+"""Alembic autogenerate support: the schema follows the declared state graphs.
+
+Import it in your ``env.py`` and autogenerate as usual::
+
+    # migrations/env.py
+    import stateguard.alembic  # noqa: F401  (registers the comparator)
+    from myapp.models import Base
+
+    target_metadata = Base.metadata
+
+``alembic revision --autogenerate`` then also compares, for every
+:class:`~stateguard.StateMachine` on a table:
+
+* the CHECK constraint ``ck_<table>_<column>_states``: the SET of states it
+  allows (read from the reflected text, which PostgreSQL and MariaDB spell
+  very differently) against the declared states.  Adding or removing a state
+  renders ``op.drop_constraint`` + ``op.create_check_constraint``; an
+  unchanged declaration renders nothing.
+* rows still holding a state the new constraint would refuse: counted at
+  autogenerate time (a :class:`StatesInUseWarning` and a comment in the
+  script), and checked again by a guard rendered *before* the constraint is
+  touched, which stops the upgrade with the counts.  On MariaDB, where DDL
+  commits at once, a failing ``ADD CONSTRAINT`` after the ``DROP`` would
+  leave the table unguarded; the guard runs first so that cannot happen.
+* on PostgreSQL, ``legal_edges=True``: the trigger that refuses an UPDATE of
+  the state along an undeclared edge, created, replaced when the edges
+  change, and dropped when the flag goes away (rendered as ``op.execute`` of
+  plain SQL, so the migration stays valid whatever the model becomes).
+
+A ``version_column()`` added to an existing model needs nothing from here:
+its ``server_default`` is ``0``, so alembic's own ``add_column`` gives
+existing rows version 0.
+
+If you also enable alembic's ``alembic.ext.checkconstraint_byname`` plugin,
+pass ``include_object=stateguard.alembic.include_object`` (or call it from
+yours) so that plugin leaves the states constraint to stateguard; otherwise
+both would add a missing constraint, and the migration would fail.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+from alembic.autogenerate import comparators, renderers
+from alembic.autogenerate.api import AutogenContext
+from alembic.autogenerate.render import render_op
+from alembic.operations import ops
+from sqlalchemy import column as sa_column
+from sqlalchemy.sql.elements import conv
+
+from . import schema as _schema
+from .machine import StateMachine
+
+__all__ = ["LegalEdgesOp", "StatesCheckOp", "StatesGuardOp", "StatesInUseWarning", "include_object"]
+
+log = logging.getLogger(__name__)
+
+_CONTINUE: Any
+try:  # alembic >= 1.18 dispatches by priority and reads the result
+    from alembic.util import PriorityDispatchResult
+
+    _CONTINUE = PriorityDispatchResult.CONTINUE
+except ImportError:  # pragma: no cover - older alembic ignores the result
+    _CONTINUE = None
+
+
+class StatesInUseWarning(UserWarning):
+    """Autogenerate found rows holding states the new CHECK constraint would refuse.
+
+    The generated upgrade stops with the counts until those rows are moved to
+    a declared state (add an ``op.execute("UPDATE ...")`` before the guard)::
+
+        warnings.simplefilter("error", StatesInUseWarning)   # make CI fail instead
+    """
+
+
+def _held_text(held: dict[str, int]) -> str:
+    return ", ".join(f"{state!r}: {count}" for state, count in sorted(held.items()))
+
+
+# --------------------------------------------------------------------------
+# Operations
+# --------------------------------------------------------------------------
+
+
+class StatesCheckOp(ops.MigrateOperation):
+    """Replace, create or drop the states CHECK constraint of one state column.
+
+    ``states`` is what the constraint allows after the operation (``None``:
+    no constraint); ``previous`` what it allowed before (``None``: there was
+    none).  Rendered as alembic's own ``drop_constraint`` and
+    ``create_check_constraint``::
+
+        StatesCheckOp("orders", "status", "ck_orders_status_states",
+                      states=["pending", "paid"], previous=["pending", "paid", "cancelled"])
+    """
+
+    def __init__(
+        self,
+        table_name: str,
+        column_name: str,
+        constraint_name: str,
+        *,
+        states: list[str] | None,
+        previous: list[str] | None,
+        schema: str | None = None,
+        held: dict[str, int] | None = None,
+    ) -> None:
+        self.table_name = table_name
+        self.column_name = column_name
+        self.constraint_name = constraint_name
+        self.states = states
+        self.previous = previous
+        self.schema = schema
+        self.held = dict(held or {})
+
+    def reverse(self) -> StatesCheckOp:
+        return StatesCheckOp(
+            self.table_name,
+            self.column_name,
+            self.constraint_name,
+            states=self.previous,
+            previous=self.states,
+            schema=self.schema,
+        )
+
+    def to_diff_tuple(self) -> tuple[Any, ...]:
+        return (
+            "stateguard_states",
+            self.schema,
+            self.table_name,
+            self.column_name,
+            None if self.previous is None else tuple(self.previous),
+            None if self.states is None else tuple(self.states),
+        )
+
+
+class StatesGuardOp(ops.OpContainer):
+    """Stop the migration while rows hold states the new CHECK constraint would refuse.
+
+    Rendered first among the table's operations, so nothing has changed yet
+    when it stops.  It comes in pairs: an ``active`` one at the start of the
+    upgrade and an inactive twin at the end, which becomes the active guard
+    at the start of the downgrade (alembic reverses the order).  As an empty
+    container it adds nothing to ``compare_metadata`` diffs::
+
+        StatesGuardOp("orders", "status", allowed=["pending", "paid"],
+                      previous=["pending", "paid", "cancelled"], active=True, held={"cancelled": 2})
+    """
+
+    def __init__(
+        self,
+        table_name: str,
+        column_name: str,
+        *,
+        allowed: list[str] | None,
+        previous: list[str] | None,
+        active: bool,
+        schema: str | None = None,
+        held: dict[str, int] | None = None,
+    ) -> None:
+        super().__init__(())
+        self.table_name = table_name
+        self.column_name = column_name
+        self.allowed = allowed
+        self.previous = previous
+        self.active = active
+        self.schema = schema
+        self.held = dict(held or {})
+
+    @property
+    def needed(self) -> bool:
+        """Whether the new constraint can refuse a row the old one accepted."""
+        if not self.active or self.allowed is None:
+            return False
+        return self.previous is None or not set(self.previous) <= set(self.allowed)
+
+    def reverse(self) -> StatesGuardOp:
+        return StatesGuardOp(
+            self.table_name,
+            self.column_name,
+            allowed=self.previous,
+            previous=self.allowed,
+            active=not self.active,
+            schema=self.schema,
+        )
+
+
+class LegalEdgesOp(ops.MigrateOperation):
+    """Create, replace or drop the PostgreSQL legal-edges trigger of one state column.
+
+    ``edges`` are the ``(source, dest)`` pairs allowed after the operation
+    (``None``: no trigger); ``previous`` before it.  Rendered as
+    ``op.execute`` of the SQL itself::
+
+        LegalEdgesOp("orders", "status", edges=[("pending", "paid")], previous=None)
+    """
+
+    def __init__(
+        self,
+        table_name: str,
+        column_name: str,
+        *,
+        edges: list[tuple[str, str]] | None,
+        previous: list[tuple[str, str]] | None,
+        schema: str | None = None,
+    ) -> None:
+        self.table_name = table_name
+        self.column_name = column_name
+        self.edges = edges
+        self.previous = previous
+        self.schema = schema
+
+    def reverse(self) -> LegalEdgesOp:
+        return LegalEdgesOp(
+            self.table_name, self.column_name, edges=self.previous, previous=self.edges, schema=self.schema
+        )
+
+    def to_diff_tuple(self) -> tuple[Any, ...]:
+        return (
+            "stateguard_legal_edges",
+            self.schema,
+            self.table_name,
+            self.column_name,
+            None if self.previous is None else tuple(self.previous),
+            None if self.edges is None else tuple(self.edges),
+        )
+
+
+# --------------------------------------------------------------------------
+# Rendering
+# --------------------------------------------------------------------------
+
+
+def _describe(previous: list[str] | None, states: list[str] | None) -> str:
+    if states is None:
+        return "CHECK constraint dropped"
+    if previous is None:
+        return "CHECK constraint added: " + ", ".join(states)
+    added = [s for s in states if s not in previous]
+    removed = [s for s in previous if s not in states]
+    parts = [f"+{s!r}" for s in added] + [f"-{s!r}" for s in removed]
+    return "states " + " ".join(parts)
+
+
+@renderers.dispatch_for(StatesCheckOp)
+def _render_states_check(autogen_context: AutogenContext, op: StatesCheckOp) -> list[str]:
+    lines = [f"# stateguard: {op.table_name}.{op.column_name}: {_describe(op.previous, op.states)}"]
+    name = conv(op.constraint_name)
+    if op.previous is not None:
+        lines.extend(
+            render_op(
+                autogen_context, ops.DropConstraintOp(name, op.table_name, type_="check", schema=op.schema)
+            )
+        )
+    if op.states is not None:
+        condition = sa_column(op.column_name).in_(op.states)
+        lines.extend(
+            render_op(
+                autogen_context,
+                ops.CreateCheckConstraintOp(name, op.table_name, condition, schema=op.schema),
+            )
+        )
+    return lines
+
+
+@renderers.dispatch_for(StatesGuardOp)
+def _render_states_guard(autogen_context: AutogenContext, op: StatesGuardOp) -> list[str]:
+    if not op.needed:
+        return []
+    assert op.allowed is not None
+    sa = "sa."
+    table_args = repr(op.table_name) + (f", schema={op.schema!r}" if op.schema else "")
+    where = f"{op.table_name}.{op.column_name}"
+    lines = [
+        f"# stateguard: stop before changing {where}'s CHECK constraint if rows hold a state it would refuse",
+    ]
+    if op.held:
+        total = sum(op.held.values())
+        lines.append(f"# (at autogenerate time {total} row(s) did: {_held_text(op.held)});")
+        lines.append('# move them to a declared state here first, e.g. op.execute("UPDATE ...")')
+    lines += [
+        f"stateguard_state = {sa}cast({sa}column({op.column_name!r}), {sa}String())",
+        "stateguard_held = [] if op.get_context().as_sql else op.get_bind().execute(",
+        f"    {sa}select(stateguard_state, {sa}func.count())",
+        f"    .select_from({sa}table({table_args}))",
+        f"    .where(stateguard_state.not_in({list(op.allowed)!r}))",
+        "    .group_by(stateguard_state)",
+        ").all()",
+        "if stateguard_held:",
+        "raise RuntimeError(",
+        f"    {'stateguard: rows of ' + where + ' hold states no longer declared: '!r}",
+        "    f'{dict(stateguard_held)} (state: rows); move them to a declared state first'",
+        ")",
+        "",
+    ]
+    return lines
+
+
+@renderers.dispatch_for(LegalEdgesOp)
+def _render_legal_edges(autogen_context: AutogenContext, op: LegalEdgesOp) -> list[str]:
+    where = f"{op.table_name}.{op.column_name}"
+    if op.edges is None:
+        lines = [f"# stateguard: drop the legal-edges trigger of {where}"]
+        statements = _schema.legal_edges_drop_ddl(op.table_name, op.column_name, schema=op.schema)
+    else:
+        verb = "create" if op.previous is None else "replace"
+        lines = [f"# stateguard: {verb} the legal-edges trigger of {where} (PostgreSQL)"]
+        statements = _schema.legal_edges_ddl(op.table_name, op.column_name, op.edges, schema=op.schema)
+    for sql in statements:
+        sql_lines = _schema.escape_for_text(sql).split("\n")
+        if len(sql_lines) == 1:
+            lines.append(f"op.execute({sql_lines[0]!r})")
+            continue
+        lines.append("op.execute(")
+        for i, part in enumerate(sql_lines):
+            lines.append(f"    {part + ('' if i == len(sql_lines) - 1 else chr(10))!r}")
+        lines.append(")")
+    return lines
+
+
+# --------------------------------------------------------------------------
+# Comparing
+# --------------------------------------------------------------------------
+
+
+def _ordered(found: frozenset[str], declared: list[str]) -> list[str]:
+    return [s for s in declared if s in found] + sorted(found - set(declared))
+
+
+def _compare_check(
+    autogen_context: AutogenContext,
+    modify_table_ops: ops.ModifyTableOps,
+    schema: str | None,
+    tname: str,
+    conn_table: Any,
+    machine: StateMachine[Any],
+) -> None:
+    conn = autogen_context.connection
+    assert conn is not None
+    dialect = autogen_context.dialect
+    col = machine.state_column.name
+    name = machine.check_constraint_name()
+    found, reflected = _schema.reflect_check_states(
+        conn, tname, name, schema=schema, inspector=autogen_context.inspector
+    )
+    if found and reflected is None:
+        log.warning("stateguard: cannot read CHECK constraint %r on %r; leaving it as it is", name, tname)
+        return
+    declared = _schema.stored_states(machine, dialect)
+    previous = _ordered(reflected, declared) if found and reflected is not None else None
+    if not machine.check_constraint:
+        if previous is not None:
+            modify_table_ops.ops.append(
+                StatesCheckOp(tname, col, name, states=None, previous=previous, schema=schema)
+            )
+        return
+    if previous is not None and set(previous) == set(declared):
+        return
+    column_exists = col in conn_table.c
+    held = _schema.undeclared_rows(conn, tname, col, declared, schema=schema) if column_exists else {}
+    if held:
+        message = (
+            f"stateguard: {sum(held.values())} row(s) of {tname} hold states that {machine._where()} "
+            f"does not declare ({_held_text(held)}); the generated upgrade stops until they are "
+            f"moved to a declared state"
+        )
+        log.warning(message)
+        warnings.warn(StatesInUseWarning(message), stacklevel=2)
+    check = StatesCheckOp(tname, col, name, states=declared, previous=previous, schema=schema, held=held)
+    if not column_exists:
+        # The column is added by this very migration: after its add_column.
+        modify_table_ops.ops.append(check)
+        return
+    # Guard and constraint first, before any other change to the table, so a
+    # guard that stops finds the table untouched (MariaDB DDL commits at once).
+    guard = StatesGuardOp(
+        tname, col, allowed=declared, previous=previous, active=True, schema=schema, held=held
+    )
+    # Inactive now; reversed (downgrade) it guards the return to ``previous``.
+    twin = StatesGuardOp(tname, col, allowed=declared, previous=previous, active=False, schema=schema)
+    modify_table_ops.ops[0:0] = [guard, check]
+    modify_table_ops.ops.append(twin)
+
+
+def _compare_table(
+    autogen_context: AutogenContext,
+    modify_table_ops: ops.ModifyTableOps,
+    schema: str | None,
+    tname: str,
+    conn_table: Any,
+    metadata_table: Any,
+) -> Any:
+    conn = autogen_context.connection
+    dialect = autogen_context.dialect
+    if conn is None or dialect is None:  # pragma: no cover - autogenerate always has both
+        return _CONTINUE
+    machines = _schema.machines_for_table(metadata_table) if metadata_table is not None else []
+    pg = dialect.name == "postgresql"
+    existing: dict[str, _schema.LegalEdges] = {}
+    if pg and conn_table is not None:
+        existing = _schema.reflect_legal_edges(conn, tname, schema=schema)
+    for machine in machines:
+        col = machine.state_column.name
+        current = existing.pop(col, None)
+        if not pg:
+            continue
+        if machine.legal_edges:
+            edges = _schema.stored_edges(machine, dialect)
+            if not _schema.legal_edges_current(current, tname, edges):
+                previous = list(current.edges) if current is not None else None
+                modify_table_ops.ops.append(
+                    LegalEdgesOp(tname, col, edges=edges, previous=previous, schema=schema)
+                )
+        elif current is not None:
+            modify_table_ops.ops.append(
+                LegalEdgesOp(tname, col, edges=None, previous=list(current.edges), schema=schema)
+            )
+    for leftover in existing.values():
+        # A machine (or its legal_edges) that is gone, or a table being dropped:
+        # its function would outlive the trigger.
+        modify_table_ops.ops.append(
+            LegalEdgesOp(tname, leftover.column, edges=None, previous=list(leftover.edges), schema=schema)
+        )
+    if conn_table is not None:
+        # Last, so each guard's twin ends the table's operations (and starts its downgrade).
+        # A new table's CreateTableOp already carries the CHECK constraint.
+        for machine in machines:
+            _compare_check(autogen_context, modify_table_ops, schema, tname, conn_table, machine)
+    return _CONTINUE
+
+
+def include_object(obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any) -> bool:
+    """An ``include_object`` hook that keeps other CHECK comparators off stateguard's constraints.
+
+    Only needed with alembic's opt-in ``alembic.ext.checkconstraint_byname``
+    plugin, which would add a missing states constraint a second time::
+
+        context.configure(..., include_object=stateguard.alembic.include_object,
+                          autogenerate_plugins=["alembic.autogenerate.*",
+                                                "alembic.ext.checkconstraint_byname"])
+    """
+    if type_ != "check_constraint":
+        return True
+    return not (_schema.is_stateguard_check(obj) or _schema.is_stateguard_check(compare_to))
+
+
+def _register() -> None:
+    try:
+        comparators.dispatch_for("table", subgroup="stateguard")(_compare_table)
+    except TypeError:  # pragma: no cover - alembic < 1.18 has no subgroups
+        comparators.dispatch_for("table")(_compare_table)
+
+
+_register()
