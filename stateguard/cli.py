@@ -256,7 +256,12 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def import_module(name: str) -> ModuleType:
-    """Import ``name`` as ``python -m`` would, from the current folder too, or :class:`UsageError`."""
+    """Import ``name`` as ``python -m`` would, from the current folder too, or :class:`UsageError`.
+
+    ::
+
+        import_module("myapp.models")   # the module, or UsageError("cannot import myapp.models: ...")
+    """
     if not name or not all(part.isidentifier() for part in name.split(".")):
         raise UsageError(f"not a module name: {name!r} (e.g. myapp.models)")
     cwd = os.getcwd()

@@ -36,8 +36,17 @@ from . import _sql
 from .machine import StateMachine, machines_of
 
 __all__ = [
+    "GRAPHVIZ_HINT",
+    "GRAPH_FORMATS",
+    "PROBLEM",
+    "WARNING",
+    "Finding",
+    "GraphvizMissing",
     "LegalEdges",
+    "check_database",
+    "check_declaration",
     "escape_for_text",
+    "graphviz_available",
     "is_stateguard_check",
     "legal_edges_current",
     "legal_edges_ddl",
@@ -49,6 +58,7 @@ __all__ = [
     "parse_check_states",
     "reflect_check_states",
     "reflect_legal_edges",
+    "render_graph",
     "stored_edges",
     "stored_states",
     "undeclared_rows",
@@ -262,7 +272,10 @@ class LegalEdges:
     """A legal-edges trigger found on a live PostgreSQL table.
 
     ``edges`` are the ``(source, dest)`` pairs its function allows, read back
-    from the marker comment stateguard writes into the function body.
+    from the marker comment stateguard writes into the function body::
+
+        found = reflect_legal_edges(conn, "orders")["status"]
+        found.trigger, found.edges   # ('sg_orders_status_edges', (('paid', 'shipped'), ...))
     """
 
     table: str
@@ -520,7 +533,15 @@ GRAPHVIZ_HINT: Final = (
 
 
 class GraphvizMissing(RuntimeError):
-    """SVG/PNG were asked for but Graphviz (the ``dot`` program or the ``graphviz`` package) is missing."""
+    """SVG/PNG were asked for but Graphviz (the ``dot`` program or the ``graphviz`` package) is missing.
+
+    Its message is :data:`GRAPHVIZ_HINT`, which says how to install both::
+
+        try:
+            svg = render_graph(Order.flow, "svg")
+        except GraphvizMissing as error:
+            print(error)
+    """
 
 
 def _graph_spec(machine: StateMachine[Any]) -> dict[str, Any]:
@@ -658,7 +679,12 @@ class Finding:
     rows: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """The finding as a JSON-ready dict (keys that do not apply are left out)."""
+        """The finding as a JSON-ready dict (keys that do not apply are left out).
+
+        ::
+
+            json.dumps([f.as_dict() for f in check_declaration(Order.flow)])
+        """
         data = {
             "level": self.level,
             "code": self.code,

@@ -88,7 +88,7 @@ def test_readme_shows_the_current_demo_graph(capsys: pytest.CaptureFixture[str])
 
 
 def test_mermaid_comes_from_transitions_and_lists_every_edge(capsys: pytest.CaptureFixture[str]) -> None:
-    """The default format is transitions' Mermaid state diagram, every state drawn alike and every edge labelled."""
+    """The default is transitions' Mermaid state diagram, every state drawn alike, every edge labelled."""
     code, out, err = run(["graph", "stateguard.demo:DemoOrder"], capsys)
     assert (code, err) == (0, "")
     assert out.startswith("---\nDemoOrder.flow\n---\nstateDiagram-v2\n")
@@ -237,7 +237,7 @@ class Sound(Base):
 def test_check_finds_flaws_in_declarations(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Unreachable states, triggers that never fire and unknown finals are problems (exit 1); dead ends warn."""
+    """Unreachable states, triggers that never fire, unknown finals are problems (exit 1); dead ends warn."""
     module = write_module(tmp_path, monkeypatch, FLAWED.format(tag=uuid.uuid4().hex[:6]))
     code, out, err = run(["check", module, "--json"], capsys)
     assert (code, err) == (1, "")
@@ -323,7 +323,7 @@ def parcels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, table: str, **kw: A
 def test_check_compares_the_live_database(
     backend: Backend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A current schema passes; a model that dropped a held state, added a version column and legal edges does not."""
+    """A current schema passes; a model dropping a held state, adding versions and legal edges fails."""
     table = f"sgc_{uuid.uuid4().hex[:8]}"
     v1 = parcels(tmp_path, monkeypatch, table)
     backend.create(importlib.import_module(v1).Base.metadata)
@@ -400,7 +400,7 @@ def test_check_sees_a_missing_constraint_and_a_current_trigger(
 
 
 def test_check_as_a_real_subprocess(backend: Backend, tmp_path: Path) -> None:
-    """The installed ``stateguard`` script finds a module in the current folder and exits 1 with JSON on problems."""
+    """The installed ``stateguard`` script imports from the current folder; problems exit 1 with JSON."""
     tag = uuid.uuid4().hex[:6]
     name = f"sgmod_{tag}"
     (tmp_path / f"{name}.py").write_text(textwrap.dedent(FLAWED.format(tag=tag)))
