@@ -1,12 +1,15 @@
-"""``python -m bench run [--db URL ...] [--quick] [--only NAME ...] [--json PATH]``
+"""``python -m bench run [--db URL ...] [--quick] [--only SCENARIO ...] [--json PATH]``
 
-Prints one table per scenario and database and writes them as JSON.  Every
-comparison runs in the same process, on the same database, in the same run.
+Prints one table per scenario and database and writes them, with the machine
+and server versions, as JSON.  Every comparison runs in the same process, on
+the same database, in the same run.  ``python -m bench report [PATH]`` turns
+a JSON file into the Markdown of bench/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -19,22 +22,26 @@ from typing import Any
 import sqlalchemy
 
 from . import scenarios
-from .scenarios import Table
+from .models import Table, make_engine, server_version
 
 DEFAULT_DBS = [
     "sqlite:///bench-stateguard.db",
     "postgresql+psycopg://postgres@127.0.0.1:5432/test",
     "mysql+pymysql://root@127.0.0.1:3306/test",
 ]
+DEFAULT_JSON = "bench/results/latest.json"
 
-SIZES = {
-    # name: (full, quick)
-    "single": ({"n": 3000}, {"n": 20}),
+#: name: (full sizes, --quick sizes)
+SIZES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "single": ({"n": 1500}, {"n": 20}),
     "contention": ({"orders": 300, "workers": 8}, {"orders": 20, "workers": 3}),
-    "flash": ({"stock": 500, "buyers": 8, "per_buyer": 100}, {"stock": 10, "buyers": 3, "per_buyer": 5}),
-    "load": ({"n": 5000, "repeat": 15}, {"n": 100, "repeat": 2}),
+    "flash": (
+        {"stock": 250, "buyers": 8, "per_buyer": 50, "rounds": 3},
+        {"stock": 10, "buyers": 3, "per_buyer": 5, "rounds": 1},
+    ),
+    "load": ({"n": 5000, "repeat": 25}, {"n": 100, "repeat": 2}),
     "bulk": ({"n": 10000}, {"n": 50}),
-    "scale": ({"sizes": [1000, 100_000, 1_000_000], "calls": 500}, {"sizes": [100, 1000], "calls": 10}),
+    "scale": ({"sizes": [1000, 100_000, 1_000_000], "calls": 300}, {"sizes": [100, 1000], "calls": 10}),
 }
 
 RUNNERS: dict[str, Any] = {
@@ -46,8 +53,12 @@ RUNNERS: dict[str, Any] = {
     "scale": scenarios.scale,
 }
 
+#: Full runs of these scenarios only on these dialects (the issue states their targets there).
+ONLY_ON = {"bulk": ("postgresql",)}
+
 
 def render(table: Table) -> str:
+    """A table as aligned plain text."""
     if not table.rows:
         return f"{table.title}\n  (no rows)\n"
     cols = list(table.rows[0])
@@ -59,15 +70,41 @@ def render(table: Table) -> str:
     return "\n".join(lines) + "\n"
 
 
+def markdown(data: dict[str, Any]) -> str:
+    """A results file (as written by ``run``) as Markdown."""
+    meta = data["meta"]
+    out = [
+        f"Command: `{meta['command']}`  ",
+        f"Machine: {meta['machine']}; load average at start {meta.get('load_start', '?')}, "
+        f"at end {meta.get('load_end', '?')}  ",
+        f"Python {meta['python']}, SQLAlchemy {meta['sqlalchemy']}, drivers {meta.get('drivers', '?')}  ",
+        "Servers: " + "; ".join(f"{v}" for v in meta.get("servers", {}).values()),
+        "",
+    ]
+    for t in data["tables"]:
+        out.append(f"#### {t['title']}")
+        out.append("")
+        if t["rows"]:
+            cols = list(t["rows"][0])
+            out.append("| " + " | ".join(cols) + " |")
+            out.append("|" + "|".join("---" for _ in cols) + "|")
+            for r in t["rows"]:
+                out.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+        out.append("")
+        out += [f"- {n}" for n in t["notes"]]
+        out.append("")
+    return "\n".join(out)
+
+
 def run(dbs: list[str], only: list[str] | None, quick: bool, out: Any = sys.stdout) -> list[Table]:
+    """Run the scenarios on every database in turn; print each table as it is done."""
     tables: list[Table] = []
     for url in dbs:
+        dialect = sqlalchemy.make_url(url).get_backend_name()
         for name, runner in RUNNERS.items():
             if only and name not in only:
                 continue
-            if name == "bulk" and not quick and not url.startswith("postgresql"):
-                continue  # the bulk target is stated for PostgreSQL
-            if name == "scale" and not quick and not url.startswith("postgresql"):
+            if not quick and name in ONLY_ON and dialect not in ONLY_ON[name]:
                 continue
             kwargs = SIZES[name][1 if quick else 0]
             t0 = time.perf_counter()
@@ -78,6 +115,35 @@ def run(dbs: list[str], only: list[str] | None, quick: bool, out: Any = sys.stdo
     return tables
 
 
+def _machine() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def _drivers() -> str:
+    import importlib.metadata as md
+
+    found = []
+    for dist in ("psycopg", "PyMySQL"):
+        with contextlib.suppress(md.PackageNotFoundError):
+            found.append(f"{dist} {md.version(dist)}")
+    return ", ".join(found)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -85,20 +151,43 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument(
         "--db", action="append", help="database URL (repeatable); default: SQLite, PostgreSQL, MariaDB"
     )
-    r.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
-    r.add_argument("--only", action="append", choices=sorted(RUNNERS), help="run only these scenarios")
-    r.add_argument("--json", default="bench/results/latest.json", help="where to write the results")
+    r.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run, seconds)")
+    r.add_argument(
+        "--only", action="append", choices=sorted(RUNNERS), help="run only this scenario (repeatable)"
+    )
+    r.add_argument(
+        "--json", default=DEFAULT_JSON, help=f"where to write the results (default {DEFAULT_JSON})"
+    )
+    rep = sub.add_parser("report", help="print a results file as Markdown")
+    rep.add_argument("path", nargs="?", default=DEFAULT_JSON)
     args = parser.parse_args(argv)
-    tables = run(args.db or DEFAULT_DBS, args.only, args.quick)
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if args.command == "report":
+        print(markdown(json.loads(Path(args.path).read_text())))
+        return 0
+    dbs = args.db or DEFAULT_DBS
+    servers = {}
+    for url in dbs:
+        engine = make_engine(url)
+        try:
+            servers[url] = server_version(engine)
+        finally:
+            engine.dispose()
     meta = {
         "python": platform.python_version(),
         "sqlalchemy": sqlalchemy.__version__,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
+        "drivers": _drivers(),
+        "machine": _machine(),
+        "servers": servers,
+        "load_start": _load(),
         "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
+    print(f"{meta['machine']}; Python {meta['python']}, SQLAlchemy {meta['sqlalchemy']}", flush=True)
+    tables = run(dbs, args.only, args.quick)
+    meta["load_end"] = _load()
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"meta": meta, "tables": [asdict(t) for t in tables]}, indent=2, default=str))
+    print(f"wrote {path}")
     return 0
 
 

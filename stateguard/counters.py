@@ -26,7 +26,7 @@ On MariaDB a twin that waited for another transaction's ledger row and then
 hit a duplicate reads that row back with a locking read: a plain SELECT would
 read the transaction's REPEATABLE READ snapshot, which may predate the row.
 Under heavy same-ref contention where the first twin ends INSUFFICIENT,
-InnoDB can report a deadlock between the waiting twins (both held a shared
+InnoDB may report a deadlock between the waiting twins (both held a shared
 lock on the removed key); that is a retryable
 :class:`~stateguard.DeadlockDetected`, and ``retry_on_conflict`` handles it.
 """

@@ -53,9 +53,15 @@ def make_engine(name: str, url: str) -> Any:
 
 
 class Conflicts:
-    """Run a unit of work again after a retryable conflict, counting them by kind."""
+    """Run a unit of work again after a retryable conflict, counting them by kind.
 
-    def __init__(self) -> None:
+    With ``deadlocks=False`` a deadlock is not retried but raised at once:
+    the tests that prove there are none should fail fast, not crawl through
+    the database's deadlock timeout again and again.
+    """
+
+    def __init__(self, *, deadlocks: bool = True) -> None:
+        self.retry_deadlocks = deadlocks
         self.deadlocks = 0
         self.serialization = 0
 
@@ -65,6 +71,8 @@ class Conflicts:
                 return fn()
             except DeadlockDetected:
                 self.deadlocks += 1
+                if not self.retry_deadlocks:
+                    raise
             except SerializationConflict:
                 self.serialization += 1
         raise AssertionError("too many conflicts")
@@ -139,7 +147,7 @@ def reserve_and_release(
     """Reserve ``keys`` in a random mapping order, commit, then release it; count outcomes."""
     rng = random.Random(worker)
     counts: dict[str, int] = {}
-    conflicts = Conflicts()
+    conflicts = Conflicts(deadlocks=False)
     barrier.wait()
     for i in range(rounds):
         order = list(keys)

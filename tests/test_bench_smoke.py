@@ -6,30 +6,49 @@ import io
 import json
 from pathlib import Path
 
-from bench.__main__ import RUNNERS, main, run
+from bench.__main__ import RUNNERS, main, markdown, run
 
 from .conftest import Backend
 
 
 def test_every_scenario_runs_with_tiny_sizes(backend: Backend) -> None:
-    """Each scenario produces a table; stateguard never double-applies or oversells."""
+    """Each scenario produces its table; stateguard never double-applies, oversells or errs."""
     out = io.StringIO()
     tables = run([backend.url], None, quick=True, out=out)
     assert len(tables) == len(RUNNERS)
-    by_title = {t.title.split(" ")[0]: t for t in tables}
-    contention = by_title["2."]
-    guarded = next(r for r in contention.rows if r["variant"] == "stateguard")
-    assert guarded["double_applications"] == 0 and guarded["errors"] == 0
-    assert guarded["applied"] == 20
-    flash = by_title["3."]
-    conditional = next(r for r in flash.rows if r["variant"].startswith("conditional"))
-    assert conditional["oversell"] == 0 and conditional["sold"] == 10
+    by_number = {t.title.split(" ")[0]: t for t in tables}
+    assert set(by_number) == {"1.", "2.", "3.", "5a.", "5b.", "5c."}
+
+    single = {r["variant"]: r for r in by_number["1."].rows}
+    assert single["stateguard"]["stmts_per_call"] == 1.0
+    assert single["ORM load-check-save"]["stmts_per_call"] == 2.0
+
+    guarded = [r for r in by_number["2."].rows if r["variant"] == "stateguard"]
+    assert [r["workers"] for r in guarded] == ["3 threads", "3 processes"]
+    for row in guarded:
+        assert (row["applied"], row["repeated"]) == (20, 40)
+        assert row["double_applications"] == 0 and row["errors"] == 0
+
+    flash = [
+        r
+        for r in by_number["3."].rows
+        if r["variant"] in ("stateguard decrement", "conditional UPDATE (hand-written)")
+    ]
+    assert sorted(r["workers"] for r in flash) == ["3 processes", "3 processes", "3 threads", "3 threads"]
+    for row in flash:
+        assert (row["sold"], row["oversell"], row["lost_updates"]) == (10, 0, 0)
+        assert row["gave_up"] == 0 and row["errors"] == 0
+
+    assert [r["rows_in_table"] for r in by_number["5c."].rows] == [100, 1000]
     assert "variant" in out.getvalue()
 
 
-def test_main_writes_json(sqlite: Backend, tmp_path: Path) -> None:
-    """`python -m bench run --quick --only load` writes its tables and the machine description as JSON."""
+def test_main_writes_json_and_report(sqlite: Backend, tmp_path: Path) -> None:
+    """`python -m bench run --quick --only load` writes its table, machine and server versions as JSON."""
     target = tmp_path / "r.json"
     assert main(["run", "--quick", "--only", "load", "--db", sqlite.url, "--json", str(target)]) == 0
     data = json.loads(target.read_text())
-    assert data["meta"]["sqlalchemy"] and data["tables"][0]["rows"]
+    assert data["meta"]["sqlalchemy"] and data["meta"]["servers"][sqlite.url].startswith("SQLite")
+    assert [t["title"].split(" ")[0] for t in data["tables"]] == ["5a."]
+    text = markdown(data)
+    assert "| stateguard model |" in text and "#### 5a." in text

@@ -396,7 +396,7 @@ def test_reservations_are_atomic_while_they_happen(engine: Any) -> None:
 
     def worker(n: int) -> list[tuple[str, Any, Any]]:
         rng = random.Random(n)
-        conflicts = w.Conflicts()
+        conflicts = w.Conflicts(deadlocks=False)
         seen = []
         barrier.wait()
         for i in range(10):
@@ -452,7 +452,7 @@ def test_concurrent_releases_of_many_refs_give_back_each_once(engine: Any) -> No
     def worker(n: int) -> list[tuple[str, str]]:
         order = list(refs)
         random.Random(n).shuffle(order)
-        conflicts = w.Conflicts()
+        conflicts = w.Conflicts(deadlocks=False)
         barrier.wait()
         out = []
         for ref in order:
@@ -462,7 +462,6 @@ def test_concurrent_releases_of_many_refs_give_back_each_once(engine: Any) -> No
                     return release(s, Bin.qty, ref)
 
             out.append((ref, conflicts.run(unit).outcome.name))
-        assert conflicts.deadlocks == 0
         return out
 
     results = _threads(worker, [(n,) for n in range(6)])
