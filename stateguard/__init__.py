@@ -6,6 +6,7 @@ the affected-row count (or the conflict) says what happened.  See README.md.
 
 from __future__ import annotations
 
+from . import _keys as _keys  # noqa: F401  (puts the key tables on stateguard.tables.metadata)
 from . import schema as _schema  # noqa: F401  (registers the legal-edges DDL events)
 from .counters import decrement, increment, release, reserve
 from .engine import sqlite_engine

@@ -19,6 +19,9 @@ transaction may succeed (see :func:`stateguard.retry_on_conflict`).
     ├── RefConflict                      a counter ref was reused with a different amount
     ├── LockNotAcquired                  retryable=True: a lock was held (NOWAIT / timeout)
     ├── LockLost                         a lock expired and another holder took it
+    │   └── LeaseLost                    an idempotency key's lease was taken over
+    ├── RequestInProgress                an idempotency key is being worked on (.retry_after)
+    ├── IdempotencyKeyReused             a key came back with a different request fingerprint
     └── SerializationConflict            retryable=True: serialization failure / busy snapshot
         └── DeadlockDetected             retryable=True: the database broke a deadlock
 
@@ -42,14 +45,17 @@ if TYPE_CHECKING:
 __all__ = [
     "ConfigurationError",
     "DeadlockDetected",
+    "IdempotencyKeyReused",
     "InsufficientQuantity",
     "InvalidArgument",
+    "LeaseLost",
     "LockLost",
     "LockNotAcquired",
     "NotFound",
     "NotSupported",
     "OutcomeError",
     "RefConflict",
+    "RequestInProgress",
     "SerializationConflict",
     "StaleVersion",
     "StateguardError",
@@ -189,4 +195,46 @@ class LockLost(StateguardError):
 
     Writes made under the lock with its fencing token are protected (a newer
     holder's writes win); anything else done after the expiry was unprotected.
+    """
+
+
+class _KeyError(StateguardError):
+    """Shared shape of the idempotency-key errors: they carry ``scope`` and ``key``."""
+
+    def __init__(self, message: str, *, scope: str, key: str) -> None:
+        self.scope = scope
+        self.key = key
+        super().__init__(message)
+
+
+class LeaseLost(LockLost, _KeyError):
+    """The lease on an idempotency key expired and another worker took the key over.
+
+    Nothing this worker tries to write to the key record afterwards is written
+    (completing, failing, checkpointing and releasing are conditional on the
+    owner): the new owner's record is never overwritten or deleted.  Work this
+    worker did outside the database after the lease expired was unprotected;
+    use ``heartbeat()`` (or ``heartbeat_every=``) for long work.
+    """
+
+
+class RequestInProgress(_KeyError):
+    """Another caller holds the idempotency key and its lease is live.
+
+    ``retry_after`` (a :class:`datetime.timedelta`) is how long until that
+    lease expires; answer HTTP 409 (with ``Retry-After``) and let the client
+    retry: it then gets the stored response, or takes the key over if the
+    other worker died.
+    """
+
+    def __init__(self, message: str, *, scope: str, key: str, retry_after: Any) -> None:
+        self.retry_after = retry_after
+        super().__init__(message, scope=scope, key=key)
+
+
+class IdempotencyKeyReused(_KeyError):
+    """An idempotency key came back with a request whose fingerprint differs.
+
+    The client reused a key for a different request (HTTP 422).  Nothing was
+    written; the stored record is untouched.
     """

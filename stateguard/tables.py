@@ -1,5 +1,6 @@
 """stateguard's own tables, on one ``MetaData``: the transition log and the
-counter ledger (and, as they land, idempotency keys, tokens and worker leases).
+counter ledger, idempotency keys, consumed messages, one-time tokens and worker
+leases.
 
 Create them with the alembic revisions in ``migrations/`` (branch label
 ``stateguard``) or, without alembic, with :func:`create_tables`.
@@ -18,7 +19,7 @@ metadata = MetaData()
 def _load() -> None:
     # Table definitions live next to the code that uses them; importing the
     # modules registers them on ``metadata``.
-    from . import counters, history  # noqa: F401
+    from . import _keys, counters, history  # noqa: F401
 
 
 def migrations_location() -> str:
