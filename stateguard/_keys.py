@@ -18,14 +18,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import BigInteger, Column, Index, Integer, String, Table, Text
+from sqlalchemy import BigInteger, Column, Dialect, Index, Integer, String, Table, Text
 from sqlalchemy.dialects import mysql
+from sqlalchemy.types import TypeDecorator, TypeEngine
 
 from .tables import metadata
 
 __all__ = [
     "MAX_KEY",
     "MAX_SCOPE",
+    "ExactString",
     "consumed_messages",
     "exact_string",
     "idempotency_keys",
@@ -40,17 +42,39 @@ MAX_KEY = 255
 MAX_SCOPE = 200
 
 
-def exact_string(length: int) -> Any:
+class ExactString(TypeDecorator[str]):
     """A VARCHAR that compares byte-exact on every backend.
 
-    MariaDB's default collations ignore case and trailing spaces, so
-    ``'order-ABC'`` and ``'Order-abc '`` would be the same unique key;
-    ``utf8mb4_bin`` compares code points.  PostgreSQL (deterministic
-    collations) and SQLite (``BINARY``) already compare exactly.
+    MariaDB's default collations ignore case, and its ``_bin`` collations
+    still ignore trailing spaces (PAD SPACE), so ``'order-A'``, ``'order-a'``
+    and ``'order-A '`` would be one unique key.  ``utf8mb4_nopad_bin``
+    (MariaDB) and ``utf8mb4_0900_bin`` (MySQL 8) compare code points with no
+    padding.  PostgreSQL (deterministic collations, VARCHAR keeps trailing
+    spaces significant) and SQLite (``BINARY``) already compare exactly.
+
+    A TypeDecorator rather than ``with_variant``: under a ``mysql://`` URL a
+    MariaDB server is still the ``mysql`` dialect, and only the connected
+    dialect knows which server it is.  stateguard's migrations use this type,
+    so its DDL must never change.
     """
-    return String(length).with_variant(
-        mysql.VARCHAR(length, charset="utf8mb4", collation="utf8mb4_bin"), "mysql", "mariadb"
-    )
+
+    impl = String
+    cache_ok = True
+
+    def __init__(self, length: int) -> None:
+        super().__init__(length)
+        self.length = length
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name in ("mysql", "mariadb"):
+            collation = "utf8mb4_nopad_bin" if getattr(dialect, "is_mariadb", False) else "utf8mb4_0900_bin"
+            return dialect.type_descriptor(mysql.VARCHAR(self.length, charset="utf8mb4", collation=collation))
+        return dialect.type_descriptor(String(self.length))
+
+
+def exact_string(length: int) -> ExactString:
+    """A byte-exact VARCHAR(``length``); see :class:`ExactString`."""
+    return ExactString(length)
 
 
 def long_text() -> Any:

@@ -61,6 +61,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import QueryableAttribute
 
 from . import _sql
+from ._keys import exact_string
 from .exceptions import InvalidArgument, RefConflict, SerializationConflict
 from .history import row_key
 from .result import Outcome, Result
@@ -75,9 +76,10 @@ counter_ledger = Table(
     "stateguard_counter_ledger",
     metadata,
     Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
-    Column("ref", String(MAX_REF), nullable=False),
+    # Byte-exact on MariaDB too: its default collation would make 'order-A' and 'order-a ' one ref.
+    Column("ref", exact_string(MAX_REF), nullable=False),
     Column("table_name", String(200), nullable=False),
-    Column("row_key", String(255), nullable=False),
+    Column("row_key", exact_string(255), nullable=False),
     Column("column_name", String(100), nullable=False),
     # The delta as exact decimal text: no float rounding on any backend.
     Column("delta", String(60), nullable=False),

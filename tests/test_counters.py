@@ -203,6 +203,15 @@ def test_a_duplicate_ref_keeps_the_transaction_usable(engine: Any) -> None:
         assert s.get_one(Bin, 3).cap == 9
 
 
+def test_refs_compare_byte_exact_on_every_backend(engine: Any) -> None:
+    """Refs differing only in case or a trailing space are different refs, MariaDB included."""
+    _bins(engine, {1: 10})
+    with Session(engine) as s, s.begin():
+        outcomes = [decrement(s, Bin.qty, 1, ref=r).outcome for r in ("order-A", "order-a", "order-A ")]
+    assert outcomes == [Outcome.APPLIED] * 3
+    assert _qty(engine, 1) == (7,) and len(_ledger(engine)) == 3
+
+
 def test_insufficient_and_missing_refs_leave_no_ledger_row(engine: Any) -> None:
     """INSUFFICIENT and NOT_FOUND with a ref leave no ledger row; the same ref applies once possible."""
     _bins(engine, {1: 1})

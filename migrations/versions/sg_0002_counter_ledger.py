@@ -10,10 +10,17 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from stateguard._keys import ExactString
+
 revision = "sg_0002"
 down_revision = "sg_0001"
 branch_labels = None
 depends_on = None
+
+
+def _exact(length: int) -> sa.types.TypeEngine[str]:
+    # Byte-exact keys on MariaDB/MySQL too (see ExactString); the type's DDL never changes.
+    return ExactString(length)
 
 
 def upgrade() -> None:
@@ -22,9 +29,9 @@ def upgrade() -> None:
         sa.Column(
             "id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True
         ),
-        sa.Column("ref", sa.String(200), nullable=False),
+        sa.Column("ref", _exact(200), nullable=False),
         sa.Column("table_name", sa.String(200), nullable=False),
-        sa.Column("row_key", sa.String(255), nullable=False),
+        sa.Column("row_key", _exact(255), nullable=False),
         sa.Column("column_name", sa.String(100), nullable=False),
         sa.Column("delta", sa.String(60), nullable=False),
         sa.Column(

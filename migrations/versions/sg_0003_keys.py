@@ -11,6 +11,8 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import mysql
 
+from stateguard._keys import ExactString
+
 revision = "sg_0003"
 down_revision = "sg_0002"
 branch_labels = None
@@ -18,10 +20,8 @@ depends_on = None
 
 
 def _exact(length: int) -> sa.types.TypeEngine[str]:
-    # Byte-exact comparison on MariaDB (its default collation ignores case and trailing spaces).
-    return sa.String(length).with_variant(
-        mysql.VARCHAR(length, charset="utf8mb4", collation="utf8mb4_bin"), "mysql", "mariadb"
-    )
+    # Byte-exact keys on MariaDB/MySQL too (see ExactString); the type's DDL never changes.
+    return ExactString(length)
 
 
 def _long_text() -> sa.types.TypeEngine[str]:
@@ -46,9 +46,7 @@ def upgrade() -> None:
         sa.Column("created_ms", sa.BigInteger, nullable=False),
         sa.Column("updated_ms", sa.BigInteger, nullable=False),
     )
-    op.create_index(
-        "ix_stateguard_idempotency_keys_expires", "stateguard_idempotency_keys", ["expires_ms"]
-    )
+    op.create_index("ix_stateguard_idempotency_keys_expires", "stateguard_idempotency_keys", ["expires_ms"])
     op.create_table(
         "stateguard_consumed_messages",
         sa.Column("consumer", _exact(200), primary_key=True),
