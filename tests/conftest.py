@@ -30,6 +30,15 @@ REDIS_URL = os.environ.get("STATEGUARD_REDIS_URL", "redis://127.0.0.1:6379/0")
 BACKENDS = ("sqlite", "postgresql", "mariadb")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--soak",
+        action="store_true",
+        default=False,
+        help="run tests/reliability with sizes multiplied for long runs (also STATEGUARD_SOAK=1 or =N)",
+    )
+
+
 def unavailable(what: str, error: BaseException) -> None:
     """Skip (laptop) or fail (CI) because a server is unreachable."""
     message = f"{what} is unreachable ({type(error).__name__}: {error})"
