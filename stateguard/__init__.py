@@ -6,7 +6,7 @@ the affected-row count (or the conflict) says what happened.  See README.md.
 
 from __future__ import annotations
 
-from . import _keys as _keys  # noqa: F401  (puts the key tables on stateguard.tables.metadata)
+from . import _keys as _keys
 from . import schema as _schema  # noqa: F401  (registers the legal-edges DDL events)
 from .counters import decrement, increment, release, reserve
 from .engine import sqlite_engine
@@ -28,12 +28,14 @@ from .exceptions import (
     UnknownTrigger,
 )
 from .history import HistoryEntry
+from .ids import Snowflake, WorkerIdsExhausted, WorkerLeaseLost, new_request_id
 from .inserts import insert_once
 from .locks import RedisLock, advisory_lock, row_lock
 from .machine import StateMachine, Trigger
 from .result import Outcome, Result
 from .retry import retry_on_conflict
 from .tables import create_tables, drop_tables, migrations_location
+from .tokens import RedisTokens, consume_token, issue_token, purge_expired_tokens
 from .versioning import fence_column, guarded_update, version_column
 
 __version__ = "0.1.0"
@@ -51,16 +53,21 @@ __all__ = [
     "Outcome",
     "OutcomeError",
     "RedisLock",
+    "RedisTokens",
     "RefConflict",
     "Result",
     "SerializationConflict",
+    "Snowflake",
     "StaleVersion",
     "StateMachine",
     "StateguardError",
     "TransitionRejected",
     "Trigger",
     "UnknownTrigger",
+    "WorkerIdsExhausted",
+    "WorkerLeaseLost",
     "advisory_lock",
+    "consume_token",
     "create_tables",
     "decrement",
     "drop_tables",
@@ -68,7 +75,10 @@ __all__ = [
     "guarded_update",
     "increment",
     "insert_once",
+    "issue_token",
     "migrations_location",
+    "new_request_id",
+    "purge_expired_tokens",
     "release",
     "reserve",
     "retry_on_conflict",

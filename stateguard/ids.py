@@ -1,0 +1,503 @@
+"""Unique request ids: time-ordered UUIDv7 and 64-bit Snowflake ids.
+
+* :func:`new_request_id`: an RFC 9562 UUIDv7, for ids clients or servers
+  make on their own (idempotency keys, message ids).  No coordination.
+* :class:`Snowflake`: compact 64-bit ids (41 bits of milliseconds, 10 bits
+  of worker id, 12 bits of sequence) that sort by time.  The worker id is
+  leased from ``stateguard_worker_leases`` with a conditional UPDATE, so two
+  live generators never share one, and the generator waits rather than
+  going backwards when the clock does.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from types import TracebackType
+from typing import Any, Final
+
+from sqlalchemy import Engine, bindparam, case, insert, select, update
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import postgresql, sqlite
+
+from . import _sql
+from ._keys import worker_leases
+from .exceptions import InvalidArgument, LockLost, StateguardError
+
+__all__ = [
+    "DEFAULT_EPOCH_MS",
+    "MAX_WORKERS",
+    "Snowflake",
+    "WorkerIdsExhausted",
+    "WorkerLeaseLost",
+    "new_request_id",
+]
+
+
+# --------------------------------------------------------------------------
+# UUIDv7
+# --------------------------------------------------------------------------
+
+# Python 3.11's uuid module has no uuid7 (it arrives in 3.14), and the
+# packages that add it (uuid6, uuid-utils, uuid7) would become the only
+# runtime dependency beyond sqlalchemy, alembic and transitions for about
+# twenty lines.  This follows RFC 9562 section 6.2, method 1 (the layout
+# CPython 3.14 uses): after the 48-bit Unix millisecond timestamp, a 42-bit
+# counter (12 bits of rand_a and the top 30 bits of rand_b) seeded randomly
+# each millisecond with its top bit clear, then 32 random bits.  Within one
+# millisecond the counter increments, so ids from one process are strictly
+# increasing; if it overflows, or the clock steps back, the timestamp is
+# advanced by one instead (section 6.2: "the timestamp ... MAY be incremented").
+_v7_lock = threading.Lock()
+_v7_last_ms = 0
+_v7_counter = 0
+
+_VERSION_7: Final = 0x7 << 76
+_VARIANT_RFC: Final = 0b10 << 62
+
+
+def _v7_reset() -> None:
+    # A forked child would otherwise continue its parent's counter in the same
+    # millisecond; the 32 random bits would still differ, but reseeding keeps
+    # the guarantee from resting on chance alone.
+    global _v7_last_ms, _v7_counter
+    _v7_last_ms = 0
+    _v7_counter = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_v7_reset)
+
+
+def new_request_id() -> uuid.UUID:
+    """A new time-ordered UUID, version 7 (RFC 9562).
+
+    Ids sort by creation time (to the millisecond across processes, strictly
+    within one process), which keeps B-tree indexes on them compact, and
+    carry 74 bits that are random or counter::
+
+        request_id = new_request_id()
+        headers["Idempotency-Key"] = str(request_id)
+    """
+    global _v7_last_ms, _v7_counter
+    with _v7_lock:
+        now = time.time_ns() // 1_000_000
+        if now > _v7_last_ms:
+            _v7_last_ms = now
+            _v7_counter = secrets.randbits(41)  # top bit of the 42 clear: room to count
+        else:
+            _v7_counter += 1
+            if _v7_counter >= 1 << 42:
+                _v7_last_ms += 1
+                _v7_counter = secrets.randbits(41)
+        ms, counter = _v7_last_ms, _v7_counter
+    value = (
+        (ms & 0xFFFF_FFFF_FFFF) << 80
+        | _VERSION_7
+        | (counter >> 30) << 64
+        | _VARIANT_RFC
+        | (counter & 0x3FFF_FFFF) << 32
+        | secrets.randbits(32)
+    )
+    return uuid.UUID(int=value)
+
+
+# --------------------------------------------------------------------------
+# Snowflake
+# --------------------------------------------------------------------------
+
+#: The default custom epoch of :class:`Snowflake` ids: 2024-01-01T00:00:00Z.
+#: 41 bits of milliseconds after it last until 2093.
+DEFAULT_EPOCH_MS: Final = int(datetime(2024, 1, 1, tzinfo=UTC).timestamp() * 1000)
+
+#: Worker ids per namespace (10 bits).
+MAX_WORKERS: Final = 1024
+
+_TIME_BITS: Final = 41
+_WORKER_BITS: Final = 10
+_SEQUENCE_BITS: Final = 12
+_MAX_SEQUENCE: Final = (1 << _SEQUENCE_BITS) - 1
+_MAX_NAMESPACE: Final = 100
+_MYSQL_DUPLICATE_KEY: Final = 1062
+
+
+class WorkerLeaseLost(LockLost):
+    """A :class:`Snowflake` lost the lease on its worker id: it will issue no more ids.
+
+    The lease expired (no renewal reached the database in time) and another
+    generator may have taken the worker id over.  Ids already returned are
+    safe; close this generator and create a new one (it leases a fresh
+    worker id).  ``namespace`` and ``worker_id`` say which lease.
+    """
+
+    def __init__(self, message: str, *, namespace: str, worker_id: int) -> None:
+        self.namespace = namespace
+        self.worker_id = worker_id
+        super().__init__(message)
+
+
+class WorkerIdsExhausted(StateguardError):
+    """All 1024 worker ids of a :class:`Snowflake` namespace are leased by live generators.
+
+    ``retryable`` is ``True``: a lease frees up when a generator closes or
+    dies (after its lease expires).  Use separate namespaces for id spaces
+    that do not need to be unique with each other.
+    """
+
+    retryable = True
+
+    def __init__(self, message: str, *, namespace: str) -> None:
+        self.namespace = namespace
+        super().__init__(message)
+
+
+def _wall_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+# Statements built once; every value is bound.
+_LIVE_ROWS: Final = (
+    select(worker_leases.c.worker_id, worker_leases.c.owner, worker_leases.c.lease_expires_ms)
+    .where(worker_leases.c.namespace == bindparam("sg_ns"))
+    .order_by(worker_leases.c.worker_id)
+)
+_SAME_ROW: Final = (
+    worker_leases.c.namespace == bindparam("sg_ns"),
+    worker_leases.c.worker_id == bindparam("sg_worker"),
+)
+# last_ms is assigned first: MySQL evaluates single-table UPDATE assignments
+# left to right with the new values, PostgreSQL and SQLite with the old ones;
+# first, it reads the old lease_expires_ms everywhere.  A holder whose lease
+# expired used only milliseconds before that expiry, so a taker starts after
+# max(last_ms, lease_expires_ms - 1).
+_CLAIM: Final = (
+    update(worker_leases)
+    .where(
+        *_SAME_ROW,
+        (worker_leases.c.owner.is_(None)) | (worker_leases.c.lease_expires_ms < bindparam("sg_now")),
+    )
+    .ordered_values(
+        (
+            worker_leases.c.last_ms,
+            case(
+                (
+                    worker_leases.c.lease_expires_ms - 1 > worker_leases.c.last_ms,
+                    worker_leases.c.lease_expires_ms - 1,
+                ),
+                else_=worker_leases.c.last_ms,
+            ),
+        ),
+        (worker_leases.c.owner, bindparam("sg_owner")),
+        (worker_leases.c.lease_expires_ms, bindparam("sg_expires")),
+    )
+)
+_LAST_MS: Final = select(worker_leases.c.last_ms).where(
+    *_SAME_ROW, worker_leases.c.owner == bindparam("sg_owner")
+)
+_RENEW: Final = (
+    update(worker_leases)
+    .where(*_SAME_ROW, worker_leases.c.owner == bindparam("sg_owner"))
+    .values(lease_expires_ms=bindparam("sg_expires"), last_ms=bindparam("sg_last"))
+)
+_RELEASE: Final = (
+    update(worker_leases)
+    .where(*_SAME_ROW, worker_leases.c.owner == bindparam("sg_owner"))
+    .values(owner=None, lease_expires_ms=0, last_ms=bindparam("sg_last"))
+)
+_NEW_ROW_VALUES: Final = {
+    "namespace": bindparam("sg_ns"),
+    "worker_id": bindparam("sg_worker"),
+    "owner": bindparam("sg_owner"),
+    "lease_expires_ms": bindparam("sg_expires"),
+    "last_ms": 0,
+}
+_INSERTS: Final = {
+    "postgresql": postgresql.insert(worker_leases).values(_NEW_ROW_VALUES).on_conflict_do_nothing(),
+    "sqlite": sqlite.insert(worker_leases).values(_NEW_ROW_VALUES).on_conflict_do_nothing(),
+}
+_INSERT_PLAIN: Final = insert(worker_leases).values(_NEW_ROW_VALUES)
+
+
+class Snowflake:
+    """A generator of unique, time-ordered 64-bit ids with a leased worker id.
+
+    An id is ``milliseconds since epoch_ms`` (41 bits) ``| worker id`` (10
+    bits) ``| sequence`` (12 bits): up to 4096 ids per millisecond per
+    worker, 1024 workers per namespace, until 2093 with the default epoch::
+
+        ids = Snowflake(engine, namespace="orders")
+        order.id = ids.next_id()
+        ...
+        ids.close()        # or: with Snowflake(engine) as ids: ...
+
+    The worker id is leased from ``stateguard_worker_leases`` (create it
+    with :func:`stateguard.create_tables` or the alembic revisions): the
+    constructor claims a free or expired row with a conditional UPDATE (or
+    creates the next row), so two live generators never hold the same worker
+    id.  The lease lasts ``lease`` and is renewed (conditionally on still
+    owning it) by a daemon thread every third of it, and by
+    :meth:`next_id` itself when a renewal is due, so an id is never issued
+    under an expired lease: a generator that cannot renew raises
+    :class:`WorkerLeaseLost` instead.  :meth:`close` releases the worker id.
+
+    Ids never go backwards: the highest millisecond used is stored with the
+    lease (``last_ms``), so the next holder of a worker id starts after it
+    (after the lease's expiry, when the holder died); when the clock steps
+    back, or 4096 ids were issued in one millisecond, :meth:`next_id` waits
+    (sleeps) until the clock passes the last millisecond used.  Leases are
+    judged with the hosts' wall clocks, which must agree to well within
+    ``lease`` (NTP does).  One generator is thread-safe; use one per
+    process.
+
+    :raises WorkerIdsExhausted: all 1024 worker ids of ``namespace`` are live.
+    :raises InvalidArgument: bad ``namespace``, ``lease`` (at least 1 s) or
+        ``epoch_ms`` (not in the future).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        namespace: str = "default",
+        lease: timedelta = timedelta(seconds=60),
+        epoch_ms: int = DEFAULT_EPOCH_MS,
+        heartbeat: bool = True,
+        _clock: Callable[[], int] | None = None,
+    ) -> None:
+        if not isinstance(engine, Engine):
+            raise InvalidArgument(f"Snowflake needs a SQLAlchemy Engine, got {type(engine).__name__}")
+        if not isinstance(namespace, str) or not namespace.strip() or "\x00" in namespace:
+            raise InvalidArgument(f"namespace must be a non-blank str without NUL, got {namespace!r}")
+        if len(namespace) > _MAX_NAMESPACE:
+            raise InvalidArgument(
+                f"namespace is {len(namespace)} characters long; the limit is {_MAX_NAMESPACE}"
+            )
+        if not isinstance(lease, timedelta) or lease < timedelta(seconds=1):
+            raise InvalidArgument(f"lease must be a timedelta of at least 1 second, got {lease!r}")
+        clock = _clock or _wall_ms
+        if type(epoch_ms) is not int or not 0 <= epoch_ms <= clock():
+            raise InvalidArgument(
+                f"epoch_ms must be an int of epoch milliseconds in the past, got {epoch_ms!r}"
+            )
+        self.engine = engine
+        self.namespace = namespace
+        self.epoch_ms = epoch_ms
+        self._clock = clock
+        self._lease_ms = lease // timedelta(milliseconds=1)
+        self._owner = secrets.token_hex(16)
+        self._lock = threading.Lock()  # the generator's state
+        self._renew_lock = threading.Lock()  # one renewal round trip at a time
+        self._closed = False
+        self._lost: WorkerLeaseLost | None = None
+        self.worker_id, self._last_ms = self._claim()
+        # As if last_ms's sequence were used up: the first id comes from a later
+        # millisecond, so it cannot repeat one the previous holder issued.
+        self._sequence = _MAX_SEQUENCE
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if heartbeat:
+            self._thread = threading.Thread(
+                target=self._heartbeat, name=f"stateguard-snowflake-{namespace}", daemon=True
+            )
+            self._thread.start()
+
+    # -- leasing -----------------------------------------------------------
+
+    def _set_deadlines(self, started_ms: int, started_mono: float) -> None:
+        # A lease is judged by the wall clock (that is what other hosts see in
+        # the table) and, locally, also by the monotonic clock, so a wall
+        # clock stepping back does not stretch this generator's lease.
+        self._deadline_ms = started_ms + self._lease_ms
+        self._renew_ms = started_ms + self._lease_ms // 3
+        self._renew_mono = started_mono + self._lease_ms / 3000
+
+    def _claim(self) -> tuple[int, int]:
+        params: dict[str, Any] = {"sg_ns": self.namespace, "sg_owner": self._owner}
+        for _ in range(4 * MAX_WORKERS):
+            started_mono = time.monotonic()
+            now = self._clock()
+            params["sg_now"] = now
+            params["sg_expires"] = now + self._lease_ms
+            with self.engine.connect() as conn:
+                rows = _sql.execute(conn, _LIVE_ROWS, params).all()
+            taken = {row.worker_id for row in rows}
+            free = [row.worker_id for row in rows if row.owner is None or row.lease_expires_ms < now]
+            for worker in free:
+                params["sg_worker"] = worker
+                with self.engine.begin() as conn:
+                    if _sql.execute(conn, _CLAIM, params).rowcount == 1:
+                        last = _sql.execute(conn, _LAST_MS, params).scalar_one()
+                        self._set_deadlines(now, started_mono)
+                        return worker, int(last)
+            unused = next((w for w in range(MAX_WORKERS) if w not in taken), None)
+            if unused is None:
+                if not free:
+                    raise WorkerIdsExhausted(
+                        f"all {MAX_WORKERS} worker ids of Snowflake namespace {self.namespace!r} are "
+                        f"leased by live generators; close unused generators, wait for dead ones' "
+                        f"leases to expire, or use another namespace",
+                        namespace=self.namespace,
+                    )
+                continue  # every free row was taken by someone else meanwhile: look again
+            params["sg_worker"] = unused
+            if self._insert(params):
+                self._set_deadlines(now, started_mono)
+                return unused, 0
+        raise WorkerIdsExhausted(  # pragma: no cover - 4096 lost races in a row
+            f"could not lease a worker id in Snowflake namespace {self.namespace!r}: every attempt "
+            f"lost a race with another generator; retry",
+            namespace=self.namespace,
+        )
+
+    def _insert(self, params: dict[str, Any]) -> bool:
+        """Create the worker row already leased to us; ``False`` if someone created it first."""
+        with self.engine.begin() as conn:
+            stmt = _INSERTS.get(conn.dialect.name)
+            if stmt is not None:
+                return bool(_sql.execute(conn, stmt, params).rowcount == 1)
+            try:
+                _sql.execute(conn, _INSERT_PLAIN, params)
+            except sa_exc.IntegrityError as error:
+                # Its own transaction: the duplicate poisons nothing.
+                if getattr(error.orig, "args", (None,))[0] != _MYSQL_DUPLICATE_KEY:
+                    raise
+                return False
+            return True
+
+    def _renew(self, *, due_only: bool) -> None:
+        """Extend the lease (conditional on still owning it) or raise :class:`WorkerLeaseLost`."""
+        with self._renew_lock:
+            if self._lost is not None:
+                raise self._lost
+            if self._closed:
+                return
+            started_mono = time.monotonic()
+            now = self._clock()
+            if due_only and now < self._renew_ms and started_mono < self._renew_mono:
+                return  # another thread renewed meanwhile
+            with self._lock:
+                last = self._last_ms
+            params = {
+                "sg_ns": self.namespace,
+                "sg_worker": self.worker_id,
+                "sg_owner": self._owner,
+                "sg_expires": now + self._lease_ms,
+                "sg_last": last,
+            }
+            with self.engine.begin() as conn:
+                renewed = _sql.execute(conn, _RENEW, params).rowcount == 1
+            if not renewed:
+                self._lost = WorkerLeaseLost(
+                    f"Snowflake lost its lease on worker id {self.worker_id} of namespace "
+                    f"{self.namespace!r} (it expired and was taken over or released); it issues "
+                    f"no more ids: create a new Snowflake",
+                    namespace=self.namespace,
+                    worker_id=self.worker_id,
+                )
+                raise self._lost
+            self._set_deadlines(now, started_mono)
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self._lease_ms / 3000):
+            try:
+                self._renew(due_only=False)
+            except WorkerLeaseLost:
+                return
+            except Exception:
+                # A database hiccup: next_id() renews synchronously when due.
+                continue
+
+    # -- ids ---------------------------------------------------------------
+
+    def next_id(self) -> int:
+        """The next id: larger than every id this worker id has issued before.
+
+        Renews the lease first when it is due (one UPDATE); waits when the
+        clock stepped back or the millisecond's 4096 ids are used up::
+
+            payment.id = ids.next_id()
+
+        :raises WorkerLeaseLost: the lease could not be renewed; no id was issued.
+        :raises InvalidArgument: the generator was closed.
+        """
+        if self._closed:
+            raise InvalidArgument("this Snowflake is closed; create a new one")
+        if self._lost is not None:
+            raise self._lost
+        while True:
+            now = self._clock()
+            if now >= self._renew_ms or time.monotonic() >= self._renew_mono:
+                self._renew(due_only=True)
+                now = self._clock()
+            with self._lock:
+                last = self._last_ms
+                if now == last and self._sequence < _MAX_SEQUENCE:
+                    self._sequence += 1
+                    sequence = self._sequence
+                elif now > last:
+                    self._last_ms = now
+                    self._sequence = sequence = 0
+                else:
+                    sequence = -1
+            if sequence >= 0:
+                break
+            # The clock is behind the last millisecond used (it stepped back, or
+            # this millisecond's sequence is used up): wait until it passes it.
+            time.sleep(max(0.0005, (last - now) / 1000))
+        elapsed = now - self.epoch_ms
+        if elapsed >= 1 << _TIME_BITS:  # pragma: no cover - the year 2093 with the default epoch
+            raise InvalidArgument(f"epoch_ms {self.epoch_ms} is more than 2**41 ms in the past")
+        return elapsed << (_WORKER_BITS + _SEQUENCE_BITS) | self.worker_id << _SEQUENCE_BITS | sequence
+
+    def close(self) -> None:
+        """Stop renewing and release the worker id (keeping ``last_ms``); idempotent::
+
+        ids.close()
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        with self._renew_lock:
+            if self._lost is not None:
+                return
+            with self._lock:
+                last = self._last_ms
+            params = {
+                "sg_ns": self.namespace,
+                "sg_worker": self.worker_id,
+                "sg_owner": self._owner,
+                "sg_last": last,
+            }
+            with self.engine.begin() as conn:
+                _sql.execute(conn, _RELEASE, params)
+
+    def __enter__(self) -> Snowflake:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Snowflake namespace={self.namespace!r} worker_id={self.worker_id}>"
+
+    @staticmethod
+    def parse(snowflake_id: int, *, epoch_ms: int = DEFAULT_EPOCH_MS) -> tuple[int, int, int]:
+        """Split an id into ``(epoch milliseconds, worker id, sequence)``::
+
+        ms, worker, seq = Snowflake.parse(order.id)
+        """
+        return (
+            (snowflake_id >> (_WORKER_BITS + _SEQUENCE_BITS)) + epoch_ms,
+            (snowflake_id >> _SEQUENCE_BITS) & (MAX_WORKERS - 1),
+            snowflake_id & _MAX_SEQUENCE,
+        )

@@ -1,0 +1,374 @@
+"""One-time tokens (SCHEMES.md, scheme 6): issued with an expiry, consumed once.
+
+The server hands out an unguessable token (a form's hidden field, an e-mail
+link, a payment confirmation step); the client sends it back; one
+conditional statement consumes it::
+
+    UPDATE stateguard_tokens SET consumed_ms = :now
+    WHERE token_hash = :h AND scope = :scope AND consumed_ms IS NULL AND expires_ms > :now
+
+One row: APPLIED.  No row: one read says why: consumed already → REPEATED,
+expired → REJECTED, unknown or of another scope → NOT_FOUND.  Concurrent
+consumers of one token serialise on its row: PostgreSQL re-checks the WHERE
+of a waiting UPDATE at READ COMMITTED against the committed row, InnoDB's
+UPDATE reads the latest committed row, and SQLite has a single writer, so
+exactly one of them sees ``consumed_ms IS NULL``.
+
+Only a SHA-256 of the token is stored, so a leaked table (or backup) does
+not leak usable tokens.  Consuming is not deleting: a consumed token stays
+until it expires and :func:`purge_expired_tokens` removes it, so a replay is
+told apart (REPEATED) from a forgery (NOT_FOUND).
+
+:class:`RedisTokens` does the same in Redis with one Lua script per consume.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+from datetime import timedelta
+from typing import Any, Final
+
+from sqlalchemy import Connection, Engine, bindparam, delete, insert, literal_column, select, update
+from sqlalchemy.orm import Session
+
+from . import _sql
+from ._keys import MAX_KEY, MAX_SCOPE, tokens
+from .exceptions import InvalidArgument, SerializationConflict
+from .result import Outcome, Result
+
+__all__ = ["OneTimeToken", "RedisTokens", "consume_token", "issue_token", "purge_expired_tokens"]
+
+#: Bytes of randomness in an issued token (256 bits; ``token_urlsafe`` makes 43 characters).
+TOKEN_BYTES: Final = 32
+
+
+class OneTimeToken:
+    """The ``model`` of every token :class:`~stateguard.Result`.
+
+    A token result's ``key`` is the SHA-256 (hex) of the token, never the
+    token itself (results end up in logs and error messages); ``state`` is
+    ``"consumed"``, ``"expired"`` or ``None`` (not found).
+    """
+
+
+def _now_ms() -> int:
+    """The application's clock in integer epoch milliseconds (tests replace it)."""
+    return time.time_ns() // 1_000_000
+
+
+def _hash(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def _check_text(value: Any, what: str, limit: int) -> str:
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{what} must be a str, got {type(value).__name__}")
+    if not value.strip():
+        raise InvalidArgument(f"{what} must not be blank, got {value!r}")
+    if len(value) > limit:
+        raise InvalidArgument(f"{what} is {len(value)} characters long; the limit is {limit}")
+    if "\x00" in value:
+        raise InvalidArgument(f"{what} must not contain NUL characters")
+    return value
+
+
+def _check_scope(scope: Any) -> str:
+    return _check_text(scope, "scope", MAX_SCOPE)
+
+
+def _check_token(token: Any) -> str:
+    return _check_text(token, "token", MAX_KEY)
+
+
+def _ttl_ms(ttl: Any) -> int:
+    if not isinstance(ttl, timedelta):
+        raise InvalidArgument(f"ttl must be a datetime.timedelta, got {ttl!r}")
+    ms = ttl // timedelta(milliseconds=1)
+    if ms < 1:
+        raise InvalidArgument(f"ttl must be at least 1 millisecond, got {ttl!r}")
+    return ms
+
+
+def _check_batch(batch: Any) -> int:
+    if type(batch) is not int or batch < 1:
+        raise InvalidArgument(f"batch must be a positive int, got {batch!r}")
+    return batch
+
+
+# --------------------------------------------------------------------------
+# SQL
+# --------------------------------------------------------------------------
+
+# Built once; every value is a bound parameter, so SQLAlchemy's compiled cache
+# serves each dialect after the first call.
+_ISSUE: Final = insert(tokens).values(
+    token_hash=bindparam("sg_hash"),
+    scope=bindparam("sg_scope"),
+    expires_ms=bindparam("sg_expires"),
+    created_ms=bindparam("sg_now"),
+)
+_CONSUME: Final = (
+    update(tokens)
+    .where(
+        tokens.c.token_hash == bindparam("sg_hash"),
+        tokens.c.scope == bindparam("sg_scope"),
+        tokens.c.consumed_ms.is_(None),
+        tokens.c.expires_ms > bindparam("sg_now"),
+    )
+    .values(consumed_ms=bindparam("sg_now"))
+)
+_FIND: Final = select(tokens.c.consumed_ms, tokens.c.expires_ms).where(
+    tokens.c.token_hash == bindparam("sg_hash"), tokens.c.scope == bindparam("sg_scope")
+)
+# InnoDB at REPEATABLE READ: a plain SELECT reads the transaction's snapshot,
+# which may predate the consumption that made our UPDATE match nothing; a
+# locking read sees the latest committed row, as the UPDATE did.
+_FIND_LOCKING: Final = _FIND.with_for_update()
+
+
+def issue_token(session: Session, *, scope: str, ttl: timedelta) -> str:
+    """Create a one-time token for ``scope`` that expires after ``ttl``, and return it.
+
+    The token (43 URL-safe characters, 256 random bits from :mod:`secrets`)
+    is returned once and never stored: the table keeps its SHA-256.  The row
+    is inserted in the session's transaction, so it exists once the caller
+    commits::
+
+        token = issue_token(session, scope=f"confirm-payment:{user.id}", ttl=timedelta(minutes=15))
+        session.commit()
+        send_link(user, token)
+
+    :raises InvalidArgument: blank, oversize or non-str ``scope``, or a
+        ``ttl`` under 1 ms; nothing was written.
+    """
+    _check_scope(scope)
+    ttl_ms = _ttl_ms(ttl)
+    token = secrets.token_urlsafe(TOKEN_BYTES)
+    now = _now_ms()
+    conn = session.connection()
+    _sql.execute(
+        conn, _ISSUE, {"sg_hash": _hash(token), "sg_scope": scope, "sg_expires": now + ttl_ms, "sg_now": now}
+    )
+    return token
+
+
+def consume_token(session: Session, token: str, *, scope: str) -> Result:
+    """Consume ``token`` once: one conditional UPDATE in the session's transaction.
+
+    - APPLIED: this call consumed it (do the work; ``on_commit`` callbacks run
+      only for this outcome);
+    - REPEATED: it was consumed before (a retry or a double submit);
+    - REJECTED: it expired unused;
+    - NOT_FOUND: no such token in ``scope`` (unknown, forged, purged, or
+      issued for another scope).
+
+    The consumption commits or rolls back with the caller's transaction: if
+    the work fails and the transaction rolls back, the token is usable
+    again.  ``raise_for_outcome()`` raises ``TransitionRejected`` for
+    REJECTED and ``NotFound`` for NOT_FOUND::
+
+        r = consume_token(session, form["token"], scope=f"confirm-payment:{user.id}")
+        if r.outcome is Outcome.REPEATED:
+            return already_done()
+        r.raise_for_outcome()
+        charge(...)
+
+    :raises InvalidArgument: non-str, blank, oversize or NUL-containing
+        ``token`` or ``scope``; nothing was sent to the database.
+    """
+    _check_token(token)
+    _check_scope(scope)
+    digest = _hash(token)
+    params = {"sg_hash": digest, "sg_scope": scope, "sg_now": _now_ms()}
+    if session.autoflush:
+        session.flush()
+    conn = session.connection()
+    if _sql.execute(conn, _CONSUME, params).rowcount == 1:
+        return Result(Outcome.APPLIED, model=OneTimeToken, key=digest, state="consumed", session=session)
+    backend = _sql.backend(conn.dialect)
+    row = _sql.execute(conn, _FIND_LOCKING if backend.locking_read else _FIND, params).first()
+    if row is None:
+        return Result(Outcome.NOT_FOUND, model=OneTimeToken, key=digest, trigger="consume", session=session)
+    if row.consumed_ms is not None:
+        return Result(
+            Outcome.REPEATED, model=OneTimeToken, key=digest, state="consumed", value=row.consumed_ms
+        )
+    if row.expires_ms <= params["sg_now"]:
+        return Result(
+            Outcome.REJECTED,
+            model=OneTimeToken,
+            key=digest,
+            trigger="consume",
+            state="expired",
+            value=row.expires_ms,
+        )
+    # Live and unconsumed, yet the UPDATE matched nothing: only a snapshot
+    # older than the row (PostgreSQL REPEATABLE READ) can show this.
+    raise SerializationConflict(  # pragma: no cover - needs a snapshot taken between two statements
+        "the token's row changed while consume_token() read it; roll back and retry "
+        "(retry_on_conflict() does this)"
+    )
+
+
+_purges: dict[tuple[str, int], Any] = {}
+
+
+def _purge_stmt(backend: _sql.Backend, batch: int) -> Any:
+    """The batched DELETE of expired tokens for one backend (cached)."""
+    cache_key = (backend.name, batch if backend.last_insert_id else 0)
+    found = _purges.get(cache_key)
+    if found is not None:
+        return found
+    expired = tokens.c.expires_ms <= bindparam("sg_now")
+    stmt: Any
+    if backend.name == "postgresql":
+        # SKIP LOCKED: rows a consumer holds right now are left for the next
+        # batch instead of making the purge wait behind it.
+        victims = (
+            select(tokens.c.token_hash)
+            .where(expired)
+            .limit(bindparam("sg_batch"))
+            .with_for_update(skip_locked=True)
+            .scalar_subquery()
+        )
+        stmt = delete(tokens).where(tokens.c.token_hash.in_(victims))
+    elif backend.last_insert_id:
+        # MySQL/MariaDB: no LIMIT inside an IN subquery and no subquery on the
+        # table being deleted from, but DELETE itself takes a LIMIT (a literal
+        # in SQLAlchemy, hence one statement per batch size).
+        stmt = delete(tokens).where(expired).with_dialect_options(mysql_limit=batch)
+    else:
+        rowid: Any = literal_column("rowid")
+        victims = (
+            select(rowid).select_from(tokens).where(expired).limit(bindparam("sg_batch")).scalar_subquery()
+        )
+        stmt = delete(tokens).where(rowid.in_(victims))
+    if len(_purges) < 64:
+        _purges[cache_key] = stmt
+    return stmt
+
+
+def purge_expired_tokens(bind: Engine | Connection | Session, *, batch: int = 1000) -> int:
+    """Delete at most ``batch`` expired tokens and return how many were deleted.
+
+    Consumed tokens stay until they expire (they make a replay REPEATED);
+    expired ones answer REJECTED until purged and NOT_FOUND after.  With an
+    :class:`~sqlalchemy.Engine` the batch runs in its own short transaction;
+    with a ``Connection`` or ``Session`` it runs in the caller's, which the
+    caller commits.  Call it in a loop (``stateguard purge`` does) until it
+    returns less than ``batch``::
+
+        while purge_expired_tokens(engine, batch=1000) == 1000:
+            time.sleep(0.1)
+
+    :raises InvalidArgument: ``batch`` is not a positive int.
+    """
+    _check_batch(batch)
+    params = {"sg_now": _now_ms(), "sg_batch": batch}
+    if isinstance(bind, Engine):
+        with bind.begin() as conn:
+            return _purge(conn, params)
+    conn = bind.connection() if isinstance(bind, Session) else bind
+    return _purge(conn, params)
+
+
+def _purge(conn: Connection, params: dict[str, Any]) -> int:
+    stmt = _purge_stmt(_sql.backend(conn.dialect), params["sg_batch"])
+    return int(_sql.execute(conn, stmt, params).rowcount)
+
+
+# --------------------------------------------------------------------------
+# Redis
+# --------------------------------------------------------------------------
+
+_LIVE: Final = "live"
+_USED: Final = "used"
+
+#: Consume in one atomic step.  A live token becomes a tombstone that keeps
+#: the key's remaining TTL (KEEPTTL, Redis >= 6.0), so a second consume is
+#: REPEATED until the token would have expired anyway.
+_CONSUME_SCRIPT: Final = """
+local v = redis.call('get', KEYS[1])
+if not v then return 0 end
+if v == ARGV[1] then
+    redis.call('set', KEYS[1], ARGV[2], 'KEEPTTL')
+    return 1
+end
+return 2
+"""
+
+
+class RedisTokens:
+    """One-time tokens in Redis: :meth:`issue` and :meth:`consume`, atomic on the server.
+
+    ``client`` is a ``redis.Redis`` (or cluster) client.  A token is stored
+    under ``stateguard:token:<scope>:<sha256 of the token>`` with the TTL as
+    the key's expiry; consuming runs one Lua script (never GET then DEL), so
+    of any number of concurrent consumers exactly one gets APPLIED::
+
+        tokens = RedisTokens(redis.Redis())
+        token = tokens.issue(scope="reset-password:42", ttl=timedelta(minutes=30))
+        ...
+        r = tokens.consume(token, scope="reset-password:42")
+        if r.applied:
+            reset_password(42)
+
+    Outcomes: APPLIED the first time; REPEATED afterwards while the
+    tombstone lives (it keeps the token's remaining TTL); NOT_FOUND for an
+    unknown token, a token of another scope, **and an expired token**: once
+    Redis has expired the key, nothing tells an expired token from one that
+    never existed, so Redis never answers REJECTED.  (The SQL
+    :func:`consume_token` keeps expired rows until purged and says
+    REJECTED.)  Unlike the SQL version, a consumption is not part of any
+    database transaction: if the work after it fails, issue a new token.
+    """
+
+    def __init__(self, client: Any) -> None:
+        if client is None or not callable(getattr(client, "register_script", None)):
+            raise InvalidArgument(f"RedisTokens needs a redis client (redis.Redis), got {client!r}")
+        self.client = client
+        self._consume = client.register_script(_CONSUME_SCRIPT)
+
+    @staticmethod
+    def key(scope: str, token: str) -> str:
+        """The Redis key of ``token`` in ``scope`` (the token itself never appears in it)::
+
+        RedisTokens.key("reset-password:42", token)   # 'stateguard:token:reset-password:42:9f86...'
+        """
+        return f"stateguard:token:{scope}:{_hash(token)}"
+
+    def issue(self, *, scope: str, ttl: timedelta) -> str:
+        """Create a token for ``scope`` that expires after ``ttl`` and return it (one SET)::
+
+            token = tokens.issue(scope="checkout:cart-7", ttl=timedelta(minutes=10))
+
+        :raises InvalidArgument: bad ``scope`` or a ``ttl`` under 1 ms.
+        """
+        _check_scope(scope)
+        ttl_ms = _ttl_ms(ttl)
+        while True:
+            token = secrets.token_urlsafe(TOKEN_BYTES)
+            # NX: a 256-bit collision will not happen, but if it did, the
+            # existing token must not be revived or shortened.
+            if self.client.set(self.key(scope, token), _LIVE, px=ttl_ms, nx=True):
+                return token
+
+    def consume(self, token: str, *, scope: str) -> Result:
+        """Consume ``token`` once: APPLIED, REPEATED, or NOT_FOUND (unknown *or* expired)::
+
+            r = tokens.consume(form["token"], scope="checkout:cart-7")
+            r.raise_for_outcome()     # NotFound for unknown or expired tokens
+
+        :raises InvalidArgument: bad ``token`` or ``scope``; Redis was not called.
+        """
+        _check_token(token)
+        _check_scope(scope)
+        digest = _hash(token)
+        found = int(self._consume(keys=[f"stateguard:token:{scope}:{digest}"], args=[_LIVE, _USED]))
+        if found == 1:
+            return Result(Outcome.APPLIED, model=OneTimeToken, key=digest, state="consumed")
+        if found == 2:
+            return Result(Outcome.REPEATED, model=OneTimeToken, key=digest, state="consumed")
+        return Result(Outcome.NOT_FOUND, model=OneTimeToken, key=digest, trigger="consume")
