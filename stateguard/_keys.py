@@ -16,22 +16,50 @@ NTP-synchronised hosts.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import BigInteger, Column, Dialect, Index, Integer, String, Table, Text
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Connection,
+    Dialect,
+    Engine,
+    Index,
+    Integer,
+    String,
+    Table,
+    Text,
+    bindparam,
+    delete,
+    literal_column,
+    select,
+    tuple_,
+)
 from sqlalchemy.dialects import mysql
+from sqlalchemy.orm import Session
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
+from . import _sql
+from .exceptions import InvalidArgument
 from .tables import metadata
 
 __all__ = [
     "MAX_KEY",
     "MAX_SCOPE",
     "ExactString",
+    "check_batch",
+    "check_text",
     "consumed_messages",
+    "duration_ms",
     "exact_string",
     "idempotency_keys",
     "long_text",
+    "now_ms",
+    "purge_expired_rows",
+    "purge_statement",
     "tokens",
     "worker_leases",
 ]
@@ -136,3 +164,107 @@ worker_leases = Table(
     # so ids never go backwards across a handover.
     Column("last_ms", BigInteger, nullable=False),
 )
+
+
+# --------------------------------------------------------------------------
+# Helpers shared by the key modules (idempotency, tokens, ids)
+# --------------------------------------------------------------------------
+
+
+def now_ms() -> int:
+    """The application's clock in integer epoch milliseconds."""
+    return time.time_ns() // 1_000_000
+
+
+def check_text(value: Any, what: str, limit: int) -> str:
+    """``value`` if it is a non-blank str of at most ``limit`` characters without NUL, else InvalidArgument.
+
+    Keys are stored as given (no stripping, no case folding), so ``"a"`` and
+    ``"a "`` are two keys; a blank key is almost always a client bug.
+    """
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{what} must be a str, got {type(value).__name__}")
+    if not value.strip():
+        raise InvalidArgument(f"{what} must not be blank, got {value!r}")
+    if len(value) > limit:
+        raise InvalidArgument(f"{what} is {len(value)} characters long; the limit is {limit}")
+    if "\x00" in value:
+        raise InvalidArgument(f"{what} must not contain NUL characters")
+    return value
+
+
+def duration_ms(value: Any, what: str) -> int:
+    """A positive :class:`~datetime.timedelta` as whole milliseconds, else InvalidArgument."""
+    if not isinstance(value, timedelta):
+        raise InvalidArgument(f"{what} must be a datetime.timedelta, got {value!r}")
+    ms = value // timedelta(milliseconds=1)
+    if ms < 1:
+        raise InvalidArgument(f"{what} must be at least 1 millisecond, got {value!r}")
+    return ms
+
+
+def check_batch(batch: Any) -> int:
+    """``batch`` if it is a positive int, else InvalidArgument."""
+    if type(batch) is not int or batch < 1:
+        raise InvalidArgument(f"batch must be a positive int, got {batch!r}")
+    return batch
+
+
+_purges: dict[tuple[str, str, int], Any] = {}
+
+
+def purge_statement(table: Table, backend: _sql.Backend, batch: int) -> Any:
+    """The batched DELETE of ``table``'s expired rows (``expires_ms <= :sg_now``) for one backend."""
+    cache_key = (table.name, backend.name, batch if backend.last_insert_id else 0)
+    found = _purges.get(cache_key)
+    if found is not None:
+        return found
+    expired = table.c.expires_ms <= bindparam("sg_now")
+    cols = list(table.primary_key.columns)
+    pk: Any = tuple_(*cols) if len(cols) > 1 else cols[0]
+    stmt: Any
+    if backend.name == "postgresql":
+        # SKIP LOCKED: rows a claimant holds right now are left for the next
+        # batch instead of making the purge wait behind it (and making the
+        # claimant wait behind the purge).  The outer WHERE repeats the
+        # expiry: a row updated meanwhile is re-checked before it is deleted.
+        victims = (
+            select(*table.primary_key.columns)
+            .where(expired)
+            .limit(bindparam("sg_batch"))
+            .with_for_update(skip_locked=True)
+        )
+        stmt = delete(table).where(expired, pk.in_(victims))
+    elif backend.last_insert_id:
+        # MySQL/MariaDB: no LIMIT inside an IN subquery and no subquery on the
+        # table being deleted from, but DELETE itself takes a LIMIT (a literal
+        # in SQLAlchemy, hence one statement per batch size).
+        stmt = delete(table).where(expired).with_dialect_options(mysql_limit=batch)
+    else:
+        rowid: Any = literal_column("rowid")
+        victims = select(rowid).select_from(table).where(expired).limit(bindparam("sg_batch"))
+        stmt = delete(table).where(expired, rowid.in_(victims.scalar_subquery()))
+    if len(_purges) < 64:
+        _purges[cache_key] = stmt
+    return stmt
+
+
+def purge_expired_rows(
+    table: Table, bind: Engine | Connection | Session, batch: Any, clock: Callable[[], int]
+) -> int:
+    """Delete at most ``batch`` rows of ``table`` whose ``expires_ms`` has passed; return how many.
+
+    With an Engine the batch runs in its own short transaction; with a
+    Connection or Session in the caller's.
+    """
+    params = {"sg_now": clock(), "sg_batch": check_batch(batch)}
+    if isinstance(bind, Engine):
+        with bind.begin() as conn:
+            return _purge(table, conn, params)
+    conn = bind.connection() if isinstance(bind, Session) else bind
+    return _purge(table, conn, params)
+
+
+def _purge(table: Table, conn: Connection, params: dict[str, Any]) -> int:
+    stmt = purge_statement(table, _sql.backend(conn.dialect), params["sg_batch"])
+    return int(_sql.execute(conn, stmt, params).rowcount)

@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-import time
 from datetime import timedelta
 from typing import Any, Final
 
-from sqlalchemy import Connection, Engine, bindparam, delete, insert, literal_column, select, update
+from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 from sqlalchemy.orm import Session
 
-from . import _sql
+from . import _keys, _sql
 from ._keys import MAX_KEY, MAX_SCOPE, tokens
 from .exceptions import InvalidArgument, SerializationConflict
 from .result import Outcome, Result
@@ -55,46 +54,19 @@ class OneTimeToken:
 
 def _now_ms() -> int:
     """The application's clock in integer epoch milliseconds (tests replace it)."""
-    return time.time_ns() // 1_000_000
+    return _keys.now_ms()
 
 
 def _hash(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
 
-def _check_text(value: Any, what: str, limit: int) -> str:
-    if not isinstance(value, str):
-        raise InvalidArgument(f"{what} must be a str, got {type(value).__name__}")
-    if not value.strip():
-        raise InvalidArgument(f"{what} must not be blank, got {value!r}")
-    if len(value) > limit:
-        raise InvalidArgument(f"{what} is {len(value)} characters long; the limit is {limit}")
-    if "\x00" in value:
-        raise InvalidArgument(f"{what} must not contain NUL characters")
-    return value
-
-
 def _check_scope(scope: Any) -> str:
-    return _check_text(scope, "scope", MAX_SCOPE)
+    return _keys.check_text(scope, "scope", MAX_SCOPE)
 
 
 def _check_token(token: Any) -> str:
-    return _check_text(token, "token", MAX_KEY)
-
-
-def _ttl_ms(ttl: Any) -> int:
-    if not isinstance(ttl, timedelta):
-        raise InvalidArgument(f"ttl must be a datetime.timedelta, got {ttl!r}")
-    ms = ttl // timedelta(milliseconds=1)
-    if ms < 1:
-        raise InvalidArgument(f"ttl must be at least 1 millisecond, got {ttl!r}")
-    return ms
-
-
-def _check_batch(batch: Any) -> int:
-    if type(batch) is not int or batch < 1:
-        raise InvalidArgument(f"batch must be a positive int, got {batch!r}")
-    return batch
+    return _keys.check_text(token, "token", MAX_KEY)
 
 
 # --------------------------------------------------------------------------
@@ -144,7 +116,7 @@ def issue_token(session: Session, *, scope: str, ttl: timedelta) -> str:
         ``ttl`` under 1 ms; nothing was written.
     """
     _check_scope(scope)
-    ttl_ms = _ttl_ms(ttl)
+    ttl_ms = _keys.duration_ms(ttl, "ttl")
     token = secrets.token_urlsafe(TOKEN_BYTES)
     now = _now_ms()
     conn = session.connection()
@@ -212,44 +184,6 @@ def consume_token(session: Session, token: str, *, scope: str) -> Result:
     )
 
 
-_purges: dict[tuple[str, int], Any] = {}
-
-
-def _purge_stmt(backend: _sql.Backend, batch: int) -> Any:
-    """The batched DELETE of expired tokens for one backend (cached)."""
-    cache_key = (backend.name, batch if backend.last_insert_id else 0)
-    found = _purges.get(cache_key)
-    if found is not None:
-        return found
-    expired = tokens.c.expires_ms <= bindparam("sg_now")
-    stmt: Any
-    if backend.name == "postgresql":
-        # SKIP LOCKED: rows a consumer holds right now are left for the next
-        # batch instead of making the purge wait behind it.
-        victims = (
-            select(tokens.c.token_hash)
-            .where(expired)
-            .limit(bindparam("sg_batch"))
-            .with_for_update(skip_locked=True)
-            .scalar_subquery()
-        )
-        stmt = delete(tokens).where(tokens.c.token_hash.in_(victims))
-    elif backend.last_insert_id:
-        # MySQL/MariaDB: no LIMIT inside an IN subquery and no subquery on the
-        # table being deleted from, but DELETE itself takes a LIMIT (a literal
-        # in SQLAlchemy, hence one statement per batch size).
-        stmt = delete(tokens).where(expired).with_dialect_options(mysql_limit=batch)
-    else:
-        rowid: Any = literal_column("rowid")
-        victims = (
-            select(rowid).select_from(tokens).where(expired).limit(bindparam("sg_batch")).scalar_subquery()
-        )
-        stmt = delete(tokens).where(rowid.in_(victims))
-    if len(_purges) < 64:
-        _purges[cache_key] = stmt
-    return stmt
-
-
 def purge_expired_tokens(bind: Engine | Connection | Session, *, batch: int = 1000) -> int:
     """Delete at most ``batch`` expired tokens and return how many were deleted.
 
@@ -265,18 +199,7 @@ def purge_expired_tokens(bind: Engine | Connection | Session, *, batch: int = 10
 
     :raises InvalidArgument: ``batch`` is not a positive int.
     """
-    _check_batch(batch)
-    params = {"sg_now": _now_ms(), "sg_batch": batch}
-    if isinstance(bind, Engine):
-        with bind.begin() as conn:
-            return _purge(conn, params)
-    conn = bind.connection() if isinstance(bind, Session) else bind
-    return _purge(conn, params)
-
-
-def _purge(conn: Connection, params: dict[str, Any]) -> int:
-    stmt = _purge_stmt(_sql.backend(conn.dialect), params["sg_batch"])
-    return int(_sql.execute(conn, stmt, params).rowcount)
+    return _keys.purge_expired_rows(tokens, bind, batch, _now_ms)
 
 
 # --------------------------------------------------------------------------
@@ -347,7 +270,7 @@ class RedisTokens:
         :raises InvalidArgument: bad ``scope`` or a ``ttl`` under 1 ms.
         """
         _check_scope(scope)
-        ttl_ms = _ttl_ms(ttl)
+        ttl_ms = _keys.duration_ms(ttl, "ttl")
         while True:
             token = secrets.token_urlsafe(TOKEN_BYTES)
             # NX: a 256-bit collision will not happen, but if it did, the

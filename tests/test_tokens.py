@@ -280,15 +280,25 @@ def test_purge_skips_rows_a_consumer_holds_on_postgresql(pg: Backend, clock: Clo
 def test_purge_statement_text_per_dialect() -> None:
     """Each dialect gets its bounded DELETE: SKIP LOCKED subquery, DELETE ... LIMIT, rowid subquery."""
     pg_sql = str(
-        tokens_module._purge_stmt(_backend(postgresql.dialect()), 500).compile(dialect=postgresql.dialect())
+        purge_statement(tokens_table, _backend(postgresql.dialect()), 500).compile(
+            dialect=postgresql.dialect()
+        )
     )
     assert "FOR UPDATE SKIP LOCKED" in pg_sql and "LIMIT" in pg_sql and "token_hash IN" in pg_sql
-    my_sql = str(tokens_module._purge_stmt(_backend(mysql.dialect()), 500).compile(dialect=mysql.dialect()))
+    my_sql = str(
+        purge_statement(tokens_table, _backend(mysql.dialect()), 500).compile(dialect=mysql.dialect())
+    )
     assert my_sql.rstrip().endswith("LIMIT 500") and "SELECT" not in my_sql
     lite_sql = str(
-        tokens_module._purge_stmt(_backend(sqlite.dialect()), 500).compile(dialect=sqlite.dialect())
+        purge_statement(tokens_table, _backend(sqlite.dialect()), 500).compile(dialect=sqlite.dialect())
     )
     assert "rowid IN (SELECT rowid" in lite_sql and "LIMIT" in lite_sql
+
+
+def purge_statement(table: Any, backend: Any, batch: int) -> Any:
+    from stateguard import _keys
+
+    return _keys.purge_statement(table, backend, batch)
 
 
 def _backend(dialect: Any) -> Any:
