@@ -22,6 +22,7 @@ transaction may succeed (see :func:`stateguard.retry_on_conflict`).
     │   └── LeaseLost                    an idempotency key's lease was taken over
     ├── RequestInProgress                an idempotency key is being worked on (.retry_after)
     ├── IdempotencyKeyReused             a key came back with a different request fingerprint
+    ├── RequestFailed                    an idempotency key's request failed for good (.error)
     └── SerializationConflict            retryable=True: serialization failure / busy snapshot
         └── DeadlockDetected             retryable=True: the database broke a deadlock
 
@@ -55,6 +56,7 @@ __all__ = [
     "NotSupported",
     "OutcomeError",
     "RefConflict",
+    "RequestFailed",
     "RequestInProgress",
     "SerializationConflict",
     "StaleVersion",
@@ -238,3 +240,16 @@ class IdempotencyKeyReused(_KeyError):
     The client reused a key for a different request (HTTP 422).  Nothing was
     written; the stored record is untouched.
     """
+
+
+class RequestFailed(_KeyError):
+    """The request of this idempotency key failed with an error marked non-retryable.
+
+    ``error`` is the stored description of that error.  Retrying with the
+    same key will not run the work again (until the key expires); answer
+    with the error, or use a new key for a new attempt.
+    """
+
+    def __init__(self, message: str, *, scope: str, key: str, error: str | None) -> None:
+        self.error = error
+        super().__init__(message, scope=scope, key=key)

@@ -1,0 +1,1160 @@
+"""Idempotency keys (SCHEMES.md, scheme 5): a retried request runs once and replays its response.
+
+::
+
+    with idempotent(session, scope=f"payments:{client_id}", key=key, fingerprint=body) as call:
+        if call.replayed:
+            return call.response
+        ...                                    # the work: runs once per key
+        return call.complete({"payment_id": payment.id})
+
+The record lives in ``stateguard_idempotency_keys``, unique on
+``(scope, idem_key)``.  The algorithm is written once here; each decision is
+one conditional statement, so the database settles every race:
+
+- **claim**: one INSERT (``ON CONFLICT DO NOTHING RETURNING`` on PostgreSQL and
+  SQLite; on MariaDB a duplicate-key error, which InnoDB rolls back alone and
+  leaves the transaction usable).  Inserted: this caller owns the key.
+- otherwise **one read** of the record decides: completed with the same
+  fingerprint → replay the stored response; another fingerprint →
+  :class:`~stateguard.IdempotencyKeyReused`; in progress with a live lease →
+  :class:`~stateguard.RequestInProgress`; failed for good →
+  :class:`~stateguard.RequestFailed`; lease expired (the worker died) or
+  released → **take over** with ``UPDATE ... WHERE owner = :old AND
+  locked_until_ms <= :now``; expired (older than ``ttl``) → **reclaim** as a
+  brand-new request with ``UPDATE ... WHERE owner = :old AND expires_ms <=
+  :now``.  Of several takers exactly one UPDATE matches: PostgreSQL re-checks a
+  waiting UPDATE's WHERE against the committed row at READ COMMITTED, InnoDB
+  updates the latest committed row, SQLite has one writer.
+- every later write (complete, checkpoint, heartbeat, release, fail) is
+  ``UPDATE ... WHERE owner = :me AND status = 'in_progress'``: a worker whose
+  lease was taken over learns it (:class:`~stateguard.LeaseLost`) and never
+  overwrites or deletes the new owner's record.
+
+Two modes:
+
+``mode="same_transaction"`` (default): the claim runs inside a SAVEPOINT of the
+session's transaction, together with the block's writes and the stored
+response.  If the block raises, the savepoint rolls back (the claim and the
+block's writes with it) and the key is free again, even when the caller
+catches the exception and commits.  A concurrent twin's INSERT waits on the
+unique index until the first transaction ends, then replays (or claims, if it
+rolled back).  Nothing is visible to others before commit, so leases only
+matter when the same keys are also used in separate mode.
+
+``mode="separate"``: for work that calls an outside system that cannot be
+rolled back.  The claim commits at once in its own short transaction (status
+in progress, with a lease).  ``checkpoint()`` and ``complete()`` write through
+the session's connection and commit the session, so the writes of a phase
+and its recovery point (Stripe's "atomic phases") land together.  An
+exception rolls the session back and releases the key (or marks it failed for
+good when the exception is one of ``non_retryable``); a caller whose lease
+expired is taken over by the next retry, which reads the last checkpoint.
+
+Times are integer epoch milliseconds from the application's clock
+(:mod:`stateguard._keys` explains why).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from types import TracebackType
+from typing import Any, Final, Literal, ParamSpec, Protocol, TypeVar
+
+from sqlalchemy import Connection, Engine, bindparam, insert, select, update
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session, SessionTransaction
+
+from . import _keys, _sql
+from ._keys import MAX_KEY, MAX_SCOPE, consumed_messages, idempotency_keys
+from .exceptions import (
+    DeadlockDetected,
+    IdempotencyKeyReused,
+    InvalidArgument,
+    LeaseLost,
+    RequestFailed,
+    RequestInProgress,
+    SerializationConflict,
+)
+from .result import Outcome, Result
+
+__all__ = [
+    "ConsumedMessage",
+    "IdempotencyEvent",
+    "IdempotentCall",
+    "JSONSerializer",
+    "Mode",
+    "Serializer",
+    "consume_once",
+    "fingerprint_of",
+    "idempotent",
+    "idempotent_function",
+    "on_idempotency_event",
+    "purge_expired",
+]
+
+log = logging.getLogger("stateguard.idempotency")
+
+Mode = Literal["same_transaction", "separate"]
+R = TypeVar("R")
+P = ParamSpec("P")
+
+_IN_PROGRESS: Final = "in_progress"
+_COMPLETED: Final = "completed"
+_FAILED: Final = "failed"
+_MYSQL_DUPLICATE_KEY: Final = 1062
+#: Rounds of read-then-decide before giving up on a record that keeps changing.
+_MAX_ROUNDS: Final = 8
+#: Attempts of a separate-mode claim transaction that hit a deadlock or serialization failure.
+_CLAIM_ATTEMPTS: Final = 5
+
+
+def _now_ms() -> int:
+    """The application's clock in integer epoch milliseconds (tests replace it)."""
+    return _keys.now_ms()
+
+
+# --------------------------------------------------------------------------
+# Serialisation and fingerprints
+# --------------------------------------------------------------------------
+
+
+class Serializer(Protocol):
+    """Turns stored responses and checkpoint data into text and back.
+
+    ``dumps`` must raise ``TypeError`` or ``ValueError`` for a value it cannot
+    store; stateguard turns that into :class:`~stateguard.InvalidArgument`
+    before anything is written.
+    """
+
+    def dumps(self, value: Any) -> str:
+        """Text to store for ``value``."""
+        ...
+
+    def loads(self, text: str) -> Any:
+        """The value ``text`` was made from."""
+        ...
+
+
+class JSONSerializer:
+    """The default :class:`Serializer`: strict JSON (no NaN), UTF-8 kept as is.
+
+    A replay gets the JSON round trip of the response: tuples come back as
+    lists, dict keys as strings.  Pass ``serializer=`` for other types.
+    """
+
+    def dumps(self, value: Any) -> str:
+        """``value`` as compact JSON."""
+        return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+    def loads(self, text: str) -> Any:
+        """The value of JSON ``text``."""
+        return json.loads(text)
+
+
+_JSON: Final = JSONSerializer()
+
+
+def fingerprint_of(value: Any) -> str | None:
+    """SHA-256 (hex) of a request fingerprint's canonical form, or ``None`` for ``None``.
+
+    Bytes are hashed as they are; anything else as canonical JSON (sorted
+    keys, no whitespace), so ``{"a": 1, "b": 2}`` and ``{"b": 2, "a": 1}``
+    are the same request.  Only this hash is stored, never the payload::
+
+        fingerprint_of({"amount": 100, "currency": "EUR"})   # '5c1d...'
+
+    :raises InvalidArgument: the value is not JSON-serialisable.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bytes | bytearray | memoryview):
+        data = b"bytes:" + bytes(value)
+    else:
+        try:
+            canonical = json.dumps(
+                value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+            )
+        except (TypeError, ValueError) as error:
+            raise InvalidArgument(
+                f"fingerprint must be bytes or JSON-serialisable (dicts with str keys, lists, str, "
+                f"numbers without NaN, bools, None): {error}"
+            ) from error
+        data = b"json:" + canonical.encode("utf-8")
+    return hashlib.sha256(data).hexdigest()
+
+
+def _dump(serializer: Serializer, value: Any, what: str) -> str:
+    try:
+        text = serializer.dumps(value)
+    except (TypeError, ValueError) as error:
+        raise InvalidArgument(
+            f"the {what} cannot be stored by {type(serializer).__name__}: {error}; "
+            f"return a serialisable value or pass serializer="
+        ) from error
+    if not isinstance(text, str):
+        raise InvalidArgument(
+            f"{type(serializer).__name__}.dumps() must return str, got {type(text).__name__}"
+        )
+    return text
+
+
+# --------------------------------------------------------------------------
+# Observability
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotencyEvent:
+    """One thing that happened to an idempotency key, as given to :func:`on_idempotency_event` listeners.
+
+    ``kind`` is one of ``"claimed"`` (this call owns a new or expired key),
+    ``"replayed"``, ``"in_progress"`` (RequestInProgress), ``"key_reused"``
+    (IdempotencyKeyReused), ``"failed_replayed"`` (RequestFailed),
+    ``"taken_over"`` (a dead or released claim was resumed), ``"completed"``,
+    ``"released"``, ``"failed"`` (marked failed for good) and
+    ``"lease_lost"``.
+    """
+
+    kind: str
+    scope: str
+    key: str
+    attempt: int | None
+    mode: Mode
+
+
+_listeners: list[Callable[[IdempotencyEvent], object]] = []
+
+
+def on_idempotency_event(listener: Callable[[IdempotencyEvent], object]) -> Callable[[], None]:
+    """Call ``listener(event)`` for every :class:`IdempotencyEvent`; return a function that removes it.
+
+    Listeners run synchronously in the thread of the call; an exception in a
+    listener is logged and never breaks the request::
+
+        counts = collections.Counter()
+        remove = on_idempotency_event(lambda e: counts.update([e.kind]))
+        ...
+        remove()
+
+    Every event is also logged at DEBUG on the ``stateguard.idempotency`` logger.
+    """
+    _listeners.append(listener)
+
+    def remove() -> None:
+        with contextlib.suppress(ValueError):
+            _listeners.remove(listener)
+
+    return remove
+
+
+def _emit(kind: str, scope: str, key: str, attempt: int | None, mode: Mode) -> None:
+    log.debug("idempotency key %s: scope=%r key=%r attempt=%s mode=%s", kind, scope, key, attempt, mode)
+    if not _listeners:
+        return
+    event = IdempotencyEvent(kind, scope, key, attempt, mode)
+    for listener in tuple(_listeners):
+        try:
+            listener(event)
+        except Exception:
+            log.exception("idempotency event listener %r failed", listener)
+
+
+# --------------------------------------------------------------------------
+# SQL, built once
+# --------------------------------------------------------------------------
+
+_t = idempotency_keys
+_THIS_KEY: Final = (_t.c.scope == bindparam("sg_scope"), _t.c.idem_key == bindparam("sg_key"))
+_MINE: Final = (*_THIS_KEY, _t.c.owner == bindparam("sg_owner"), _t.c.status == _IN_PROGRESS)
+_FRESH: Final = {
+    "status": _IN_PROGRESS,
+    "fingerprint": bindparam("sg_fp"),
+    "owner": bindparam("sg_owner"),
+    "attempt": 1,
+    "locked_until_ms": bindparam("sg_locked"),
+    "expires_ms": bindparam("sg_expires"),
+    "created_ms": bindparam("sg_now"),
+    "updated_ms": bindparam("sg_now"),
+}
+_NEW_ROW: Final = {"scope": bindparam("sg_scope"), "idem_key": bindparam("sg_key"), **_FRESH}
+# RETURNING, not the row count, says whether the row was inserted: psycopg
+# reports -1 for a skipped INSERT ... ON CONFLICT DO NOTHING.
+_CLAIMS: Final = {
+    "postgresql": postgresql.insert(_t).values(_NEW_ROW).on_conflict_do_nothing().returning(_t.c.attempt),
+    "sqlite": sqlite.insert(_t).values(_NEW_ROW).on_conflict_do_nothing().returning(_t.c.attempt),
+}
+_CLAIM_PLAIN: Final = insert(_t).values(_NEW_ROW)
+_READ: Final = select(
+    _t.c.status,
+    _t.c.fingerprint,
+    _t.c.owner,
+    _t.c.attempt,
+    _t.c.locked_until_ms,
+    _t.c.expires_ms,
+    _t.c.response,
+    _t.c.checkpoint_name,
+    _t.c.checkpoint_data,
+    _t.c.error,
+).where(*_THIS_KEY)
+# InnoDB at REPEATABLE READ: a plain SELECT reads the transaction's snapshot,
+# which may predate the twin whose row made our INSERT fail; a locking read
+# sees the latest committed row.  A shared lock, because the failed INSERT
+# already holds one on that index record: twins that each upgraded to an
+# exclusive lock would deadlock.
+_READ_LOCKING: Final = _READ.with_for_update(read=True)
+# An expired record is a brand-new request: everything is reset.
+_RECLAIM: Final = (
+    update(_t)
+    .where(*_THIS_KEY, _t.c.owner == bindparam("sg_old_owner"), _t.c.expires_ms <= bindparam("sg_now"))
+    .values({**_FRESH, "response": None, "checkpoint_name": None, "checkpoint_data": None, "error": None})
+)
+# A dead or released claim is resumed: attempt + 1, checkpoint kept.
+_TAKEOVER: Final = (
+    update(_t)
+    .where(
+        *_THIS_KEY,
+        _t.c.owner == bindparam("sg_old_owner"),
+        _t.c.status == _IN_PROGRESS,
+        _t.c.locked_until_ms <= bindparam("sg_now"),
+        _t.c.expires_ms > bindparam("sg_now"),
+    )
+    .values(
+        owner=bindparam("sg_owner"),
+        attempt=_t.c.attempt + 1,
+        locked_until_ms=bindparam("sg_locked"),
+        updated_ms=bindparam("sg_now"),
+    )
+)
+_COMPLETE: Final = (
+    update(_t)
+    .where(*_MINE)
+    .values(
+        status=_COMPLETED,
+        response=bindparam("sg_text"),
+        locked_until_ms=None,
+        expires_ms=bindparam("sg_expires"),
+        updated_ms=bindparam("sg_now"),
+    )
+)
+_FAIL: Final = (
+    update(_t)
+    .where(*_MINE)
+    .values(
+        status=_FAILED,
+        error=bindparam("sg_text"),
+        locked_until_ms=None,
+        expires_ms=bindparam("sg_expires"),
+        updated_ms=bindparam("sg_now"),
+    )
+)
+# Released: still in progress, with a lease that ended now, so the next
+# caller takes it over at once and reads the checkpoint.
+_RELEASE: Final = (
+    update(_t)
+    .where(*_MINE)
+    .values(locked_until_ms=0, error=bindparam("sg_text"), updated_ms=bindparam("sg_now"))
+)
+_HEARTBEAT: Final = (
+    update(_t)
+    .where(*_MINE)
+    .values(
+        locked_until_ms=bindparam("sg_locked"),
+        expires_ms=bindparam("sg_expires"),
+        updated_ms=bindparam("sg_now"),
+    )
+)
+_CHECKPOINT: Final = (
+    update(_t)
+    .where(*_MINE)
+    .values(
+        checkpoint_name=bindparam("sg_name"),
+        checkpoint_data=bindparam("sg_text"),
+        locked_until_ms=bindparam("sg_locked"),
+        expires_ms=bindparam("sg_expires"),
+        updated_ms=bindparam("sg_now"),
+    )
+)
+
+
+def _insert_new(
+    conn: Connection, backend: _sql.Backend, stmts: dict[str, Any], plain: Any, params: Any
+) -> bool:
+    """Insert a row unless its unique key exists; True when this statement inserted it.
+
+    MariaDB has no exact single-statement form (``INSERT IGNORE`` also
+    swallows strict-mode errors), but InnoDB rolls back only the failing
+    statement on a duplicate key, so the transaction stays usable.
+    """
+    stmt = stmts.get(backend.name)
+    if stmt is not None:
+        return _sql.execute(conn, stmt, params).first() is not None
+    try:
+        _sql.execute(conn, plain, params)
+    except sa_exc.IntegrityError as error:
+        args = getattr(error.orig, "args", ())
+        if args and args[0] == _MYSQL_DUPLICATE_KEY:
+            return False
+        raise
+    return True
+
+
+# --------------------------------------------------------------------------
+# The call
+# --------------------------------------------------------------------------
+
+
+class IdempotentCall:
+    """What :func:`idempotent` found for a key, and the way to finish it.
+
+    - ``replayed``: ``True`` when the key was completed before; ``response``
+      is the stored response (after a serializer round trip).  Do not run
+      the work again.
+    - otherwise this call owns the key: do the work, then
+      ``return call.complete(response)``.  ``attempt`` counts the claims of
+      this key (1 for a first call); ``taken_over`` is ``True`` when an
+      earlier claim died or was released, and ``checkpoint_name`` /
+      ``checkpoint_data`` then hold its last :meth:`checkpoint`.
+    """
+
+    __slots__ = (
+        "_manager",
+        "_state",
+        "attempt",
+        "checkpoint_data",
+        "checkpoint_name",
+        "replayed",
+        "response",
+        "taken_over",
+    )
+
+    def __init__(
+        self,
+        manager: _Idempotent,
+        *,
+        replayed: bool,
+        response: Any = None,
+        attempt: int,
+        taken_over: bool = False,
+        checkpoint_name: str | None = None,
+        checkpoint_data: Any = None,
+    ) -> None:
+        self._manager = manager
+        #: "replayed", "open", "completed", "released", "failed" or "lost".
+        self._state = "replayed" if replayed else "open"
+        self.replayed = replayed
+        self.response = response
+        self.attempt = attempt
+        self.taken_over = taken_over
+        self.checkpoint_name = checkpoint_name
+        self.checkpoint_data = checkpoint_data
+
+    @property
+    def scope(self) -> str:
+        """The key's scope."""
+        return self._manager.scope
+
+    @property
+    def key(self) -> str:
+        """The idempotency key."""
+        return self._manager.key
+
+    @property
+    def mode(self) -> Mode:
+        """``"same_transaction"`` or ``"separate"``."""
+        return self._manager.mode
+
+    def complete(self, response: R) -> R:
+        """Store ``response`` as the key's result and return it.
+
+        In same-transaction mode the record commits with the caller's
+        transaction; in separate mode this commits the session (the last
+        phase's writes and the response land together).  A replay of this key
+        returns ``response`` through the serializer (JSON by default)::
+
+            return call.complete({"payment_id": payment.id})
+
+        :raises InvalidArgument: the response cannot be serialised (nothing
+            was written), or the call is a replay or already finished.
+        :raises LeaseLost: the lease expired and another worker took the key
+            over; its record was left as it was.
+        """
+        self._check_open("complete")
+        manager = self._manager
+        text = _dump(manager.serializer, response, "response")
+        now = _now_ms()
+        manager.write(
+            self, _COMPLETE, {"sg_text": text, "sg_now": now, "sg_expires": now + manager.ttl_ms}, "completed"
+        )
+        return response
+
+    def checkpoint(self, name: str, data: Any = None) -> None:
+        """Record a recovery point (Stripe's atomic phases) and extend the lease.
+
+        A worker that takes this key over after a crash finds ``name`` and
+        ``data`` in its call's ``checkpoint_name`` / ``checkpoint_data``.  In
+        separate mode this commits the session, so the phase's writes and its
+        recovery point land together::
+
+            if call.checkpoint_name != "charged":
+                charge_id = psp.charge(...)                # outside system
+                call.checkpoint("charged", {"charge_id": charge_id})
+
+        :raises InvalidArgument: bad ``name`` or unserialisable ``data``.
+        :raises LeaseLost: the key was taken over.
+        """
+        self._check_open("checkpoint")
+        _keys.check_text(name, "checkpoint name", 100)
+        manager = self._manager
+        text = _dump(manager.serializer, data, "checkpoint data")
+        now = _now_ms()
+        params = {
+            "sg_name": name,
+            "sg_text": text,
+            "sg_now": now,
+            "sg_locked": now + manager.lease_ms,
+            "sg_expires": now + manager.ttl_ms,
+        }
+        manager.write(self, _CHECKPOINT, params, None)
+        self.checkpoint_name = name
+        self.checkpoint_data = manager.serializer.loads(text)
+
+    def heartbeat(self) -> None:
+        """Extend the lease by ``lease`` from now, for work that takes longer than one lease.
+
+        In separate mode it commits in its own short transaction (the
+        session's work is not committed); ``heartbeat_every=`` does this from
+        a background thread::
+
+            for chunk in chunks:
+                process(chunk)
+                call.heartbeat()
+
+        :raises LeaseLost: the key was taken over meanwhile.
+        """
+        self._check_open("heartbeat")
+        self._manager.heartbeat(self)
+
+    def release(self, reason: str | None = None) -> None:
+        """Give the key back without a response, so the next retry runs the work (e.g. after a 5xx).
+
+        In separate mode the release commits the session; the record keeps
+        the last checkpoint for the next attempt.  In same-transaction mode
+        it rolls back the savepoint: the claim and everything the block
+        wrote, exactly as an exception would::
+
+            if response.status_code >= 500:
+                call.release("upstream failed")
+
+        :raises LeaseLost: the key was taken over meanwhile.
+        """
+        self._check_open("release")
+        self._manager.release(self, reason)
+
+    def _check_open(self, what: str) -> None:
+        if self._state != "open":
+            if self._state == "replayed":
+                raise InvalidArgument(
+                    f"cannot {what} idempotency key {self.key!r} in scope {self.scope!r}: this call replayed "
+                    f"the stored response; return call.response instead"
+                )
+            raise InvalidArgument(
+                f"cannot {what} idempotency key {self.key!r} in scope {self.scope!r}: the call is already "
+                f"{self._state}"
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"<IdempotentCall scope={self.scope!r} key={self.key!r} {self._state} attempt={self.attempt}"
+            f"{' taken_over' if self.taken_over else ''}>"
+        )
+
+
+class _Idempotent:
+    """The context manager :func:`idempotent` returns (one use)."""
+
+    def __init__(
+        self,
+        session: Session,
+        *,
+        scope: str,
+        key: str,
+        fingerprint: str | None,
+        lease_ms: int,
+        ttl_ms: int,
+        mode: Mode,
+        serializer: Serializer,
+        heartbeat_every: float | None,
+        non_retryable: tuple[type[BaseException], ...],
+    ) -> None:
+        self.session = session
+        self.scope = scope
+        self.key = key
+        self.fingerprint = fingerprint
+        self.lease_ms = lease_ms
+        self.ttl_ms = ttl_ms
+        self.mode: Mode = mode
+        self.serializer = serializer
+        self.heartbeat_every = heartbeat_every
+        self.non_retryable = non_retryable
+        self.owner = uuid.uuid4().hex
+        self.call: IdempotentCall | None = None
+        self._nested: SessionTransaction | None = None
+        self._conn: Connection | None = None
+        self._engine: Engine | None = None
+        self._stop: threading.Event | None = None
+        self._beater: threading.Thread | None = None
+
+    # -- entering ----------------------------------------------------------
+
+    def __enter__(self) -> IdempotentCall:
+        if self.call is not None:
+            raise InvalidArgument(
+                "an idempotent() context manager can be entered only once; call idempotent() again"
+            )
+        if self.mode == "same_transaction":
+            self.call = self._enter_same()
+        else:
+            self.call = self._enter_separate()
+        if self.heartbeat_every is not None and self.call._state == "open":
+            self._start_heartbeat()
+        return self.call
+
+    def _enter_same(self) -> IdempotentCall:
+        session = self.session
+        _sql.ensure_real_transaction(session.connection())
+        nested = session.begin_nested()
+        try:
+            conn = session.connection()
+            call = self._claim(conn)
+        except BaseException:
+            if nested.is_active:
+                nested.rollback()
+            raise
+        self._nested, self._conn = nested, conn
+        return call
+
+    def _enter_separate(self) -> IdempotentCall:
+        bind = self.session.get_bind(clause=_t)
+        engine = bind if isinstance(bind, Engine) else bind.engine
+        self._engine = engine
+        for attempt in range(1, _CLAIM_ATTEMPTS + 1):
+            try:
+                with engine.begin() as conn:
+                    return self._claim(conn)
+            except (SerializationConflict, DeadlockDetected):
+                # Our own short transaction: twins taking over one record on
+                # MariaDB can deadlock on their shared read locks; the loser
+                # simply looks again.
+                if attempt == _CLAIM_ATTEMPTS:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _params(self, now: int) -> dict[str, Any]:
+        return {
+            "sg_scope": self.scope,
+            "sg_key": self.key,
+            "sg_fp": self.fingerprint,
+            "sg_owner": self.owner,
+            "sg_now": now,
+            "sg_locked": now + self.lease_ms,
+            "sg_expires": now + self.ttl_ms,
+        }
+
+    def _claim(self, conn: Connection) -> IdempotentCall:
+        backend = _sql.backend(conn.dialect)
+        params = self._params(_now_ms())
+        if _insert_new(conn, backend, _CLAIMS, _CLAIM_PLAIN, params):
+            _emit("claimed", self.scope, self.key, 1, self.mode)
+            return IdempotentCall(self, replayed=False, attempt=1)
+        read = _READ_LOCKING if backend.locking_read else _READ
+        for _ in range(_MAX_ROUNDS):
+            row = _sql.execute(conn, read, params).first()
+            if row is None:
+                # Purged (or its claimant rolled back) between our statements.
+                if _insert_new(conn, backend, _CLAIMS, _CLAIM_PLAIN, params):
+                    _emit("claimed", self.scope, self.key, 1, self.mode)
+                    return IdempotentCall(self, replayed=False, attempt=1)
+                continue
+            call = self._decide(conn, row, params)
+            if call is not None:
+                return call
+            params = self._params(_now_ms())
+        raise SerializationConflict(
+            f"idempotency key {self.key!r} in scope {self.scope!r} changed {_MAX_ROUNDS} times while it was "
+            f"being claimed; retry the request"
+        )
+
+    def _decide(self, conn: Connection, row: Any, params: dict[str, Any]) -> IdempotentCall | None:
+        """Act on the record found; None when a conditional UPDATE lost a race (read again)."""
+        now = params["sg_now"]
+        scope, key = self.scope, self.key
+        if row.expires_ms <= now:
+            if _sql.execute(conn, _RECLAIM, {**params, "sg_old_owner": row.owner}).rowcount != 1:
+                return None
+            _emit("claimed", scope, key, 1, self.mode)
+            return IdempotentCall(self, replayed=False, attempt=1)
+        if (
+            self.fingerprint is not None
+            and row.fingerprint is not None
+            and row.fingerprint != self.fingerprint
+        ):
+            _emit("key_reused", scope, key, row.attempt, self.mode)
+            raise IdempotencyKeyReused(
+                f"idempotency key {key!r} in scope {scope!r} was first used for a different request "
+                f"(another fingerprint); send a new key for a new request",
+                scope=scope,
+                key=key,
+            )
+        if row.status == _COMPLETED:
+            _emit("replayed", scope, key, row.attempt, self.mode)
+            response = self.serializer.loads(row.response) if row.response is not None else None
+            return IdempotentCall(self, replayed=True, response=response, attempt=row.attempt)
+        if row.status == _FAILED:
+            _emit("failed_replayed", scope, key, row.attempt, self.mode)
+            raise RequestFailed(
+                f"the request of idempotency key {key!r} in scope {scope!r} failed with a non-retryable "
+                f"error ({row.error}); use a new key to try again",
+                scope=scope,
+                key=key,
+                error=row.error,
+            )
+        locked_until = row.locked_until_ms or 0
+        if locked_until > now:
+            _emit("in_progress", scope, key, row.attempt, self.mode)
+            raise RequestInProgress(
+                f"idempotency key {key!r} in scope {scope!r} is being worked on by another request; "
+                f"retry after its lease ends",
+                scope=scope,
+                key=key,
+                retry_after=timedelta(milliseconds=locked_until - now),
+            )
+        if _sql.execute(conn, _TAKEOVER, {**params, "sg_old_owner": row.owner}).rowcount != 1:
+            return None
+        attempt = row.attempt + 1
+        _emit("taken_over", scope, key, attempt, self.mode)
+        data = self.serializer.loads(row.checkpoint_data) if row.checkpoint_data is not None else None
+        return IdempotentCall(
+            self,
+            replayed=False,
+            attempt=attempt,
+            taken_over=True,
+            checkpoint_name=row.checkpoint_name,
+            checkpoint_data=data,
+        )
+
+    # -- writes of an open call ---------------------------------------------
+
+    def write(self, call: IdempotentCall, stmt: Any, params: dict[str, Any], kind: str | None) -> None:
+        """Run one owner-conditional UPDATE of the record (and in separate mode commit the session)."""
+        params = {**params, "sg_scope": self.scope, "sg_key": self.key, "sg_owner": self.owner}
+        if self.mode == "same_transaction":
+            assert self._conn is not None
+            matched = _sql.execute(self._conn, stmt, params).rowcount
+        else:
+            session = self.session
+            try:
+                matched = _sql.execute(session.connection(), stmt, params).rowcount
+                if matched == 1:
+                    session.commit()
+            except BaseException:
+                session.rollback()
+                raise
+            if matched != 1:
+                session.rollback()
+        if matched != 1:
+            self._lost(call)
+        if kind is not None:
+            self._stop_heartbeat()
+            call._state = kind
+            _emit(kind, self.scope, self.key, call.attempt, self.mode)
+
+    def heartbeat(self, call: IdempotentCall) -> None:
+        now = _now_ms()
+        params = {
+            "sg_scope": self.scope,
+            "sg_key": self.key,
+            "sg_owner": self.owner,
+            "sg_now": now,
+            "sg_locked": now + self.lease_ms,
+            "sg_expires": now + self.ttl_ms,
+        }
+        if self.mode == "same_transaction":
+            assert self._conn is not None
+            matched = _sql.execute(self._conn, _HEARTBEAT, params).rowcount
+        else:
+            assert self._engine is not None
+            with self._engine.begin() as conn:
+                matched = _sql.execute(conn, _HEARTBEAT, params).rowcount
+        if matched != 1:
+            self._lost(call)
+
+    def release(self, call: IdempotentCall, reason: str | None) -> None:
+        if self.mode == "same_transaction":
+            self._stop_heartbeat()
+            assert self._nested is not None
+            if self._nested.is_active:
+                self._nested.rollback()
+            call._state = "released"
+            _emit("released", self.scope, self.key, call.attempt, self.mode)
+            return
+        self.write(call, _RELEASE, {"sg_text": reason, "sg_now": _now_ms()}, "released")
+
+    def _lost(self, call: IdempotentCall) -> None:
+        self._stop_heartbeat()
+        call._state = "lost"
+        _emit("lease_lost", self.scope, self.key, call.attempt, self.mode)
+        raise LeaseLost(
+            f"the lease on idempotency key {self.key!r} in scope {self.scope!r} expired and another "
+            f"request took the key over; its record was left untouched. Use a longer lease or heartbeat() "
+            f"for long work",
+            scope=self.scope,
+            key=self.key,
+        )
+
+    # -- background heartbeat -----------------------------------------------
+
+    def _start_heartbeat(self) -> None:
+        assert self.call is not None and self.heartbeat_every is not None
+        stop = threading.Event()
+        call, interval = self.call, self.heartbeat_every
+
+        def beat() -> None:
+            while not stop.wait(interval):
+                try:
+                    self.heartbeat(call)
+                except LeaseLost:
+                    return
+                except Exception:  # the database is away: the next beat tries again
+                    log.warning(
+                        "heartbeat of idempotency key %r in scope %r failed",
+                        self.key,
+                        self.scope,
+                        exc_info=True,
+                    )
+
+        self._stop = stop
+        self._beater = threading.Thread(
+            target=beat, name=f"stateguard-heartbeat:{self.key[:40]}", daemon=True
+        )
+        self._beater.start()
+
+    def _stop_heartbeat(self) -> None:
+        stop, beater = self._stop, self._beater
+        if stop is None or beater is None:
+            return
+        self._stop = self._beater = None
+        stop.set()
+        if beater is not threading.current_thread():
+            beater.join()
+
+    # -- leaving -------------------------------------------------------------
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        call = self.call
+        if call is None:
+            return
+        self._stop_heartbeat()
+        if exc is None:
+            if call._state == "open":
+                # The block finished without complete(): its work is done, the response is None.
+                call.complete(None)
+            if self._nested is not None and self._nested.is_active:
+                self._nested.commit()
+            return
+        if self.mode == "same_transaction":
+            if self._nested is not None and self._nested.is_active:
+                self._nested.rollback()
+            if call._state == "open":
+                call._state = "released"
+                _emit("released", self.scope, self.key, call.attempt, self.mode)
+            return
+        if call._state != "open":
+            return
+        self._finish_failed(call, exc)
+
+    def _finish_failed(self, call: IdempotentCall, exc: BaseException) -> None:
+        """Separate mode, the block raised: roll the session back, then release or fail the key."""
+        self.session.rollback()
+        text = f"{type(exc).__name__}: {exc}"[:2000]
+        try:
+            if isinstance(exc, self.non_retryable):
+                now = _now_ms()
+                self.write(
+                    call, _FAIL, {"sg_text": text, "sg_now": now, "sg_expires": now + self.ttl_ms}, "failed"
+                )
+            else:
+                self.write(call, _RELEASE, {"sg_text": text, "sg_now": _now_ms()}, "released")
+        except LeaseLost:
+            exc.add_note(
+                f"stateguard: the lease on idempotency key {self.key!r} in scope {self.scope!r} had been "
+                f"taken over; the new owner's record was left untouched"
+            )
+        except Exception:
+            # The database is unreachable: the claim stays in progress and the
+            # next retry takes it over once the lease ends.
+            log.warning(
+                "could not release idempotency key %r in scope %r; it is taken over when its lease ends",
+                self.key,
+                self.scope,
+                exc_info=True,
+            )
+
+
+def _check_options(
+    scope: Any, key: Any, lease: Any, ttl: Any, mode: Any, heartbeat_every: Any, non_retryable: Any
+) -> tuple[int, int, float | None, tuple[type[BaseException], ...]]:
+    _keys.check_text(scope, "scope", MAX_SCOPE)
+    _keys.check_text(key, "idempotency key", MAX_KEY)
+    lease_ms = _keys.duration_ms(lease, "lease")
+    ttl_ms = _keys.duration_ms(ttl, "ttl")
+    if ttl_ms < lease_ms:
+        raise InvalidArgument(f"ttl ({ttl}) must not be shorter than lease ({lease})")
+    if mode not in ("same_transaction", "separate"):
+        raise InvalidArgument(f"mode must be 'same_transaction' or 'separate', got {mode!r}")
+    interval: float | None = None
+    if heartbeat_every is not None:
+        if mode != "separate":
+            raise InvalidArgument(
+                "heartbeat_every needs mode='separate': in same_transaction mode the claim is invisible to "
+                "other transactions until it commits, so there is no lease to keep alive"
+            )
+        interval = _keys.duration_ms(heartbeat_every, "heartbeat_every") / 1000
+        if interval * 1000 >= lease_ms:
+            raise InvalidArgument(f"heartbeat_every ({heartbeat_every}) must be shorter than lease ({lease})")
+    if isinstance(non_retryable, type):
+        non_retryable = (non_retryable,)
+    if not isinstance(non_retryable, tuple) or not all(
+        isinstance(t, type) and issubclass(t, BaseException) for t in non_retryable
+    ):
+        raise InvalidArgument(f"non_retryable must be a tuple of exception classes, got {non_retryable!r}")
+    if non_retryable and mode != "separate":
+        raise InvalidArgument(
+            "non_retryable needs mode='separate': in same_transaction mode a failure rolls back with the "
+            "transaction, so there is no failure record to keep"
+        )
+    return lease_ms, ttl_ms, interval, non_retryable
+
+
+def idempotent(
+    session: Session,
+    *,
+    scope: str,
+    key: str,
+    fingerprint: Any = None,
+    lease: timedelta = timedelta(seconds=60),
+    ttl: timedelta = timedelta(hours=24),
+    mode: Mode = "same_transaction",
+    serializer: Serializer | None = None,
+    heartbeat_every: timedelta | None = None,
+    non_retryable: tuple[type[BaseException], ...] = (),
+) -> contextlib.AbstractContextManager[IdempotentCall]:
+    """Run a block at most once per ``(scope, key)``; replay its stored response to retries.
+
+    ::
+
+        with idempotent(session, scope=f"payments:{client_id}", key=key, fingerprint=body) as call:
+            if call.replayed:
+                return call.response
+            payment = Payment(amount=body["amount"]); session.add(payment); session.flush()
+            return call.complete({"payment_id": payment.id})
+
+    :param scope: a namespace for keys (put the client identity in it: keys
+        are chosen by clients and must not collide across them); at most
+        200 characters.
+    :param key: the idempotency key, compared byte-exact, stored as given;
+        at most 255 characters, not blank.
+    :param fingerprint: the request (any JSON-serialisable value, or bytes);
+        only its SHA-256 is stored.  The same key with another fingerprint
+        raises :class:`~stateguard.IdempotencyKeyReused`.  ``None`` skips
+        the check.
+    :param lease: how long a claim is held before another caller may take it
+        over (separate mode).
+    :param ttl: how long the key and its response are kept (from completion).
+    :param mode: ``"same_transaction"`` (the claim, the block's writes and the
+        response commit together; an exception frees the key) or
+        ``"separate"`` (the claim commits first; for outside side effects).
+    :param serializer: stores responses and checkpoint data (JSON by default).
+    :param heartbeat_every: separate mode: extend the lease from a background
+        thread this often (shorter than ``lease``).
+    :param non_retryable: separate mode: exception classes that mark the key
+        failed for good (retries get :class:`~stateguard.RequestFailed`);
+        any other exception releases the key for a retry.
+    :raises InvalidArgument: on entering, for bad arguments (nothing written).
+    :raises RequestInProgress: on entering, another caller holds a live lease.
+    :raises IdempotencyKeyReused: on entering, the key was used for another request.
+    :raises RequestFailed: on entering, the key's request failed for good.
+    """
+    lease_ms, ttl_ms, interval, errors = _check_options(
+        scope, key, lease, ttl, mode, heartbeat_every, non_retryable
+    )
+    if not isinstance(session, Session):
+        raise InvalidArgument(f"idempotent() needs a sqlalchemy.orm.Session, got {type(session).__name__}")
+    return _Idempotent(
+        session,
+        scope=scope,
+        key=key,
+        fingerprint=fingerprint_of(fingerprint),
+        lease_ms=lease_ms,
+        ttl_ms=ttl_ms,
+        mode=mode,
+        serializer=_JSON if serializer is None else serializer,
+        heartbeat_every=interval,
+        non_retryable=errors,
+    )
+
+
+def idempotent_function(
+    *,
+    scope: str | Callable[..., str],
+    key: Callable[..., str],
+    fingerprint: Callable[..., Any] | None = None,
+    lease: timedelta = timedelta(seconds=60),
+    ttl: timedelta = timedelta(hours=24),
+    mode: Mode = "same_transaction",
+    serializer: Serializer | None = None,
+    heartbeat_every: timedelta | None = None,
+    non_retryable: tuple[type[BaseException], ...] = (),
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Decorate a function whose first positional argument is the session: it runs once per key.
+
+    ``key`` (and ``scope`` and ``fingerprint`` when callables) receive the
+    function's own arguments.  The return value is stored as the response and
+    returned to every replay (through the serializer)::
+
+        @idempotent_function(scope="refunds", key=lambda session, refund_id, amount: refund_id,
+                             fingerprint=lambda session, refund_id, amount: {"amount": amount})
+        def refund(session: Session, refund_id: str, amount: int) -> dict:
+            ...
+            return {"refunded": amount}
+
+    Options are those of :func:`idempotent`; they are checked when decorating.
+    """
+    _check_options(
+        "scope" if callable(scope) else scope, "key", lease, ttl, mode, heartbeat_every, non_retryable
+    )
+    if not callable(key):
+        raise InvalidArgument(
+            "key must be a callable that receives the function's arguments and returns the key"
+        )
+
+    def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(fn)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            if not args or not isinstance(args[0], Session):
+                raise InvalidArgument(
+                    f"{fn.__qualname__}() is @idempotent_function: its first positional argument must be "
+                    f"the Session"
+                )
+            manager = idempotent(
+                args[0],
+                scope=scope(*args, **kwargs) if callable(scope) else scope,
+                key=key(*args, **kwargs),
+                fingerprint=None if fingerprint is None else fingerprint(*args, **kwargs),
+                lease=lease,
+                ttl=ttl,
+                mode=mode,
+                serializer=serializer,
+                heartbeat_every=heartbeat_every,
+                non_retryable=non_retryable,
+            )
+            with manager as call:
+                if call.replayed:
+                    return call.response  # type: ignore[no-any-return]
+                return call.complete(fn(*args, **kwargs))
+
+        return wrapper
+
+    return decorate
+
+
+# --------------------------------------------------------------------------
+# Message consumers
+# --------------------------------------------------------------------------
+
+
+class ConsumedMessage:
+    """The ``model`` of every :func:`consume_once` result; its ``key`` is ``(consumer, message_id)``."""
+
+
+_CONSUME_ROW: Final[dict[str, Any]] = {
+    "consumer": bindparam("sg_consumer"),
+    "message_id": bindparam("sg_message"),
+    "consumed_ms": bindparam("sg_now"),
+}
+_CONSUMES: Final = {
+    "postgresql": postgresql.insert(consumed_messages)
+    .values(_CONSUME_ROW)
+    .on_conflict_do_nothing()
+    .returning(consumed_messages.c.consumed_ms),
+    "sqlite": sqlite.insert(consumed_messages)
+    .values(_CONSUME_ROW)
+    .on_conflict_do_nothing()
+    .returning(consumed_messages.c.consumed_ms),
+}
+_CONSUME_PLAIN: Final = insert(consumed_messages).values(_CONSUME_ROW)
+
+
+def consume_once(session: Session, consumer: str, message_id: str) -> Result:
+    """Record that ``consumer`` handled ``message_id``: APPLIED the first time, REPEATED after.
+
+    One INSERT in the session's transaction (a unique key decides), so the
+    record commits or rolls back with the handler's own writes: a message
+    whose handling failed is handled again on redelivery::
+
+        with Session(engine) as session, session.begin():
+            if consume_once(session, "billing", message.id).applied:
+                handle(session, message)
+
+    :raises InvalidArgument: blank, oversize or non-str ``consumer`` or
+        ``message_id``; nothing was written.
+    """
+    _keys.check_text(consumer, "consumer", MAX_SCOPE)
+    _keys.check_text(message_id, "message_id", MAX_KEY)
+    if session.autoflush:
+        session.flush()
+    conn = session.connection()
+    params = {"sg_consumer": consumer, "sg_message": message_id, "sg_now": _now_ms()}
+    inserted = _insert_new(conn, _sql.backend(conn.dialect), _CONSUMES, _CONSUME_PLAIN, params)
+    return Result(
+        Outcome.APPLIED if inserted else Outcome.REPEATED,
+        model=ConsumedMessage,
+        key=(consumer, message_id),
+        trigger="consume",
+        session=session,
+    )
+
+
+def purge_expired(bind: Engine | Connection | Session, *, batch: int = 1000) -> int:
+    """Delete at most ``batch`` expired idempotency keys and return how many were deleted.
+
+    With an :class:`~sqlalchemy.Engine` the batch runs in its own short
+    transaction; with a ``Connection`` or ``Session`` in the caller's (the
+    caller commits).  On PostgreSQL the batch skips rows locked by a claim in
+    flight, so a purge never makes a claim wait; on MariaDB and SQLite a
+    batch holds its locks only for one short DELETE.  Loop until it returns
+    less than ``batch`` (``stateguard purge`` does)::
+
+        while purge_expired(engine, batch=1000) == 1000:
+            time.sleep(0.05)
+
+    Expired keys are already ignored by claims; purging only reclaims space.
+
+    :raises InvalidArgument: ``batch`` is not a positive int.
+    """
+    return _keys.purge_expired_rows(_t, bind, batch, _now_ms)
