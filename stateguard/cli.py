@@ -5,6 +5,7 @@
     $ stateguard demo --db postgresql+psycopg://postgres@127.0.0.1:5432/test
     $ stateguard graph myapp.models:Order --format mermaid
     $ stateguard check myapp.models --db postgresql+psycopg://app@db/app --json
+    $ stateguard purge --db postgresql+psycopg://app@db/app --batch 1000
 
 Exit codes: 0 ok, 1 an invariant was violated or problems were found,
 2 usage error (bad arguments, unreachable database, missing driver).
@@ -34,7 +35,9 @@ from . import __version__
 from . import schema as _schema
 from .demo import Progress, SchemeRow, render, run_demo
 from .engine import sqlite_engine
+from .idempotency import purge_expired as _purge_keys
 from .machine import StateMachine, machines_of
+from .tokens import purge_expired_tokens as _purge_tokens
 
 __all__ = ["main"]
 
@@ -250,6 +253,52 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     out.write(render(report, color=use_color(out)) + "\n")
     out.flush()
     return EXIT_OK if report.ok else EXIT_PROBLEMS
+
+
+# -- purge ------------------------------------------------------------------
+
+#: What ``stateguard purge`` can clean, and how: (label, function of (engine, batch) -> rows deleted).
+_PURGERS: dict[str, tuple[str, Any]] = {
+    "keys": ("expired idempotency keys", _purge_keys),
+    "tokens": ("expired one-time tokens", _purge_tokens),
+}
+
+
+def _cmd_purge(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    engine = open_engine(args.db, workers=1, purpose="stateguard purge")
+    try:
+        for what in args.what or sorted(_PURGERS):
+            label, purge = _PURGERS[what]
+            total = batches = 0
+            while True:
+                try:
+                    deleted = int(purge(engine, batch=args.batch))
+                except sa_exc.SQLAlchemyError as error:
+                    err.write(f"stateguard purge: {label}: database error: {_first_line(error)}\n")
+                    err.write(
+                        "  (run `alembic upgrade stateguard@head` or stateguard.create_tables() first?)\n"
+                    )
+                    return EXIT_PROBLEMS
+                total += deleted
+                batches += 1
+                if deleted < args.batch or (args.max_batches and batches >= args.max_batches):
+                    break
+                # Each batch is its own short transaction; the pause lets claims in between.
+                time.sleep(args.pause)
+            out.write(f"{label}: {total} deleted in {batches} batch{'es' if batches != 1 else ''}\n")
+    finally:
+        engine.dispose()
+    return EXIT_OK
+
+
+def _nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
 
 
 # -- graph and check --------------------------------------------------------
@@ -500,6 +549,45 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--db", metavar="URL", help="SQLAlchemy URL of a database to compare")
     check.add_argument("--json", action="store_true", help="print a machine-readable report")
     check.set_defaults(handler=_cmd_check)
+    purge = commands.add_parser(
+        "purge",
+        help="delete expired idempotency keys and one-time tokens, in short batches",
+        description=(
+            "Delete expired rows of stateguard's key tables in batches of --batch rows, each\n"
+            "batch its own short transaction, pausing --pause seconds between batches so\n"
+            "claims are never held up for long (on PostgreSQL a batch also skips rows a\n"
+            "claim holds).  Expired keys are already ignored by claims; purging reclaims space.\n"
+            "Run it from cron or a scheduler."
+        ),
+        epilog=_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    purge.add_argument("--db", required=True, metavar="URL", help="SQLAlchemy URL of the database")
+    purge.add_argument(
+        "--batch", type=_positive, default=1000, metavar="N", help="rows per batch (default: 1000)"
+    )
+    purge.add_argument(
+        "--pause",
+        type=_nonnegative_float,
+        default=0.05,
+        metavar="SECONDS",
+        help="pause between batches (default: 0.05)",
+    )
+    purge.add_argument(
+        "--max-batches",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="stop after N batches per table (default: until none is left)",
+    )
+    purge.add_argument(
+        "--only",
+        dest="what",
+        choices=sorted(_PURGERS),
+        action="append",
+        help="purge only this table (repeatable; default: keys and tokens)",
+    )
+    purge.set_defaults(handler=_cmd_purge)
     return parser
 
 
@@ -515,6 +603,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         0
         >>> main(["check", "myapp.models", "--db", "sqlite:///app.db", "--json"])
         1
+        >>> main(["purge", "--db", "sqlite:///app.db", "--batch", "500"])
+        0
     """
     parser = build_parser()
     try:
