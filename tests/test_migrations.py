@@ -89,9 +89,32 @@ def test_revisions_are_on_the_stateguard_branch_with_sg_ids() -> None:
     assert len(bases) == 1 and bases[0].branch_labels == {"stateguard"}
 
 
+INSTALLED_ENV_PY = """
+import stateguard
+from alembic import context
+from sqlalchemy import create_engine
+
+config = context.config
+engine = create_engine(config.get_main_option("sqlalchemy.url"))
+with engine.connect() as connection:
+    context.configure(connection=connection, target_metadata=stateguard.tables.metadata)
+    with context.begin_transaction():
+        context.run_migrations()
+engine.dispose()
+"""
+
+INSTALLED_INI = """
+[alembic]
+script_location = %(here)s/alembic
+path_separator = os
+"""
+
+
 @pytest.mark.slow
-def test_wheel_ships_the_migrations(tmp_path: Path) -> None:
-    """The built wheel contains py.typed and the revision files under stateguard/migrations."""
+def test_wheel_installs_in_a_fresh_venv_and_its_revisions_upgrade_and_downgrade(
+    pg: Backend, mariadb: Backend, tmp_path: Path
+) -> None:
+    """The built wheel, installed in a new venv, runs `alembic upgrade stateguard@head` and back down."""
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
         check=True,
@@ -100,4 +123,65 @@ def test_wheel_ships_the_migrations(tmp_path: Path) -> None:
     wheel = next(tmp_path.glob("stateguard-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "stateguard/py.typed" in names
-    assert "stateguard/migrations/versions/sg_0001_transition_log.py" in names
+    assert "stateguard/migrations/versions/sg_0003_keys.py" in names
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    bin_dir = venv / "bin"
+    subprocess.run(
+        [str(bin_dir / "pip"), "install", "-q", f"{wheel}[postgres,mysql]"],
+        check=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    project = tmp_path / "userapp"
+    (project / "alembic" / "versions").mkdir(parents=True)
+    (project / "alembic" / "env.py").write_text(INSTALLED_ENV_PY)
+    (project / "alembic" / "script.py.mako").write_text("")
+    (project / "alembic.ini").write_text(INSTALLED_INI)
+    # The user's own version folder plus the one inside the installed package.
+    locations = subprocess.run(
+        [str(bin_dir / "python"), "-c", "import stateguard; print(stateguard.migrations_location())"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,  # not the checkout: the installed package must answer
+    ).stdout.strip()
+    assert locations.startswith(str(venv)), locations
+    with (project / "alembic.ini").open("a") as ini:
+        ini.write(f"version_locations = %(here)s/alembic/versions{os.pathsep}{locations}\n")
+    for backend in (pg, mariadb):
+        alembic = [str(bin_dir / "alembic")]
+        env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+        url_opt = ["-c", str(project / "alembic.ini")]
+        ini_text = (project / "alembic.ini").read_text()
+        (project / "alembic.ini").write_text(
+            "\n".join(line for line in ini_text.splitlines() if not line.startswith("sqlalchemy.url"))
+            + f"\nsqlalchemy.url = {backend.url.replace('%', '%%')}\n"
+        )
+        subprocess.run(
+            [*alembic, *url_opt, "upgrade", "stateguard@head"], check=True, timeout=120, env=env, cwd=tmp_path
+        )
+        with backend.engine.connect() as conn:
+            tables = set(inspect(conn).get_table_names())
+        assert {t.name for t in metadata.sorted_tables} <= tables, (backend.name, tables)
+        heads = subprocess.run(
+            [*alembic, *url_opt, "current"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            cwd=tmp_path,
+        ).stdout
+        assert "sg_0003" in heads and "(head)" in heads, heads
+        subprocess.run(
+            [*alembic, *url_opt, "downgrade", "stateguard@base"],
+            check=True,
+            timeout=120,
+            env=env,
+            cwd=tmp_path,
+        )
+        with backend.engine.connect() as conn:
+            left = set(inspect(conn).get_table_names())
+        assert not {t.name for t in metadata.sorted_tables} & left, (backend.name, left)
