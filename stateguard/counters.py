@@ -61,6 +61,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import QueryableAttribute
 
 from . import _sql
+from ._async import dual
 from ._keys import exact_string
 from .exceptions import InvalidArgument, RefConflict, SerializationConflict
 from .history import row_key
@@ -379,6 +380,7 @@ def _change(
     return _apply(session, conn, _sql.backend(conn.dialect), counter, key, instance, by, sign, bound, ref)
 
 
+@dual
 def decrement(
     session: Session,
     column: Any,
@@ -418,6 +420,7 @@ def decrement(
     return _change(session, column, target, by, -1, floor, "floor", ref)
 
 
+@dual
 def increment(
     session: Session,
     column: Any,
@@ -442,6 +445,7 @@ def increment(
     return _change(session, column, target, by, 1, ceiling, "ceiling", ref)
 
 
+@dual
 def reserve(session: Session, column: Any, amounts: Mapping[Any, Any], *, ref: str) -> Result:
     """Decrement several rows all-or-nothing (floor 0), idempotently per ``ref``.
 
@@ -509,6 +513,7 @@ def reserve(session: Session, column: Any, amounts: Mapping[Any, Any], *, ref: s
     return Result(outcomes.pop(), model=counter.model, key=ref, value=values, session=session)
 
 
+@dual
 def release(session: Session, column: Any, ref: str) -> Result:
     """Undo every change ``ref`` made to ``column`` (a cancelled order), exactly once.
 

@@ -58,8 +58,10 @@ Times are integer epoch milliseconds from the application's clock
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import hashlib
+import inspect
 import json
 import logging
 import threading
@@ -73,15 +75,18 @@ from typing import Any, Final, Literal, ParamSpec, Protocol, TypeVar
 from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session, SessionTransaction
 
 from . import _keys, _sql
+from ._async import dual
 from ._keys import MAX_KEY, MAX_SCOPE, consumed_messages, idempotency_keys
 from .exceptions import (
     DeadlockDetected,
     IdempotencyKeyReused,
     InvalidArgument,
     LeaseLost,
+    NotSupported,
     RequestFailed,
     RequestInProgress,
     SerializationConflict,
@@ -89,6 +94,7 @@ from .exceptions import (
 from .result import Outcome, Result
 
 __all__ = [
+    "AsyncIdempotentCall",
     "ConsumedMessage",
     "IdempotencyEvent",
     "IdempotentCall",
@@ -580,6 +586,74 @@ class IdempotentCall:
         )
 
 
+class AsyncIdempotentCall:
+    """:class:`IdempotentCall` for an AsyncSession (``async with idempotent(...) as call``).
+
+    The same attributes; ``complete``, ``checkpoint``, ``heartbeat`` and
+    ``release`` are awaited::
+
+        async with idempotent(session, scope="payments", key=key, fingerprint=body) as call:
+            if call.replayed:
+                return call.response
+            ...
+            return await call.complete({"payment_id": payment.id})
+    """
+
+    __slots__ = ("_call", "_session")
+
+    def __init__(self, call: IdempotentCall, session: AsyncSession) -> None:
+        self._call = call
+        self._session = session
+
+    def __getattr__(self, name: str) -> Any:
+        # replayed, response, attempt, taken_over, checkpoint_*, scope, key, mode
+        return getattr(self._call, name)
+
+    @property
+    def replayed(self) -> bool:
+        """See :class:`IdempotentCall`."""
+        return self._call.replayed
+
+    @property
+    def response(self) -> Any:
+        """See :class:`IdempotentCall`."""
+        return self._call.response
+
+    async def complete(self, response: R) -> R:
+        """:meth:`IdempotentCall.complete`, awaited."""
+        call = self._call
+        return await self._session.run_sync(lambda _sync: call.complete(response))
+
+    async def checkpoint(self, name: str, data: Any = None) -> None:
+        """:meth:`IdempotentCall.checkpoint`, awaited."""
+        call = self._call
+        await self._session.run_sync(lambda _sync: call.checkpoint(name, data))
+
+    async def heartbeat(self) -> None:
+        """:meth:`IdempotentCall.heartbeat`, awaited."""
+        call = self._call
+        await self._session.run_sync(lambda _sync: call.heartbeat())
+
+    async def release(self, reason: str | None = None) -> None:
+        """:meth:`IdempotentCall.release`, awaited."""
+        call = self._call
+        await self._session.run_sync(lambda _sync: call.release(reason))
+
+    def __repr__(self) -> str:
+        return repr(self._call).replace("<IdempotentCall", "<AsyncIdempotentCall", 1)
+
+
+_in_run_sync: contextvars.ContextVar[bool] = contextvars.ContextVar("stateguard_in_run_sync", default=False)
+
+
+def _run_sync_marked(fn: Callable[[], R]) -> R:
+    token = _in_run_sync.set(True)
+    try:
+        return fn()
+    finally:
+        _in_run_sync.reset(token)
+
+
 class _Idempotent:
     """The context manager :func:`idempotent` returns (one use)."""
 
@@ -596,8 +670,10 @@ class _Idempotent:
         serializer: Serializer,
         heartbeat_every: float | None,
         non_retryable: tuple[type[BaseException], ...],
+        async_session: AsyncSession | None = None,
     ) -> None:
         self.session = session
+        self.async_session = async_session
         self.scope = scope
         self.key = key
         self.fingerprint = fingerprint
@@ -618,6 +694,8 @@ class _Idempotent:
     # -- entering ----------------------------------------------------------
 
     def __enter__(self) -> IdempotentCall:
+        if self.async_session is not None and not _in_run_sync.get():
+            raise InvalidArgument("idempotent() got an AsyncSession: use `async with`, not `with`")
         if self.call is not None:
             raise InvalidArgument(
                 "an idempotent() context manager can be entered only once; call idempotent() again"
@@ -858,6 +936,26 @@ class _Idempotent:
         if beater is not threading.current_thread():
             beater.join()
 
+    # -- async -------------------------------------------------------------
+
+    async def __aenter__(self) -> AsyncIdempotentCall:
+        session = self.async_session
+        if session is None:
+            raise InvalidArgument("idempotent() got a Session: use `with`, not `async with`")
+        call = await session.run_sync(lambda _sync: _run_sync_marked(self.__enter__))
+        return AsyncIdempotentCall(call, session)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # Also on cancellation (CancelledError): the savepoint is rolled back
+        # (same transaction) or the key released (separate), so it is free again.
+        assert self.async_session is not None
+        await self.async_session.run_sync(lambda _sync: self.__exit__(exc_type, exc, tb))
+
     # -- leaving -------------------------------------------------------------
 
     def __exit__(
@@ -952,7 +1050,7 @@ def _check_options(
 
 
 def idempotent(
-    session: Session,
+    session: Session | AsyncSession,
     *,
     scope: str,
     key: str,
@@ -963,7 +1061,7 @@ def idempotent(
     serializer: Serializer | None = None,
     heartbeat_every: timedelta | None = None,
     non_retryable: tuple[type[BaseException], ...] = (),
-) -> contextlib.AbstractContextManager[IdempotentCall]:
+) -> _Idempotent:
     """Run a block at most once per ``(scope, key)``; replay its stored response to retries.
 
     ::
@@ -995,7 +1093,11 @@ def idempotent(
     :param non_retryable: separate mode: exception classes that mark the key
         failed for good (retries get :class:`~stateguard.RequestFailed`);
         any other exception releases the key for a retry.
-    :raises InvalidArgument: on entering, for bad arguments (nothing written).
+    With an :class:`~sqlalchemy.ext.asyncio.AsyncSession`, use ``async with``;
+    the call's methods are then awaited (:class:`AsyncIdempotentCall`), and a
+    task cancelled inside the block frees the key like an exception does.
+
+    :raises InvalidArgument: bad arguments (nothing written).
     :raises RequestInProgress: on entering, another caller holds a live lease.
     :raises IdempotencyKeyReused: on entering, the key was used for another request.
     :raises RequestFailed: on entering, the key's request failed for good.
@@ -1003,8 +1105,18 @@ def idempotent(
     lease_ms, ttl_ms, interval, errors = _check_options(
         scope, key, lease, ttl, mode, heartbeat_every, non_retryable
     )
+    async_session: AsyncSession | None = None
+    if isinstance(session, AsyncSession):
+        if interval is not None:
+            raise NotSupported(
+                "heartbeat_every runs a thread, which cannot use an AsyncSession's connections; "
+                "await call.heartbeat() from your own task instead"
+            )
+        async_session, session = session, session.sync_session
     if not isinstance(session, Session):
-        raise InvalidArgument(f"idempotent() needs a sqlalchemy.orm.Session, got {type(session).__name__}")
+        raise InvalidArgument(
+            f"idempotent() needs a sqlalchemy Session or AsyncSession, got {type(session).__name__}"
+        )
     return _Idempotent(
         session,
         scope=scope,
@@ -1016,6 +1128,7 @@ def idempotent(
         serializer=_JSON if serializer is None else serializer,
         heartbeat_every=interval,
         non_retryable=errors,
+        async_session=async_session,
     )
 
 
@@ -1044,6 +1157,7 @@ def idempotent_function(
             return {"refunded": amount}
 
     Options are those of :func:`idempotent`; they are checked when decorating.
+    An ``async def`` function takes an AsyncSession and is awaited the same way.
     """
     _check_options(
         "scope" if callable(scope) else scope, "key", lease, ttl, mode, heartbeat_every, non_retryable
@@ -1053,27 +1167,41 @@ def idempotent_function(
             "key must be a callable that receives the function's arguments and returns the key"
         )
 
+    def manager_for(fn: Callable[..., Any], session_type: type, args: Any, kwargs: Any) -> _Idempotent:
+        if not args or not isinstance(args[0], session_type):
+            raise InvalidArgument(
+                f"{fn.__qualname__}() is @idempotent_function: its first positional argument must be "
+                f"the {session_type.__name__}"
+            )
+        session: Any = args[0]
+        return idempotent(
+            session,
+            scope=scope(*args, **kwargs) if callable(scope) else scope,
+            key=key(*args, **kwargs),
+            fingerprint=None if fingerprint is None else fingerprint(*args, **kwargs),
+            lease=lease,
+            ttl=ttl,
+            mode=mode,
+            serializer=serializer,
+            heartbeat_every=heartbeat_every,
+            non_retryable=non_retryable,
+        )
+
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+        if inspect.iscoroutinefunction(fn):
+            # async def f(session: AsyncSession, ...): the same, with `async with`.
+            @functools.wraps(fn)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                async with manager_for(fn, AsyncSession, args, kwargs) as call:
+                    if call.replayed:
+                        return call.response
+                    return await call.complete(await fn(*args, **kwargs))
+
+            return async_wrapper  # type: ignore[return-value]
+
         @functools.wraps(fn)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            if not args or not isinstance(args[0], Session):
-                raise InvalidArgument(
-                    f"{fn.__qualname__}() is @idempotent_function: its first positional argument must be "
-                    f"the Session"
-                )
-            manager = idempotent(
-                args[0],
-                scope=scope(*args, **kwargs) if callable(scope) else scope,
-                key=key(*args, **kwargs),
-                fingerprint=None if fingerprint is None else fingerprint(*args, **kwargs),
-                lease=lease,
-                ttl=ttl,
-                mode=mode,
-                serializer=serializer,
-                heartbeat_every=heartbeat_every,
-                non_retryable=non_retryable,
-            )
-            with manager as call:
+            with manager_for(fn, Session, args, kwargs) as call:
                 if call.replayed:
                     return call.response  # type: ignore[no-any-return]
                 return call.complete(fn(*args, **kwargs))
@@ -1110,6 +1238,7 @@ _CONSUMES: Final = {
 _CONSUME_PLAIN: Final = insert(consumed_messages).values(_CONSUME_ROW)
 
 
+@dual
 def consume_once(session: Session, consumer: str, message_id: str) -> Result:
     """Record that ``consumer`` handled ``message_id``: APPLIED the first time, REPEATED after.
 
@@ -1140,6 +1269,7 @@ def consume_once(session: Session, consumer: str, message_id: str) -> Result:
     )
 
 
+@dual
 def purge_expired(bind: Engine | Connection | Session, *, batch: int = 1000) -> int:
     """Delete at most ``batch`` expired idempotency keys and return how many were deleted.
 

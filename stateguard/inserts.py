@@ -24,6 +24,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from . import _sql
+from ._async import dual
 from .exceptions import InvalidArgument
 from .result import Outcome, Result
 
@@ -45,6 +46,7 @@ def _build(info: _sql.ModelInfo, backend: _sql.Backend, items: tuple[tuple[str, 
     return insert(info.table).values(pairs)
 
 
+@dual
 def insert_once(session: Session, model: type[Any], values: Mapping[str, Any]) -> Result:
     """Insert a row unless a row with the same unique key exists.
 

@@ -31,6 +31,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
 from . import _sql
+from ._async import AsyncSession, DualContext, dual
 from .engine import BEGIN_MARK
 from .exceptions import InvalidArgument, LockLost, LockNotAcquired, NotSupported
 
@@ -45,6 +46,7 @@ __all__ = ["RedisLock", "advisory_lock", "row_lock"]
 # --------------------------------------------------------------------------
 
 
+@dual
 def row_lock(
     session: Session,
     model: type[Any],
@@ -231,14 +233,13 @@ def mysql_lock_name(name: str) -> str:
     return f"{name[: MYSQL_LOCK_NAME_MAX - 33]}~{digest}"
 
 
-@contextmanager
 def advisory_lock(
-    session: Session,
+    session: Session | AsyncSession,
     name: str,
     *,
     timeout: float | timedelta | None = None,
     shared: bool = False,
-) -> Iterator[None]:
+) -> DualContext[None]:
     """Hold a named lock in the database while the block (and its commit) runs.
 
     Only code that takes the same lock is excluded; rows are not locked.
@@ -274,8 +275,21 @@ def advisory_lock(
     over 64 characters are shortened by :func:`mysql_lock_name`.
     ``shared=True`` raises :class:`~stateguard.NotSupported`.
 
+    With an :class:`~sqlalchemy.ext.asyncio.AsyncSession`, use ``async with``.
+
     **SQLite** has no named locks: :class:`~stateguard.NotSupported`.
     """
+    return DualContext(session, lambda sync: _advisory_lock(sync, name, timeout=timeout, shared=shared))
+
+
+@contextmanager
+def _advisory_lock(
+    session: Session,
+    name: str,
+    *,
+    timeout: float | timedelta | None,
+    shared: bool,
+) -> Iterator[None]:
     if not isinstance(name, str) or not name:
         raise InvalidArgument(f"advisory_lock needs a non-empty str name, got {name!r}")
     wait = _seconds(timeout, "timeout", allow_zero=True)

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import enum
 import keyword
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Final, Generic, TypeVar, overload
 
 from sqlalchemy import ColumnElement, Connection, Update, and_, case, event, or_, select, update
 from sqlalchemy import Enum as SAEnum
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import InvalidRequestError
+from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Mapper, Session
 from sqlalchemy.schema import CheckConstraint, Column
 from sqlalchemy.sql import visitors
@@ -303,6 +304,7 @@ class Trigger:
 
     # -- running ------------------------------------------------------------
 
+    @overload
     def __call__(
         self,
         session: Session,
@@ -313,8 +315,32 @@ class Trigger:
         fence: int | None = None,
         request_id: str | None = None,
         metadata: Mapping[str, Any] | None = None,
-        _raced: int = 0,
-    ) -> Result:
+    ) -> Result: ...
+
+    @overload
+    def __call__(
+        self,
+        session: AsyncSession,
+        target: Any,
+        *,
+        values: Mapping[str, Any] | None = None,
+        expected_version: int | None = None,
+        fence: int | None = None,
+        request_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Coroutine[Any, Any, Result]: ...
+
+    def __call__(
+        self,
+        session: Session | AsyncSession,
+        target: Any,
+        *,
+        values: Mapping[str, Any] | None = None,
+        expected_version: int | None = None,
+        fence: int | None = None,
+        request_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Result | Coroutine[Any, Any, Result]:
         """Fire the trigger on ``target`` (a primary key or a loaded instance).
 
         One UPDATE when it applies, one more read when it does not::
@@ -336,7 +362,42 @@ class Trigger:
         ``metadata`` go into the transition log; a ``request_id`` that already
         applied this trigger to this row makes the call REPEATED even after
         the row moved on (see :mod:`stateguard.history`).
+
+        Given an :class:`~sqlalchemy.ext.asyncio.AsyncSession`, returns a
+        coroutine: ``r = await Order.flow.pay(session, 42)``.
         """
+        if isinstance(session, AsyncSession):
+            return session.run_sync(
+                self._fire,
+                target,
+                values=values,
+                expected_version=expected_version,
+                fence=fence,
+                request_id=request_id,
+                metadata=metadata,
+            )
+        return self._fire(
+            session,
+            target,
+            values=values,
+            expected_version=expected_version,
+            fence=fence,
+            request_id=request_id,
+            metadata=metadata,
+        )
+
+    def _fire(
+        self,
+        session: Session,
+        target: Any,
+        *,
+        values: Mapping[str, Any] | None = None,
+        expected_version: int | None = None,
+        fence: int | None = None,
+        request_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        _raced: int = 0,
+    ) -> Result:
         m = self.machine
         if values is None and expected_version is None and fence is None and type(target) is m._fast_key:
             # The common call, a scalar primary key and nothing else: skip the
@@ -462,7 +523,7 @@ class Trigger:
             # snapshot than the UPDATE did: a transaction that committed in
             # between moved the row into a state this trigger leaves from, so
             # "rejected" would be false news.  Run the UPDATE again.
-            return self(
+            return self._fire(
                 session,
                 target,
                 values=values,
@@ -504,6 +565,7 @@ class Trigger:
                         _commit.schedule(session, fn, (out,), {})
         return out
 
+    @overload
     def many(
         self,
         session: Session,
@@ -512,7 +574,28 @@ class Trigger:
         values: Mapping[str, Any] | None = None,
         chunk_size: int = 1000,
         metadata: Mapping[str, Any] | None = None,
-    ) -> dict[Any, Result]:
+    ) -> dict[Any, Result]: ...
+
+    @overload
+    def many(
+        self,
+        session: AsyncSession,
+        targets: Iterable[Any],
+        *,
+        values: Mapping[str, Any] | None = None,
+        chunk_size: int = 1000,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Coroutine[Any, Any, dict[Any, Result]]: ...
+
+    def many(
+        self,
+        session: Session | AsyncSession,
+        targets: Iterable[Any],
+        *,
+        values: Mapping[str, Any] | None = None,
+        chunk_size: int = 1000,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> dict[Any, Result] | Coroutine[Any, Any, dict[Any, Result]]:
         """Fire the trigger on many rows with one UPDATE per chunk; a Result per key.
 
         Outcomes are exact per key (APPLIED / REPEATED / REJECTED / NOT_FOUND),
@@ -524,8 +607,15 @@ class Trigger:
         """
         from .bulk import fire_many
 
+        if isinstance(session, AsyncSession):
+            return session.run_sync(
+                lambda sync: fire_many(
+                    self, sync, targets, values=values, chunk_size=chunk_size, metadata=metadata
+                )
+            )
         return fire_many(self, session, targets, values=values, chunk_size=chunk_size, metadata=metadata)
 
+    @overload
     def where(
         self,
         session: Session,
@@ -533,7 +623,26 @@ class Trigger:
         *,
         limit: int | None = None,
         values: Mapping[str, Any] | None = None,
-    ) -> list[Any]:
+    ) -> list[Any]: ...
+
+    @overload
+    def where(
+        self,
+        session: AsyncSession,
+        condition: ColumnElement[bool],
+        *,
+        limit: int | None = None,
+        values: Mapping[str, Any] | None = None,
+    ) -> Coroutine[Any, Any, list[Any]]: ...
+
+    def where(
+        self,
+        session: Session | AsyncSession,
+        condition: ColumnElement[bool],
+        *,
+        limit: int | None = None,
+        values: Mapping[str, Any] | None = None,
+    ) -> list[Any] | Coroutine[Any, Any, list[Any]]:
         """Fire the trigger on every row matching ``condition`` (a sweeper); the applied keys.
 
         Rows not in a source state are left alone.  With ``limit``, at most
@@ -544,6 +653,10 @@ class Trigger:
         """
         from .bulk import fire_where
 
+        if isinstance(session, AsyncSession):
+            return session.run_sync(
+                lambda sync: fire_where(self, sync, condition, limit=limit, values=values)
+            )
         return fire_where(self, session, condition, limit=limit, values=values)
 
     def _classify(
@@ -987,6 +1100,7 @@ class StateMachine(Generic[S]):
             )
         return found
 
+    @overload
     def fire(
         self,
         session: Session,
@@ -998,8 +1112,38 @@ class StateMachine(Generic[S]):
         fence: int | None = None,
         request_id: str | None = None,
         metadata: Mapping[str, Any] | None = None,
-    ) -> Result:
-        """Fire the trigger named ``trigger``: ``Order.flow.fire(session, "pay", 42)``."""
+    ) -> Result: ...
+
+    @overload
+    def fire(
+        self,
+        session: AsyncSession,
+        trigger: str,
+        target: Any,
+        *,
+        values: Mapping[str, Any] | None = None,
+        expected_version: int | None = None,
+        fence: int | None = None,
+        request_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Coroutine[Any, Any, Result]: ...
+
+    def fire(
+        self,
+        session: Session | AsyncSession,
+        trigger: str,
+        target: Any,
+        *,
+        values: Mapping[str, Any] | None = None,
+        expected_version: int | None = None,
+        fence: int | None = None,
+        request_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Result | Coroutine[Any, Any, Result]:
+        """Fire the trigger named ``trigger``: ``Order.flow.fire(session, "pay", 42)``.
+
+        Awaited when given an AsyncSession, like the trigger itself.
+        """
         return self.trigger(trigger)(
             session,
             target,
@@ -1010,7 +1154,15 @@ class StateMachine(Generic[S]):
             metadata=metadata,
         )
 
-    def history(self, session: Session, target: Any) -> list[Any]:
+    @overload
+    def history(self, session: Session, target: Any) -> list[Any]: ...
+
+    @overload
+    def history(self, session: AsyncSession, target: Any) -> Coroutine[Any, Any, list[Any]]: ...
+
+    def history(
+        self, session: Session | AsyncSession, target: Any
+    ) -> list[Any] | Coroutine[Any, Any, list[Any]]:
         """The logged transitions of one row, oldest first (needs ``history=True``).
 
         Each entry is a :class:`~stateguard.history.HistoryEntry`
@@ -1023,6 +1175,8 @@ class StateMachine(Generic[S]):
             raise InvalidArgument(f"{self._where()} keeps no history; declare it with history=True")
         from . import history
 
+        if isinstance(session, AsyncSession):
+            return session.run_sync(lambda sync: list(history.history(sync, self, target)))
         return list(history.history(session, self, target))
 
     def available(self, obj: Any) -> list[str]:

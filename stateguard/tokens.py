@@ -33,6 +33,7 @@ from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 from sqlalchemy.orm import Session
 
 from . import _keys, _sql
+from ._async import dual
 from ._keys import MAX_KEY, MAX_SCOPE, tokens
 from .exceptions import InvalidArgument, SerializationConflict
 from .result import Outcome, Result
@@ -100,6 +101,7 @@ _FIND: Final = select(tokens.c.consumed_ms, tokens.c.expires_ms).where(
 _FIND_LOCKING: Final = _FIND.with_for_update()
 
 
+@dual
 def issue_token(session: Session, *, scope: str, ttl: timedelta) -> str:
     """Create a one-time token for ``scope`` that expires after ``ttl``, and return it.
 
@@ -126,6 +128,7 @@ def issue_token(session: Session, *, scope: str, ttl: timedelta) -> str:
     return token
 
 
+@dual
 def consume_token(session: Session, token: str, *, scope: str) -> Result:
     """Consume ``token`` once: one conditional UPDATE in the session's transaction.
 
@@ -184,6 +187,7 @@ def consume_token(session: Session, token: str, *, scope: str) -> Result:
     )
 
 
+@dual
 def purge_expired_tokens(bind: Engine | Connection | Session, *, batch: int = 1000) -> int:
     """Delete at most ``batch`` expired tokens and return how many were deleted.
 

@@ -15,6 +15,7 @@ from sqlalchemy import BigInteger, Integer, text, update
 from sqlalchemy.orm import MappedColumn, Session
 
 from . import _sql
+from ._async import dual
 from .exceptions import ConfigurationError, InvalidArgument
 from .result import Outcome, Result
 
@@ -93,6 +94,7 @@ def fence_column(*, name: str | None = None, **kw: Any) -> MappedColumn[int | No
 _plans: dict[Any, Any] = {}
 
 
+@dual
 def guarded_update(
     session: Session,
     model: type[Any],

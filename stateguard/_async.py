@@ -1,0 +1,113 @@
+"""AsyncSession support: the same public calls, awaited.
+
+Every guarded operation is written once, synchronously, against a
+:class:`~sqlalchemy.orm.Session`.  Given an
+:class:`~sqlalchemy.ext.asyncio.AsyncSession`, the same call returns a
+coroutine that runs that code through SQLAlchemy's own greenlet bridge,
+:meth:`AsyncSession.run_sync`: each statement is awaited on the async driver
+(asyncpg, psycopg async, aiomysql/asyncmy, aiosqlite) while the statement
+building, outcome classification and error mapping stay the single
+synchronous implementation.  No second copy of an algorithm exists, so sync
+and async cannot drift apart; the cost is one greenlet switch per call.
+
+::
+
+    r = decrement(session, Stock.amount, sku, by=1)          # Session: a Result
+    r = await decrement(session, Stock.amount, sku, by=1)    # AsyncSession: awaited
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Coroutine
+from contextlib import AbstractContextManager
+from types import TracebackType
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, overload
+
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
+
+from .exceptions import InvalidArgument
+
+__all__ = ["AsyncSession", "Dual", "DualContext", "dual", "sync_session_of"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
+T = TypeVar("T")
+
+
+class Dual(Protocol[P, R_co]):
+    """A public call that takes a Session (returns the result) or an AsyncSession (returns a coroutine)."""
+
+    @overload
+    def __call__(self, session: Session, /, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
+
+    @overload
+    def __call__(
+        self, session: AsyncSession, /, *args: P.args, **kwargs: P.kwargs
+    ) -> Coroutine[Any, Any, R_co]: ...
+
+
+def dual(fn: Callable[Concatenate[Session, P], R]) -> Dual[P, R]:
+    """Make ``fn(session, ...)`` also accept an AsyncSession, returning an awaitable then."""
+
+    @functools.wraps(fn)
+    def call(session: Any, /, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(session, AsyncSession):
+            return session.run_sync(fn, *args, **kwargs)
+        return fn(session, *args, **kwargs)
+
+    return call
+
+
+def sync_session_of(session: Session | AsyncSession) -> Session:
+    """The synchronous Session behind ``session`` (itself when it is one)."""
+    if isinstance(session, AsyncSession):
+        return session.sync_session
+    return session
+
+
+class DualContext(Generic[T]):
+    """A context manager for ``with`` on a Session and ``async with`` on an AsyncSession.
+
+    ``factory(sync_session)`` builds the synchronous context manager; with an
+    AsyncSession it is built, entered and exited inside ``run_sync``.
+    """
+
+    __slots__ = ("_async", "_cm", "_factory", "_session")
+
+    def __init__(self, session: Any, factory: Callable[[Session], AbstractContextManager[T]]) -> None:
+        self._async = session if isinstance(session, AsyncSession) else None
+        self._session = sync_session_of(session)
+        self._factory = factory
+        self._cm: AbstractContextManager[T] | None = None
+
+    def __enter__(self) -> T:
+        if self._async is not None:
+            raise InvalidArgument("this call got an AsyncSession: use `async with`, not `with`")
+        self._cm = self._factory(self._session)
+        return self._cm.__enter__()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        assert self._cm is not None
+        return self._cm.__exit__(exc_type, exc, tb)
+
+    async def __aenter__(self) -> T:
+        if self._async is None:
+            raise InvalidArgument("this call got a Session: use `with`, not `async with`")
+
+        def enter(session: Session) -> T:
+            self._cm = self._factory(session)
+            return self._cm.__enter__()
+
+        return await self._async.run_sync(enter)
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        assert self._async is not None and self._cm is not None
+        cm = self._cm
+        return await self._async.run_sync(lambda _session: cm.__exit__(exc_type, exc, tb))
