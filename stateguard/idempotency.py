@@ -44,12 +44,13 @@ matter when the same keys are also used in separate mode.
 
 ``mode="separate"``: for work that calls an outside system that cannot be
 rolled back.  The claim commits at once in its own short transaction (status
-in progress, with a lease).  ``checkpoint()`` and ``complete()`` write through
-the session's connection and commit the session, so the writes of a phase
-and its recovery point (Stripe's "atomic phases") land together.  An
-exception rolls the session back and releases the key (or marks it failed for
-good when the exception is one of ``non_retryable``); a caller whose lease
-expired is taken over by the next retry, which reads the last checkpoint.
+in progress, with a lease); the session must have no transaction open.
+``checkpoint()`` and ``complete()`` write through the session's connection
+and commit the session, so the writes of a phase and its recovery point
+(Stripe's "atomic phases") land together.  An exception rolls the session
+back and releases the key (or marks it failed for good when the exception is
+one of ``non_retryable``); a caller whose lease expired is taken over by the
+next retry, which reads the last checkpoint.
 
 Times are integer epoch milliseconds from the application's clock
 (:mod:`stateguard._keys` explains why).
@@ -723,6 +724,15 @@ class _Idempotent:
         return call
 
     def _enter_separate(self) -> IdempotentCall:
+        if self.session.in_transaction():
+            # checkpoint() and complete() commit the session; inside `with
+            # session.begin():` (or with uncommitted work) that would commit
+            # someone else's unit of work, or fail.
+            raise InvalidArgument(
+                "mode='separate' commits the session at checkpoint() and complete(), so it must start "
+                "with no transaction open: commit or roll back first, and do not wrap it in "
+                "`with session.begin():`"
+            )
         bind = self.session.get_bind(clause=_t)
         engine = bind if isinstance(bind, Engine) else bind.engine
         self._engine = engine

@@ -368,6 +368,16 @@ def test_separate_mode_exception_releases_and_the_retry_resumes_from_the_checkpo
         assert call.replayed and call.response == "shipped" and call.attempt == 2
 
 
+def test_separate_mode_refuses_a_session_with_an_open_transaction(engine: Engine) -> None:
+    """Separate mode commits the session, so it refuses to start inside someone else's transaction."""
+    with Session(engine) as session, session.begin():
+        session.connection().execute(insert(payments).values(ref="pending"))
+        with pytest.raises(InvalidArgument, match="no transaction open"):
+            with idempotent(session, scope="s", key="k", mode="separate"):
+                pytest.fail("must not run")
+    assert _record(engine, "k", "s") is None and _payments(engine, "pending") == 1
+
+
 def test_non_retryable_errors_mark_the_key_failed_for_good(engine: Engine) -> None:
     """An exception listed in non_retryable keeps the key failed: retries get RequestFailed."""
 
