@@ -34,11 +34,13 @@ from sqlalchemy import (
     Text,
     bindparam,
     delete,
+    insert,
     literal_column,
     select,
     tuple_,
 )
-from sqlalchemy.dialects import mysql
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.orm import Session
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
@@ -50,6 +52,7 @@ __all__ = [
     "MAX_KEY",
     "MAX_SCOPE",
     "ExactString",
+    "NewRowInsert",
     "check_batch",
     "check_text",
     "consumed_messages",
@@ -268,3 +271,46 @@ def purge_expired_rows(
 def _purge(table: Table, conn: Connection, params: dict[str, Any]) -> int:
     stmt = purge_statement(table, _sql.backend(conn.dialect), params["sg_batch"])
     return int(_sql.execute(conn, stmt, params).rowcount)
+
+
+_MYSQL_DUPLICATE_KEY = 1062
+
+
+class NewRowInsert:
+    """An INSERT that reports whether it created the row or found its unique key taken.
+
+    PostgreSQL and SQLite: ``INSERT ... ON CONFLICT DO NOTHING RETURNING``;
+    the returned row, not the row count (psycopg reports -1 for a skipped
+    insert), says which.  MariaDB has no exact single-statement form
+    (``INSERT IGNORE`` also swallows strict-mode errors), but InnoDB rolls
+    back only the failing statement on a duplicate key (error 1062), so a
+    plain INSERT is tried and the transaction stays usable.  Built once per
+    table and values; every value is a bound parameter.
+    """
+
+    __slots__ = ("_on_conflict", "_plain")
+
+    def __init__(self, table: Table, values: dict[str, Any]) -> None:
+        first_pk = next(iter(table.primary_key.columns))
+        self._on_conflict = {
+            "postgresql": postgresql.insert(table)
+            .values(values)
+            .on_conflict_do_nothing()
+            .returning(first_pk),
+            "sqlite": sqlite.insert(table).values(values).on_conflict_do_nothing().returning(first_pk),
+        }
+        self._plain = insert(table).values(values)
+
+    def __call__(self, conn: Connection, params: Any) -> bool:
+        """Run it; ``True`` when this statement inserted the row."""
+        stmt = self._on_conflict.get(conn.dialect.name)
+        if stmt is not None:
+            return _sql.execute(conn, stmt, params).first() is not None
+        try:
+            _sql.execute(conn, self._plain, params)
+        except sa_exc.IntegrityError as error:
+            args = getattr(error.orig, "args", ())
+            if args and args[0] == _MYSQL_DUPLICATE_KEY:
+                return False
+            raise
+        return True

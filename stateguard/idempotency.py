@@ -73,9 +73,7 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any, Final, Literal, ParamSpec, Protocol, TypeVar
 
-from sqlalchemy import Connection, Engine, bindparam, insert, select, update
-from sqlalchemy import exc as sa_exc
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import Connection, Engine, bindparam, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session, SessionTransaction
 
@@ -119,7 +117,6 @@ P = ParamSpec("P")
 _IN_PROGRESS: Final = "in_progress"
 _COMPLETED: Final = "completed"
 _FAILED: Final = "failed"
-_MYSQL_DUPLICATE_KEY: Final = 1062
 #: Rounds of read-then-decide before giving up on a record that keeps changing.
 _MAX_ROUNDS: Final = 8
 #: Attempts of a separate-mode claim transaction that hit a deadlock or serialization failure.
@@ -295,13 +292,7 @@ _FRESH: Final = {
     "updated_ms": bindparam("sg_now"),
 }
 _NEW_ROW: Final = {"scope": bindparam("sg_scope"), "idem_key": bindparam("sg_key"), **_FRESH}
-# RETURNING, not the row count, says whether the row was inserted: psycopg
-# reports -1 for a skipped INSERT ... ON CONFLICT DO NOTHING.
-_CLAIMS: Final = {
-    "postgresql": postgresql.insert(_t).values(_NEW_ROW).on_conflict_do_nothing().returning(_t.c.attempt),
-    "sqlite": sqlite.insert(_t).values(_NEW_ROW).on_conflict_do_nothing().returning(_t.c.attempt),
-}
-_CLAIM_PLAIN: Final = insert(_t).values(_NEW_ROW)
+_CLAIM: Final = _keys.NewRowInsert(_t, _NEW_ROW)
 _READ: Final = select(
     _t.c.status,
     _t.c.fingerprint,
@@ -392,28 +383,6 @@ _CHECKPOINT: Final = (
         updated_ms=bindparam("sg_now"),
     )
 )
-
-
-def _insert_new(
-    conn: Connection, backend: _sql.Backend, stmts: dict[str, Any], plain: Any, params: Any
-) -> bool:
-    """Insert a row unless its unique key exists; True when this statement inserted it.
-
-    MariaDB has no exact single-statement form (``INSERT IGNORE`` also
-    swallows strict-mode errors), but InnoDB rolls back only the failing
-    statement on a duplicate key, so the transaction stays usable.
-    """
-    stmt = stmts.get(backend.name)
-    if stmt is not None:
-        return _sql.execute(conn, stmt, params).first() is not None
-    try:
-        _sql.execute(conn, plain, params)
-    except sa_exc.IntegrityError as error:
-        args = getattr(error.orig, "args", ())
-        if args and args[0] == _MYSQL_DUPLICATE_KEY:
-            return False
-        raise
-    return True
 
 
 # --------------------------------------------------------------------------
@@ -762,7 +731,7 @@ class _Idempotent:
     def _claim(self, conn: Connection) -> IdempotentCall:
         backend = _sql.backend(conn.dialect)
         params = self._params(_now_ms())
-        if _insert_new(conn, backend, _CLAIMS, _CLAIM_PLAIN, params):
+        if _CLAIM(conn, params):
             _emit("claimed", self.scope, self.key, 1, self.mode)
             return IdempotentCall(self, replayed=False, attempt=1)
         read = _READ_LOCKING if backend.locking_read else _READ
@@ -770,7 +739,7 @@ class _Idempotent:
             row = _sql.execute(conn, read, params).first()
             if row is None:
                 # Purged (or its claimant rolled back) between our statements.
-                if _insert_new(conn, backend, _CLAIMS, _CLAIM_PLAIN, params):
+                if _CLAIM(conn, params):
                     _emit("claimed", self.scope, self.key, 1, self.mode)
                     return IdempotentCall(self, replayed=False, attempt=1)
                 continue
@@ -1235,17 +1204,7 @@ _CONSUME_ROW: Final[dict[str, Any]] = {
     "message_id": bindparam("sg_message"),
     "consumed_ms": bindparam("sg_now"),
 }
-_CONSUMES: Final = {
-    "postgresql": postgresql.insert(consumed_messages)
-    .values(_CONSUME_ROW)
-    .on_conflict_do_nothing()
-    .returning(consumed_messages.c.consumed_ms),
-    "sqlite": sqlite.insert(consumed_messages)
-    .values(_CONSUME_ROW)
-    .on_conflict_do_nothing()
-    .returning(consumed_messages.c.consumed_ms),
-}
-_CONSUME_PLAIN: Final = insert(consumed_messages).values(_CONSUME_ROW)
+_CONSUME: Final = _keys.NewRowInsert(consumed_messages, _CONSUME_ROW)
 
 
 @dual
@@ -1269,7 +1228,7 @@ def consume_once(session: Session, consumer: str, message_id: str) -> Result:
         session.flush()
     conn = session.connection()
     params = {"sg_consumer": consumer, "sg_message": message_id, "sg_now": _now_ms()}
-    inserted = _insert_new(conn, _sql.backend(conn.dialect), _CONSUMES, _CONSUME_PLAIN, params)
+    inserted = _CONSUME(conn, params)
     return Result(
         Outcome.APPLIED if inserted else Outcome.REPEATED,
         model=ConsumedMessage,
