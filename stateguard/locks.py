@@ -7,7 +7,8 @@
 * :class:`RedisLock`: redis-py's own lock plus a *fencing token*, a number
   that only grows, to pass as ``fence=`` to a trigger or
   :func:`~stateguard.guarded_update` so a holder whose lock expired while it
-  was paused cannot overwrite a newer holder's write.
+  was paused cannot overwrite a newer holder's write; :class:`AsyncRedisLock`
+  is the same lock for a ``redis.asyncio`` client.
 
 A lock only makes the code inside it exclusive; prefer a conditional write
 (a trigger, a guarded counter, a version check) when one statement can decide.
@@ -15,16 +16,18 @@ A lock only makes the code inside it exclusive; prefer a conditional write
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import random
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, ClassVar, Final, cast
 
 from sqlalchemy import Connection, Engine, Select, event, select, text, tuple_
 from sqlalchemy import exc as sa_exc
@@ -36,9 +39,10 @@ from .engine import BEGIN_MARK
 from .exceptions import InvalidArgument, LockLost, LockNotAcquired, NotSupported
 
 if TYPE_CHECKING:
+    from redis.asyncio.lock import Lock as AsyncLock
     from redis.lock import Lock
 
-__all__ = ["RedisLock", "advisory_lock", "row_lock"]
+__all__ = ["AsyncRedisLock", "RedisLock", "advisory_lock", "row_lock"]
 
 
 # --------------------------------------------------------------------------
@@ -438,16 +442,49 @@ end
 return false
 """
 
-_fenced_lock_class: type[Lock] | None = None
+# The fencing subclasses of redis-py's two Lock classes differ only in
+# awaiting the script; these three helpers are the rest of them.
+
+
+def _register_acquire(lock: Any) -> None:
+    cls = type(lock)
+    if cls.lua_acquire is None:
+        cls.lua_acquire = lock.redis.register_script(_ACQUIRE_SCRIPT)
+
+
+def _acquire_call(lock: Any, token: Any) -> dict[str, Any]:
+    """The keys and args of :data:`_ACQUIRE_SCRIPT` for ``lock`` (a redis-py Lock) and owner ``token``."""
+    assert lock.timeout is not None  # RedisLock and AsyncRedisLock always set a ttl
+    return {
+        "keys": [lock.name, f"{lock.name}:fence"],
+        "args": [token, max(1, int(lock.timeout * 1000))],
+        "client": lock.redis,
+    }
+
+
+def _took(lock: Any, fence: Any) -> bool:
+    """Record the fence the script returned (nil: the lock is held) where the owner token goes."""
+    if fence is None:
+        return False
+    lock.local.fence = int(fence)
+    return True
+
+
+@contextmanager
+def _needs_redis(owner: str) -> Iterator[None]:
+    try:
+        yield
+    except ImportError as error:
+        raise ImportError(f"{owner} needs the redis package: pip install 'stateguard[redis]'") from error
+
+
+_fenced_classes: dict[str, Any] = {}
 
 
 def _lock_class() -> type[Lock]:
-    try:
+    with _needs_redis("RedisLock"):
         from redis.lock import Lock
-    except ImportError as error:
-        raise ImportError("RedisLock needs the redis package: pip install 'stateguard[redis]'") from error
-    global _fenced_lock_class
-    if _fenced_lock_class is None:
+    if "sync" not in _fenced_classes:
 
         class _FencedLock(Lock):
             """redis-py's lock, acquiring with :data:`_ACQUIRE_SCRIPT` to get a fencing token."""
@@ -456,27 +493,202 @@ def _lock_class() -> type[Lock]:
 
             def register_scripts(self) -> None:
                 super().register_scripts()
-                cls = type(self)
-                if cls.lua_acquire is None:
-                    cls.lua_acquire = self.redis.register_script(_ACQUIRE_SCRIPT)
+                _register_acquire(self)
 
             def do_acquire(self, token: str) -> bool:
-                assert self.timeout is not None  # RedisLock always sets a ttl
-                fence = self.lua_acquire(
-                    keys=[self.name, f"{self.name}:fence"],
-                    args=[token, max(1, int(self.timeout * 1000))],
-                    client=self.redis,
-                )
-                if fence is None:
-                    return False
-                self.local.fence = int(fence)
-                return True
+                return _took(self, self.lua_acquire(**_acquire_call(self, token)))
 
-        _fenced_lock_class = _FencedLock
-    return _fenced_lock_class
+        _fenced_classes["sync"] = _FencedLock
+    cls: type[Lock] = _fenced_classes["sync"]
+    return cls
 
 
-class RedisLock:
+def _async_lock_class() -> type[AsyncLock]:
+    with _needs_redis("AsyncRedisLock"):
+        from redis.asyncio.lock import Lock as AsyncLock
+    if "async" not in _fenced_classes:
+
+        class _AsyncFencedLock(AsyncLock):
+            """redis-py's asyncio lock, acquiring with :data:`_ACQUIRE_SCRIPT`; its token is per task."""
+
+            lua_acquire: Any = None
+
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                # redis-py types ``local`` as threading.local | SimpleNamespace;
+                # it only ever gets and sets attributes on it.
+                self.local = cast(Any, _TaskLocal())
+
+            def register_scripts(self) -> None:
+                super().register_scripts()  # type: ignore[no-untyped-call]  # untyped in redis-py
+                _register_acquire(self)
+
+            async def do_acquire(self, token: str | bytes) -> bool:
+                return _took(self, await self.lua_acquire(**_acquire_call(self, token)))
+
+        _fenced_classes["async"] = _AsyncFencedLock
+    cls: type[AsyncLock] = _fenced_classes["async"]
+    return cls
+
+
+class _TaskLocal:
+    """Attributes private to the asyncio task that set them: redis-py's thread-local token, per task.
+
+    redis-py's asyncio lock keeps its owner token in a ``threading.local``,
+    which every task of an event loop shares: task A's lock expires, task B
+    takes it through the same lock object, and A's release then reads B's
+    token and deletes B's lock.  Keyed by task (weakly, so finished tasks
+    drop out), A still holds its own token and gets LockLost.
+    """
+
+    __slots__ = ("_outside", "_tasks")
+
+    _DEFAULTS: Final = {"token": None}
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_tasks", weakref.WeakKeyDictionary())
+        object.__setattr__(self, "_outside", {})
+
+    def _mine(self) -> dict[str, Any]:
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:  # no running event loop
+            task = None
+        if task is None:
+            outside: dict[str, Any] = self._outside
+            return outside
+        tasks: weakref.WeakKeyDictionary[asyncio.Task[Any], dict[str, Any]] = self._tasks
+        return tasks.setdefault(task, {})
+
+    def __getattr__(self, name: str) -> Any:
+        mine = self._mine()
+        if name in mine:
+            return mine[name]
+        if name in self._DEFAULTS:
+            return self._DEFAULTS[name]
+        raise AttributeError(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self._mine()[name] = value
+
+
+class _RedisLockBase:
+    """What :class:`RedisLock` and :class:`AsyncRedisLock` share; they only add the (awaited) calls."""
+
+    #: Whose token redis-py keeps: ``"thread"`` (threading.local) or ``"task"``.
+    _holder: ClassVar[str] = "thread"
+    _lock: Any
+
+    def __init__(
+        self,
+        client: Any,
+        name: str,
+        *,
+        ttl: float | timedelta,
+        blocking_timeout: float | timedelta | None = None,
+        sleep: float = 0.1,
+    ) -> None:
+        from .tokens import _check_redis_client
+
+        cls = self._lock_class()
+        owner = type(self).__name__
+        _check_redis_client(client, owner, asynchronous=self._holder == "task")
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument(f"{owner} needs a non-empty str name, got {name!r}")
+        seconds = _seconds(ttl, "ttl", allow_zero=False)
+        assert seconds is not None
+        if seconds < 0.001:
+            raise InvalidArgument(f"ttl must be at least 1 millisecond, got {ttl!r}")
+        self.name = name
+        self.ttl = seconds
+        self.blocking_timeout = _seconds(blocking_timeout, "blocking_timeout", allow_zero=True)
+        self.key = f"stateguard:lock:{{{name}}}"
+        # Everything up to the first "}" after the first "{" is the hash tag;
+        # the fence key only appends to the lock key, so both hash alike
+        # whatever braces the name itself contains.
+        self.fence_key = f"{self.key}:fence"
+        self._lock = cls(
+            client, self.key, timeout=seconds, sleep=sleep, blocking_timeout=self.blocking_timeout
+        )
+
+    @staticmethod
+    def _lock_class() -> type[Any]:
+        raise NotImplementedError  # pragma: no cover
+
+    @property
+    def fence(self) -> int | None:
+        """The fencing token of this thread's (task's) latest acquisition (``None`` before the first).
+
+        ::
+
+            lock.acquire()
+            Payout.flow.send(session, 42, fence=lock.fence)
+        """
+        fence: int | None = getattr(self._lock.local, "fence", None)
+        return fence
+
+    def _wait(self, blocking_timeout: float | timedelta | None) -> float | None:
+        wait = _seconds(blocking_timeout, "blocking_timeout", allow_zero=True)
+        return self.blocking_timeout if wait is None else wait
+
+    def _acquired(self, got: bool, wait: float | None) -> int:
+        """The new fence after redis-py's ``acquire`` returned ``got``, or LockNotAcquired."""
+        if not got:
+            raise LockNotAcquired(
+                f"{type(self).__name__} {self.name!r} is held by someone else"
+                f"{'' if wait is None else f'; gave up after {wait:g}s'}. "
+                f"Retry later (retry_on_conflict() does this)"
+            )
+        fence = self.fence
+        assert fence is not None
+        return fence
+
+    @contextmanager
+    def _owner_errors(self, when: str) -> Iterator[None]:
+        """redis-py's lock errors as stateguard's: lost (expired) or never held here."""
+        from redis.exceptions import LockError, LockNotOwnedError
+
+        try:
+            yield
+        except LockNotOwnedError as error:
+            raise self._lost(when) from error
+        except LockError as error:
+            raise InvalidArgument(
+                f"{type(self).__name__} {self.name!r} is not held by this {self._holder}"
+            ) from error
+
+    @staticmethod
+    def _extension(additional: float | timedelta) -> float:
+        seconds = _seconds(additional, "additional", allow_zero=False)
+        assert seconds is not None
+        return seconds
+
+    def _lost(self, when: str) -> LockLost:
+        return LockLost(
+            f"{type(self).__name__} {self.name!r} (fence {self.fence}) expired before it {when} "
+            f"(ttl {self.ttl:g}s) and may belong to another holder now; writes made with its "
+            f"fence after the expiry were refused by fenced updates, anything else was unprotected"
+        )
+
+    def _held(self) -> bool:
+        """Whether this thread (task) still has an owner token (False once released in the block)."""
+        return self._lock.local.token is not None
+
+    @staticmethod
+    @contextmanager
+    def _exiting(exc_type: type[BaseException] | None) -> Iterator[None]:
+        """Around the release at the end of the block: the block's own error wins over LockLost."""
+        try:
+            yield
+        except LockLost:
+            if exc_type is None:
+                raise
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} ttl={self.ttl:g}s fence={self.fence}>"
+
+
+class RedisLock(_RedisLockBase):
     """A Redis lock (redis-py's) that hands out a fencing token on every acquisition.
 
     ``ttl`` (seconds or a ``timedelta``) is required: a holder that dies
@@ -510,47 +722,14 @@ class RedisLock:
 
     Like redis-py's lock, the token (and :attr:`fence`) is thread-local:
     share a lock object between threads only if each acquires it itself.
+    For a ``redis.asyncio`` client use :class:`AsyncRedisLock`.
     """
 
-    def __init__(
-        self,
-        client: Any,
-        name: str,
-        *,
-        ttl: float | timedelta,
-        blocking_timeout: float | timedelta | None = None,
-        sleep: float = 0.1,
-    ) -> None:
-        cls = _lock_class()
-        if not isinstance(name, str) or not name:
-            raise InvalidArgument(f"RedisLock needs a non-empty str name, got {name!r}")
-        seconds = _seconds(ttl, "ttl", allow_zero=False)
-        assert seconds is not None
-        if seconds < 0.001:
-            raise InvalidArgument(f"ttl must be at least 1 millisecond, got {ttl!r}")
-        self.name = name
-        self.ttl = seconds
-        self.blocking_timeout = _seconds(blocking_timeout, "blocking_timeout", allow_zero=True)
-        self.key = f"stateguard:lock:{{{name}}}"
-        # Everything up to the first "}" after the first "{" is the hash tag;
-        # the fence key only appends to the lock key, so both hash alike
-        # whatever braces the name itself contains.
-        self.fence_key = f"{self.key}:fence"
-        self._lock = cls(
-            client, self.key, timeout=seconds, sleep=sleep, blocking_timeout=self.blocking_timeout
-        )
+    _lock: Lock
 
-    @property
-    def fence(self) -> int | None:
-        """The fencing token of this thread's latest acquisition (``None`` before the first).
-
-        ::
-
-            lock.acquire()
-            Payout.flow.send(session, 42, fence=lock.fence)
-        """
-        fence: int | None = getattr(self._lock.local, "fence", None)
-        return fence
+    @staticmethod
+    def _lock_class() -> type[Lock]:
+        return _lock_class()
 
     def acquire(self, *, blocking_timeout: float | timedelta | None = None) -> int:
         """Take the lock and return its new fencing token, or raise :class:`~stateguard.LockNotAcquired`.
@@ -563,18 +742,8 @@ class RedisLock:
             finally:
                 lock.release()
         """
-        wait = _seconds(blocking_timeout, "blocking_timeout", allow_zero=True)
-        if wait is None:
-            wait = self.blocking_timeout
-        if not self._lock.acquire(blocking_timeout=wait):
-            raise LockNotAcquired(
-                f"RedisLock {self.name!r} is held by someone else"
-                f"{'' if wait is None else f'; gave up after {wait:g}s'}. "
-                f"Retry later (retry_on_conflict() does this)"
-            )
-        fence = self.fence
-        assert fence is not None
-        return fence
+        wait = self._wait(blocking_timeout)
+        return self._acquired(self._lock.acquire(blocking_timeout=wait), wait)
 
     def release(self) -> None:
         """Release the lock if it is still ours; :class:`~stateguard.LockLost` if it expired.
@@ -588,14 +757,8 @@ class RedisLock:
             finally:
                 lock.release()
         """
-        from redis.exceptions import LockError, LockNotOwnedError
-
-        try:
+        with self._owner_errors("was released"):
             self._lock.release()
-        except LockNotOwnedError as error:
-            raise self._lost("was released") from error
-        except LockError as error:
-            raise InvalidArgument(f"RedisLock {self.name!r} is not held by this thread") from error
 
     def extend(self, additional: float | timedelta, *, replace_ttl: bool = False) -> None:
         """Add ``additional`` seconds to the remaining TTL (or set it, ``replace_ttl=True``).
@@ -609,16 +772,9 @@ class RedisLock:
                     process(chunk, fence)
                     lock.extend(30)
         """
-        from redis.exceptions import LockError, LockNotOwnedError
-
-        seconds = _seconds(additional, "additional", allow_zero=False)
-        assert seconds is not None
-        try:
+        seconds = self._extension(additional)
+        with self._owner_errors("was extended"):
             self._lock.extend(seconds, replace_ttl=replace_ttl)
-        except LockNotOwnedError as error:
-            raise self._lost("was extended") from error
-        except LockError as error:
-            raise InvalidArgument(f"RedisLock {self.name!r} is not held by this thread") from error
 
     def owned(self) -> bool:
         """Whether this thread holds the lock right now (one ``GET``)::
@@ -636,13 +792,6 @@ class RedisLock:
         """
         return bool(self._lock.locked())
 
-    def _lost(self, when: str) -> LockLost:
-        return LockLost(
-            f"RedisLock {self.name!r} (fence {self.fence}) expired before it {when} "
-            f"(ttl {self.ttl:g}s) and may belong to another holder now; writes made with its "
-            f"fence after the expiry were refused by fenced updates, anything else was unprotected"
-        )
-
     def __enter__(self) -> int:
         return self.acquire()
 
@@ -652,13 +801,113 @@ class RedisLock:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._lock.local.token is None:
-            return  # released inside the block
-        try:
-            self.release()
-        except LockLost:
-            if exc_type is None:
-                raise
+        if self._held():
+            with self._exiting(exc_type):
+                self.release()
 
-    def __repr__(self) -> str:
-        return f"<RedisLock {self.name!r} ttl={self.ttl:g}s fence={self.fence}>"
+
+class AsyncRedisLock(_RedisLockBase):
+    """:class:`RedisLock` for a ``redis.asyncio`` client: the same keys, fences and errors, awaited.
+
+    Built on redis-py's ``redis.asyncio.lock.Lock``; every method that talks
+    to Redis is a coroutine, and ``async with`` takes and releases it::
+
+        lock = AsyncRedisLock(redis.asyncio.Redis(), "payout:42", ttl=timedelta(seconds=30))
+        async with lock as fence:
+            await guarded_update(session, Payout, 42, {"sent": True},
+                                 expected_version=version, fence=fence)
+            await session.commit()
+
+    The fencing counter and the lock key are the ones :class:`RedisLock`
+    uses, so sync and async holders of one name exclude each other and
+    share one growing sequence of fences.
+
+    The owner token (and :attr:`fence`) belongs to the asyncio *task* that
+    acquired, as the sync lock's belongs to a thread: one lock object may be
+    shared by many tasks (a module-level lock in a web app), each waiting
+    for and releasing only its own hold, so a task whose hold expired gets
+    :class:`~stateguard.LockLost` instead of deleting the next task's lock.
+    Acquire and release in the same task: bound the wait with
+    ``blocking_timeout``, not ``asyncio.wait_for`` (which on Python 3.11 runs
+    the acquisition in a task of its own).  A task cancelled while its
+    acquisition is on the wire may leave the lock held until its TTL ends.
+    """
+
+    _holder = "task"
+    _lock: AsyncLock
+
+    @staticmethod
+    def _lock_class() -> type[AsyncLock]:
+        return _async_lock_class()
+
+    async def acquire(self, *, blocking_timeout: float | timedelta | None = None) -> int:
+        """Take the lock and return its new fencing token, or raise :class:`~stateguard.LockNotAcquired`.
+
+        ``blocking_timeout`` overrides the one given to the constructor::
+
+            fence = await lock.acquire(blocking_timeout=0)   # one try
+            try:
+                ...
+            finally:
+                await lock.release()
+        """
+        wait = self._wait(blocking_timeout)
+        return self._acquired(await self._lock.acquire(blocking_timeout=wait), wait)
+
+    async def release(self) -> None:
+        """Release the lock if this task still holds it; :class:`~stateguard.LockLost` if it expired.
+
+        Never deletes another holder's lock::
+
+            await lock.acquire()
+            try:
+                await work()
+            finally:
+                await lock.release()
+        """
+        with self._owner_errors("was released"):
+            await self._lock.release()
+
+    async def extend(self, additional: float | timedelta, *, replace_ttl: bool = False) -> None:
+        """Add ``additional`` seconds to the remaining TTL (or set it, ``replace_ttl=True``).
+
+        Raises :class:`~stateguard.LockLost` if the lock already expired; the
+        fencing token stays the same::
+
+            async with lock as fence:
+                for chunk in chunks:
+                    await process(chunk, fence)
+                    await lock.extend(30)
+        """
+        seconds = self._extension(additional)
+        with self._owner_errors("was extended"):
+            await self._lock.extend(seconds, replace_ttl=replace_ttl)
+
+    async def owned(self) -> bool:
+        """Whether this task holds the lock right now (one ``GET``)::
+
+        if not await lock.owned():
+            raise RuntimeError("lost the lock")
+        """
+        return bool(await self._lock.owned())
+
+    async def locked(self) -> bool:
+        """Whether anyone holds the lock right now (one ``GET``)::
+
+        if await lock.locked():
+            print("someone is running the payout")
+        """
+        return bool(await self._lock.locked())
+
+    async def __aenter__(self) -> int:
+        return await self.acquire()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._held():
+            with self._exiting(exc_type):
+                await self.release()

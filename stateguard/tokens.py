@@ -19,15 +19,17 @@ not leak usable tokens.  Consuming is not deleting: a consumed token stays
 until it expires and :func:`purge_expired_tokens` removes it, so a replay is
 told apart (REPEATED) from a forgery (NOT_FOUND).
 
-:class:`RedisTokens` does the same in Redis with one Lua script per consume.
+:class:`RedisTokens` (and :class:`AsyncRedisTokens`, for ``redis.asyncio``)
+do the same in Redis with one Lua script per consume.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import secrets
 from datetime import timedelta
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 from sqlalchemy.orm import Session
@@ -38,7 +40,14 @@ from ._keys import MAX_KEY, MAX_SCOPE, tokens
 from .exceptions import InvalidArgument, SerializationConflict
 from .result import Outcome, Result
 
-__all__ = ["OneTimeToken", "RedisTokens", "consume_token", "issue_token", "purge_expired_tokens"]
+__all__ = [
+    "AsyncRedisTokens",
+    "OneTimeToken",
+    "RedisTokens",
+    "consume_token",
+    "issue_token",
+    "purge_expired_tokens",
+]
 
 #: Bytes of randomness in an issued token (256 bits; ``token_urlsafe`` makes 43 characters).
 TOKEN_BYTES: Final = 32
@@ -227,13 +236,91 @@ return 2
 """
 
 
-class RedisTokens:
+def _redis_key(scope: str, digest: str) -> str:
+    return f"stateguard:token:{scope}:{digest}"
+
+
+def _check_redis_client(client: Any, owner: str, *, asynchronous: bool) -> None:
+    """Refuse anything but a redis-py client of the kind ``owner`` drives (shared with the locks).
+
+    A redis.asyncio client handed to a synchronous class would return
+    coroutines that are never awaited (a token "issued" but never stored);
+    a synchronous one handed to an async class fails on the first ``await``.
+    Both are caught here, before anything is sent.
+    """
+    wanted = "redis.asyncio.Redis" if asynchronous else "redis.Redis"
+    if client is None or not callable(getattr(client, "register_script", None)):
+        raise InvalidArgument(f"{owner} needs a redis client ({wanted}), got {client!r}")
+    if inspect.iscoroutinefunction(getattr(client, "execute_command", None)) is not asynchronous:
+        other = owner.removeprefix("Async") if asynchronous else f"Async{owner}"
+        raise InvalidArgument(
+            f"{owner} needs a {'redis.asyncio' if asynchronous else 'synchronous'} client ({wanted}), "
+            f"got {client!r}; use {other} with this client"
+        )
+
+
+class _RedisTokensBase:
+    """Everything :class:`RedisTokens` and :class:`AsyncRedisTokens` share; they only add the I/O."""
+
+    #: Whether the client's commands return awaitables (redis.asyncio).
+    _asynchronous: ClassVar[bool] = False
+
+    def __init__(self, client: Any) -> None:
+        _check_redis_client(client, type(self).__name__, asynchronous=self._asynchronous)
+        self.client = client
+        self._consume = client.register_script(_CONSUME_SCRIPT)
+
+    @staticmethod
+    def key(scope: str, token: str) -> str:
+        """The Redis key of ``token`` in ``scope`` (the token itself never appears in it)::
+
+        RedisTokens.key("reset-password:42", token)   # 'stateguard:token:reset-password:42:9f86...'
+        """
+        return _redis_key(scope, _hash(token))
+
+    @staticmethod
+    def _ttl_ms(scope: str, ttl: timedelta) -> int:
+        """Check :meth:`issue`'s arguments and return the TTL in milliseconds."""
+        _check_scope(scope)
+        return _keys.duration_ms(ttl, "ttl")
+
+    @staticmethod
+    def _new_token(scope: str, ttl_ms: int) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+        """A fresh token and the arguments of the ``SET`` that stores it.
+
+        NX: a 256-bit collision will not happen, but if it did, the existing
+        token must not be revived or shortened; the caller draws another.
+        """
+        token = secrets.token_urlsafe(TOKEN_BYTES)
+        return token, (_redis_key(scope, _hash(token)), _LIVE), {"px": ttl_ms, "nx": True}
+
+    @staticmethod
+    def _consume_call(token: str, scope: str) -> tuple[str, dict[str, Any]]:
+        """Check :meth:`consume`'s arguments; return the digest and the script's keys and args."""
+        _check_token(token)
+        _check_scope(scope)
+        digest = _hash(token)
+        return digest, {"keys": [_redis_key(scope, digest)], "args": [_LIVE, _USED]}
+
+    @staticmethod
+    def _outcome(digest: str, found: Any) -> Result:
+        """The Result for the script's reply: 1 consumed now, 2 consumed before, 0 no such key."""
+        found = int(found)
+        if found == 1:
+            return Result(Outcome.APPLIED, model=OneTimeToken, key=digest, state="consumed")
+        if found == 2:
+            return Result(Outcome.REPEATED, model=OneTimeToken, key=digest, state="consumed")
+        return Result(Outcome.NOT_FOUND, model=OneTimeToken, key=digest, trigger="consume")
+
+
+class RedisTokens(_RedisTokensBase):
     """One-time tokens in Redis: :meth:`issue` and :meth:`consume`, atomic on the server.
 
-    ``client`` is a ``redis.Redis`` (or cluster) client.  A token is stored
-    under ``stateguard:token:<scope>:<sha256 of the token>`` with the TTL as
-    the key's expiry; consuming runs one Lua script (never GET then DEL), so
-    of any number of concurrent consumers exactly one gets APPLIED::
+    ``client`` is a ``redis.Redis`` (or cluster) client; for a
+    ``redis.asyncio`` client use :class:`AsyncRedisTokens`.  A token is
+    stored under ``stateguard:token:<scope>:<sha256 of the token>`` with the
+    TTL as the key's expiry; consuming runs one Lua script (never GET then
+    DEL), so of any number of concurrent consumers exactly one gets APPLIED::
 
         tokens = RedisTokens(redis.Redis())
         token = tokens.issue(scope="reset-password:42", ttl=timedelta(minutes=30))
@@ -250,21 +337,9 @@ class RedisTokens:
     :func:`consume_token` keeps expired rows until purged and says
     REJECTED.)  Unlike the SQL version, a consumption is not part of any
     database transaction: if the work after it fails, issue a new token.
+
+    :raises InvalidArgument: ``client`` is not a synchronous redis client.
     """
-
-    def __init__(self, client: Any) -> None:
-        if client is None or not callable(getattr(client, "register_script", None)):
-            raise InvalidArgument(f"RedisTokens needs a redis client (redis.Redis), got {client!r}")
-        self.client = client
-        self._consume = client.register_script(_CONSUME_SCRIPT)
-
-    @staticmethod
-    def key(scope: str, token: str) -> str:
-        """The Redis key of ``token`` in ``scope`` (the token itself never appears in it)::
-
-        RedisTokens.key("reset-password:42", token)   # 'stateguard:token:reset-password:42:9f86...'
-        """
-        return f"stateguard:token:{scope}:{_hash(token)}"
 
     def issue(self, *, scope: str, ttl: timedelta) -> str:
         """Create a token for ``scope`` that expires after ``ttl`` and return it (one SET)::
@@ -273,13 +348,10 @@ class RedisTokens:
 
         :raises InvalidArgument: bad ``scope`` or a ``ttl`` under 1 ms.
         """
-        _check_scope(scope)
-        ttl_ms = _keys.duration_ms(ttl, "ttl")
+        ttl_ms = self._ttl_ms(scope, ttl)
         while True:
-            token = secrets.token_urlsafe(TOKEN_BYTES)
-            # NX: a 256-bit collision will not happen, but if it did, the
-            # existing token must not be revived or shortened.
-            if self.client.set(self.key(scope, token), _LIVE, px=ttl_ms, nx=True):
+            token, args, options = self._new_token(scope, ttl_ms)
+            if self.client.set(*args, **options):
                 return token
 
     def consume(self, token: str, *, scope: str) -> Result:
@@ -290,12 +362,50 @@ class RedisTokens:
 
         :raises InvalidArgument: bad ``token`` or ``scope``; Redis was not called.
         """
-        _check_token(token)
-        _check_scope(scope)
-        digest = _hash(token)
-        found = int(self._consume(keys=[f"stateguard:token:{scope}:{digest}"], args=[_LIVE, _USED]))
-        if found == 1:
-            return Result(Outcome.APPLIED, model=OneTimeToken, key=digest, state="consumed")
-        if found == 2:
-            return Result(Outcome.REPEATED, model=OneTimeToken, key=digest, state="consumed")
-        return Result(Outcome.NOT_FOUND, model=OneTimeToken, key=digest, trigger="consume")
+        digest, call = self._consume_call(token, scope)
+        return self._outcome(digest, self._consume(**call))
+
+
+class AsyncRedisTokens(_RedisTokensBase):
+    """:class:`RedisTokens` for a ``redis.asyncio`` client: the same keys, script and outcomes, awaited.
+
+    Tokens issued by either class can be consumed by the other::
+
+        tokens = AsyncRedisTokens(redis.asyncio.Redis())
+        token = await tokens.issue(scope="reset-password:42", ttl=timedelta(minutes=30))
+        ...
+        r = await tokens.consume(token, scope="reset-password:42")
+        if r.applied:
+            await reset_password(42)
+
+    Consuming is one script call, so any number of concurrent tasks (or
+    processes) consuming one token get exactly one APPLIED.
+
+    :raises InvalidArgument: ``client`` is not a ``redis.asyncio`` client.
+    """
+
+    _asynchronous = True
+
+    async def issue(self, *, scope: str, ttl: timedelta) -> str:
+        """Create a token for ``scope`` that expires after ``ttl`` and return it (one SET)::
+
+            token = await tokens.issue(scope="checkout:cart-7", ttl=timedelta(minutes=10))
+
+        :raises InvalidArgument: bad ``scope`` or a ``ttl`` under 1 ms.
+        """
+        ttl_ms = self._ttl_ms(scope, ttl)
+        while True:
+            token, args, options = self._new_token(scope, ttl_ms)
+            if await self.client.set(*args, **options):
+                return token
+
+    async def consume(self, token: str, *, scope: str) -> Result:
+        """Consume ``token`` once: APPLIED, REPEATED, or NOT_FOUND (unknown *or* expired)::
+
+            r = await tokens.consume(form["token"], scope="checkout:cart-7")
+            r.raise_for_outcome()     # NotFound for unknown or expired tokens
+
+        :raises InvalidArgument: bad ``token`` or ``scope``; Redis was not called.
+        """
+        digest, call = self._consume_call(token, scope)
+        return self._outcome(digest, await self._consume(**call))

@@ -3,6 +3,8 @@
 import stateguard
 
 EXPECTED = [
+    "AsyncRedisLock",
+    "AsyncRedisTokens",
     "ConfigurationError",
     "DeadlockDetected",
     "HistoryEntry",
