@@ -64,8 +64,11 @@ _VARIANT_RFC: Final = 0b10 << 62
 def _v7_reset() -> None:
     # A forked child would otherwise continue its parent's counter in the same
     # millisecond; the 32 random bits would still differ, but reseeding keeps
-    # the guarantee from resting on chance alone.
-    global _v7_last_ms, _v7_counter
+    # the guarantee from resting on chance alone.  The lock is made anew: a
+    # thread of the parent may have held it at the fork, and that thread does
+    # not exist in the child to release it.
+    global _v7_lock, _v7_last_ms, _v7_counter
+    _v7_lock = threading.Lock()
     _v7_last_ms = 0
     _v7_counter = 0
 
@@ -132,7 +135,14 @@ class WorkerLeaseLost(LockLost):
     The lease expired (no renewal reached the database in time) and another
     generator may have taken the worker id over.  Ids already returned are
     safe; close this generator and create a new one (it leases a fresh
-    worker id).  ``namespace`` and ``worker_id`` say which lease.
+    worker id).  ``namespace`` and ``worker_id`` say which lease::
+
+        try:
+            order.id = ids.next_id()
+        except WorkerLeaseLost:
+            ids.close()
+            ids = Snowflake(engine, namespace="orders")
+            order.id = ids.next_id()
     """
 
     def __init__(self, message: str, *, namespace: str, worker_id: int) -> None:
@@ -146,7 +156,12 @@ class WorkerIdsExhausted(StateguardError):
 
     ``retryable`` is ``True``: a lease frees up when a generator closes or
     dies (after its lease expires).  Use separate namespaces for id spaces
-    that do not need to be unique with each other.
+    that do not need to be unique with each other::
+
+        try:
+            ids = Snowflake(engine, namespace="orders")
+        except WorkerIdsExhausted as error:
+            log.warning("no free worker id in %s; retrying", error.namespace)
     """
 
     retryable = True
@@ -216,9 +231,17 @@ _NEW_ROW_VALUES: Final = {
     "lease_expires_ms": bindparam("sg_expires"),
     "last_ms": 0,
 }
+# RETURNING, not the row count, says whether the row was inserted: psycopg
+# reports -1 for INSERT ... ON CONFLICT DO NOTHING.
 _INSERTS: Final = {
-    "postgresql": postgresql.insert(worker_leases).values(_NEW_ROW_VALUES).on_conflict_do_nothing(),
-    "sqlite": sqlite.insert(worker_leases).values(_NEW_ROW_VALUES).on_conflict_do_nothing(),
+    "postgresql": postgresql.insert(worker_leases)
+    .values(_NEW_ROW_VALUES)
+    .on_conflict_do_nothing()
+    .returning(worker_leases.c.worker_id),
+    "sqlite": sqlite.insert(worker_leases)
+    .values(_NEW_ROW_VALUES)
+    .on_conflict_do_nothing()
+    .returning(worker_leases.c.worker_id),
 }
 _INSERT_PLAIN: Final = insert(worker_leases).values(_NEW_ROW_VALUES)
 
@@ -252,7 +275,9 @@ class Snowflake:
     (sleeps) until the clock passes the last millisecond used.  Leases are
     judged with the hosts' wall clocks, which must agree to well within
     ``lease`` (NTP does).  One generator is thread-safe; use one per
-    process.
+    process, created after any fork: a forked child's copy shares the
+    parent's worker id, so it refuses to issue ids (and its :meth:`close`
+    leaves the parent's lease alone).
 
     :raises WorkerIdsExhausted: all 1024 worker ids of ``namespace`` are live.
     :raises InvalidArgument: bad ``namespace``, ``lease`` (at least 1 s) or
@@ -268,6 +293,7 @@ class Snowflake:
         epoch_ms: int = DEFAULT_EPOCH_MS,
         heartbeat: bool = True,
         _clock: Callable[[], int] | None = None,
+        _sleep: Callable[[float], None] | None = None,
     ) -> None:
         if not isinstance(engine, Engine):
             raise InvalidArgument(f"Snowflake needs a SQLAlchemy Engine, got {type(engine).__name__}")
@@ -288,6 +314,8 @@ class Snowflake:
         self.namespace = namespace
         self.epoch_ms = epoch_ms
         self._clock = clock
+        self._sleep = _sleep or time.sleep
+        self._pid = os.getpid()
         self._lease_ms = lease // timedelta(milliseconds=1)
         self._owner = secrets.token_hex(16)
         self._lock = threading.Lock()  # the generator's state
@@ -309,10 +337,10 @@ class Snowflake:
     # -- leasing -----------------------------------------------------------
 
     def _set_deadlines(self, started_ms: int, started_mono: float) -> None:
-        # A lease is judged by the wall clock (that is what other hosts see in
-        # the table) and, locally, also by the monotonic clock, so a wall
-        # clock stepping back does not stretch this generator's lease.
-        self._deadline_ms = started_ms + self._lease_ms
+        # A renewal falls due by the wall clock (that is what other hosts judge
+        # the lease by in the table) or by the monotonic clock, whichever comes
+        # first, so a wall clock stepping back does not stretch this
+        # generator's lease.
         self._renew_ms = started_ms + self._lease_ms // 3
         self._renew_mono = started_mono + self._lease_ms / 3000
 
@@ -359,7 +387,7 @@ class Snowflake:
         with self.engine.begin() as conn:
             stmt = _INSERTS.get(conn.dialect.name)
             if stmt is not None:
-                return bool(_sql.execute(conn, stmt, params).rowcount == 1)
+                return _sql.execute(conn, stmt, params).first() is not None
             try:
                 _sql.execute(conn, _INSERT_PLAIN, params)
             except sa_exc.IntegrityError as error:
@@ -423,10 +451,17 @@ class Snowflake:
             payment.id = ids.next_id()
 
         :raises WorkerLeaseLost: the lease could not be renewed; no id was issued.
-        :raises InvalidArgument: the generator was closed.
+        :raises InvalidArgument: the generator was closed, or this is a forked
+            copy of it (it would repeat the parent's ids).
         """
         if self._closed:
             raise InvalidArgument("this Snowflake is closed; create a new one")
+        if os.getpid() != self._pid:
+            raise InvalidArgument(
+                f"this Snowflake was created in process {self._pid} and this is a forked copy "
+                f"(process {os.getpid()}) sharing its worker id; create a Snowflake in each "
+                f"process after forking"
+            )
         if self._lost is not None:
             raise self._lost
         while True:
@@ -448,20 +483,24 @@ class Snowflake:
                 break
             # The clock is behind the last millisecond used (it stepped back, or
             # this millisecond's sequence is used up): wait until it passes it.
-            time.sleep(max(0.0005, (last - now) / 1000))
+            self._sleep(max(0.0005, (last - now) / 1000))
         elapsed = now - self.epoch_ms
         if elapsed >= 1 << _TIME_BITS:  # pragma: no cover - the year 2093 with the default epoch
             raise InvalidArgument(f"epoch_ms {self.epoch_ms} is more than 2**41 ms in the past")
         return elapsed << (_WORKER_BITS + _SEQUENCE_BITS) | self.worker_id << _SEQUENCE_BITS | sequence
 
     def close(self) -> None:
-        """Stop renewing and release the worker id (keeping ``last_ms``); idempotent::
+        """Stop renewing and release the worker id, keeping its ``last_ms``.
 
-        ids.close()
+        Idempotent; a ``with`` block calls it on exit::
+
+            ids.close()
         """
         if self._closed:
             return
         self._closed = True
+        if os.getpid() != self._pid:
+            return  # a forked copy: the lease is the parent's to release
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
@@ -492,9 +531,11 @@ class Snowflake:
 
     @staticmethod
     def parse(snowflake_id: int, *, epoch_ms: int = DEFAULT_EPOCH_MS) -> tuple[int, int, int]:
-        """Split an id into ``(epoch milliseconds, worker id, sequence)``::
+        """Split an id into ``(epoch milliseconds, worker id, sequence)``.
 
-        ms, worker, seq = Snowflake.parse(order.id)
+        Pass the ``epoch_ms`` the generator used, if not the default::
+
+            ms, worker, seq = Snowflake.parse(order.id)
         """
         return (
             (snowflake_id >> (_WORKER_BITS + _SEQUENCE_BITS)) + epoch_ms,
