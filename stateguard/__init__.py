@@ -9,7 +9,7 @@ from __future__ import annotations
 from . import _keys as _keys
 from . import schema as _schema  # noqa: F401  (registers the legal-edges DDL events)
 from .counters import decrement, increment, release, reserve
-from .engine import sqlite_engine
+from .engine import async_sqlite_engine, sqlite_engine
 from .exceptions import (
     ConfigurationError,
     DeadlockDetected,
@@ -92,6 +92,7 @@ __all__ = [
     "WorkerIdsExhausted",
     "WorkerLeaseLost",
     "advisory_lock",
+    "async_sqlite_engine",
     "consume_once",
     "consume_token",
     "create_tables",

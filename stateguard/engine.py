@@ -1,21 +1,26 @@
-"""Engine helpers: a SQLite engine configured for concurrent guarded writes."""
+"""Engine helpers: SQLite engines (sync and asyncio) configured for concurrent guarded writes."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from sqlalchemy import Engine, create_engine, event
 
-__all__ = ["sqlite_engine"]
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+__all__ = ["async_sqlite_engine", "sqlite_engine"]
 
 #: Key in ``Connection.info``: how :func:`sqlite_engine` began the transaction.
 BEGIN_MARK = "stateguard.begin"
+
+Begin = Literal["immediate", "deferred"]
 
 
 def sqlite_engine(
     url: str = "sqlite:///stateguard.db",
     *,
-    begin: Literal["immediate", "deferred"] = "immediate",
+    begin: Begin = "immediate",
     busy_timeout: float = 30.0,
     wal: bool = True,
     **kwargs: Any,
@@ -37,17 +42,58 @@ def sqlite_engine(
 
         engine = sqlite_engine("sqlite:///orders.db")
     """
-    if not url.startswith("sqlite"):
-        raise ValueError(f"sqlite_engine() needs a sqlite:// URL, got {url!r}")
+    _check_url(url, "sqlite_engine", "sqlite")
+    engine = create_engine(url, **_sqlite_kwargs(busy_timeout, kwargs))
+    _configure_sqlite(engine, begin=begin, busy_timeout=busy_timeout, wal=wal)
+    return engine
+
+
+def async_sqlite_engine(
+    url: str = "sqlite+aiosqlite:///stateguard.db",
+    *,
+    begin: Begin = "immediate",
+    busy_timeout: float = 30.0,
+    wal: bool = True,
+    **kwargs: Any,
+) -> AsyncEngine:
+    """:func:`sqlite_engine` for asyncio: the same configuration on an aiosqlite ``AsyncEngine``.
+
+    The listeners go on ``engine.sync_engine`` (SQLAlchemy's documented
+    aiosqlite recipe), so transactions begin with ``BEGIN IMMEDIATE`` and
+    :func:`~stateguard.row_lock` works on an ``AsyncSession`` too::
+
+        engine = async_sqlite_engine("sqlite+aiosqlite:///orders.db")
+        async with AsyncSession(engine) as session, session.begin():
+            order = await row_lock(session, Order, 42)
+    """
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    _check_url(url, "async_sqlite_engine", "sqlite+aiosqlite")
+    engine = create_async_engine(url, **_sqlite_kwargs(busy_timeout, kwargs))
+    _configure_sqlite(engine.sync_engine, begin=begin, busy_timeout=busy_timeout, wal=wal)
+    return engine
+
+
+def _check_url(url: str, what: str, scheme: str) -> None:
+    if not url.startswith(scheme):
+        raise ValueError(f"{what}() needs a {scheme}:// URL, got {url!r}")
+
+
+def _sqlite_kwargs(busy_timeout: float, kwargs: dict[str, Any]) -> dict[str, Any]:
     connect_args = dict(kwargs.pop("connect_args", {}))
     connect_args.setdefault("timeout", busy_timeout)
-    engine = create_engine(url, connect_args=connect_args, **kwargs)
+    return {"connect_args": connect_args, **kwargs}
+
+
+def _configure_sqlite(engine: Engine, *, begin: Begin, busy_timeout: float, wal: bool) -> None:
+    """The listeners both SQLite helpers install (on the sync engine behind an AsyncEngine)."""
     statement = "BEGIN IMMEDIATE" if begin == "immediate" else "BEGIN"
 
     @event.listens_for(engine, "connect")
     def _connect(dbapi_conn: Any, _record: Any) -> None:
         # Take transaction control away from the driver (it would not BEGIN
-        # before a SAVEPOINT, and it always BEGINs DEFERRED).
+        # before a SAVEPOINT, and it always BEGINs DEFERRED).  aiosqlite's
+        # adapted connection forwards the attribute to its sqlite3 connection.
         dbapi_conn.isolation_level = None
         cursor = dbapi_conn.cursor()
         try:
@@ -63,5 +109,3 @@ def sqlite_engine(
         # Read by row_lock(): with "immediate" the transaction holds SQLite's
         # write lock from its first statement, the honest FOR UPDATE there.
         conn.info[BEGIN_MARK] = begin
-
-    return engine

@@ -39,6 +39,7 @@ EXPECTED = [
     "WorkerIdsExhausted",
     "WorkerLeaseLost",
     "advisory_lock",
+    "async_sqlite_engine",
     "consume_once",
     "consume_token",
     "create_tables",
