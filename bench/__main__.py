@@ -21,7 +21,7 @@ from typing import Any
 
 import sqlalchemy
 
-from . import scenarios
+from . import idempotency, scenarios
 from .models import Table, make_engine, server_version
 
 DEFAULT_DBS = [
@@ -39,6 +39,7 @@ SIZES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"stock": 250, "buyers": 8, "per_buyer": 50, "rounds": 3},
         {"stock": 10, "buyers": 3, "per_buyer": 5, "rounds": 1},
     ),
+    "idempotency": ({"sizes": [1000, 1_000_000], "calls": 500}, {"sizes": [1000, 10_000], "calls": 10}),
     "load": ({"n": 5000, "repeat": 25}, {"n": 100, "repeat": 2}),
     "bulk": ({"n": 10000}, {"n": 50}),
     "scale": ({"sizes": [1000, 100_000, 1_000_000], "calls": 300}, {"sizes": [100, 1000], "calls": 10}),
@@ -48,6 +49,7 @@ RUNNERS: dict[str, Any] = {
     "single": scenarios.single_transition,
     "contention": scenarios.contention,
     "flash": scenarios.flash_sale,
+    "idempotency": idempotency.idempotency_keys_scenario,
     "load": scenarios.load_cost,
     "bulk": scenarios.bulk,
     "scale": scenarios.scale,

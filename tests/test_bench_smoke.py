@@ -17,7 +17,7 @@ def test_every_scenario_runs_with_tiny_sizes(backend: Backend) -> None:
     tables = run([backend.url], None, quick=True, out=out)
     assert len(tables) == len(RUNNERS)
     by_number = {t.title.split(" ")[0]: t for t in tables}
-    assert set(by_number) == {"1.", "2.", "3.", "5a.", "5b.", "5c."}
+    assert set(by_number) == {"1.", "2.", "3.", "4.", "5a.", "5b.", "5c."}
 
     single = {r["variant"]: r for r in by_number["1."].rows}
     assert single["stateguard"]["stmts_per_call"] == 1.0
@@ -38,6 +38,24 @@ def test_every_scenario_runs_with_tiny_sizes(backend: Backend) -> None:
     for row in flash:
         assert (row["sold"], row["oversell"], row["lost_updates"]) == (10, 0, 0)
         assert row["gave_up"] == 0 and row["errors"] == 0
+
+    # Idempotency keys: every variant at both sizes, with the statements the
+    # README documents (SQLite's driver is sent an explicit BEGIN before the SAVEPOINT).
+    idem = by_number["4."].rows
+    assert sorted({r["keys"] for r in idem}) == [1000, 10_000]
+    begin = 1.0 if backend.name == "sqlite" else 0.0
+    expected = {
+        "PK SELECT (Core, baseline)": 1.0,
+        "Core INSERT (floor for a first call)": 1.0,
+        "first call": 4.0 + begin,
+        "replay": 4.0 + begin,
+        "first call, mode='separate'": 2.0,
+        "replay, mode='separate'": 2.0,
+    }
+    for size in (1000, 10_000):
+        assert {r["variant"]: r["stmts_per_call"] for r in idem if r["keys"] == size} == expected
+    assert all(r["median_us"] > 0 and r["p99_us"] >= r["median_us"] for r in idem)
+    assert any(n.startswith("target latency flat") for n in by_number["4."].notes)
 
     assert [r["rows_in_table"] for r in by_number["5c."].rows] == [100, 1000]
     assert "variant" in out.getvalue()
