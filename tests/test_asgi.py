@@ -1,0 +1,696 @@
+"""The ``Idempotency-Key`` middleware (stateguard.asgi) through Starlette's and FastAPI's test clients.
+
+Every test builds the same small payment API in both frameworks and runs it
+against a real database on each backend: the middleware's key records and
+the handler's payment rows live there, and "the handler ran once" is checked
+both by counting calls and by counting payment rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import anyio.to_thread
+import pytest
+from fastapi import FastAPI
+from fastapi import Request as FastAPIRequest
+from pydantic import BaseModel
+from sqlalchemy import String, func, select
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from stateguard import InvalidArgument, idempotency
+from stateguard._keys import idempotency_keys
+from stateguard.asgi import IdempotencyMiddleware, RouteOptions, _stored_headers, default_store_status
+from stateguard.tables import metadata as stateguard_metadata
+
+from .conftest import Backend, count_statements
+
+FRAMEWORKS = ("starlette", "fastapi")
+
+
+class _Base(DeclarativeBase):
+    pass
+
+
+class Payment(_Base):
+    """What the handler writes, in its own session: one row per execution."""
+
+    __tablename__ = "sg_test_asgi_payments"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    amount: Mapped[int]
+    note: Mapped[str] = mapped_column(String(40), default="")
+
+
+class PaymentIn(BaseModel):
+    """FastAPI's view of the request body."""
+
+    amount: int
+    block: bool = False
+    crash: bool = False
+
+
+# --------------------------------------------------------------------------
+# The app under test, in both frameworks
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class Shop:
+    """The handler logic shared by both frameworks, with call counting and a gate."""
+
+    session_factory: sessionmaker[Session]
+    calls: Counter[str] = field(default_factory=Counter)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    entered: threading.Event = field(default_factory=threading.Event)
+    gate: threading.Event = field(default_factory=threading.Event)
+    #: The next this many calls answer 503 (an upstream outage).
+    failures_left: int = 0
+
+    def pay(self, body: dict[str, Any]) -> Response:
+        """Runs in a worker thread: may block on the gate, fail, crash, or write a payment."""
+        with self.lock:
+            self.calls["pay"] += 1
+        if body.get("block"):
+            self.entered.set()
+            assert self.gate.wait(30), "the test never opened the gate"
+        if body.get("crash"):
+            raise RuntimeError("the handler crashed")
+        with self.lock:
+            fail = self.failures_left > 0
+            self.failures_left -= fail
+        if fail:
+            return JSONResponse({"error": "upstream down"}, status_code=503)
+        amount = int(body["amount"])
+        if amount < 0:
+            return JSONResponse({"error": "amount must be positive"}, status_code=400)
+        with self.session_factory() as s, s.begin():
+            payment = Payment(amount=amount)
+            s.add(payment)
+            s.flush()
+            payment_id = payment.id
+        return JSONResponse(
+            {"payment_id": payment_id, "amount": amount},
+            status_code=201,
+            headers={"X-Payment-Id": str(payment_id), "Location": f"/payments/{payment_id}"},
+        )
+
+    def stream(self) -> Response:
+        with self.lock:
+            self.calls["stream"] += 1
+
+        async def chunks() -> Any:
+            for part in (b"one,", b"two,", b"three"):
+                yield part
+
+        return StreamingResponse(chunks(), media_type="text/plain")
+
+    def listing(self) -> Response:
+        with self.lock:
+            self.calls["list"] += 1
+        return PlainTextResponse(f"list {self.calls['list']}")
+
+
+def starlette_app(shop: Shop) -> Starlette:
+    async def payments(request: Request) -> Response:
+        if request.method == "GET":
+            return shop.listing()
+        body = await request.json()
+        return await anyio.to_thread.run_sync(shop.pay, body)
+
+    async def stream(request: Request) -> Response:
+        await request.body()
+        return shop.stream()
+
+    async def other(request: Request) -> Response:
+        await request.body()
+        with shop.lock:
+            shop.calls["other"] += 1
+        return PlainTextResponse("other", status_code=201)
+
+    return Starlette(
+        routes=[
+            Route("/payments", payments, methods=["GET", "POST", "PATCH"]),
+            Route("/stream", stream, methods=["POST"]),
+            Route("/other", other, methods=["POST"]),
+        ]
+    )
+
+
+def fastapi_app(shop: Shop) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/payments")
+    def list_payments() -> Response:
+        return shop.listing()
+
+    @app.post("/payments")
+    def create_payment(body: PaymentIn) -> Response:
+        # A sync route: FastAPI runs it in its thread pool.
+        return shop.pay(body.model_dump())
+
+    @app.patch("/payments")
+    def patch_payment(body: PaymentIn) -> Response:
+        return shop.pay(body.model_dump())
+
+    @app.post("/stream")
+    def stream() -> Response:
+        return shop.stream()
+
+    @app.post("/other")
+    async def other(request: FastAPIRequest) -> Response:
+        await request.body()
+        with shop.lock:
+            shop.calls["other"] += 1
+        return PlainTextResponse("other", status_code=201)
+
+    return app
+
+
+@pytest.fixture(params=FRAMEWORKS)
+def framework(request: pytest.FixtureRequest) -> str:
+    """Starlette and FastAPI in turn."""
+    return str(request.param)
+
+
+@pytest.fixture
+def shop(backend: Backend) -> Shop:
+    """The payment table and stateguard's tables on each backend, and a Shop using them."""
+    backend.create(stateguard_metadata, _Base.metadata)
+    return Shop(sessionmaker(backend.engine))
+
+
+@pytest.fixture
+def sqlite_shop(sqlite: Backend) -> Shop:
+    """The same on SQLite only, for pure HTTP behaviour that answers before any SQL."""
+    sqlite.create(stateguard_metadata, _Base.metadata)
+    return Shop(sessionmaker(sqlite.engine))
+
+
+Client = Callable[..., TestClient]
+
+
+def _clients(framework: str, shop: Shop) -> Iterator[Client]:
+    opened: list[TestClient] = []
+
+    def make(*, raise_server_exceptions: bool = True, **options: Any) -> TestClient:
+        app = starlette_app(shop) if framework == "starlette" else fastapi_app(shop)
+        options.setdefault("session_factory", shop.session_factory)
+        options.setdefault("required_paths", ["/payments"])
+        app.add_middleware(IdempotencyMiddleware, **options)
+        tc = TestClient(app, raise_server_exceptions=raise_server_exceptions)
+        tc.__enter__()
+        opened.append(tc)
+        return tc
+
+    yield make
+    shop.gate.set()  # never leave a handler blocked by a failed test
+    for tc in opened:
+        tc.__exit__(None, None, None)
+
+
+@pytest.fixture
+def client(framework: str, shop: Shop) -> Iterator[Client]:
+    """Build the app with the middleware (options from the test) and a TestClient for it, per backend."""
+    yield from _clients(framework, shop)
+
+
+@pytest.fixture
+def sqlite_client(framework: str, sqlite_shop: Shop) -> Iterator[Client]:
+    """The same on SQLite only."""
+    yield from _clients(framework, sqlite_shop)
+
+
+def payments_rows(shop: Shop) -> int:
+    with shop.session_factory() as s:
+        return int(s.scalar(select(func.count()).select_from(Payment)) or 0)
+
+
+def key_rows(shop: Shop) -> list[Any]:
+    with shop.session_factory() as s:
+        return list(s.execute(select(idempotency_keys)).all())
+
+
+def post(tc: TestClient, key: str | None, body: dict[str, Any], path: str = "/payments", **kw: Any) -> Any:
+    headers = {"Idempotency-Key": key} if key is not None else {}
+    return tc.post(path, json=body, headers=headers, **kw)
+
+
+# --------------------------------------------------------------------------
+# First call and replay
+# --------------------------------------------------------------------------
+
+
+def test_first_call_runs_and_retry_replays_status_headers_and_body(client: Client, shop: Shop) -> None:
+    """The first request runs the handler; a retry gets the same status, headers and body, marked a replay."""
+    tc = client()
+    first = post(tc, "pay-1", {"amount": 10})
+    assert first.status_code == 201
+    assert "idempotency-replayed" not in first.headers
+    again = post(tc, "pay-1", {"amount": 10})
+    assert again.status_code == 201
+    assert again.headers["idempotency-replayed"] == "true"
+    assert again.content == first.content
+    assert again.json() == {"payment_id": first.json()["payment_id"], "amount": 10}
+    for name in ("x-payment-id", "location", "content-type", "content-length"):
+        assert again.headers[name] == first.headers[name], name
+    assert shop.calls["pay"] == 1 and payments_rows(shop) == 1
+    [row] = key_rows(shop)
+    assert (row.scope, row.idem_key, row.status) == ("http", "pay-1", "completed")
+
+
+def test_patch_is_honoured_and_distinct_keys_run_separately(client: Client, shop: Shop) -> None:
+    """PATCH requests are deduplicated too, and two different keys are two executions."""
+    tc = client()
+    a = tc.patch("/payments", json={"amount": 1}, headers={"Idempotency-Key": "a"})
+    b = tc.patch("/payments", json={"amount": 1}, headers={"Idempotency-Key": "b"})
+    a2 = tc.patch("/payments", json={"amount": 1}, headers={"Idempotency-Key": "a"})
+    assert a.status_code == b.status_code == a2.status_code == 201
+    assert a.json()["payment_id"] != b.json()["payment_id"]
+    assert a2.json() == a.json() and a2.headers["idempotency-replayed"] == "true"
+    assert shop.calls["pay"] == 2 and payments_rows(shop) == 2
+
+
+def test_quoted_structured_field_key_is_the_same_key_as_the_bare_one(client: Client, shop: Shop) -> None:
+    """``Idempotency-Key: "k-1"`` (the draft's sf-string form) and ``k-1`` name the same key."""
+    tc = client()
+    first = post(tc, '"k-1"', {"amount": 3})
+    again = post(tc, "k-1", {"amount": 3})
+    assert first.status_code == again.status_code == 201
+    assert again.headers["idempotency-replayed"] == "true"
+    assert shop.calls["pay"] == 1
+    assert [r.idem_key for r in key_rows(shop)] == ["k-1"]
+
+
+def test_keys_are_case_sensitive(client: Client, shop: Shop) -> None:
+    """``Order-abc`` and ``order-ABC`` are different keys on every backend."""
+    tc = client()
+    assert post(tc, "Order-abc", {"amount": 1}).status_code == 201
+    r = post(tc, "order-ABC", {"amount": 1})
+    assert r.status_code == 201 and "idempotency-replayed" not in r.headers
+    assert shop.calls["pay"] == 2
+
+
+# --------------------------------------------------------------------------
+# Which responses are stored
+# --------------------------------------------------------------------------
+
+
+def test_4xx_is_stored_and_replayed(client: Client, shop: Shop) -> None:
+    """A 400 from the handler is stored: the retry gets the same 400 without running the handler."""
+    tc = client()
+    first = post(tc, "neg", {"amount": -5})
+    again = post(tc, "neg", {"amount": -5})
+    assert first.status_code == again.status_code == 400
+    assert again.json() == {"error": "amount must be positive"}
+    assert again.headers["idempotency-replayed"] == "true"
+    assert shop.calls["pay"] == 1 and payments_rows(shop) == 0
+
+
+def test_5xx_releases_the_key_so_a_retry_runs_again(client: Client, shop: Shop) -> None:
+    """A 503 is not stored: the retry runs the handler again, and then its success is stored."""
+    tc = client()
+    shop.failures_left = 1
+    failed = post(tc, "flaky", {"amount": 7})
+    assert failed.status_code == 503 and "idempotency-replayed" not in failed.headers
+    assert all(r.status != "completed" and r.response is None for r in key_rows(shop))
+    retried = post(tc, "flaky", {"amount": 7})
+    assert retried.status_code == 201 and "idempotency-replayed" not in retried.headers
+    replay = post(tc, "flaky", {"amount": 7})
+    assert replay.status_code == 201 and replay.headers["idempotency-replayed"] == "true"
+    assert replay.json() == retried.json()
+    assert shop.calls["pay"] == 2 and payments_rows(shop) == 1
+
+
+def test_an_exception_in_the_app_releases_the_key(client: Client, shop: Shop) -> None:
+    """A handler that raises gives a 500 from the server and leaves the key free for a retry."""
+    tc = client(raise_server_exceptions=False)
+    assert post(tc, "boom", {"amount": 1, "crash": True}).status_code == 500
+    assert post(tc, "boom", {"amount": 1, "crash": True}).status_code == 500
+    assert shop.calls["pay"] == 2
+    assert all(r.status != "completed" for r in key_rows(shop))
+
+
+def test_an_exception_in_the_app_propagates_to_the_server(client: Client, shop: Shop) -> None:
+    """The middleware re-raises the app's exception (the server answers 500), it does not swallow it."""
+    tc = client()
+    with pytest.raises(RuntimeError, match="the handler crashed"):
+        post(tc, "boom", {"amount": 1, "crash": True})
+    assert all(r.status != "completed" for r in key_rows(shop))
+
+
+def test_streaming_response_is_passed_through_and_not_stored(client: Client, shop: Shop) -> None:
+    """A streaming response reaches the client whole, is not stored, and a retry runs the handler again."""
+    tc = client()
+    first = post(tc, "s-1", {}, path="/stream")
+    again = post(tc, "s-1", {}, path="/stream")
+    assert first.status_code == again.status_code == 200
+    assert first.content == again.content == b"one,two,three"
+    assert "idempotency-replayed" not in again.headers
+    assert shop.calls["stream"] == 2
+    assert all(r.response is None for r in key_rows(shop))
+
+
+# --------------------------------------------------------------------------
+# In progress, reused keys
+# --------------------------------------------------------------------------
+
+
+def test_in_progress_409_with_retry_after_and_reused_key_422_while_in_flight(
+    client: Client, shop: Shop
+) -> None:
+    """While the first request blocks: same body -> 409 + Retry-After, other body -> 422; then a replay."""
+    tc = client(lease=timedelta(seconds=30))
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(post, tc, "slow", {"amount": 5, "block": True})
+        assert shop.entered.wait(30), "the first request never reached the handler"
+        busy = post(tc, "slow", {"amount": 5, "block": True})
+        assert busy.status_code == 409
+        assert 1 <= int(busy.headers["retry-after"]) <= 30
+        assert busy.headers["content-type"] == "application/problem+json"
+        assert busy.json()["status"] == 409
+        reused = post(tc, "slow", {"amount": 6, "block": True})
+        assert reused.status_code == 422 and reused.json()["title"] == "Idempotency-Key reused"
+        shop.gate.set()
+        done = first.result(timeout=60)
+    assert done.status_code == 201
+    replay = post(tc, "slow", {"amount": 5, "block": True})
+    assert replay.status_code == 201 and replay.json() == done.json()
+    assert replay.headers["idempotency-replayed"] == "true"
+    assert shop.calls["pay"] == 1 and payments_rows(shop) == 1
+
+
+def test_reused_key_with_a_different_request_is_422(client: Client, shop: Shop) -> None:
+    """A completed key sent again with another body, path, query string or method is rejected with 422."""
+    tc = client()
+    assert post(tc, "k", {"amount": 1}).status_code == 201
+    headers = {"Idempotency-Key": "k"}
+    answers = {
+        "body": tc.post("/payments", json={"amount": 2}, headers=headers),
+        "path": tc.post("/other", json={"amount": 1}, headers=headers),
+        "query": tc.post("/payments?x=1", json={"amount": 1}, headers=headers),
+        "method": tc.patch("/payments", json={"amount": 1}, headers=headers),
+    }
+    assert {what: r.status_code for what, r in answers.items()} == dict.fromkeys(answers, 422)
+    assert all(r.headers["content-type"] == "application/problem+json" for r in answers.values())
+    assert shop.calls["pay"] == 1 and shop.calls["other"] == 0
+    [row] = key_rows(shop)
+    assert row.status == "completed"
+
+
+# --------------------------------------------------------------------------
+# Bad and missing keys, other methods
+# --------------------------------------------------------------------------
+
+
+def test_missing_key_on_a_required_path_is_400(sqlite_client: Client, sqlite_shop: Shop) -> None:
+    """POST /payments without a key is answered 400 (problem+json) and the handler does not run."""
+    tc = sqlite_client(documentation="https://example.com/docs/idempotency")
+    r = post(tc, None, {"amount": 1})
+    assert r.status_code == 400
+    problem = r.json()
+    assert problem["title"] == "Idempotency-Key is missing"
+    assert problem["type"] == "https://example.com/docs/idempotency"
+    assert r.headers["link"] == '<https://example.com/docs/idempotency>; rel="describedby"'
+    assert sqlite_shop.calls["pay"] == 0 and key_rows(sqlite_shop) == []
+
+
+def test_no_key_on_an_optional_path_passes_through(sqlite_client: Client, sqlite_shop: Shop) -> None:
+    """A path not in required_paths runs normally without a key, every time, and stores nothing."""
+    tc = sqlite_client()
+    assert tc.post("/other", content=b"x").status_code == 201
+    assert tc.post("/other", content=b"x").status_code == 201
+    assert sqlite_shop.calls["other"] == 2 and key_rows(sqlite_shop) == []
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["", "   ", '""', '"open', '"a"b', '"bad\\escape"', "k" * 256, "tab\there", "caf\u00e9"],
+    ids=["empty", "blank", "empty-sf", "unclosed", "trailing", "escape", "oversize", "control", "latin1"],
+)
+def test_bad_keys_are_400_before_any_sql(sqlite_client: Client, sqlite_shop: Shop, value: str) -> None:
+    """Blank, oversize, malformed and non-ASCII keys are answered 400 and nothing is stored."""
+    tc = sqlite_client()
+    with count_statements(sqlite_shop.session_factory.kw["bind"]) as sent:
+        r = tc.post("/payments", json={"amount": 1}, headers={"Idempotency-Key": value.encode("latin-1")})
+    assert r.status_code == 400, r.text
+    assert len(sent) == 0
+    assert r.json()["title"] == "Invalid Idempotency-Key"
+    assert sqlite_shop.calls["pay"] == 0 and key_rows(sqlite_shop) == []
+
+
+def test_two_key_headers_are_400(sqlite_client: Client, sqlite_shop: Shop) -> None:
+    """A request carrying two Idempotency-Key headers is ambiguous: 400."""
+    tc = sqlite_client()
+    r = tc.post("/payments", json={"amount": 1}, headers=[("Idempotency-Key", "a"), ("Idempotency-Key", "b")])
+    assert r.status_code == 400 and sqlite_shop.calls["pay"] == 0
+
+
+def test_longest_allowed_key_works(client: Client, shop: Shop) -> None:
+    """A key of exactly 255 characters is accepted and replayed."""
+    tc = client()
+    key = "k" * 255
+    assert post(tc, key, {"amount": 1}).status_code == 201
+    assert post(tc, key, {"amount": 1}).headers["idempotency-replayed"] == "true"
+    assert shop.calls["pay"] == 1
+
+
+def test_get_passes_through_untouched(sqlite_client: Client, sqlite_shop: Shop) -> None:
+    """GET with an Idempotency-Key runs every time, is never replayed and stores nothing."""
+    tc = sqlite_client()
+    first = tc.get("/payments", headers={"Idempotency-Key": "g"})
+    second = tc.get("/payments", headers={"Idempotency-Key": "g"})
+    assert (first.text, second.text) == ("list 1", "list 2")
+    assert "idempotency-replayed" not in second.headers
+    assert key_rows(sqlite_shop) == []
+
+
+def test_oversize_body_is_413(sqlite_client: Client, sqlite_shop: Shop) -> None:
+    """A keyed request whose body exceeds max_body is answered 413 without claiming the key."""
+    tc = sqlite_client(max_body=64)
+    r = tc.post("/payments", content=b"{" + b" " * 100 + b"}", headers={"Idempotency-Key": "big"})
+    assert r.status_code == 413 and sqlite_shop.calls["pay"] == 0 and key_rows(sqlite_shop) == []
+    assert post(tc, "small", {"amount": 1}).status_code == 201
+
+
+# --------------------------------------------------------------------------
+# Configuration: scope, routes, methods
+# --------------------------------------------------------------------------
+
+
+def test_scope_callable_keeps_clients_apart(client: Client, shop: Shop) -> None:
+    """With the client identity in the scope, two clients using the same key both run."""
+
+    def per_client(scope: Any) -> str:
+        account = dict(scope["headers"]).get(b"x-account", b"anonymous").decode()
+        return f"payments:{account}"
+
+    tc = client(scope=per_client)
+    a = tc.post("/payments", json={"amount": 1}, headers={"Idempotency-Key": "same", "X-Account": "alice"})
+    b = tc.post("/payments", json={"amount": 1}, headers={"Idempotency-Key": "same", "X-Account": "bob"})
+    a2 = tc.post("/payments", json={"amount": 1}, headers={"Idempotency-Key": "same", "X-Account": "alice"})
+    assert a.status_code == b.status_code == 201 and a.json() != b.json()
+    assert a2.json() == a.json() and a2.headers["idempotency-replayed"] == "true"
+    assert sorted(r.scope for r in key_rows(shop)) == ["payments:alice", "payments:bob"]
+    assert shop.calls["pay"] == 2
+
+
+def test_route_overrides_from_a_dict(client: Client, shop: Shop) -> None:
+    """routes= requires a key on one path, disables another, and overrides scope and methods."""
+    tc = client(
+        required_paths=[],
+        routes={
+            "/other": {"required": True, "scope": "others", "methods": ["POST"]},
+            "/stream*": RouteOptions(enabled=False),
+        },
+    )
+    assert tc.post("/other", content=b"x").status_code == 400
+    assert tc.post("/other", content=b"x", headers={"Idempotency-Key": "o"}).status_code == 201
+    replay = tc.post("/other", content=b"x", headers={"Idempotency-Key": "o"})
+    assert replay.headers["idempotency-replayed"] == "true"
+    # Disabled: the header is ignored, the handler runs both times.
+    assert post(tc, "s", {}, path="/stream").status_code == 200
+    assert post(tc, "s", {}, path="/stream").status_code == 200
+    assert shop.calls == Counter({"other": 1, "stream": 2})
+    assert [(r.scope, r.idem_key) for r in key_rows(shop)] == [("others", "o")]
+    # /payments is no longer required.
+    assert post(tc, None, {"amount": 1}).status_code == 201
+
+
+def test_route_overrides_from_a_callable(client: Client, shop: Shop) -> None:
+    """A routes callable decides per request; returning None keeps the middleware's settings."""
+
+    def routes(scope: Any) -> RouteOptions | None:
+        return RouteOptions(enabled=False) if scope["path"] == "/payments" else None
+
+    tc = client(routes=routes, required_paths=["/payments", "/other"])
+    assert post(tc, "p", {"amount": 1}).status_code == 201
+    assert post(tc, "p", {"amount": 1}).status_code == 201  # disabled: runs again
+    assert tc.post("/other", content=b"x").status_code == 400  # still required
+    assert shop.calls["pay"] == 2 and key_rows(shop) == []
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"session_factory": None}, "session_factory"),
+        ({"scope": ""}, "scope"),
+        ({"scope": "s" * 201}, "scope"),
+        ({"required_paths": "/payments"}, "required_paths"),
+        ({"required_paths": ["payments"]}, "starting with '/'"),
+        ({"methods": []}, "at least one"),
+        ({"methods": ["PO ST"]}, "not an HTTP method"),
+        ({"lease": timedelta(0)}, "lease"),
+        ({"ttl": 5}, "ttl"),
+        ({"max_body": -1}, "max_body"),
+        ({"routes": {"/x": {"lease_seconds": 5}}}, "unknown option"),
+        ({"routes": {"/x": 5}}, "RouteOptions"),
+        ({"routes": {"/a*b": {}}}, "only at the end"),
+        ({"ttl": timedelta(seconds=30), "lease": timedelta(seconds=60)}, "ttl .* shorter than lease"),
+        ({"heartbeat_every": timedelta(seconds=60)}, "heartbeat_every .* shorter than lease"),
+        ({"routes": {"/x": {"lease": timedelta(hours=25)}}}, r"routes\['/x'\]: ttl"),
+        (
+            {"heartbeat_every": timedelta(seconds=5), "routes": {"/x": {"lease": timedelta(seconds=5)}}},
+            r"routes\['/x'\]: heartbeat_every",
+        ),
+    ],
+)
+def test_bad_configuration_is_refused(options: dict[str, Any], message: str) -> None:
+    """Every option is checked when the middleware is built, with an error naming it."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:  # pragma: no cover - never called
+        pass
+
+    kwargs: dict[str, Any] = {"session_factory": sessionmaker()}
+    kwargs.update(options)
+    with pytest.raises(InvalidArgument, match=message):
+        IdempotencyMiddleware(app, **kwargs)
+
+
+def test_stored_headers_drop_hop_by_hop_and_connection_named_headers() -> None:
+    """Connection-scoped headers (and those the Connection header names) are never stored."""
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"Connection", b"close, X-Private"),
+        (b"x-private", b"1"),
+        (b"transfer-encoding", b"chunked"),
+        (b"keep-alive", b"timeout=5"),
+        (b"set-cookie", b"a=1"),
+        (b"set-cookie", b"b=2"),
+    ]
+    assert _stored_headers(headers) == [
+        ["content-type", "application/json"],
+        ["set-cookie", "a=1"],
+        ["set-cookie", "b=2"],
+    ]
+
+
+def test_default_store_policy() -> None:
+    """2xx-4xx are stored except the retry-later answers 408, 425, 429; 5xx never."""
+    stored = [s for s in (200, 201, 204, 301, 400, 404, 409, 422) if default_store_status(s)]
+    assert stored == [200, 201, 204, 301, 400, 404, 409, 422]
+    assert not any(default_store_status(s) for s in (408, 425, 429, 500, 502, 503))
+
+
+# --------------------------------------------------------------------------
+# Concurrency
+# --------------------------------------------------------------------------
+
+
+def test_sixteen_threads_same_key_run_the_handler_once(client: Client, shop: Shop) -> None:
+    """16 simultaneous requests with one key: one execution; every other answer is a replay or a 409."""
+    tc = client()
+    barrier = threading.Barrier(16)
+
+    def send() -> Any:
+        barrier.wait(30)
+        return post(tc, "storm", {"amount": 42})
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda _: send(), range(16)))
+    executed = [a for a in answers if a.status_code == 201 and "idempotency-replayed" not in a.headers]
+    replayed = [
+        a for a in answers if a.status_code == 201 and a.headers.get("idempotency-replayed") == "true"
+    ]
+    busy = [a for a in answers if a.status_code == 409]
+    assert len(executed) == 1, [a.status_code for a in answers]
+    assert len(executed) + len(replayed) + len(busy) == 16
+    assert all(a.json() == executed[0].json() for a in replayed)
+    assert shop.calls["pay"] == 1 and payments_rows(shop) == 1
+    # Afterwards every retry is a replay.
+    assert post(tc, "storm", {"amount": 42}).headers["idempotency-replayed"] == "true"
+
+
+# --------------------------------------------------------------------------
+# Leases: takeover and heartbeat (the clock is moved, nothing sleeps a lease)
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Shift stateguard.idempotency's clock by ``clock[0]`` milliseconds."""
+    offset = [0]
+    real = idempotency._now_ms
+    monkeypatch.setattr(idempotency, "_now_ms", lambda: real() + offset[0])
+    return offset
+
+
+def test_a_request_outliving_its_lease_is_taken_over_and_cannot_store_its_response(
+    client: Client, shop: Shop, clock: list[int], caplog: pytest.LogCaptureFixture
+) -> None:
+    """After the lease ends a retry runs the handler again; the late first one answers but stores nothing."""
+    tc = client(lease=timedelta(seconds=30))
+    body = {"amount": 5, "block": True}
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(post, tc, "late", body)
+        assert shop.entered.wait(30), "the first request never reached the handler"
+        shop.entered.clear()
+        assert post(tc, "late", body).status_code == 409  # lease still live
+        clock[0] = 31_000  # the first worker looks dead now
+        second = pool.submit(post, tc, "late", body)
+        assert shop.entered.wait(30), "the retry never took the key over"
+        with caplog.at_level(logging.WARNING, logger="stateguard.asgi"):
+            shop.gate.set()
+            late, winner = first.result(timeout=60), second.result(timeout=60)
+    assert late.status_code == winner.status_code == 201
+    assert "idempotency-replayed" not in late.headers and "idempotency-replayed" not in winner.headers
+    assert late.json() != winner.json()
+    assert "was taken over while the app ran" in caplog.text
+    replay = post(tc, "late", body)
+    assert replay.headers["idempotency-replayed"] == "true" and replay.json() == winner.json()
+    [row] = key_rows(shop)
+    assert (row.status, row.attempt) == ("completed", 2)
+    assert shop.calls["pay"] == 2 and payments_rows(shop) == 2
+
+
+def test_heartbeat_keeps_a_long_request_in_progress(client: Client, shop: Shop, clock: list[int]) -> None:
+    """With heartbeat_every, a request running past its first lease still answers retries with 409."""
+    tc = client(lease=timedelta(seconds=30), heartbeat_every=timedelta(milliseconds=20))
+    body = {"amount": 8, "block": True}
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(post, tc, "long", body)
+        assert shop.entered.wait(30), "the first request never reached the handler"
+        clock[0] = 60_000  # twice the lease: without a heartbeat a retry would take over
+        deadline = time.monotonic() + 30
+        while not any((r.locked_until_ms or 0) > idempotency._now_ms() for r in key_rows(shop)):
+            assert time.monotonic() < deadline, "no heartbeat extended the lease"
+            time.sleep(0.02)
+        busy = post(tc, "long", body)
+        shop.gate.set()
+        done = first.result(timeout=60)
+    assert busy.status_code == 409 and done.status_code == 201
+    [row] = key_rows(shop)
+    assert (row.status, row.attempt) == ("completed", 1)
+    assert shop.calls["pay"] == 1 and payments_rows(shop) == 1
