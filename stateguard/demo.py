@@ -9,6 +9,16 @@ side-effect row only when its call was APPLIED, in the same transaction, and
 the demo then counts them: the invariant is *side effects == APPLIED, and at
 most one side effect per (order, trigger)*.
 
+The HTTP scenario ("http retry storm") sends ``POST /payments`` with an
+``Idempotency-Key`` through :class:`stateguard.asgi.IdempotencyMiddleware` on
+a Starlette app, in-process (:func:`asgi_request`); there the handler is
+naive and charges on every call, and APPLIED means "the handler ran".  It
+needs starlette (``pip install 'stateguard[demo]'``) and is skipped, with a
+note under the table, without it.
+
+Scenarios that are not one database unit of work per delivery use
+:meth:`DemoRun.storm` instead of :meth:`DemoRun.fire`.
+
 Each scheme is one scenario function registered with :func:`scenario`; it
 returns rows of the result table.  Adding a scheme to the demo is appending
 one function::
@@ -31,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import queue
 import random
 import threading
@@ -39,10 +50,12 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Engine, String, func, insert, select
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+from sqlalchemy import Engine, String, delete, func, insert, select
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
+from ._keys import idempotency_keys
 from .counters import decrement
 from .inserts import insert_once
 from .machine import StateMachine
@@ -51,8 +64,12 @@ from .retry import retry_on_conflict
 from .tables import create_tables
 from .versioning import guarded_update, version_column
 
+if TYPE_CHECKING:
+    from .asgi import ASGIApp, Message
+
 __all__ = [
     "SCENARIOS",
+    "Delivery",
     "DemoBase",
     "DemoInbox",
     "DemoOrder",
@@ -60,11 +77,13 @@ __all__ = [
     "DemoRun",
     "DemoSideEffect",
     "DemoStock",
+    "HttpAnswer",
     "Progress",
     "Request",
     "Scenario",
     "SchemeRow",
     "Tally",
+    "asgi_request",
     "render",
     "run_demo",
     "scenario",
@@ -154,12 +173,31 @@ class Request:
 
 @dataclass
 class Tally:
-    """What the deliveries of one scheme returned."""
+    """What the deliveries of one scheme returned.
+
+    ``counts`` holds named extras a scenario reports next to the table
+    (``{"409 in progress": 12}``).
+    """
 
     attempts: int = 0
     retried: int = 0
     outcomes: Counter[Outcome] = field(default_factory=Counter)
     errors: list[str] = field(default_factory=list)
+    counts: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass
+class Delivery:
+    """One delivery of a request, as a :meth:`DemoRun.storm` sender sees it.
+
+    The sender counts its own re-sends in ``retried`` and anything worth
+    reporting in ``counts``; they are added to the tally even when it raises.
+    """
+
+    request: Request
+    worker: str
+    retried: int = 0
+    counts: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass
@@ -198,6 +236,8 @@ class DemoReport:
     orders: int
     url: str
     elapsed: float
+    #: Lines the scenarios want printed under the table (what a row means, skipped scenarios).
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -225,6 +265,7 @@ class Progress:
 # --------------------------------------------------------------------------
 
 Deliver = Callable[[Session, Request, str], Result]
+Sender = Callable[[Delivery], Outcome]
 Group = list[Request]
 
 #: How long a worker waits for its twin at the barrier before going alone.
@@ -245,6 +286,8 @@ class DemoRun:
     orders: int
     rng: random.Random
     progress: Progress = field(default_factory=Progress)
+    #: Lines for the report, under the table (see :attr:`DemoReport.notes`).
+    notes: list[str] = field(default_factory=list)
     _next_id: int = 1
 
     def create_orders(self, n: int) -> list[int]:
@@ -293,6 +336,31 @@ class DemoRun:
         conflict (``retried`` counts those re-runs).  Members of a group wait
         for each other at a barrier and are released together.
         """
+
+        def send(delivery: Delivery) -> Outcome:
+            calls = 0
+
+            def once() -> Result:
+                nonlocal calls
+                calls += 1
+                if calls > 1:
+                    delivery.retried += 1
+                with Session(self.engine) as session, session.begin():
+                    return deliver(session, delivery.request, delivery.worker)
+
+            return retry_on_conflict(once, attempts=10, backoff=0.005, max_backoff=0.2).outcome
+
+        return self.storm(plan, send)
+
+    def storm(self, plan: Sequence[Group], send: Sender, *, tally: Tally | None = None) -> Tally:
+        """Run ``send`` for every delivery of ``plan`` on ``workers`` threads and count the outcomes.
+
+        The machinery under :meth:`fire`, for deliveries that are not one
+        database unit of work (an HTTP request, say): ``send`` does the whole
+        delivery, its retries included, and returns the final outcome.  An
+        exception is counted as an error and the storm goes on.  Pass
+        ``tally`` to add to an earlier storm's counts.
+        """
         work: queue.SimpleQueue[tuple[threading.Barrier | None, Request] | None] = queue.SimpleQueue()
         total = 0
         for group in plan:
@@ -307,7 +375,7 @@ class DemoRun:
         # than the pool, so a worker waiting at a barrier always has its twins
         # picked up by the next free workers: no deadlock.
         self.progress.total(total)
-        tally = Tally()
+        tally = Tally() if tally is None else tally
         lock = threading.Lock()
 
         def worker(name: str) -> None:
@@ -320,23 +388,17 @@ class DemoRun:
                     # A timed-out barrier only costs the twin its simultaneity.
                     with contextlib.suppress(threading.BrokenBarrierError):
                         barrier.wait(_BARRIER_TIMEOUT)
-                calls = 0
-
-                def once(request: Request = request) -> Result:
-                    nonlocal calls
-                    calls += 1
-                    with Session(self.engine) as session, session.begin():
-                        return deliver(session, request, name)
-
+                delivery = Delivery(request, name)
                 outcome: Outcome | None = None
                 error: str | None = None
                 try:
-                    outcome = retry_on_conflict(once, attempts=10, backoff=0.005, max_backoff=0.2).outcome
+                    outcome = send(delivery)
                 except Exception as exc:  # counted and reported, the storm goes on
                     error = f"{request.request_id}: {type(exc).__name__}: {_first_line(exc)}"
                 with lock:
                     tally.attempts += 1
-                    tally.retried += max(0, calls - 1)
+                    tally.retried += delivery.retried
+                    tally.counts.update(delivery.counts)
                     if outcome is not None:
                         tally.outcomes[outcome] += 1
                     if error is not None:
@@ -395,6 +457,7 @@ class DemoRun:
             for o, n in tally.outcomes.items()
             if o not in (Outcome.APPLIED, Outcome.REPEATED, Outcome.REJECTED) and n
         }
+        other.update((name, n) for name, n in tally.counts.items() if n)
         if tally.errors:
             other["errors"] = len(tally.errors)
         return SchemeRow(
@@ -592,6 +655,253 @@ def flash_sale(run: DemoRun) -> list[SchemeRow]:
 
 
 # --------------------------------------------------------------------------
+# HTTP: the Idempotency-Key header through the ASGI middleware
+# --------------------------------------------------------------------------
+
+#: Scope prefix of the demo's idempotency keys; a run deletes the keys of earlier runs.
+DEMO_KEY_SCOPE = "stateguard-demo:"
+#: How long the demo's payment provider takes: the window in which retries arrive.
+_PROVIDER_LATENCY = 0.01
+#: How long a client keeps retrying 409 and 503 answers before it reports an error.
+_CLIENT_PATIENCE = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class HttpAnswer:
+    """An HTTP response as the demo's client received it (header names in lower case)."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+async def asgi_request(
+    app: ASGIApp, method: str, path: str, headers: Sequence[tuple[bytes, bytes]], body: bytes
+) -> HttpAnswer:
+    """Send one request to ``app`` in-process, as an ASGI server would, and collect the response.
+
+    The demo's transport: no sockets and no HTTP client library.  Run it on
+    an event loop, e.g. through an anyio blocking portal from worker threads::
+
+        with anyio.from_thread.start_blocking_portal() as portal:
+            answer = portal.call(asgi_request, app, "POST", "/payments", headers, b'{"amount": 1}')
+    """
+    import anyio
+
+    finished = anyio.Event()
+    delivered = False
+    status = 0
+    out_headers: dict[str, str] = {}
+    chunks: list[bytes] = []
+
+    async def receive() -> Message:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        # The client stays connected until the response is complete.
+        await finished.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = int(message["status"])
+            for name, value in message.get("headers", ()):
+                out_headers[bytes(name).decode("latin-1").lower()] = bytes(value).decode("latin-1")
+        elif message["type"] == "http.response.body":
+            chunks.append(bytes(message.get("body", b"")))
+            if not message.get("more_body", False):
+                finished.set()
+
+    scope: dict[str, Any] = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode("ascii"),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"demo.invalid"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode("ascii")),
+            *headers,
+        ],
+        "client": ("127.0.0.1", 40000),
+        "server": ("demo.invalid", 80),
+        "state": {},
+    }
+    try:
+        await app(scope, receive, send)
+    finally:
+        finished.set()
+    return HttpAnswer(status, out_headers, b"".join(chunks))
+
+
+@scenario("http retry storm")
+def http_retry_storm(run: DemoRun) -> list[SchemeRow]:
+    """POST /payments with an Idempotency-Key through ``IdempotencyMiddleware`` on a Starlette app.
+
+    The handler is deliberately naive: every call charges (records a side
+    effect), so only the middleware keeps it to once per key.  Each payment
+    is sent 2-4 times (twins at the same instant, retries later); clients
+    send a 409 (in progress) or 503 again (the provider fails the first call
+    of a tenth of the payments: the middleware releases the key).  After
+    the storm a tenth of the keys are reused for another amount: each must
+    get 422.  The app runs in-process on one event loop (an anyio portal),
+    as under an ASGI server; the clients are the demo's worker threads.
+    """
+    scheme = "http retry storm"
+    try:
+        from anyio.from_thread import BlockingPortal, start_blocking_portal
+        from starlette.applications import Starlette
+        from starlette.concurrency import run_in_threadpool
+        from starlette.requests import Request as HttpRequest
+        from starlette.responses import JSONResponse, Response
+        from starlette.routing import Route
+    except ImportError as error:
+        run.notes.append(
+            f"{scheme}: skipped: it needs starlette ({error}); pip install 'stateguard[demo]' to run it"
+        )
+        return []
+    from .asgi import IdempotencyMiddleware
+
+    token = uuid.uuid4().hex[:8]
+    key_scope = f"{DEMO_KEY_SCOPE}{token}"  # keys outlive the sg_demo_* tables: unique per run
+    create_tables(run.engine)
+    with run.engine.begin() as conn:
+        conn.execute(delete(idempotency_keys).where(idempotency_keys.c.scope.startswith(DEMO_KEY_SCOPE)))
+    ids = run.create_orders(run.orders)
+    amounts = {order_id: 100 * (1 + order_id % 50) for order_id in ids}
+    flaky = set(run.rng.sample(ids, max(1, len(ids) // 10)))
+    reused = run.rng.sample(ids, max(1, len(ids) // 10))
+    session_factory = sessionmaker(run.engine)
+    lock = threading.Lock()
+    #: order id -> payment ids seen in 201 answers (a replay must show the first call's).
+    seen: dict[int, set[int]] = {}
+
+    def charge(order_id: int, amount: int, key: str, worker: str) -> Response:
+        with lock:
+            fail = order_id in flaky
+            flaky.discard(order_id)
+        time.sleep(_PROVIDER_LATENCY)
+        if fail:
+            return JSONResponse({"error": "payment provider unavailable, try again"}, status_code=503)
+        with session_factory() as session, session.begin():
+            effect = DemoSideEffect(
+                scheme=scheme, order_id=order_id, action="pay", request_id=key, worker=worker
+            )
+            session.add(effect)
+            session.flush()
+            payment_id = effect.id
+        return JSONResponse(
+            {"payment_id": payment_id, "order_id": order_id, "amount": amount},
+            status_code=201,
+            headers={"Location": f"/payments/{payment_id}"},
+        )
+
+    async def create_payment(request: HttpRequest) -> Response:
+        body = await request.json()
+        key = request.headers["idempotency-key"]
+        worker = request.headers.get("x-demo-worker", "?")
+        return await run_in_threadpool(charge, int(body["order_id"]), int(body["amount"]), key, worker)
+
+    app = Starlette(routes=[Route("/payments", create_payment, methods=["POST"])])
+    app.add_middleware(
+        IdempotencyMiddleware,
+        session_factory=session_factory,
+        required_paths=["/payments"],
+        scope=key_scope,
+    )
+
+    def client(portal: BlockingPortal, *, other_amount: bool) -> Sender:
+        def send(delivery: Delivery) -> Outcome:
+            order_id = delivery.request.order_id
+            amount = amounts[order_id] + (1 if other_amount else 0)
+            body = json.dumps({"order_id": order_id, "amount": amount}).encode("utf-8")
+            headers = [
+                (b"idempotency-key", f"order-{order_id}-pay".encode("ascii")),
+                (b"x-demo-worker", delivery.worker.encode("ascii")),
+            ]
+            deadline = time.monotonic() + _CLIENT_PATIENCE
+            while True:
+                answer = portal.call(asgi_request, app, "POST", "/payments", headers, body)
+                if answer.status not in (409, 503):
+                    break
+                if answer.status == 409 and "retry-after" not in answer.headers:
+                    raise RuntimeError("409 without a Retry-After header")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"still HTTP {answer.status} after {_CLIENT_PATIENCE:.0f}s of retries")
+                delivery.retried += 1
+                delivery.counts["409 in progress" if answer.status == 409 else "503 released"] += 1
+                # A real client waits Retry-After seconds (or backs off); the demo a few milliseconds.
+                time.sleep(random.uniform(0.002, 0.01))
+            if answer.status == 422:
+                return Outcome.REJECTED
+            if answer.status != 201:
+                raise RuntimeError(f"HTTP {answer.status}: {answer.body[:120].decode('utf-8', 'replace')}")
+            payment_id = int(json.loads(answer.body)["payment_id"])
+            with lock:
+                seen.setdefault(order_id, set()).add(payment_id)
+            replayed = answer.headers.get("idempotency-replayed") == "true"
+            return Outcome.REPEATED if replayed else Outcome.APPLIED
+
+        return send
+
+    with start_blocking_portal() as portal:
+        plan = run.plan([[[Request(order_id, "pay")] for order_id in ids]])
+        tally = run.storm(plan, client(portal, other_amount=False))
+        # Every key is completed now: a buggy client reuses some for another amount.
+        reuse = [[Request(order_id, "pay")] for order_id in reused]
+        run.storm(reuse, client(portal, other_amount=True), tally=tally)
+
+    with run.engine.connect() as conn:
+        per_order = {
+            int(order_id): int(n)
+            for order_id, n in conn.execute(
+                select(DemoSideEffect.order_id, func.count())
+                .where(DemoSideEffect.scheme == scheme)
+                .group_by(DemoSideEffect.order_id)
+            )
+        }
+        completed = conn.scalar(
+            select(func.count())
+            .select_from(idempotency_keys)
+            .where(idempotency_keys.c.scope == key_scope, idempotency_keys.c.status == "completed")
+        )
+    executions = [per_order.get(order_id, 0) for order_id in ids]
+    problems: list[str] = []
+    never = executions.count(0)
+    if never:
+        problems.append(f"{never} payments never ran")
+    if completed != len(ids):
+        problems.append(f"{completed} of {len(ids)} idempotency keys are completed")
+    mixed = sorted(order_id for order_id, payments in seen.items() if len(payments) > 1)
+    if mixed:
+        problems.append(
+            f"{len(mixed)} keys were answered with different payments, e.g. order {mixed[0]}: "
+            f"{sorted(seen[mixed[0]])}"
+        )
+    refused = tally.outcomes[Outcome.REJECTED]
+    if refused != len(reused):
+        problems.append(f"{refused} of {len(reused)} keys reused for another amount were refused with 422")
+    run.notes.append(
+        f"{scheme}: executions per key: min {min(executions)}, max {max(executions)} over {len(ids)} keys "
+        f"(must be exactly 1)"
+    )
+    run.notes.append(f"{scheme}: APPLIED = the handler ran, REPEATED = the stored response replayed,")
+    run.notes.append(
+        f"{scheme}: REJECTED = 422 (a key reused for another amount), retried = 409 and 503 answers resent"
+    )
+    row = run.row(scheme, "Starlette + IdempotencyMiddleware, POST /payments with Idempotency-Key", tally,
+                  problems=problems)  # fmt: skip
+    return [row]
+
+
+# --------------------------------------------------------------------------
 # Running and rendering
 # --------------------------------------------------------------------------
 
@@ -636,6 +946,7 @@ def run_demo(
         orders=orders,
         url=engine.url.render_as_string(hide_password=True),
         elapsed=time.monotonic() - started,
+        notes=run.notes,
     )
 
 
@@ -713,6 +1024,7 @@ def render(report: DemoReport, *, color: bool = False) -> str:
         if row.other:
             extra = ", ".join(f"{k} {v}" for k, v in sorted(row.other.items()))
             out.append(f"{row.scheme}: also {extra}")
+    out.extend(report.notes)
     for row in report.rows:
         out.extend(paint(p, _RED) for p in row.problems)
     verdict = (

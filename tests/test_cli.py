@@ -11,18 +11,22 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, func, select, update
 from sqlalchemy.orm import Session
 
+import stateguard.asgi
 from stateguard import Outcome, Result, cli, demo
+from stateguard._keys import idempotency_keys
 from stateguard.demo import DemoBase, DemoOrder, DemoRun, DemoSideEffect, Request, SchemeRow
 
 from .conftest import Backend
 
-SCHEMES = ("state machine", "optimistic version", "insert-once", "flash sale")
+SCHEMES = ("state machine", "optimistic version", "insert-once", "flash sale", "http retry storm")
 ROW = re.compile(
     r"^(?P<scheme>[a-z][a-z -]*?)\s{2,}(?P<attempts>\d+)\s+(?P<applied>\d+)\s+(?P<repeated>\d+)\s+"
     r"(?P<rejected>\d+)\s+(?P<retried>\d+)\s+(?P<effects>\d+)\s+(?P<invariant>ok|VIOLATED)\b"
@@ -111,6 +115,26 @@ def test_demo_on_backend(backend: Backend, capsys: pytest.CaptureFixture[str]) -
     # 30 orders, a pay and a follow-up each, every request delivered at least twice.
     assert int(rows["state machine"]["attempts"]) >= 2 * 2 * 30
     assert "invariant held" in captured.out
+    _check_http_storm(backend, rows["http retry storm"], captured.out, orders=30)
+
+
+def _check_http_storm(backend: Backend, row: dict[str, str], out: str, *, orders: int) -> None:
+    """The HTTP scenario's row, notes and key records agree: one execution per key, 422s, 409s, 503s."""
+    assert int(row["applied"]) == int(row["effects"]) == orders, row
+    assert int(row["rejected"]) == max(1, orders // 10), row  # every reused key refused with 422
+    assert f"executions per key: min 1, max 1 over {orders} keys" in out
+    also = re.search(r"^http retry storm: also 409 in progress (\d+), 503 released (\d+)$", out, re.M)
+    assert also is not None, out
+    assert int(also[1]) > 0 and int(also[2]) == max(1, orders // 10)
+    assert int(row["retried"]) == int(also[1]) + int(also[2])
+    with backend.engine.connect() as conn:
+        keys = conn.execute(
+            select(idempotency_keys.c.status, idempotency_keys.c.attempt).where(
+                idempotency_keys.c.scope.startswith(demo.DEMO_KEY_SCOPE)
+            )
+        ).all()
+    # The keys of the 503 answers were released and taken over once by a retry (attempt 2).
+    assert Counter(keys) == {("completed", 1): orders - int(also[2]), ("completed", 2): int(also[2])}
 
 
 def test_demo_reruns_on_the_default_sqlite_file(
@@ -158,6 +182,71 @@ def test_violated_invariant_exits_1(
     assert int(row["effects"]) > int(row["applied"]) == 10
     assert "side effects ran for 10 APPLIED calls" in out
     assert "'pay' side effect ran" in out and "INVARIANT VIOLATED" in out
+
+
+class _PassThrough:
+    """A stand-in for IdempotencyMiddleware that ignores the header (what an app without it does)."""
+
+    def __init__(self, app: Any, **options: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
+
+
+def test_http_storm_without_the_middleware_is_violated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The HTTP scenario's checks catch a handler that runs for every retry: VIOLATED, exit 1."""
+    monkeypatch.setattr(stateguard.asgi, "IdempotencyMiddleware", _PassThrough)
+    monkeypatch.setattr(demo, "SCENARIOS", [s for s in demo.SCENARIOS if s.title == "http retry storm"])
+    code = cli.main(["demo", "--db", f"sqlite:///{tmp_path / 'plain.db'}", "--orders", "20", "--seed", "4"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    row = table(out)["http retry storm"]
+    assert row["invariant"] == "VIOLATED" and int(row["repeated"]) == 0
+    assert "'pay' side effect ran" in out
+    assert "0 of 20 idempotency keys are completed" in out
+    assert "0 of 2 keys reused for another amount were refused with 422" in out
+    assert "INVARIANT VIOLATED" in out
+
+
+def test_http_storm_is_skipped_with_a_note_without_starlette(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without starlette the other scenarios run and a note says how to get the HTTP one; exit 0."""
+    for name in [m for m in sys.modules if m == "starlette" or m.startswith("starlette.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "starlette", None)
+    code = cli.main(["demo", "--db", f"sqlite:///{tmp_path / 'bare.db'}", "--orders", "5", "--seed", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert sorted(table(out)) == sorted(set(SCHEMES) - {"http retry storm"})
+    assert "http retry storm: skipped: it needs starlette" in out
+    assert "pip install 'stateguard[demo]'" in out
+
+
+def test_asgi_request_collects_a_streamed_response() -> None:
+    """The demo's in-process transport hands the app the body once and joins the response chunks."""
+    import anyio
+
+    received: list[Any] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        received.append((scope["method"], scope["path"], dict(scope["headers"])[b"idempotency-key"]))
+        received.append(await receive())
+        await send({"type": "http.response.start", "status": 207, "headers": [(b"X-One", b"1")]})
+        await send({"type": "http.response.body", "body": b"ab", "more_body": True})
+        await send({"type": "http.response.body", "body": b"c", "more_body": False})
+        received.append(await receive())
+
+    answer = anyio.run(demo.asgi_request, app, "POST", "/p", [(b"idempotency-key", b"k")], b"{}")
+    assert answer == demo.HttpAnswer(207, {"x-one": "1"}, b"abc")
+    assert received == [
+        ("POST", "/p", b"k"),
+        {"type": "http.request", "body": b"{}", "more_body": False},
+        {"type": "http.disconnect"},
+    ]
 
 
 def test_invariant_check_sees_a_double_side_effect_it_did_not_cause(backend: Backend) -> None:
