@@ -22,10 +22,19 @@ import functools
 from collections.abc import Callable, Coroutine
 from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, overload
 
-from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession
+else:
+    try:
+        from sqlalchemy.ext.asyncio import AsyncSession
+    except ImportError:  # SQLAlchemy 2.1 needs greenlet for it: `pip install 'stateguard[async]'`
+
+        class AsyncSession:
+            """Stand-in when SQLAlchemy's asyncio extension cannot load: no AsyncSession can exist then."""
 
 from .exceptions import InvalidArgument
 

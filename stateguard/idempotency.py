@@ -74,11 +74,10 @@ from types import TracebackType
 from typing import Any, Final, Literal, ParamSpec, Protocol, TypeVar
 
 from sqlalchemy import Connection, Engine, bindparam, select, update
-from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session, SessionTransaction
 
 from . import _keys, _sql
-from ._async import dual
+from ._async import AsyncSession, dual
 from ._keys import MAX_KEY, MAX_SCOPE, consumed_messages, idempotency_keys
 from .exceptions import (
     DeadlockDetected,

@@ -25,7 +25,6 @@ from sqlalchemy import ColumnElement, Connection, Update, and_, case, event, or_
 from sqlalchemy import Enum as SAEnum
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import InvalidRequestError
-from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Mapper, Session
 from sqlalchemy.schema import CheckConstraint, Column
 from sqlalchemy.sql import visitors
@@ -34,6 +33,7 @@ from sqlalchemy.sql.selectable import Exists, ScalarSelect, Select
 from transitions import Machine as _GraphMachine
 
 from . import _commit, _sql
+from ._async import AsyncSession
 from .exceptions import ConfigurationError, InvalidArgument, UnknownTrigger
 from .result import Outcome, Result
 
