@@ -487,8 +487,10 @@ def build_parser() -> argparse.ArgumentParser:
             "Create the sg_demo_* tables (dropped and recreated on every run), then fire\n"
             "duplicate and concurrent pay / ship / cancel requests from many worker threads,\n"
             "as retries, redeliveries and double-clicks would, for each scheme: state machine,\n"
-            "optimistic version check, insert-once.  Prints one row per scheme and checks\n"
-            "that side effects ran exactly once per APPLIED call."
+            "optimistic version check, insert-once, a flash sale on one hot stock row\n"
+            "(guarded decrement with a ref per purchase) and an HTTP retry storm through\n"
+            "IdempotencyMiddleware (skipped without starlette).  Prints one row per scheme\n"
+            "and checks that side effects ran exactly once per APPLIED call."
         ),
         epilog=_EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
