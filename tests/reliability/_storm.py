@@ -16,13 +16,17 @@ written in the same transaction as every APPLIED change, so a rolled-back
 change leaves none and a double application leaves two.
 
 Faults are injected by the test (the parent), never by a worker on itself: a
-worker given a :class:`Hold` stops at a chosen point of a chosen unit of work
-(before or after the guarded statement, after its side effect was flushed, or
-after the commit), tells the parent what it holds (:class:`Held`, with its
-server-side connection id), and waits.  The parent then SIGKILLs it, cuts its
-connection from the server side, or restarts the server, and lets it go on.
-Every worker also reports each server connection it opens, so the parent can
-cut connections of the whole storm at once.
+worker given a :class:`Hold` starts with one chosen item (an order or a ref),
+stops at a chosen point of its unit of work (before or after the guarded
+statement, after its side effect was flushed, or after the commit), tells the
+parent what it holds (:class:`Held`, with its server-side connection id), and
+waits while the others storm.  The parent then SIGKILLs it or cuts its
+connection from the server side and lets it go on.  The other workers leave
+the held items to the end, behind an event the parent sets once it is done
+with the holds, so the held change is APPLIED every time: the fault lands
+where the test says, not where the scheduler happens to put it.  Every worker
+also reports each server connection it opens, so the parent can cut the
+connections of the whole storm at once, or SIGKILL any worker at any moment.
 """
 
 from __future__ import annotations
@@ -135,21 +139,21 @@ PHASES = ("before_statement", "after_statement", "after_effect", "after_commit")
 
 @dataclass(frozen=True)
 class Hold:
-    """Stop a worker in its ``nth`` unit of work of ``kind`` at ``phase`` and tell the test.
+    """Start with ``item`` of ``kind`` (an order's key or a purchase's ref), stop at ``phase``, tell the test.
 
     ``before_statement``: the transaction is open (its first read done), the
-    guarded statement not sent yet; ``nth`` counts units.  The other phases
-    count APPLIED changes only: ``after_statement`` (the guarded statement
-    applied, in the open transaction), ``after_effect`` (the side effect row
-    flushed too) and ``after_commit`` (committed, not reported yet).
+    guarded statement not sent yet.  ``after_statement``: the guarded
+    statement APPLIED, in the open transaction; ``after_effect``: the side
+    effect row flushed too; ``after_commit``: committed, not reported yet.
+    For an order the unit is its first trigger, ``pay``.
     """
 
     kind: str
-    nth: int
+    item: Any
     phase: str
 
     def __post_init__(self) -> None:
-        assert self.kind in (TRANSITIONS, COUNTERS) and self.phase in PHASES and self.nth >= 1
+        assert self.kind in (TRANSITIONS, COUNTERS) and self.phase in PHASES
 
 
 class Held(NamedTuple):
@@ -176,6 +180,8 @@ class Spec:
     purchases: tuple[tuple[str, dict[int, int]], ...] = ()
     isolation: str | None = None
     hold: Hold | None = None
+    #: Items (kind, key or ref) held by other workers: done last, once the test frees them.
+    later: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass
@@ -187,6 +193,7 @@ class Channels:
     held: Any  # Held
     connections: Any  # (worker, server connection id)
     release: dict[str, Any]  # worker -> Event
+    targets: Any  # Event: the held items are free for everyone
 
 
 @dataclass
@@ -314,13 +321,11 @@ def persist(fn: Callable[[], T], stats: Stats) -> T:
 
 
 class _Holder:
-    """Counts a worker's units and APPLIED changes and holds it at the spec's :class:`Hold`."""
+    """Holds the worker at the spec's :class:`Hold`, once."""
 
     def __init__(self, spec: Spec, channels: Channels) -> None:
         self.spec = spec
         self.channels = channels
-        self.units = 0
-        self.applied = 0
         self.done = False
 
     def at(
@@ -333,19 +338,10 @@ class _Holder:
         session: Session | None = None,
     ) -> None:
         hold = self.spec.hold
-        if hold is None or self.done or kind != hold.kind:
+        if hold is None or self.done or (kind, key, phase) != (hold.kind, hold.item, hold.phase):
             return
-        if phase == "before_statement":
-            self.units += 1
-        elif phase == "after_statement" and r is not None and r.applied:
-            self.applied += 1
-        if phase != hold.phase:
-            return
-        if phase == "before_statement":
-            if self.units != hold.nth:
-                return
-        elif r is None or not r.applied or self.applied != hold.nth:
-            return
+        if phase != "before_statement" and (r is None or not r.applied):
+            return  # cannot happen while nobody else may touch the item; run_worker then fails
         self.done = True
         conn_id = None
         if session is not None:
@@ -407,14 +403,31 @@ def _buy(
 
 
 def run_worker(engine: Engine, spec: Spec, stats: Stats, channels: Channels) -> Report:
-    """Every order's triggers and every purchase, orders and purchases interleaved in a seeded order."""
+    """Every order's triggers and every purchase, orders and purchases interleaved in a seeded order.
+
+    The held item comes first; the items other workers hold come last, once
+    the test has set ``channels.targets``.
+    """
     tasks: list[tuple[str, Any]] = [(TRANSITIONS, k) for k in spec.orders]
     tasks += [(COUNTERS, p) for p in spec.purchases]
     random.Random(spec.seed).shuffle(tasks)
+
+    def item(task: tuple[str, Any]) -> tuple[str, Any]:
+        return (task[0], task[1] if task[0] == TRANSITIONS else task[1][0])
+
+    first = [] if spec.hold is None else [(spec.hold.kind, spec.hold.item)]
+    tasks.sort(key=lambda t: item(t) not in first)  # stable: the rest keeps its shuffled order
+    later = set(spec.later)
+    tasks = (
+        [t for t in tasks if item(t) not in later] + [("wait", None)] + [t for t in tasks if item(t) in later]
+    )
     holder = _Holder(spec, channels)
     calls: dict[str, list[tuple[Any, str, str, Any, Any]]] = {TRANSITIONS: [], COUNTERS: []}
     for kind, task in tasks:
-        if kind == TRANSITIONS:
+        if kind == "wait":
+            if later and not channels.targets.wait(HOLD_FOR):
+                raise AssertionError(f"the held items were not freed within {HOLD_FOR:.0f}s")
+        elif kind == TRANSITIONS:
             for trigger in triggers_for(task):
                 r = _fire(engine, spec, stats, holder, task, trigger)
                 c = w._call(spec.worker, trigger, r)
@@ -424,7 +437,7 @@ def run_worker(engine: Engine, spec: Spec, stats: Stats, channels: Channels) -> 
             r = _buy(engine, spec, stats, holder, ref, amounts)
             calls[kind].append((ref, "buy", r.outcome.name, None, None))
     if spec.hold is not None and not holder.done:
-        raise AssertionError(f"{spec.worker} never reached its hold {spec.hold}")
+        raise AssertionError(f"{spec.worker} never reached its hold {spec.hold} (not APPLIED?)")
     return Report(spec.worker, calls, stats)
 
 
@@ -467,6 +480,10 @@ def purchases(n: int, hot_rows: int, seed: int) -> list[tuple[str, dict[int, int
     return out
 
 
+#: Purchases on the spare bin (see :attr:`Setup.spare_refs`).
+SPARE_REFS = 4
+
+
 @dataclass
 class Setup:
     """The tables of a storm, filled: orders 1..n pending, hot bins full, and the purchase plan."""
@@ -476,6 +493,8 @@ class Setup:
     keys: list[int]
     stock: dict[int, int]
     plan: list[tuple[str, dict[int, int]]]
+    #: Refs of one unit each on a spare bin that always has enough: a worker that starts with one applies it.
+    spare_refs: list[str]
 
     def specs(
         self,
@@ -486,7 +505,13 @@ class Setup:
         isolation: str | None = None,
         holds: dict[int, Hold] | None = None,
     ) -> list[Spec]:
-        """One spec per worker (``p0``, ``p1``, ...), all with the same work: each does all of it."""
+        """One spec per worker (``p0``, ``p1``, ...), all with the same work: each does all of it.
+
+        ``holds`` maps a worker's number to its :class:`Hold`; the others leave the held items to the end.
+        """
+        holds = holds or {}
+        held = tuple((h.kind, h.item) for h in holds.values())
+        assert len(set(held)) == len(held), "one worker per held item"
         return [
             Spec(
                 self.backend.name,
@@ -496,7 +521,8 @@ class Setup:
                 tuple(self.keys) if transitions else (),
                 tuple(self.plan) if counters else (),
                 isolation,
-                (holds or {}).get(i),
+                holds.get(i),
+                () if i in holds else held,
             )
             for i in range(workers)
         ]
@@ -514,13 +540,18 @@ def prepare(backend: Any, sizes: Sizes) -> Setup:
     stock = {k: sizes.stock for k in range(1, sizes.hot_rows + 1)}
     with Session(engine) as s, s.begin():
         s.add_all(Order(id=k, status="pending") for k in keys)
-        s.add_all(Bin(id=k, qty=q) for k, q in stock.items())
     plan = purchases(sizes.purchases, sizes.hot_rows, seed=7)
     demand: Counter[int] = Counter()
     for _, amounts in plan:
         demand.update(amounts)
     assert all(demand[k] > q for k, q in stock.items()), "every hot row must be oversubscribed"
-    return Setup(backend, engine, keys, stock, plan)
+    spare = sizes.hot_rows + 1
+    spare_refs = [f"ref-{len(plan) + i}" for i in range(SPARE_REFS)]
+    plan += [(ref, {spare: 1}) for ref in spare_refs]
+    stock[spare] = SPARE_REFS
+    with Session(engine) as s, s.begin():
+        s.add_all(Bin(id=k, qty=q) for k, q in stock.items())
+    return Setup(backend, engine, keys, stock, plan, spare_refs)
 
 
 # --------------------------------------------------------------------------
@@ -557,6 +588,10 @@ class Control:
     def release(self, worker: str) -> None:
         """Let a held worker go on."""
         self.channels.release[worker].set()
+
+    def free_targets(self) -> None:
+        """Let every worker do the held items (done anyway once ``during`` returns)."""
+        self.channels.targets.set()
 
     def connections(self) -> dict[str, list[int]]:
         """Every server connection id each worker reported so far, oldest first."""
@@ -616,6 +651,7 @@ def run_storm(
         held=ctx.Queue(),
         connections=ctx.Queue(),
         release={s.worker: ctx.Event() for s in specs},
+        targets=ctx.Event(),
     )
     procs = {s.worker: ctx.Process(target=worker_main, args=(s, channels)) for s in specs}
     for p in procs.values():
@@ -628,6 +664,7 @@ def run_storm(
         channels.barrier.wait(w.BARRIER_TIMEOUT)
         if during is not None:
             during(control)
+        control.free_targets()
         expected = {s.worker for s in specs} - control.killed
         while not expected <= set(got) and time.monotonic() < deadline:
             try:
