@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import os
+import pickle
 import threading
 import time
 import uuid
@@ -427,6 +428,15 @@ def test_a_forked_copy_issues_no_ids_and_leaves_the_lease(engine: Engine) -> Non
         assert os.waitstatus_to_exitcode(status) == 0
         assert _lease_row(engine, ids.worker_id).owner == ids._owner
         assert ids.next_id() > parent_id
+
+
+def test_errors_survive_pickling() -> None:
+    """WorkerLeaseLost and WorkerIdsExhausted come back from pickle (a process pool) with their fields."""
+    lost = pickle.loads(pickle.dumps(WorkerLeaseLost("gone", namespace="n", worker_id=7)))
+    assert type(lost) is WorkerLeaseLost and str(lost) == "gone"
+    assert (lost.namespace, lost.worker_id) == ("n", 7)
+    full = pickle.loads(pickle.dumps(WorkerIdsExhausted("full", namespace="m")))
+    assert type(full) is WorkerIdsExhausted and str(full) == "full" and full.namespace == "m"
 
 
 def test_claim_assigns_last_ms_before_the_lease_on_mysql() -> None:
