@@ -37,6 +37,7 @@ from . import _sql
 from ._async import AsyncSession, DualContext, dual
 from .engine import BEGIN_MARK
 from .exceptions import InvalidArgument, LockLost, LockNotAcquired, NotSupported
+from .tokens import _check_redis_client
 
 if TYPE_CHECKING:
     from redis.asyncio.lock import Lock as AsyncLock
@@ -588,8 +589,6 @@ class _RedisLockBase:
         blocking_timeout: float | timedelta | None = None,
         sleep: float = 0.1,
     ) -> None:
-        from .tokens import _check_redis_client
-
         cls = self._lock_class()
         owner = type(self).__name__
         _check_redis_client(client, owner, asynchronous=self._holder == "task")
