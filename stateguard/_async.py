@@ -36,6 +36,7 @@ else:
         class AsyncSession:
             """Stand-in when SQLAlchemy's asyncio extension cannot load: no AsyncSession can exist then."""
 
+
 from .exceptions import InvalidArgument
 
 __all__ = ["AsyncSession", "Dual", "DualContext", "dual", "sync_session_of"]
@@ -44,13 +45,15 @@ P = ParamSpec("P")
 R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
 T = TypeVar("T")
+S = TypeVar("S")
+S_contra = TypeVar("S_contra", contravariant=True)
 
 
-class Dual(Protocol[P, R_co]):
+class Dual(Protocol[S_contra, P, R_co]):
     """A public call that takes a Session (returns the result) or an AsyncSession (returns a coroutine)."""
 
     @overload
-    def __call__(self, session: Session, /, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
+    def __call__(self, session: S_contra, /, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
 
     @overload
     def __call__(
@@ -58,13 +61,17 @@ class Dual(Protocol[P, R_co]):
     ) -> Coroutine[Any, Any, R_co]: ...
 
 
-def dual(fn: Callable[Concatenate[Session, P], R]) -> Dual[P, R]:
-    """Make ``fn(session, ...)`` also accept an AsyncSession, returning an awaitable then."""
+def dual(fn: Callable[Concatenate[S, P], R]) -> Dual[S, P, R]:
+    """Make ``fn(session, ...)`` also accept an AsyncSession, returning an awaitable then.
+
+    The first parameter keeps its own type for synchronous calls (a Session,
+    or for the purges also an Engine or Connection).
+    """
 
     @functools.wraps(fn)
     def call(session: Any, /, *args: Any, **kwargs: Any) -> Any:
         if isinstance(session, AsyncSession):
-            return session.run_sync(fn, *args, **kwargs)
+            return session.run_sync(fn, *args, **kwargs)  # type: ignore[arg-type]
         return fn(session, *args, **kwargs)
 
     return call

@@ -19,7 +19,9 @@ transaction may succeed (see :func:`stateguard.retry_on_conflict`).
     ├── RefConflict                      a counter ref was reused with a different amount
     ├── LockNotAcquired                  retryable=True: a lock was held (NOWAIT / timeout)
     ├── LockLost                         a lock expired and another holder took it
-    │   └── LeaseLost                    an idempotency key's lease was taken over
+    │   ├── LeaseLost                    an idempotency key's lease was taken over
+    │   └── WorkerLeaseLost              a Snowflake's worker-id lease was taken over
+    ├── WorkerIdsExhausted               retryable=True: every Snowflake worker id is leased
     ├── RequestInProgress                an idempotency key is being worked on (.retry_after)
     ├── IdempotencyKeyReused             a key came back with a different request fingerprint
     ├── RequestFailed                    an idempotency key's request failed for good (.error)
@@ -70,6 +72,20 @@ class StateguardError(Exception):
     """Root of every stateguard exception."""
 
     retryable: bool = False
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # BaseException pickles as cls(*args), which loses keyword-only
+        # arguments and attributes (scope, key, result, retry_after...): an
+        # error could not come back from a process pool.  Rebuild it without
+        # calling __init__, from its args and attributes.
+        return _restore, (type(self), self.args, self.__dict__)
+
+
+def _restore(cls: type[StateguardError], args: tuple[Any, ...], state: dict[str, Any]) -> StateguardError:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class ConfigurationError(StateguardError):

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import secrets
 import threading
@@ -151,13 +150,6 @@ class WorkerLeaseLost(LockLost):
         self.worker_id = worker_id
         super().__init__(message)
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        # BaseException pickles as cls(*args), which drops keyword-only
-        # arguments: without this the error could not come back from a
-        # process pool (concurrent.futures then reports the pool broken).
-        rebuild = functools.partial(type(self), namespace=self.namespace, worker_id=self.worker_id)
-        return rebuild, self.args
-
 
 class WorkerIdsExhausted(StateguardError):
     """All 1024 worker ids of a :class:`Snowflake` namespace are leased by live generators.
@@ -177,10 +169,6 @@ class WorkerIdsExhausted(StateguardError):
     def __init__(self, message: str, *, namespace: str) -> None:
         self.namespace = namespace
         super().__init__(message)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # As WorkerLeaseLost: keyword-only arguments survive pickling.
-        return functools.partial(type(self), namespace=self.namespace), self.args
 
 
 def _wall_ms() -> int:

@@ -441,7 +441,7 @@ def test_purging_20k_expired_keys_under_load_never_blocks_claims_long(engine: En
         try:
             # The ignore: purge_expired is wrapped by _async.dual, whose overloads accept only
             # a Session or AsyncSession, although an Engine is documented and works.
-            while (deleted := purge_expired(engine, batch=PURGE_BATCH)) > 0:  # type: ignore[call-overload]
+            while (deleted := purge_expired(engine, batch=PURGE_BATCH)) > 0:
                 batches.append(deleted)
                 # As `stateguard purge` does (its default pause is 50 ms): SQLite queues no
                 # writers, so a purge looping without a pause wins its write lock back

@@ -93,3 +93,29 @@ def test_py_typed_marker_is_shipped() -> None:
     from importlib.resources import files
 
     assert files("stateguard").joinpath("py.typed").is_file()
+
+
+def test_every_error_survives_pickling_with_its_attributes() -> None:
+    """Each exported error round-trips through pickle (process pools) with message and attributes."""
+    import pickle
+    from datetime import timedelta
+
+    from stateguard import Outcome, Result
+
+    result = Result(Outcome.REJECTED, model=int, key=7, trigger="pay", state="paid")
+    samples: list[stateguard.StateguardError] = [
+        stateguard.IdempotencyKeyReused("reused", scope="s", key="k"),
+        stateguard.RequestInProgress("busy", scope="s", key="k", retry_after=timedelta(seconds=3)),
+        stateguard.RequestFailed("failed", scope="s", key="k", error="declined"),
+        stateguard.LeaseLost("lost", scope="s", key="k"),
+        stateguard.WorkerLeaseLost("lost", namespace="ns", worker_id=3),
+        stateguard.WorkerIdsExhausted("full", namespace="ns"),
+        stateguard.TransitionRejected(result),
+        stateguard.DeadlockDetected("deadlock"),
+    ]
+    for error in samples:
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is type(error) and str(copy) == str(error)
+        assert vars(copy).keys() == vars(error).keys()
+    assert pickle.loads(pickle.dumps(samples[1])).retry_after == timedelta(seconds=3)  # type: ignore[attr-defined]
+    assert pickle.loads(pickle.dumps(samples[6])).state == "paid"  # type: ignore[attr-defined]

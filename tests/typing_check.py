@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 
 from sqlalchemy import String, create_engine, func
+from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from stateguard import (
@@ -16,8 +17,12 @@ from stateguard import (
     Result,
     StaleVersion,
     StateMachine,
+    decrement,
     guarded_update,
+    idempotent,
     insert_once,
+    purge_expired,
+    purge_expired_tokens,
     retry_on_conflict,
     version_column,
 )
@@ -90,3 +95,26 @@ def allowed(order: Order) -> list[str]:
     version: int | None = Order.flow.fire(Session(), "ship", order).version
     print(version, Order.flow.pay.statement(1))
     return names
+
+
+def create_payment(session: Session, key: str, body: dict[str, int]) -> dict[str, int]:
+    with idempotent(session, scope="payments", key=key, fingerprint=body) as call:
+        if call.replayed:
+            response: dict[str, int] = call.response
+            return response
+        return call.complete({"payment_id": 1})
+
+
+async def create_payment_async(session: AsyncSession, key: str) -> int:
+    async with idempotent(session, scope="payments", key=key) as call:
+        if call.replayed:
+            return int(call.response)
+        paid: Result = await Order.flow.pay(session, 1)
+        left: Result = await decrement(session, Order.id, 1, by=1)
+        print(paid.applied, left.value)
+        return await call.complete(1)
+
+
+def housekeeping(engine_url: str) -> int:
+    engine = create_engine(engine_url)
+    return purge_expired(engine, batch=500) + purge_expired_tokens(engine)
