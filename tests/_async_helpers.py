@@ -328,6 +328,10 @@ class Side:
 Scenario = Callable[[Side], Coroutine[Any, Any, None]]
 
 
+#: Sync records by (backend, scenario, options): asyncpg and psycopg async share PostgreSQL's.
+_sync_records: dict[tuple[str, str, bool, str], list[Any]] = {}
+
+
 def run_both(
     target: AsyncTarget,
     scenario: Scenario,
@@ -338,16 +342,22 @@ def run_both(
 ) -> tuple[list[Any], list[Any]]:
     """Run ``scenario`` on the sync driver, then on ``target``'s async driver; both records.
 
-    ``reset(sync_engine)`` recreates and seeds the tables before each side.
+    ``reset(sync_engine)`` empties and seeds the tables before each side.  The sync
+    record of a scenario is computed once per backend (both PostgreSQL drivers compare
+    against the same psycopg run).
     """
     kw = dict(engine_kw or {})
     sync_engine = target.sync_engine(helper=helper, **kw)
-    sync_log: list[Any] = []
+    cache_key = (target.name, scenario.__qualname__, helper, repr(sorted(kw.items())))
+    sync_log = _sync_records.get(cache_key)
     async_log: list[Any] = []
     try:
-        reset(sync_engine)
-        maker = sessionmaker(sync_engine, expire_on_commit=False)
-        asyncio.run(scenario(Side(False, maker, sync_log, sync_engine.dialect.name)))
+        if sync_log is None:
+            sync_log = []
+            reset(sync_engine)
+            maker = sessionmaker(sync_engine, expire_on_commit=False)
+            asyncio.run(scenario(Side(False, maker, sync_log, sync_engine.dialect.name)))
+            _sync_records[cache_key] = sync_log
         reset(sync_engine)
     finally:
         sync_engine.dispose()

@@ -1,0 +1,296 @@
+"""200 concurrent asyncio tasks on one AsyncEngine per backend (asyncpg, psycopg async,
+aiomysql, aiosqlite through async_sqlite_engine): one APPLIED per row and one side effect
+per APPLIED, no oversell, one run per idempotency key, and a task cancelled inside an
+``async with idempotent(...)`` block leaves its key claimable again.
+
+The pool is smaller than the number of tasks (24 + 8 overflow, tasks wait for a
+connection), so at any moment dozens of transactions race on the same rows; each test
+checks that the pool really was used concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import random
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+
+from stateguard import Outcome, decrement, idempotent
+from stateguard._keys import idempotency_keys
+from stateguard.counters import counter_ledger
+from stateguard.idempotency import Mode
+from stateguard.tables import metadata as stateguard_metadata
+
+from ._async_helpers import ASYNC_TARGETS, AsyncTarget, Tables, max_checked_out, retry_async, target_from
+from ._counter_workers import Bin, CounterBase
+from .models import Base, Message, Order, SideEffect
+
+TASKS = 200
+ROWS = 20
+STOCK = 50
+POOL = {"pool_size": 20, "max_overflow": 0}
+SQLITE_POOL = {"pool_size": 4, "max_overflow": 0}
+
+
+@pytest.fixture(scope="module")
+def tables() -> Iterator[Tables]:
+    """Orders, side effects, messages, bins and stateguard's tables, created once per backend."""
+    t = Tables(Base.metadata, CounterBase.metadata, stateguard_metadata)
+    yield t
+    t.drop()
+
+
+@pytest.fixture(params=list(ASYNC_TARGETS))
+def target(request: pytest.FixtureRequest, tables: Tables) -> AsyncTarget:
+    """Each async driver, its tables created and empty."""
+    t = target_from(request)
+    tables.ready(t.backend)
+    return t
+
+
+def _run(target: AsyncTarget, body: Callable[[AsyncEngine], Any], **engine_kw: Any) -> Any:
+    """Run ``body(engine)`` in a fresh event loop with an AsyncEngine of ``target``."""
+
+    async def main() -> Any:
+        # SQLite: async_sqlite_engine (BEGIN IMMEDIATE, WAL, busy timeout), the way to run it,
+        # with a small pool: there is one writer, and connections waiting in SQLite's busy
+        # handler sleep in steps of up to 100 ms, while tasks queued on the pool wake at once.
+        pool = POOL if target.name != "sqlite" else SQLITE_POOL
+        engine = target.engine(helper=True, **{**pool, **engine_kw})
+        try:
+            return await body(engine)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(main())
+
+
+def _min_overlap(target: AsyncTarget) -> int:
+    """How many connections must have been checked out at once for the race to count."""
+    return 10 if target.name != "sqlite" else 3
+
+
+@pytest.fixture(params=["aiosqlite", "asyncpg", "aiomysql"])
+def storm_target(request: pytest.FixtureRequest, tables: Tables) -> AsyncTarget:
+    """One driver per backend for the 4000-transaction storm (psycopg async runs the other storms)."""
+    t = target_from(request)
+    tables.ready(t.backend)
+    return t
+
+
+def test_200_tasks_pay_the_same_20_rows_once_each(storm_target: AsyncTarget) -> None:
+    """200 tasks fire pay on the same 20 rows in random orders: one APPLIED and one side effect per row."""
+    target = storm_target
+
+    with target.backend.engine.begin() as conn:
+        conn.execute(
+            Order.__table__.insert(),
+            [{"id": i, "status": "pending", "version": 1} for i in range(1, ROWS + 1)],
+        )  # type: ignore[attr-defined]
+
+    async def body(engine: AsyncEngine) -> tuple[Counter[Outcome], list[str], int]:
+        maker = async_sessionmaker(engine, expire_on_commit=False)
+        outcomes: Counter[Outcome] = Counter()
+        conflicts: list[str] = []
+        go = asyncio.Event()
+
+        async def fire(worker: int, row: int) -> Outcome:
+            async with maker() as s, s.begin():
+                r = await Order.flow.pay(s, row)
+                if r.applied:
+                    s.add(SideEffect(order_id=row, what="pay", worker=f"task-{worker}"))
+                return r.outcome
+
+        async def task(worker: int) -> None:
+            rows = list(range(1, ROWS + 1))
+            random.Random(worker).shuffle(rows)
+            await go.wait()
+            for row in rows:
+                outcomes[await retry_async(functools.partial(fire, worker, row), conflicts)] += 1
+
+        with max_checked_out(engine) as seen:
+            tasks = [asyncio.create_task(task(i)) for i in range(TASKS)]
+            await asyncio.sleep(0)
+            go.set()
+            await asyncio.gather(*tasks)
+        return outcomes, conflicts, seen[1]
+
+    outcomes, conflicts, overlap = _run(target, body)
+    assert outcomes == Counter({Outcome.APPLIED: ROWS, Outcome.REPEATED: TASKS * ROWS - ROWS}), conflicts
+    assert overlap >= _min_overlap(target), overlap
+    with target.backend.engine.connect() as conn:
+        per_row = dict(
+            conn.execute(select(SideEffect.order_id, func.count()).group_by(SideEffect.order_id)).all()
+        )
+        statuses = set(conn.execute(select(Order.status)).scalars())
+    assert per_row == dict.fromkeys(range(1, ROWS + 1), 1)
+    assert statuses == {"paid"}
+
+
+def test_200_tasks_cannot_oversell_a_stock_of_50(target: AsyncTarget) -> None:
+    """200 tasks decrement a stock of 50 with refs and retry once: 50 APPLIED, 50 REPEATED, no oversell."""
+    with target.backend.engine.begin() as conn:
+        conn.execute(Bin.__table__.insert(), [{"id": 1, "qty": STOCK, "cap": 0, "version": 1}])  # type: ignore[attr-defined]
+
+    async def body(engine: AsyncEngine) -> tuple[Counter[Outcome], list[str], int]:
+        maker = async_sessionmaker(engine, expire_on_commit=False)
+        outcomes: Counter[Outcome] = Counter()
+        conflicts: list[str] = []
+        go = asyncio.Event()
+
+        async def buy(ref: str) -> Outcome:
+            async with maker() as s, s.begin():
+                return (await decrement(s, Bin.qty, 1, by=1, ref=ref)).outcome
+
+        async def task(worker: int) -> None:
+            await go.wait()
+            ref = f"order-{worker}"
+            first = await retry_async(lambda: buy(ref), conflicts)
+            again = await retry_async(lambda: buy(ref), conflicts)  # the client's retry
+            assert (first, again) in (
+                (Outcome.APPLIED, Outcome.REPEATED),
+                (Outcome.INSUFFICIENT, Outcome.INSUFFICIENT),
+            ), (first, again)
+            outcomes.update([first, again])
+
+        with max_checked_out(engine) as seen:
+            tasks = [asyncio.create_task(task(i)) for i in range(TASKS)]
+            await asyncio.sleep(0)
+            go.set()
+            await asyncio.gather(*tasks)
+        return outcomes, conflicts, seen[1]
+
+    outcomes, conflicts, overlap = _run(target, body)
+    sold_out = TASKS - STOCK
+    assert outcomes == Counter(
+        {Outcome.APPLIED: STOCK, Outcome.REPEATED: STOCK, Outcome.INSUFFICIENT: 2 * sold_out}
+    ), conflicts
+    assert overlap >= _min_overlap(target), overlap
+    with target.backend.engine.connect() as conn:
+        assert conn.execute(select(Bin.qty)).scalar_one() == 0
+        assert conn.execute(select(func.count()).select_from(counter_ledger)).scalar_one() == STOCK
+
+
+def test_200_tasks_with_one_idempotency_key_run_the_body_once(target: AsyncTarget) -> None:
+    """200 tasks send the same key at once (same_transaction): the body runs once, 199 replay its response."""
+
+    async def body(engine: AsyncEngine) -> tuple[list[Any], int, list[str], int]:
+        maker = async_sessionmaker(engine, expire_on_commit=False)
+        runs: list[int] = []
+        replies: list[Any] = []
+        conflicts: list[str] = []
+        go = asyncio.Event()
+
+        async def request(worker: int) -> Any:
+            async with maker() as s, s.begin():
+                async with idempotent(s, scope="payments", key="same-key", fingerprint={"amount": 5}) as call:
+                    if call.replayed:
+                        return call.response
+                    runs.append(worker)
+                    s.add(Message(message_id="paid"))
+                    await s.flush()
+                    await asyncio.sleep(0.05)  # the twins pile up on the claim meanwhile
+                    return await call.complete({"payment": "paid", "by": worker})
+
+        async def task(worker: int) -> None:
+            await go.wait()
+            replies.append(await retry_async(lambda: request(worker), conflicts))
+
+        with max_checked_out(engine) as seen:
+            tasks = [asyncio.create_task(task(i)) for i in range(TASKS)]
+            await asyncio.sleep(0)
+            go.set()
+            await asyncio.gather(*tasks)
+        return replies, len(runs), conflicts, seen[1]
+
+    replies, runs, conflicts, overlap = _run(target, body)
+    assert runs == 1, conflicts
+    assert len(replies) == TASKS and all(r == replies[0] for r in replies), replies
+    assert overlap >= _min_overlap(target), overlap
+    with target.backend.engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(Message.__table__)).scalar_one() == 1
+        status = conn.execute(select(idempotency_keys.c.status)).scalars().all()
+    assert status == ["completed"]
+
+
+CANCELLED = 40
+
+
+@pytest.mark.parametrize("mode", ["same_transaction", "separate"])
+def test_tasks_cancelled_inside_idempotent_leave_their_keys_claimable(
+    target: AsyncTarget, mode: Mode
+) -> None:
+    """Tasks cancelled while awaiting inside `async with idempotent()`: their writes vanish, keys are free.
+
+    On the servers 40 tasks are inside their blocks at once when they are cancelled.  SQLite
+    has one writer, and a block that has written holds the write lock while it sleeps, so
+    there the 40 tasks are cancelled one after another.
+    """
+    batch = CANCELLED if target.name != "sqlite" else 1
+
+    async def body(engine: AsyncEngine) -> list[tuple[bool, int, bool]]:
+        maker = async_sessionmaker(engine, expire_on_commit=False)
+
+        async def work(session: AsyncSession, key: str, inside: list[str], ready: asyncio.Event) -> None:
+            async with idempotent(session, scope="cancel", key=key, mode=mode) as call:
+                assert not call.replayed
+                session.add(Message(message_id=key))
+                await session.flush()
+                inside.append(key)
+                if len(inside) == batch:
+                    ready.set()
+                await asyncio.sleep(60)  # cancelled here
+                await call.complete("never")
+
+        async def task(key: str, inside: list[str], ready: asyncio.Event) -> None:
+            async with maker() as s:
+                try:
+                    await work(s, key, inside, ready)
+                except asyncio.CancelledError:
+                    # The caller catches the cancellation and commits its own work: the
+                    # block's writes and (same_transaction) its claim must not go with it.
+                    s.add(Message(message_id=f"after-{key}"))
+                    await s.commit()
+                    raise
+
+        keys = [f"k{i}" for i in range(CANCELLED)]
+        for first in range(0, CANCELLED, batch):
+            inside: list[str] = []
+            ready = asyncio.Event()
+            tasks = [asyncio.create_task(task(k, inside, ready)) for k in keys[first : first + batch]]
+            async with asyncio.timeout(60):
+                await ready.wait()
+            for t in tasks:
+                t.cancel()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            assert all(isinstance(r, asyncio.CancelledError) for r in results), results
+        # Every key is claimable again, by a fresh request.
+        again: list[tuple[bool, int, bool]] = []
+        async with maker() as s:
+            for key in keys:
+                async with idempotent(s, scope="cancel", key=key, mode=mode) as call:
+                    again.append((call.replayed, call.attempt, call.taken_over))
+                    await call.complete("second")
+                if mode == "same_transaction":
+                    await s.commit()
+        return again
+
+    again = _run(target, body, pool_size=CANCELLED + 5, max_overflow=0)
+    if mode == "same_transaction":
+        # The claim rolled back with the savepoint: the retry is a first call.
+        assert again == [(False, 1, False)] * CANCELLED
+    else:
+        # The claim had committed; the cancellation released it, so the retry takes it over at once.
+        assert again == [(False, 2, True)] * CANCELLED
+    with target.backend.engine.connect() as conn:
+        messages = set(conn.execute(select(Message.message_id)).scalars())
+        rows = conn.execute(select(idempotency_keys.c.status, idempotency_keys.c.response)).all()
+    assert messages == {f"after-k{i}" for i in range(CANCELLED)}
+    assert sorted(set(rows)) == [("completed", '"second"')]
+    assert len(rows) == CANCELLED
