@@ -518,9 +518,19 @@ def ensure_real_transaction(conn: Connection) -> None:
     """
     if conn.dialect.name != "sqlite":
         return
-    dbapi_conn = conn.connection.dbapi_connection
-    if dbapi_conn is not None and not getattr(dbapi_conn, "in_transaction", True):
+    if not _driver_in_transaction(conn):
         conn.exec_driver_sql("BEGIN")
+
+
+def _driver_in_transaction(conn: Connection) -> bool:
+    """Whether SQLite's driver has a transaction open (sqlite3, or aiosqlite under SQLAlchemy's adapter)."""
+    dbapi_conn = conn.connection.dbapi_connection
+    flag = getattr(dbapi_conn, "in_transaction", None)
+    if flag is None:
+        # SQLAlchemy's aiosqlite adapter does not expose it; the aiosqlite
+        # connection it wraps does (read from sqlite3's connection).
+        flag = getattr(getattr(dbapi_conn, "_connection", None), "in_transaction", None)
+    return True if flag is None else bool(flag)
 
 
 # --------------------------------------------------------------------------
@@ -565,8 +575,7 @@ def sqlite_write_lock(conn: Connection) -> None:
     """
     if conn.dialect.name != "sqlite":
         return
-    dbapi_conn = conn.connection.dbapi_connection
-    if dbapi_conn is not None and not getattr(dbapi_conn, "in_transaction", True):
+    if not _driver_in_transaction(conn):
         execute(conn, _BEGIN_IMMEDIATE)
 
 

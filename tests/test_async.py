@@ -478,22 +478,8 @@ async def _rolled_back(side: Side) -> None:
             assert (await side.run(lambda: insert_once(s, Message, {"message_id": "rb"}))).applied
 
 
-#: stateguard._sql.ensure_real_transaction reads ``in_transaction`` from the DBAPI connection;
-#: SQLAlchemy's aiosqlite adapter has no such attribute, so no BEGIN is sent before the
-#: SAVEPOINT, which then opens (and its RELEASE commits) a transaction of its own.
-AIOSQLITE_SAVEPOINT_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="plain aiosqlite engine: ensure_real_transaction() misses the adapter's in_transaction, "
-    "so idempotent()/reserve() savepoints commit on their own (stateguard/_sql.py:521)",
-)
-
-
-def test_a_rollback_takes_savepoint_writes_along(
-    target: AsyncTarget, tables: Tables, request: pytest.FixtureRequest
-) -> None:
+def test_a_rollback_takes_savepoint_writes_along(target: AsyncTarget, tables: Tables) -> None:
     """Rolling back the caller's transaction undoes an idempotent claim, a reservation and an insert_once."""
-    if target.driver == "aiosqlite":
-        request.applymarker(AIOSQLITE_SAVEPOINT_BUG)
     _check(target, tables, _rolled_back, entries=5)
 
 
