@@ -1,0 +1,96 @@
+"""A shop API on FastAPI and AsyncSession: each payment runs once, whatever the client retries."""
+
+import os
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Header, HTTPException, Request
+from fastapi.responses import JSONResponse
+from sqlalchemy import String
+from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from stateguard import (
+    Outcome,
+    StateguardError,
+    StateMachine,
+    async_sqlite_engine,
+    decrement,
+    idempotent,
+    release,
+    version_column,
+)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Order(Base):
+    __tablename__ = "shop_orders"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    sku: Mapped[str] = mapped_column(String(20))
+    status: Mapped[str] = mapped_column(String(20), default="pending")
+    version: Mapped[int] = version_column()
+
+    flow = StateMachine(
+        "status",
+        states=["pending", "paid", "cancelled"],
+        transitions=[
+            {"trigger": "pay", "source": "pending", "dest": "paid"},
+            {"trigger": "cancel", "source": ["pending", "paid"], "dest": "cancelled"},
+        ],
+    )
+
+
+class Stock(Base):
+    __tablename__ = "shop_stock"
+    sku: Mapped[str] = mapped_column(String(20), primary_key=True)
+    amount: Mapped[int]
+
+
+url = os.environ.get("DATABASE_URL", "sqlite+aiosqlite:///shop.db")  # or postgresql+asyncpg://...
+engine = async_sqlite_engine(url) if url.startswith("sqlite") else create_async_engine(url, pool_size=20)
+Session = async_sessionmaker(engine, expire_on_commit=False)
+app = FastAPI()
+
+
+@app.exception_handler(StateguardError)
+async def stateguard_error(request: Request, exc: StateguardError) -> JSONResponse:
+    # retryable: a deadlock, a serialization failure, a lock wait; otherwise e.g. a key reused
+    if exc.retryable:
+        return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": "1"})
+    return JSONResponse({"detail": str(exc)}, status_code=422)
+
+
+@app.post("/orders/{order_id}/pay")
+async def pay(order_id: int, idempotency_key: Annotated[str, Header()]) -> Any:
+    async with Session() as session, session.begin():  # commits before the response is sent
+        async with idempotent(
+            session, scope="pay", key=idempotency_key, fingerprint={"order": order_id}
+        ) as call:
+            if call.replayed:
+                return call.response  # a retry: the first response, nothing runs again
+            order = await session.get(Order, order_id)
+            if order is None:
+                raise HTTPException(404, f"no order {order_id}")
+            paid = await Order.flow.pay(session, order)
+            if paid.outcome is Outcome.REJECTED:
+                raise HTTPException(409, f"order {order_id} is {paid.state}")
+            taken = await decrement(session, Stock.amount, order.sku, ref=f"order-{order_id}")
+            if taken.outcome is Outcome.INSUFFICIENT:
+                # Rolls back the payment with the transaction and frees the key for a retry.
+                raise HTTPException(409, f"{order.sku} is sold out")
+            return await call.complete({"order": order_id, "status": paid.state, "left": taken.value})
+
+
+@app.post("/orders/{order_id}/cancel")
+async def cancel(order_id: int) -> dict[str, Any]:
+    async with Session() as session, session.begin():
+        cancelled = await Order.flow.cancel(session, order_id)
+        if cancelled.outcome is Outcome.NOT_FOUND:
+            raise HTTPException(404, f"no order {order_id}")
+        if cancelled.outcome is Outcome.REJECTED:
+            raise HTTPException(409, f"order {order_id} is {cancelled.state}")
+        # Gives the stock back once, if the payment took it; REPEATED or NOT_FOUND otherwise.
+        restocked = await release(session, Stock.amount, f"order-{order_id}")
+        return {"order": order_id, "status": cancelled.state, "restocked": restocked.applied}
