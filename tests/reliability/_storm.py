@@ -49,7 +49,7 @@ from sqlalchemy import Engine, bindparam, create_engine, event, func, select, te
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
-from stateguard import Result, StateguardError, decrement, reserve, retry_on_conflict
+from stateguard import DeadlockDetected, Result, StateguardError, decrement, reserve, retry_on_conflict
 from stateguard._sql import classify_db_error
 from stateguard.counters import counter_ledger
 
@@ -208,6 +208,10 @@ class Stats:
     conflicts: int = 0
     reconnects: int = 0
     raised: Counter[str] = field(default_factory=Counter)
+    #: The driver's messages of the errors in ``raised`` (first line, shortened), for failure reports.
+    messages: Counter[str] = field(default_factory=Counter)
+    #: Units run again after :func:`savepoint_lost_after_deadlock` (a stateguard bug, see there).
+    savepoint_bug: int = 0
     isolation: str | None = None
 
 
@@ -257,13 +261,33 @@ def make_engine(spec: Spec, connections: Any) -> Engine:
     return engine
 
 
+#: MariaDB/MySQL error numbers of a connection that is gone or cannot be made: server shutdown,
+#: connection killed, can't connect (socket, TCP), server gone away, lost during query, lost at
+#: handshake, disconnected for inactivity.
+MYSQL_LOST = {1053, 1927, 2002, 2003, 2006, 2013, 2055, 4031}
+#: PostgreSQL SQLSTATEs of the same: admin shutdown, crash shutdown, cannot connect now (starting up).
+PG_LOST = {"57P01", "57P02", "57P03"}
+
+
 def lost_connection(error: sa_exc.DBAPIError) -> bool:
-    """The server dropped us (or is not up yet), as opposed to a conflict or a bug."""
-    if error.connection_invalidated:
+    """The server dropped us (or is not up yet), by the driver's codes; anything else is a bug to report.
+
+    Deliberately narrow: an unexpected driver error (say, a ROLLBACK TO a
+    savepoint the server already discarded) must fail the storm, not be
+    retried as if the network had failed.
+    """
+    if error.connection_invalidated or isinstance(error, sa_exc.InterfaceError):
         return True
-    return isinstance(error, sa_exc.OperationalError | sa_exc.InterfaceError) and (
-        classify_db_error(error) is None
-    )
+    orig = error.orig
+    module = type(orig).__module__
+    if module.startswith("psycopg"):
+        sqlstate = getattr(orig, "sqlstate", None)
+        # No SQLSTATE: the client library failed (connection refused, server closed the socket).
+        return sqlstate is None or sqlstate.startswith("08") or sqlstate in PG_LOST
+    if module.startswith("pymysql"):
+        args: tuple[Any, ...] = getattr(orig, "args", ())
+        return bool(args) and args[0] in MYSQL_LOST
+    return False
 
 
 def describe(error: BaseException) -> str:
@@ -279,6 +303,8 @@ def describe(error: BaseException) -> str:
 def _note(stats: Stats, source: str, error: BaseException) -> None:
     if not getattr(error, "_sg_noted", False):
         stats.raised[f"{source} {describe(error)}"] += 1
+        orig = getattr(error, "orig", None) or error
+        stats.messages[f"{type(orig).__name__}: {str(orig).splitlines()[0][:100] if str(orig) else ''}"] += 1
         error._sg_noted = True  # type: ignore[attr-defined]
 
 
@@ -289,6 +315,29 @@ def guarded(stats: Stats, fn: Callable[[], T]) -> T:
     except (StateguardError, sa_exc.DBAPIError) as error:
         _note(stats, "stateguard", error)
         raise
+
+
+def savepoint_lost_after_deadlock(error: BaseException) -> bool:
+    """stateguard bug (MariaDB): a deadlock inside a savepoint comes out as "SAVEPOINT does not exist".
+
+    InnoDB rolls the whole transaction back on a deadlock, savepoints
+    included; ``reserve()`` (and ``insert_once()``) then roll their savepoint
+    back anyway, and the server's error 1305 replaces the retryable
+    DeadlockDetected, so ``retry_on_conflict`` gives up on a unit it should
+    run again.  Recognised exactly (1305 raised while handling
+    DeadlockDetected) so the storms can go on and still check every
+    invariant; the tests then xfail with the reason instead of passing.
+    """
+    if not isinstance(error, sa_exc.OperationalError):
+        return False
+    if getattr(error.orig, "args", (None,))[0] != 1305:
+        return False
+    cause = error.__context__
+    while cause is not None:
+        if isinstance(cause, DeadlockDetected):
+            return True
+        cause = cause.__context__
+    return False
 
 
 def persist(fn: Callable[[], T], stats: Stats) -> T:
@@ -314,6 +363,9 @@ def persist(fn: Callable[[], T], stats: Stats) -> T:
         try:
             return retry_on_conflict(counted, attempts=300, backoff=0.001, max_backoff=0.05)
         except sa_exc.DBAPIError as error:
+            if savepoint_lost_after_deadlock(error):
+                stats.savepoint_bug += 1  # the server rolled it all back: running it again is safe
+                continue
             if not lost_connection(error) or time.monotonic() > deadline:
                 raise
             stats.reconnects += 1
@@ -626,6 +678,21 @@ class Storm:
         for r in self.reports:
             found.update(r.stats.raised)
         return found
+
+    def messages(self) -> Counter[str]:
+        found: Counter[str] = Counter()
+        for r in self.reports:
+            found.update(r.stats.messages)
+        return found
+
+    def xfail_on_known_bugs(self) -> None:
+        """Call last, once every invariant passed: xfail if a worker met the savepoint bug."""
+        if self.total("savepoint_bug"):
+            pytest.xfail(
+                f"stateguard bug: {self.total('savepoint_bug')} MariaDB deadlock(s) inside reserve() came "
+                f"out as OperationalError 1305 'SAVEPOINT does not exist' instead of DeadlockDetected "
+                f"(the invariants held; the workers ran those units again)"
+            )
 
     def untyped_conflicts(self) -> dict[str, int]:
         """Retryable conflicts that came out of a stateguard call as raw driver errors (must be none)."""

@@ -117,7 +117,8 @@ def test_sigkilled_workers_roll_back_and_the_others_finish(backend: Backend, siz
             assert owners == [held.worker], held  # committed before the kill: kept
         else:
             assert owners != [held.worker], held  # rolled back by the kill: someone else applied it
-    assert storm.untyped_conflicts() == {}
+    assert storm.untyped_conflicts() == {}, storm.messages()
+    storm.xfail_on_known_bugs()
 
 
 # --------------------------------------------------------------------------
@@ -164,7 +165,8 @@ def test_cut_connections_surface_dbapi_errors_and_retries_finish(server: Backend
     assert storm.total("reconnects") >= 2 + 3, (storm.total("reconnects"), lost)
     check_transitions(setup.engine, storm, setup.keys, exact=False)
     check_counters(setup.engine, storm, setup.stock, setup.plan, exact=False)
-    assert storm.untyped_conflicts() == {}
+    assert storm.untyped_conflicts() == {}, storm.messages()
+    storm.xfail_on_known_bugs()
 
 
 # --------------------------------------------------------------------------
@@ -246,4 +248,5 @@ def test_postgresql_restart_mid_storm_loses_nothing(pg: Backend, sizes: Sizes) -
     assert lost and storm.total("reconnects") >= 1, storm.raised()
     check_transitions(setup.engine, storm, setup.keys, exact=False)
     check_counters(setup.engine, storm, setup.stock, setup.plan, exact=False)
-    assert storm.untyped_conflicts() == {}
+    assert storm.untyped_conflicts() == {}, storm.messages()
+    storm.xfail_on_known_bugs()

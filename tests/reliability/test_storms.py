@@ -14,24 +14,18 @@ from ._storm import Sizes, check_counters, check_transitions, prepare, run_storm
 DEFAULT_LEVEL = {"sqlite": None, "postgresql": "read committed", "mariadb": "REPEATABLE-READ"}
 
 
-def test_transition_storm_applies_each_transition_once(backend: Backend, sizes: Sizes) -> None:
-    """8 processes fire pay, cancel and ship at every order: each transition applies once, with one
-    side effect, and every order ends in its final state."""
+def test_storm_applies_each_transition_once_and_never_oversells(backend: Backend, sizes: Sizes) -> None:
+    """8 processes fire pay, [cancel,] ship at every order and send every purchase (decrement or
+    reserve with a ref) of an oversubscribed plan on 3 hot rows: each transition applies once with
+    one side effect, no oversell, no lost update, each ref applied at most once, all-or-nothing."""
     setup = prepare(backend, sizes)
-    storm = run_storm(setup.specs(counters=False), timeout=sizes.timeout)
+    storm = run_storm(setup.specs(), timeout=sizes.timeout)
     assert {r.stats.isolation for r in storm.reports} == {DEFAULT_LEVEL[backend.name]}
     check_transitions(setup.engine, storm, setup.keys, exact=True)
-    assert storm.untyped_conflicts() == {}
-
-
-def test_counter_storm_never_oversells_or_applies_a_ref_twice(backend: Backend, sizes: Sizes) -> None:
-    """8 processes send every purchase (decrement or reserve with a ref) of an oversubscribed plan on
-    3 hot rows: no oversell, no lost update, each ref applied at most once, all-or-nothing."""
-    setup = prepare(backend, sizes)
-    storm = run_storm(setup.specs(transitions=False), timeout=sizes.timeout)
-    assert {r.stats.isolation for r in storm.reports} == {DEFAULT_LEVEL[backend.name]}
     check_counters(setup.engine, storm, setup.stock, setup.plan, exact=True)
-    assert storm.untyped_conflicts() == {}
+    assert storm.untyped_conflicts() == {}, storm.messages()
+    assert not any("(connection lost)" in k for k in storm.raised()), storm.messages()
+    storm.xfail_on_known_bugs()
 
 
 # Idempotency-key storm: lands with stateguard/idempotency.py (issue 9, "no key executed twice").
