@@ -162,7 +162,8 @@ def test_cut_connections_surface_dbapi_errors_and_retries_finish(server: Backend
     # The one cut after its side effect was flushed: COMMIT failed, nothing of it stayed.
     assert any(k.startswith("unit ") for k in storm.report("p1").stats.raised if "lost" in k), lost
     assert min(cuts) >= 1, cuts  # every storm-wide cut caught live connections
-    assert storm.total("reconnects") >= 2 + 3, (storm.total("reconnects"), lost)
+    # Two from the held workers, and the storm-wide cuts caught someone inside a transaction.
+    assert storm.total("reconnects") >= 3, (storm.total("reconnects"), lost)
     check_transitions(setup.engine, storm, setup.keys, exact=False)
     check_counters(setup.engine, storm, setup.stock, setup.plan, exact=False)
     assert storm.untyped_conflicts() == {}, storm.messages()
