@@ -8,6 +8,7 @@ into here; per-dialect behaviour is confined to :class:`Backend`.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -520,6 +521,21 @@ def ensure_real_transaction(conn: Connection) -> None:
         return
     if not _driver_in_transaction(conn):
         conn.exec_driver_sql("BEGIN")
+
+
+def abandon_savepoint(savepoint: Any) -> None:
+    """Roll back a SAVEPOINT (Connection or Session level) while an error propagates, keeping that error.
+
+    MariaDB/MySQL roll the whole transaction back on a deadlock (1213),
+    savepoints included: ``ROLLBACK TO SAVEPOINT`` then fails with 1305
+    ("SAVEPOINT ... does not exist"), and raising that would hide the
+    retryable :class:`DeadlockDetected`.  The caller's transaction is dead
+    either way and must be rolled back.
+    """
+    if not savepoint.is_active:
+        return
+    with contextlib.suppress(sa_exc.DBAPIError):
+        savepoint.rollback()
 
 
 def _driver_in_transaction(conn: Connection) -> bool:

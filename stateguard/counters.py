@@ -506,8 +506,7 @@ def reserve(session: Session, column: Any, amounts: Mapping[Any, Any], *, ref: s
                 )
             values[r.key] = r.value
     except BaseException:
-        if savepoint.is_active:
-            savepoint.rollback()
+        _sql.abandon_savepoint(savepoint)
         raise
     savepoint.commit()
     return Result(outcomes.pop(), model=counter.model, key=ref, value=values, session=session)

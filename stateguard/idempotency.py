@@ -685,8 +685,7 @@ class _Idempotent:
             conn = session.connection()
             call = self._claim(conn)
         except BaseException:
-            if nested.is_active:
-                nested.rollback()
+            _sql.abandon_savepoint(nested)
             raise
         self._nested, self._conn = nested, conn
         return call
@@ -954,8 +953,8 @@ class _Idempotent:
                 self._nested.commit()
             return
         if self.mode == "same_transaction":
-            if self._nested is not None and self._nested.is_active:
-                self._nested.rollback()
+            if self._nested is not None:
+                _sql.abandon_savepoint(self._nested)
             if call._state == "open":
                 call._state = "released"
                 _emit("released", self.scope, self.key, call.attempt, self.mode)

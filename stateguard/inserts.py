@@ -8,9 +8,10 @@ MySQL/MariaDB have no exact single-statement form: ``INSERT IGNORE`` also
 turns strict-mode errors into warnings (a too-long key is truncated and may
 then look like a duplicate of another key), and because SQLAlchemy's MySQL
 dialects always set the found-rows client flag, ``ON DUPLICATE KEY UPDATE
-pk = pk`` reports 1 for both outcomes.  There the insert runs inside a
-SAVEPOINT and only a duplicate-key error (1062) means REPEATED; every other
-error propagates, and the surrounding transaction stays usable either way.
+pk = pk`` reports 1 for both outcomes.  There a plain INSERT runs and only a
+duplicate-key error (1062) means REPEATED; every other error propagates.
+InnoDB rolls back just the failing statement, so the surrounding transaction
+stays usable either way, with no SAVEPOINT round trips.
 """
 
 from __future__ import annotations
@@ -87,21 +88,14 @@ def insert_once(session: Session, model: type[Any], values: Mapping[str, Any]) -
         if row is None:
             return Result(Outcome.REPEATED, model=model, key=known_key, session=session)
         return Result(Outcome.APPLIED, model=model, key=_sql.public_key(tuple(row)), session=session)
-    _sql.ensure_real_transaction(conn)
-    savepoint = conn.begin_nested()
     try:
         result = _sql.execute(conn, stmt, params)
     except sa_exc.IntegrityError as error:
-        savepoint.rollback()
+        # InnoDB rolled back only this statement: the transaction stays usable.
         args = getattr(error.orig, "args", ())
         if args and args[0] == _MYSQL_DUPLICATE_KEY:
             return Result(Outcome.REPEATED, model=model, key=known_key, session=session)
         raise
-    except BaseException:
-        if savepoint.is_active:
-            savepoint.rollback()
-        raise
-    savepoint.commit()
     inserted = result.inserted_primary_key
     key = _sql.public_key(tuple(inserted)) if inserted is not None else known_key
     return Result(Outcome.APPLIED, model=model, key=key, session=session)

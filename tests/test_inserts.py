@@ -172,7 +172,7 @@ def test_mariadb_too_long_key_is_an_error_not_a_repeat(mariadb: Backend) -> None
             insert_once(s, Message, {"message_id": "abcdefghij-and-more"})
         assert not isinstance(info.value, StateguardError)
         assert info.value.orig is not None and info.value.orig.args[0] == 1406  # Data too long
-        # The savepoint kept the transaction usable: more work, then commit.
+        # InnoDB rolled back only the failed statement: more work, then commit.
         assert insert_once(s, Message, {"message_id": "k"}).applied
         assert insert_once(s, Message, {"message_id": "abcdefghij"}).outcome is Outcome.REPEATED
     with Session(engine) as s:

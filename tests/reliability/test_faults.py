@@ -118,7 +118,7 @@ def test_sigkilled_workers_roll_back_and_the_others_finish(backend: Backend, siz
         else:
             assert owners != [held.worker], held  # rolled back by the kill: someone else applied it
     assert storm.untyped_conflicts() == {}, storm.messages()
-    storm.xfail_on_known_bugs()
+    storm.check_no_savepoint_regression()
 
 
 # --------------------------------------------------------------------------
@@ -167,7 +167,7 @@ def test_cut_connections_surface_dbapi_errors_and_retries_finish(server: Backend
     check_transitions(setup.engine, storm, setup.keys, exact=False)
     check_counters(setup.engine, storm, setup.stock, setup.plan, exact=False)
     assert storm.untyped_conflicts() == {}, storm.messages()
-    storm.xfail_on_known_bugs()
+    storm.check_no_savepoint_regression()
 
 
 # --------------------------------------------------------------------------
@@ -250,4 +250,4 @@ def test_postgresql_restart_mid_storm_loses_nothing(pg: Backend, sizes: Sizes) -
     check_transitions(setup.engine, storm, setup.keys, exact=False)
     check_counters(setup.engine, storm, setup.stock, setup.plan, exact=False)
     assert storm.untyped_conflicts() == {}, storm.messages()
-    storm.xfail_on_known_bugs()
+    storm.check_no_savepoint_regression()

@@ -60,4 +60,4 @@ def test_storms_at_non_default_isolation_levels(level: tuple[Backend, str, str, 
         # and what stateguard raised on the way was typed.
         typed = sum(n for k, n in raised.items() if k in TYPED)
         assert typed >= 1 and storm.total("conflicts") >= typed, messages
-    storm.xfail_on_known_bugs()
+    storm.check_no_savepoint_regression()

@@ -25,7 +25,7 @@ def test_storm_applies_each_transition_once_and_never_oversells(backend: Backend
     check_counters(setup.engine, storm, setup.stock, setup.plan, exact=True)
     assert storm.untyped_conflicts() == {}, storm.messages()
     assert not any("(connection lost)" in k for k in storm.raised()), storm.messages()
-    storm.xfail_on_known_bugs()
+    storm.check_no_savepoint_regression()
 
 
 # Idempotency-key storm: lands with stateguard/idempotency.py (issue 9, "no key executed twice").
