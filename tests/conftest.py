@@ -106,14 +106,14 @@ class _Namespaces:
         if name == "sqlite":
             return f"sqlite:///{self.tmp_dir}/{self.tag}.db"
         if name == "postgresql":
-            admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
+            admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
             with admin.connect() as conn:
                 conn.execute(text(f'CREATE SCHEMA "{self.tag}"'))
             self.cleanups.append(lambda: _drop_pg(admin, self.tag))
             url = make_url(PG_URL).update_query_dict({"options": f"-csearch_path={self.tag}"})
             return url.render_as_string(hide_password=False)
         if name == "mariadb":
-            admin = create_engine(MYSQL_URL, isolation_level="AUTOCOMMIT")
+            admin = create_engine(MYSQL_URL, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
             with admin.connect() as conn:
                 conn.execute(text(f"CREATE DATABASE `{self.tag}`"))
             self.cleanups.append(lambda: _drop_mysql(admin, self.tag))
