@@ -146,7 +146,13 @@ class Trigger:
         to_db = m._to_db
         conds: list[ColumnElement[bool]] = []
         for edge in self.edges:
-            cond: ColumnElement[bool] = state_col.in_([to_db[s] for s in edge.sources])
+            sources = [to_db[s] for s in edge.sources]
+            # One source: a plain equality, whose compiled form SQLAlchemy
+            # caches; IN takes an expanding parameter that is rendered again
+            # at every execution (measurably slower on the hot path).
+            cond: ColumnElement[bool] = (
+                state_col == sources[0] if len(sources) == 1 else state_col.in_(sources)
+            )
             if edge.where is not None:
                 cond = and_(cond, edge.where(model))
             conds.append(cond)

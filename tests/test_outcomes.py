@@ -204,7 +204,7 @@ def test_fire_available_and_statement(engine: Any) -> None:
         assert Order.flow.available(s.get_one(Order, 2)) == ["cancel", "ship"]
         assert Order.flow.available(s.get_one(Order, 3)) == []
     sql = str(Order.flow.pay.statement(5))
-    assert sql.startswith("UPDATE orders SET") and "WHERE orders.id = :sg_pk0 AND orders.status IN" in sql
+    assert sql.startswith("UPDATE orders SET") and "WHERE orders.id = :sg_pk0 AND orders.status = " in sql
 
 
 def test_guarded_update_applied_stale_not_found(engine: Any) -> None:
