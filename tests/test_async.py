@@ -624,6 +624,19 @@ def test_advisory_lock_with_async_with_matches_sync(server_target: AsyncTarget, 
     _check(server_target, tables, _advisory, entries=2)
 
 
+async def _autocommit(side: Side) -> None:
+    async with side.session() as s:
+        error = await side.raises_entering(NotSupported, advisory_lock(s, "x"))
+        assert "AUTOCOMMIT" in str(error)
+
+
+def test_postgresql_advisory_lock_refuses_autocommit_on_every_driver(
+    pg_target: AsyncTarget, tables: Tables
+) -> None:
+    """A transaction-level advisory lock under AUTOCOMMIT would end at once: NotSupported on all drivers."""
+    _check(pg_target, tables, _autocommit, entries=1, engine_kw={"isolation_level": "AUTOCOMMIT"})
+
+
 async def _no_advisory(side: Side) -> None:
     async with side.session() as s, side.begin(s):
         await side.raises_entering(NotSupported, advisory_lock(s, "x"))

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from stateguard import Outcome, decrement, idempotent
@@ -27,7 +27,15 @@ from stateguard.counters import counter_ledger
 from stateguard.idempotency import Mode
 from stateguard.tables import metadata as stateguard_metadata
 
-from ._async_helpers import ASYNC_TARGETS, AsyncTarget, Tables, max_checked_out, retry_async, target_from
+from ._async_helpers import (
+    ASYNC_TARGETS,
+    SERVER_TARGETS,
+    AsyncTarget,
+    Tables,
+    max_checked_out,
+    retry_async,
+    target_from,
+)
 from ._counter_workers import Bin, CounterBase
 from .models import Base, Message, Order, SideEffect
 
@@ -294,3 +302,97 @@ def test_tasks_cancelled_inside_idempotent_leave_their_keys_claimable(
     assert messages == {f"after-k{i}" for i in range(CANCELLED)}
     assert sorted(set(rows)) == [("completed", '"second"')]
     assert len(rows) == CANCELLED
+
+
+@pytest.fixture(params=SERVER_TARGETS)
+def server_target(request: pytest.FixtureRequest, tables: Tables) -> AsyncTarget:
+    """asyncpg, psycopg async and aiomysql, tables empty."""
+    t = target_from(request)
+    tables.ready(t.backend)
+    return t
+
+
+#: asyncpg and psycopg cancel a statement on the server when their task is cancelled;
+#: aiomysql drops the connection, and MariaDB runs the statement (holding its transaction's
+#: locks) until it notices, so a short SLEEP there keeps the retry's wait short.
+SLOW_QUERY = {"postgresql": "SELECT pg_sleep(30)", "mariadb": "SELECT SLEEP(2)"}
+
+
+@pytest.mark.parametrize("mode", ["same_transaction", "separate"])
+def test_a_task_cancelled_during_a_statement_in_the_block_frees_its_key(
+    server_target: AsyncTarget, mode: Mode
+) -> None:
+    """Cancelled while the driver awaits a slow statement in the block: CancelledError, the key is free."""
+    target = server_target
+    slow = text(SLOW_QUERY[target.name])
+
+    async def body(engine: AsyncEngine) -> tuple[BaseException | None, tuple[bool, int, bool]]:
+        maker = async_sessionmaker(engine, expire_on_commit=False)
+        started = asyncio.Event()
+
+        async def task() -> None:
+            async with maker() as s:
+                async with idempotent(s, scope="cancel", key="slow", mode=mode):
+                    s.add(Message(message_id="slow"))
+                    await s.flush()
+                    started.set()
+                    await s.execute(slow)  # cancelled while the server sleeps
+                    pytest.fail("the statement must be cancelled")
+
+        running = asyncio.create_task(task())
+        await started.wait()
+        await asyncio.sleep(0.2)
+        running.cancel()
+        async with asyncio.timeout(20):
+            outcome = (await asyncio.gather(running, return_exceptions=True))[0]
+        async with maker() as s:
+            async with idempotent(s, scope="cancel", key="slow", mode=mode) as call:
+                claimed = (call.replayed, call.attempt, call.taken_over)
+                await call.complete("second")
+            await s.commit()
+        return outcome, claimed
+
+    outcome, claimed = _run(target, body)
+    assert isinstance(outcome, asyncio.CancelledError), outcome
+    assert claimed == ((False, 1, False) if mode == "same_transaction" else (False, 2, True))
+    with target.backend.engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(Message.__table__)).scalar_one() == 0
+
+
+def test_a_twin_cancelled_while_its_claim_waits_leaves_the_owner_alone(target: AsyncTarget) -> None:
+    """A twin cancelled while its claim waits behind the owner's: the owner completes, replays follow."""
+
+    async def body(engine: AsyncEngine) -> tuple[BaseException | None, Any]:
+        maker = async_sessionmaker(engine, expire_on_commit=False)
+        holding, finish = asyncio.Event(), asyncio.Event()
+
+        async def owner() -> None:
+            async with maker() as s, s.begin():
+                async with idempotent(s, scope="twin", key="k") as call:
+                    holding.set()
+                    await finish.wait()
+                    await call.complete("owner")
+
+        async def twin() -> None:
+            async with maker() as s, s.begin():
+                async with idempotent(s, scope="twin", key="k"):
+                    pytest.fail("the twin must not get the key")
+
+        first = asyncio.create_task(owner())
+        await holding.wait()
+        waiting = asyncio.create_task(twin())
+        await asyncio.sleep(0.2)  # the twin's claim now waits on the owner's (SQLite: on the write lock)
+        waiting.cancel()
+        # The owner goes on at once: on SQLite the cancelled twin's connection stays blocked in
+        # SQLite's busy handler (aiosqlite's thread cannot be interrupted) until the lock is free.
+        finish.set()
+        async with asyncio.timeout(20):
+            outcome = (await asyncio.gather(waiting, return_exceptions=True))[0]
+            await first
+        async with maker() as s, s.begin():
+            async with idempotent(s, scope="twin", key="k") as call:
+                return outcome, (call.replayed, call.response)
+
+    outcome, replay = _run(target, body)
+    assert isinstance(outcome, asyncio.CancelledError), outcome
+    assert replay == (True, "owner")
