@@ -40,6 +40,7 @@ from stateguard.tokens import OneTimeToken
 from .conftest import Backend
 
 T = TypeVar("T")
+E = TypeVar("E", bound=BaseException)
 
 #: Every async driver: (test id, conftest fixture giving the namespace).
 ASYNC_TARGETS = {
@@ -267,14 +268,14 @@ class Side:
         """:meth:`run` without recording (session plumbing: flush, commit, get)."""
         return await self.run(call, record=False)
 
-    async def raises(self, kind: type[BaseException], call: Callable[[], Any]) -> BaseException:
+    async def raises(self, kind: type[E], call: Callable[[], Any]) -> E:
         """Run ``call`` expecting ``kind``; record the exception's type."""
         with pytest.raises(kind) as info:
             await self.run(call, record=False)
         self.log.append(("raised", type(info.value).__name__))
         return info.value
 
-    async def raises_entering(self, kind: type[BaseException], cm: Any) -> BaseException:
+    async def raises_entering(self, kind: type[E], cm: Any) -> E:
         """Entering ``cm`` (with / async with) must raise ``kind``; record it."""
         with pytest.raises(kind) as info:
             async with self.enter(cm):

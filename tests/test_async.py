@@ -449,7 +449,7 @@ async def _decorated(side: Side) -> None:
             assert await side.run(lambda: refund(s, "r-1", 30)) == {"refunded": 30}
             assert await side.run(lambda: refund(s, "r-1", 30)) == {"refunded": 30}
             await side.raises(IdempotencyKeyReused, lambda: refund(s, "r-1", 31))
-            await side.raises(InvalidArgument, lambda: refund("not a session", "r-2", 1))
+            await side.raises(InvalidArgument, lambda: refund("not a session", "r-2", 1))  # type: ignore[arg-type]
         async with side.begin(s):
             assert await side.run(lambda: refund(s, "r-1", 30)) == {"refunded": 30}
             assert await _messages(side, "r-1") == 1

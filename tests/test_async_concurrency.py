@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select, text
+from sqlalchemy import func, insert, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from stateguard import Outcome, decrement, idempotent
@@ -95,12 +95,10 @@ def storm_target(request: pytest.FixtureRequest, tables: Tables) -> AsyncTarget:
 def test_200_tasks_pay_the_same_20_rows_once_each(storm_target: AsyncTarget) -> None:
     """200 tasks fire pay on the same 20 rows in random orders: one APPLIED and one side effect per row."""
     target = storm_target
-
     with target.backend.engine.begin() as conn:
         conn.execute(
-            Order.__table__.insert(),
-            [{"id": i, "status": "pending", "version": 1} for i in range(1, ROWS + 1)],
-        )  # type: ignore[attr-defined]
+            insert(Order), [{"id": i, "status": "pending", "version": 1} for i in range(1, ROWS + 1)]
+        )
 
     async def body(engine: AsyncEngine) -> tuple[Counter[Outcome], list[str], int]:
         maker = async_sessionmaker(engine, expire_on_commit=False)
@@ -144,7 +142,7 @@ def test_200_tasks_pay_the_same_20_rows_once_each(storm_target: AsyncTarget) -> 
 def test_200_tasks_cannot_oversell_a_stock_of_50(target: AsyncTarget) -> None:
     """200 tasks decrement a stock of 50 with refs and retry once: 50 APPLIED, 50 REPEATED, no oversell."""
     with target.backend.engine.begin() as conn:
-        conn.execute(Bin.__table__.insert(), [{"id": 1, "qty": STOCK, "cap": 0, "version": 1}])  # type: ignore[attr-defined]
+        conn.execute(insert(Bin), [{"id": 1, "qty": STOCK, "cap": 0, "version": 1}])
 
     async def body(engine: AsyncEngine) -> tuple[Counter[Outcome], list[str], int]:
         maker = async_sessionmaker(engine, expire_on_commit=False)
