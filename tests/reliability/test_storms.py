@@ -28,4 +28,4 @@ def test_storm_applies_each_transition_once_and_never_oversells(backend: Backend
     storm.check_no_savepoint_regression()
 
 
-# Idempotency-key storm: lands with stateguard/idempotency.py (issue 9, "no key executed twice").
+# The idempotency-key storm ("no key executed twice") is in test_idempotency_storm.py.
