@@ -1,4 +1,4 @@
-"""Workers for tests/test_tokens.py and tests/test_ids.py (importable by spawned processes)."""
+"""Workers for tests/test_tokens.py (importable by spawned processes)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
-from stateguard import RedisTokens, Snowflake, consume_token
+from stateguard import RedisTokens, consume_token
 
 
 def make_engine(name: str, url: str) -> Any:
@@ -53,22 +53,3 @@ def consume_redis(redis_url: str, token: str, scope: str, barrier: Any) -> str:
         return tokens.consume(token, scope=scope).outcome.name
     finally:
         client.close()
-
-
-def snowflake_ids(name: str, url: str, namespace: str, count: int, barrier: Any) -> tuple[int, list[int]]:
-    """Lease a worker id after the barrier and generate ``count`` ids; (worker id, ids in order)."""
-    engine = make_engine(name, url)
-    try:
-        barrier.wait()
-        with Snowflake(engine, namespace=namespace) as ids:
-            return ids.worker_id, [ids.next_id() for _ in range(count)]
-    finally:
-        engine.dispose()
-
-
-def request_ids(count: int, barrier: Any) -> list[str]:
-    """``count`` UUIDv7 ids made after the barrier, as strings."""
-    from stateguard import new_request_id
-
-    barrier.wait()
-    return [str(new_request_id()) for _ in range(count)]
