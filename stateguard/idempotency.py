@@ -964,10 +964,15 @@ class _Idempotent:
         self._finish_failed(call, exc)
 
     def _finish_failed(self, call: IdempotentCall, exc: BaseException) -> None:
-        """Separate mode, the block raised: roll the session back, then release or fail the key."""
-        self.session.rollback()
+        """Separate mode, the block raised: roll the session back, then release or fail the key.
+
+        Nothing here may replace the block's own exception: if the database is
+        unreachable, the claim stays in progress and the next retry takes it
+        over once the lease ends.
+        """
         text = f"{type(exc).__name__}: {exc}"[:2000]
         try:
+            self.session.rollback()
             if isinstance(exc, self.non_retryable):
                 now = _now_ms()
                 self.write(
