@@ -169,6 +169,21 @@ def _only(name: str, namespaces: _Namespaces) -> Iterator[Backend]:
 
 
 @pytest.fixture
+def redis_client() -> Iterator[Any]:
+    """A client of the test Redis server (skip locally / fail in CI when it is down)."""
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        client.ping()
+    except redis.ConnectionError as error:
+        client.close()
+        unavailable("redis", error)
+    yield client
+    client.close()
+
+
+@pytest.fixture
 def pg(namespaces: _Namespaces) -> Iterator[Backend]:
     """PostgreSQL only (for behaviour that exists only there)."""
     yield from _only("postgresql", namespaces)

@@ -29,36 +29,21 @@ from stateguard import (
 )
 
 from ._lock_workers import LockBase, Payout
-from .conftest import REDIS_URL, unavailable
+from .conftest import REDIS_URL
 
 T = TypeVar("T")
 MINUTE = timedelta(minutes=1)
 
 
 @pytest.fixture
-def sync_client() -> Iterator[Any]:
-    """A synchronous client of the test Redis server (skip locally / fail in CI when it is down)."""
-    import redis
-
-    client = redis.Redis.from_url(REDIS_URL)
-    try:
-        client.ping()
-    except redis.ConnectionError as error:
-        client.close()
-        unavailable("redis", error)
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def prefix(sync_client: Any) -> Iterator[str]:
+def prefix(redis_client: Any) -> Iterator[str]:
     """A scope / lock-name prefix unique to the test; its token and lock keys are deleted afterwards."""
     name = f"sgt-{uuid.uuid4().hex[:12]}"
     yield name
     for pattern in (f"stateguard:token:{name}*", f"stateguard:lock:{{{name}*"):
-        keys = list(sync_client.scan_iter(match=pattern))
+        keys = list(redis_client.scan_iter(match=pattern))
         if keys:
-            sync_client.delete(*keys)
+            redis_client.delete(*keys)
 
 
 def run(main: Callable[[Any], Awaitable[T]]) -> T:
@@ -113,7 +98,7 @@ class StartLine:
 # --------------------------------------------------------------------------
 
 
-def test_async_tokens_apply_once_then_repeat_and_keep_the_ttl(sync_client: Any, prefix: str) -> None:
+def test_async_tokens_apply_once_then_repeat_and_keep_the_ttl(redis_client: Any, prefix: str) -> None:
     """An awaited token is APPLIED once and REPEATED after, and its tombstone keeps the remaining TTL."""
 
     async def main(client: Any) -> None:
@@ -136,7 +121,7 @@ def test_async_tokens_apply_once_then_repeat_and_keep_the_ttl(sync_client: Any, 
     run(main)
 
 
-def test_async_tokens_unknown_other_scope_and_expired_are_not_found(sync_client: Any, prefix: str) -> None:
+def test_async_tokens_unknown_other_scope_and_expired_are_not_found(redis_client: Any, prefix: str) -> None:
     """A forged token, another scope's token and an expired token all come back NOT_FOUND."""
 
     async def main(client: Any) -> None:
@@ -155,7 +140,7 @@ def test_async_tokens_unknown_other_scope_and_expired_are_not_found(sync_client:
     run(main)
 
 
-def test_200_tasks_consuming_one_token_get_exactly_one_applied(sync_client: Any, prefix: str) -> None:
+def test_200_tasks_consuming_one_token_get_exactly_one_applied(redis_client: Any, prefix: str) -> None:
     """200 asyncio tasks released together consume one token: one APPLIED, 199 REPEATED."""
 
     async def main(client: Any) -> Counter[Outcome]:
@@ -173,7 +158,7 @@ def test_200_tasks_consuming_one_token_get_exactly_one_applied(sync_client: Any,
     assert run(main) == {Outcome.APPLIED: 1, Outcome.REPEATED: 199}
 
 
-def test_async_consume_is_one_script_call(sync_client: Any, prefix: str) -> None:
+def test_async_consume_is_one_script_call(redis_client: Any, prefix: str) -> None:
     """Consuming sends one EVALSHA (no GET then SET) once the script is cached."""
 
     async def main(client: Any) -> list[str]:
@@ -197,9 +182,9 @@ def test_async_consume_is_one_script_call(sync_client: Any, prefix: str) -> None
     assert run(main) == ["EVALSHA"]
 
 
-def test_sync_and_async_tokens_are_interchangeable(sync_client: Any, prefix: str) -> None:
+def test_sync_and_async_tokens_are_interchangeable(redis_client: Any, prefix: str) -> None:
     """A token issued by RedisTokens is consumed by AsyncRedisTokens and the other way round."""
-    sync_tokens = RedisTokens(sync_client)
+    sync_tokens = RedisTokens(redis_client)
     from_sync = sync_tokens.issue(scope=prefix, ttl=MINUTE)
 
     async def main(client: Any) -> str:
@@ -212,7 +197,7 @@ def test_sync_and_async_tokens_are_interchangeable(sync_client: Any, prefix: str
     assert sync_tokens.consume(from_async, scope=prefix).outcome is Outcome.APPLIED
 
 
-def test_async_tokens_bad_input_is_typed(sync_client: Any, prefix: str) -> None:
+def test_async_tokens_bad_input_is_typed(redis_client: Any, prefix: str) -> None:
     """Bad tokens, scopes, ttls and clients of the wrong kind raise InvalidArgument before Redis is called."""
 
     async def main(client: Any) -> None:
@@ -232,8 +217,8 @@ def test_async_tokens_bad_input_is_typed(sync_client: Any, prefix: str) -> None:
     with pytest.raises(InvalidArgument, match=r"needs a redis client \(redis\.asyncio\.Redis\)"):
         AsyncRedisTokens(None)
     with pytest.raises(InvalidArgument, match=r"use RedisTokens"):
-        AsyncRedisTokens(sync_client)
-    assert list(sync_client.scan_iter(match=f"stateguard:token:{prefix}:*")) == []
+        AsyncRedisTokens(redis_client)
+    assert list(redis_client.scan_iter(match=f"stateguard:token:{prefix}:*")) == []
 
 
 # --------------------------------------------------------------------------
@@ -242,7 +227,7 @@ def test_async_tokens_bad_input_is_typed(sync_client: Any, prefix: str) -> None:
 
 
 def test_50_tasks_contending_hold_the_lock_one_at_a_time_with_growing_fences(
-    sync_client: Any, prefix: str
+    redis_client: Any, prefix: str
 ) -> None:
     """50 tasks (half sharing one lock object) never overlap inside the lock, and their fences grow by one."""
     name = f"{prefix}:contended"
@@ -273,10 +258,12 @@ def test_50_tasks_contending_hold_the_lock_one_at_a_time_with_growing_fences(
     most, fences = run(main)
     assert most == 1
     assert fences == list(range(fences[0], fences[0] + 50))  # strictly increasing, none skipped
-    assert int(sync_client.get(f"stateguard:lock:{{{name}}}:fence")) == fences[-1]
+    assert int(redis_client.get(f"stateguard:lock:{{{name}}}:fence")) == fences[-1]
 
 
-def test_blocking_timeout_zero_fails_at_once_without_consuming_a_fence(sync_client: Any, prefix: str) -> None:
+def test_blocking_timeout_zero_fails_at_once_without_consuming_a_fence(
+    redis_client: Any, prefix: str
+) -> None:
     """While the lock is held, blocking_timeout=0 raises LockNotAcquired at once and takes no fence."""
     name = f"{prefix}:busy"
 
@@ -302,7 +289,7 @@ def test_blocking_timeout_zero_fails_at_once_without_consuming_a_fence(sync_clie
     run(main)
 
 
-def test_expired_hold_raises_lock_lost_and_leaves_the_next_tasks_hold(sync_client: Any, prefix: str) -> None:
+def test_expired_hold_raises_lock_lost_and_leaves_the_next_tasks_hold(redis_client: Any, prefix: str) -> None:
     """Two tasks share one lock: the one paused past its TTL gets LockLost, the next keeps its hold."""
     name = f"{prefix}:expired"
 
@@ -345,7 +332,7 @@ def test_expired_hold_raises_lock_lost_and_leaves_the_next_tasks_hold(sync_clien
     assert waited > 0.1  # the second task really waited for the expiry
 
 
-def test_a_task_cannot_release_another_tasks_hold(sync_client: Any, prefix: str) -> None:
+def test_a_task_cannot_release_another_tasks_hold(redis_client: Any, prefix: str) -> None:
     """The owner token is per task: another task releasing or extending it gets InvalidArgument."""
     name = f"{prefix}:mine"
 
@@ -369,7 +356,7 @@ def test_a_task_cannot_release_another_tasks_hold(sync_client: Any, prefix: str)
     run(main)
 
 
-def test_async_lock_error_in_block_wins_and_extend_fails_once_lost(sync_client: Any, prefix: str) -> None:
+def test_async_lock_error_in_block_wins_and_extend_fails_once_lost(redis_client: Any, prefix: str) -> None:
     """extend() adds time and raises LockLost after expiry; a block's own error wins over LockLost."""
 
     async def main(client: Any) -> None:
@@ -394,10 +381,10 @@ def test_async_lock_error_in_block_wins_and_extend_fails_once_lost(sync_client: 
     run(main)
 
 
-def test_sync_and_async_locks_share_the_lock_and_the_fence_counter(sync_client: Any, prefix: str) -> None:
+def test_sync_and_async_locks_share_the_lock_and_the_fence_counter(redis_client: Any, prefix: str) -> None:
     """RedisLock and AsyncRedisLock on one name exclude each other and draw fences from one counter."""
     name = f"{prefix}:both"
-    sync_lock = RedisLock(sync_client, name, ttl=5)
+    sync_lock = RedisLock(redis_client, name, ttl=5)
     held = sync_lock.acquire()
 
     async def main(client: Any) -> int:
@@ -416,7 +403,7 @@ def test_sync_and_async_locks_share_the_lock_and_the_fence_counter(sync_client: 
     sync_lock.release()
 
 
-def test_async_lock_validates_its_arguments(sync_client: Any, prefix: str) -> None:
+def test_async_lock_validates_its_arguments(redis_client: Any, prefix: str) -> None:
     """ttl is required and positive, names are non-empty strings, the client must be a redis.asyncio one."""
 
     async def main(client: Any) -> None:
@@ -438,7 +425,7 @@ def test_async_lock_validates_its_arguments(sync_client: Any, prefix: str) -> No
 
     run(main)
     with pytest.raises(InvalidArgument, match="use RedisLock"):
-        AsyncRedisLock(sync_client, "x", ttl=1)
+        AsyncRedisLock(redis_client, "x", ttl=1)
     with pytest.raises(InvalidArgument, match=r"needs a redis client"):
         AsyncRedisLock(object(), "x", ttl=1)
 
@@ -452,7 +439,7 @@ def test_async_lock_without_redis_says_how_to_install(monkeypatch: pytest.Monkey
 
 
 def test_fence_from_the_async_lock_refuses_a_stale_holders_sql_write(
-    sync_client: Any, prefix: str, tmp_path: Path
+    redis_client: Any, prefix: str, tmp_path: Path
 ) -> None:
     """Through an AsyncSession the expired holder's fenced update is STALE; the newer write stays."""
     from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
@@ -512,4 +499,4 @@ def test_fence_from_the_async_lock_refuses_a_stale_holders_sql_write(
     out = run(main)
     assert (out["a"], out["a_lost"], out["b"]) == ("STALE", True, "APPLIED")
     holder, fence = out["row"]
-    assert holder == "B" and fence == int(sync_client.get(f"stateguard:lock:{{{name}}}:fence"))
+    assert holder == "B" and fence == int(redis_client.get(f"stateguard:lock:{{{name}}}:fence"))

@@ -34,7 +34,7 @@ from stateguard.locks import advisory_key, mysql_lock_name
 
 from . import _lock_workers as w
 from ._lock_workers import Job, JobTake, LockBase, Payout, Tally
-from .conftest import REDIS_URL, Backend, _Namespaces, _only, count_statements, unavailable
+from .conftest import REDIS_URL, Backend, _Namespaces, _only, count_statements
 from .models import Base, Shipment
 
 # --------------------------------------------------------------------------
@@ -64,21 +64,6 @@ def engine(backend: Backend) -> Iterator[Engine]:
 def server_engine(server: Backend) -> Engine:
     """The lock tables on PostgreSQL and MariaDB."""
     return server.create(LockBase.metadata)
-
-
-@pytest.fixture
-def redis_client() -> Iterator[Any]:
-    """A client of the test Redis server (skip locally / fail in CI when it is down)."""
-    import redis
-
-    client = redis.Redis.from_url(REDIS_URL)
-    try:
-        client.ping()
-    except redis.ConnectionError as error:
-        client.close()
-        unavailable("redis", error)
-    yield client
-    client.close()
 
 
 @pytest.fixture

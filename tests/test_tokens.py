@@ -34,7 +34,7 @@ from stateguard import tokens as tokens_module
 from stateguard._keys import tokens as tokens_table
 
 from . import _token_workers as w
-from .conftest import REDIS_URL, Backend, count_statements, unavailable
+from .conftest import REDIS_URL, Backend, count_statements
 
 MINUTE = timedelta(minutes=1)
 
@@ -73,21 +73,6 @@ def procs() -> Iterator[tuple[Any, ProcessPoolExecutor]]:
     ctx = multiprocessing.get_context("spawn")
     with ctx.Manager() as manager, ProcessPoolExecutor(4, mp_context=ctx) as pool:
         yield manager, pool
-
-
-@pytest.fixture
-def redis_client() -> Iterator[Any]:
-    """A client of the test Redis server (skip locally / fail in CI when it is down)."""
-    import redis
-
-    client = redis.Redis.from_url(REDIS_URL)
-    try:
-        client.ping()
-    except redis.ConnectionError as error:
-        client.close()
-        unavailable("redis", error)
-    yield client
-    client.close()
 
 
 @pytest.fixture
