@@ -333,54 +333,28 @@ _TAKEOVER: Final = (
         updated_ms=bindparam("sg_now"),
     )
 )
-_COMPLETE: Final = (
-    update(_t)
-    .where(*_MINE)
-    .values(
-        status=_COMPLETED,
-        response=bindparam("sg_text"),
-        locked_until_ms=None,
-        expires_ms=bindparam("sg_expires"),
-        updated_ms=bindparam("sg_now"),
-    )
+
+
+def _owned_update(**values: Any) -> Any:
+    """``UPDATE ... SET values, updated_ms = :now WHERE key AND owner = :me AND status = 'in_progress'``."""
+    return update(_t).where(*_MINE).values(updated_ms=bindparam("sg_now"), **values)
+
+
+_COMPLETE: Final = _owned_update(
+    status=_COMPLETED, response=bindparam("sg_text"), locked_until_ms=None, expires_ms=bindparam("sg_expires")
 )
-_FAIL: Final = (
-    update(_t)
-    .where(*_MINE)
-    .values(
-        status=_FAILED,
-        error=bindparam("sg_text"),
-        locked_until_ms=None,
-        expires_ms=bindparam("sg_expires"),
-        updated_ms=bindparam("sg_now"),
-    )
+_FAIL: Final = _owned_update(
+    status=_FAILED, error=bindparam("sg_text"), locked_until_ms=None, expires_ms=bindparam("sg_expires")
 )
 # Released: still in progress, with a lease that ended now, so the next
 # caller takes it over at once and reads the checkpoint.
-_RELEASE: Final = (
-    update(_t)
-    .where(*_MINE)
-    .values(locked_until_ms=0, error=bindparam("sg_text"), updated_ms=bindparam("sg_now"))
-)
-_HEARTBEAT: Final = (
-    update(_t)
-    .where(*_MINE)
-    .values(
-        locked_until_ms=bindparam("sg_locked"),
-        expires_ms=bindparam("sg_expires"),
-        updated_ms=bindparam("sg_now"),
-    )
-)
-_CHECKPOINT: Final = (
-    update(_t)
-    .where(*_MINE)
-    .values(
-        checkpoint_name=bindparam("sg_name"),
-        checkpoint_data=bindparam("sg_text"),
-        locked_until_ms=bindparam("sg_locked"),
-        expires_ms=bindparam("sg_expires"),
-        updated_ms=bindparam("sg_now"),
-    )
+_RELEASE: Final = _owned_update(locked_until_ms=0, error=bindparam("sg_text"))
+_HEARTBEAT: Final = _owned_update(locked_until_ms=bindparam("sg_locked"), expires_ms=bindparam("sg_expires"))
+_CHECKPOINT: Final = _owned_update(
+    checkpoint_name=bindparam("sg_name"),
+    checkpoint_data=bindparam("sg_text"),
+    locked_until_ms=bindparam("sg_locked"),
+    expires_ms=bindparam("sg_expires"),
 )
 
 
@@ -467,10 +441,7 @@ class IdempotentCall:
         self._check_open("complete")
         manager = self._manager
         text = _dump(manager.serializer, response, "response")
-        now = _now_ms()
-        manager.write(
-            self, _COMPLETE, {"sg_text": text, "sg_now": now, "sg_expires": now + manager.ttl_ms}, "completed"
-        )
+        manager.write(self, _COMPLETE, {"sg_text": text}, "completed")
         return response
 
     def checkpoint(self, name: str, data: Any = None) -> None:
@@ -492,15 +463,7 @@ class IdempotentCall:
         _keys.check_text(name, "checkpoint name", 100)
         manager = self._manager
         text = _dump(manager.serializer, data, "checkpoint data")
-        now = _now_ms()
-        params = {
-            "sg_name": name,
-            "sg_text": text,
-            "sg_now": now,
-            "sg_locked": now + manager.lease_ms,
-            "sg_expires": now + manager.ttl_ms,
-        }
-        manager.write(self, _CHECKPOINT, params, None)
+        manager.write(self, _CHECKPOINT, {"sg_name": name, "sg_text": text}, None)
         self.checkpoint_name = name
         self.checkpoint_data = manager.serializer.loads(text)
 
@@ -810,9 +773,9 @@ class _Idempotent:
 
     # -- writes of an open call ---------------------------------------------
 
-    def write(self, call: IdempotentCall, stmt: Any, params: dict[str, Any], kind: str | None) -> None:
+    def write(self, call: IdempotentCall, stmt: Any, extra: dict[str, Any], kind: str | None) -> None:
         """Run one owner-conditional UPDATE of the record (and in separate mode commit the session)."""
-        params = {**params, "sg_scope": self.scope, "sg_key": self.key, "sg_owner": self.owner}
+        params = {**self._params(_now_ms()), **extra}
         if self.mode == "same_transaction":
             assert self._conn is not None
             matched = _sql.execute(self._conn, stmt, params).rowcount
@@ -835,15 +798,7 @@ class _Idempotent:
             _emit(kind, self.scope, self.key, call.attempt, self.mode)
 
     def heartbeat(self, call: IdempotentCall) -> None:
-        now = _now_ms()
-        params = {
-            "sg_scope": self.scope,
-            "sg_key": self.key,
-            "sg_owner": self.owner,
-            "sg_now": now,
-            "sg_locked": now + self.lease_ms,
-            "sg_expires": now + self.ttl_ms,
-        }
+        params = self._params(_now_ms())
         if self.mode == "same_transaction":
             assert self._conn is not None
             matched = _sql.execute(self._conn, _HEARTBEAT, params).rowcount
@@ -863,7 +818,7 @@ class _Idempotent:
             call._state = "released"
             _emit("released", self.scope, self.key, call.attempt, self.mode)
             return
-        self.write(call, _RELEASE, {"sg_text": reason, "sg_now": _now_ms()}, "released")
+        self.write(call, _RELEASE, {"sg_text": reason}, "released")
 
     def _lost(self, call: IdempotentCall) -> None:
         self._stop_heartbeat()
@@ -974,12 +929,9 @@ class _Idempotent:
         try:
             self.session.rollback()
             if isinstance(exc, self.non_retryable):
-                now = _now_ms()
-                self.write(
-                    call, _FAIL, {"sg_text": text, "sg_now": now, "sg_expires": now + self.ttl_ms}, "failed"
-                )
+                self.write(call, _FAIL, {"sg_text": text}, "failed")
             else:
-                self.write(call, _RELEASE, {"sg_text": text, "sg_now": _now_ms()}, "released")
+                self.write(call, _RELEASE, {"sg_text": text}, "released")
         except LeaseLost:
             exc.add_note(
                 f"stateguard: the lease on idempotency key {self.key!r} in scope {self.scope!r} had been "
