@@ -21,11 +21,9 @@ from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import Any, Final
 
-from sqlalchemy import Engine, bindparam, case, insert, select, update
-from sqlalchemy import exc as sa_exc
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import Engine, bindparam, case, select, update
 
-from . import _sql
+from . import _keys, _sql
 from ._keys import worker_leases
 from .exceptions import InvalidArgument, LockLost, StateguardError
 
@@ -126,7 +124,6 @@ _WORKER_BITS: Final = 10
 _SEQUENCE_BITS: Final = 12
 _MAX_SEQUENCE: Final = (1 << _SEQUENCE_BITS) - 1
 _MAX_NAMESPACE: Final = 100
-_MYSQL_DUPLICATE_KEY: Final = 1062
 
 
 class WorkerLeaseLost(LockLost):
@@ -231,19 +228,7 @@ _NEW_ROW_VALUES: Final = {
     "lease_expires_ms": bindparam("sg_expires"),
     "last_ms": 0,
 }
-# RETURNING, not the row count, says whether the row was inserted: psycopg
-# reports -1 for INSERT ... ON CONFLICT DO NOTHING.
-_INSERTS: Final = {
-    "postgresql": postgresql.insert(worker_leases)
-    .values(_NEW_ROW_VALUES)
-    .on_conflict_do_nothing()
-    .returning(worker_leases.c.worker_id),
-    "sqlite": sqlite.insert(worker_leases)
-    .values(_NEW_ROW_VALUES)
-    .on_conflict_do_nothing()
-    .returning(worker_leases.c.worker_id),
-}
-_INSERT_PLAIN: Final = insert(worker_leases).values(_NEW_ROW_VALUES)
+_INSERT: Final = _keys.NewRowInsert(worker_leases, _NEW_ROW_VALUES)
 
 
 class Snowflake:
@@ -385,17 +370,7 @@ class Snowflake:
     def _insert(self, params: dict[str, Any]) -> bool:
         """Create the worker row already leased to us; ``False`` if someone created it first."""
         with self.engine.begin() as conn:
-            stmt = _INSERTS.get(conn.dialect.name)
-            if stmt is not None:
-                return _sql.execute(conn, stmt, params).first() is not None
-            try:
-                _sql.execute(conn, _INSERT_PLAIN, params)
-            except sa_exc.IntegrityError as error:
-                # Its own transaction: the duplicate poisons nothing.
-                if getattr(error.orig, "args", (None,))[0] != _MYSQL_DUPLICATE_KEY:
-                    raise
-                return False
-            return True
+            return _INSERT(conn, params)
 
     def _renew(self, *, due_only: bool) -> None:
         """Extend the lease (conditional on still owning it) or raise :class:`WorkerLeaseLost`."""
