@@ -11,9 +11,11 @@ every backend.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,6 +168,26 @@ def _only(name: str, namespaces: _Namespaces) -> Iterator[Backend]:
     b = Backend(name, url, engine)
     yield b
     b._drop()
+
+
+@pytest.fixture
+def engine(backend: Backend) -> Iterator[Engine]:
+    """The backend's engine with stateguard's own tables, dropped afterwards (files may override it)."""
+    from stateguard import create_tables, drop_tables
+
+    eng = backend.engine
+    drop_tables(eng)
+    create_tables(eng)
+    yield eng
+    drop_tables(eng)
+
+
+@pytest.fixture(scope="module")
+def procs() -> Iterator[tuple[Any, ProcessPoolExecutor]]:
+    """Four spawned worker processes and a manager for barriers, events and lists, shared by the module."""
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Manager() as manager, ProcessPoolExecutor(4, mp_context=ctx) as pool:
+        yield manager, pool
 
 
 @pytest.fixture

@@ -3,26 +3,15 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import Engine, func, insert, select
 
-from stateguard import create_tables, drop_tables
+from stateguard import drop_tables
 from stateguard._keys import idempotency_keys, tokens
 from stateguard.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, main
 
 from .conftest import Backend
-
-
-@pytest.fixture
-def engine(backend: Backend) -> Iterator[Engine]:
-    """stateguard's tables on each backend, dropped afterwards."""
-    eng = backend.engine
-    drop_tables(eng)
-    create_tables(eng)
-    yield eng
-    drop_tables(eng)
 
 
 def _fill(engine: Engine, expired: int, live: int) -> None:

@@ -43,14 +43,6 @@ from .conftest import Backend
 MINUTE = timedelta(minutes=1)
 
 
-@pytest.fixture(scope="module")
-def procs() -> Iterator[tuple[Any, ProcessPoolExecutor]]:
-    """Four spawned worker processes and a manager for barriers, events and lists, shared by the module."""
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Manager() as manager, ProcessPoolExecutor(4, mp_context=ctx) as pool:
-        yield manager, pool
-
-
 @pytest.fixture
 def engine(backend: Backend) -> Iterator[Engine]:
     """stateguard's tables and the payments table on each backend, dropped afterwards."""

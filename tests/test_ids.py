@@ -35,8 +35,6 @@ from stateguard import (
     StateguardError,
     WorkerIdsExhausted,
     WorkerLeaseLost,
-    create_tables,
-    drop_tables,
     new_request_id,
 )
 from stateguard import ids as ids_module
@@ -55,16 +53,6 @@ WAIT = 60
 
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
-
-
-@pytest.fixture
-def engine(backend: Backend) -> Iterator[Engine]:
-    """The stateguard tables on each backend, dropped afterwards."""
-    eng = backend.engine
-    drop_tables(eng)
-    create_tables(eng)
-    yield eng
-    drop_tables(eng)
 
 
 @pytest.fixture(scope="module")

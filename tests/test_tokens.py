@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import multiprocessing
 import threading
 import time
 import uuid
@@ -50,29 +49,11 @@ class Clock:
 
 
 @pytest.fixture
-def engine(backend: Backend) -> Iterator[Engine]:
-    """The stateguard tables on each backend, dropped afterwards."""
-    eng = backend.engine
-    drop_tables(eng)
-    create_tables(eng)
-    yield eng
-    drop_tables(eng)
-
-
-@pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     """Replace the tokens module's clock with one the test moves."""
     c = Clock()
     monkeypatch.setattr(tokens_module, "_now_ms", c)
     return c
-
-
-@pytest.fixture(scope="module")
-def procs() -> Iterator[tuple[Any, ProcessPoolExecutor]]:
-    """Four spawned worker processes and a manager for barriers, shared by the module."""
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Manager() as manager, ProcessPoolExecutor(4, mp_context=ctx) as pool:
-        yield manager, pool
 
 
 @pytest.fixture
