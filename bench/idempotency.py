@@ -23,7 +23,7 @@ from sqlalchemy import Engine, bindparam, event, func, insert, select, text
 from sqlalchemy.orm import Session
 
 from stateguard import idempotent
-from stateguard._keys import idempotency_keys
+from stateguard.tables import idempotency_keys
 from stateguard.idempotency import fingerprint_of
 
 from .models import Table, make_engine, median, pct

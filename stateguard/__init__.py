@@ -6,7 +6,6 @@ the affected-row count (or the conflict) says what happened.  See README.md.
 
 from __future__ import annotations
 
-from . import _keys as _keys
 from . import schema as _schema  # noqa: F401  (registers the legal-edges DDL events)
 from .counters import decrement, increment, release, reserve
 from .engine import async_sqlite_engine, sqlite_engine

@@ -39,8 +39,9 @@ else:
 
 from .exceptions import InvalidArgument
 
-__all__ = ["AsyncSession", "Dual", "DualContext", "dual", "sync_session_of"]
+__all__ = ["AsyncSession", "Dual", "DualContext", "dual", "dual_method", "sync_session_of"]
 
+Obj = TypeVar("Obj")
 P = ParamSpec("P")
 R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
@@ -75,6 +76,55 @@ def dual(fn: Callable[Concatenate[S, P], R]) -> Dual[S, P, R]:
         return fn(session, *args, **kwargs)
 
     return call
+
+
+def _call_method(session: Session, fn: Callable[..., Any], obj: Any, /, *args: Any, **kwargs: Any) -> Any:
+    return fn(obj, session, *args, **kwargs)
+
+
+class _BoundDual:
+    """A dual method bound to its object (what ``trigger.many`` evaluates to)."""
+
+    __slots__ = ("fn", "obj")
+
+    def __init__(self, fn: Callable[..., Any], obj: Any) -> None:
+        self.fn = fn
+        self.obj = obj
+
+    def __call__(self, session: Any, /, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(session, AsyncSession):
+            return session.run_sync(_call_method, self.fn, self.obj, *args, **kwargs)
+        return self.fn(self.obj, session, *args, **kwargs)
+
+
+class dual_method(Generic[Obj, S, P, R]):
+    """``@dual`` for methods whose first parameter after ``self`` is the session.
+
+    ::
+
+        class Trigger:
+            def _fire(self, session: Session, target: Any) -> Result: ...
+            __call__ = dual_method(_fire)    # trigger(session, 42) / await trigger(async_session, 42)
+
+    The method is written once, synchronously; bound to an object it is a
+    :class:`Dual`, typed per session kind.
+    """
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[Concatenate[Obj, S, P], R]) -> None:
+        self.fn = fn
+
+    @overload
+    def __get__(self, obj: None, owner: type[Any]) -> dual_method[Obj, S, P, R]: ...
+
+    @overload
+    def __get__(self, obj: Obj, owner: type[Any]) -> Dual[S, P, R]: ...
+
+    def __get__(self, obj: Obj | None, owner: type[Any]) -> Any:
+        if obj is None:
+            return self
+        return _BoundDual(self.fn, obj)
 
 
 def sync_session_of(session: Session | AsyncSession) -> Session:

@@ -1,50 +1,39 @@
-"""The engine behind every guarded write: statement building, outcome
-classification inputs, key handling, dialect differences and error mapping.
+"""What every guarded write is built from: dialect capabilities, driver-error
+mapping by code, what a mapped class looks like (:class:`ModelInfo`), and
+pure statement pieces (SET clauses, bound key and value parameters, fence
+conditions).
 
-Pure functions and small cached descriptions only; no I/O of its own except
-through :func:`execute`.  The algorithms live in the public modules and call
-into here; per-dialect behaviour is confined to :class:`Backend`.
+No I/O: statements run through :mod:`stateguard._write`, the kernel.  Every
+dialect difference is a :class:`Backend` flag computed here.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 from sqlalchemy import (
     ColumnElement,
-    Connection,
-    CursorResult,
     Select,
     Table,
-    Update,
     and_,
     bindparam,
+    delete,
     func,
     inspect,
+    literal_column,
     or_,
     select,
-    text,
+    tuple_,
 )
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Dialect
-from sqlalchemy.orm import Mapper, Session
-from sqlalchemy.orm.attributes import set_committed_value
+from sqlalchemy.orm import Mapper
 from sqlalchemy.schema import Column
 from sqlalchemy.sql.elements import ClauseElement
-
-__all__ = [
-    "Backend",
-    "ClauseElement",
-    "ModelInfo",
-    "backend",
-    "bindparam",
-    "execute",
-    "model_info",
-]
 
 from .exceptions import (
     ConfigurationError,
@@ -55,21 +44,31 @@ from .exceptions import (
     StateguardError,
 )
 
+__all__ = [
+    "Backend",
+    "ClauseElement",
+    "ModelInfo",
+    "backend",
+    "bindparam",
+    "classify_db_error",
+    "conflict_error",
+    "is_duplicate_key",
+    "model_info",
+    "purge_statement",
+    "read_statement",
+]
+
 #: Marker stored in ``Column.info`` by :func:`stateguard.version_column`.
 INFO_KEY: Final = "stateguard"
-
-#: Plans cached per trigger/model beyond this many variants are built per call.
-MAX_CACHED_VARIANTS: Final = 256
-
 
 # --------------------------------------------------------------------------
 # Backends
 # --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Backend:
-    """What stateguard needs to know about one dialect.
+    """What stateguard needs to know about one dialect: capability flags, not dialect names.
 
     ``returning``: ``UPDATE ... RETURNING`` works (PostgreSQL, SQLite >= 3.35).
     ``last_insert_id``: MySQL/MariaDB, where ``SET v = LAST_INSERT_ID(v + 1)``
@@ -80,6 +79,15 @@ class Backend:
     latest committed row; the follow-up read must be ``FOR UPDATE`` to see
     what the UPDATE saw.
     ``on_conflict``: ``INSERT ... ON CONFLICT DO NOTHING`` exists.
+    ``row_locks``: ``SELECT ... FOR UPDATE`` exists (SQLite has one writer instead).
+    ``driver_begins_lazily``: Python's sqlite3 sends no BEGIN before a
+    SAVEPOINT or a SELECT (legacy transaction control).
+    ``delete_limit_literal``: a batched DELETE takes its LIMIT as a literal
+    (MySQL/MariaDB: no LIMIT inside an IN subquery).
+
+    One instance exists per distinct set of flags (see :func:`backend`), so
+    a Backend is a cheap, identity-hashed memo key that does not grow with
+    the number of engines.
     """
 
     name: str
@@ -87,25 +95,39 @@ class Backend:
     last_insert_id: bool
     locking_read: bool
     on_conflict: bool
+    row_locks: bool
+    driver_begins_lazily: bool
+    delete_limit_literal: bool
 
 
-_backends: dict[Dialect, Backend] = {}
+_interned: dict[tuple[Any, ...], Backend] = {}
+# Weak keys: an engine (and its dialect) that the application drops leaves nothing behind.
+_backends: weakref.WeakKeyDictionary[Dialect, Backend] = weakref.WeakKeyDictionary()
+_backends_lock = threading.Lock()
 
 
 def backend(dialect: Dialect) -> Backend:
-    """The :class:`Backend` for a (connected) dialect, cached per dialect object."""
+    """The :class:`Backend` for a (connected) dialect."""
     found = _backends.get(dialect)
     if found is None:
         name = dialect.name
         mysql = name in ("mysql", "mariadb")
-        found = Backend(
-            name=name,
-            returning=bool(dialect.update_returning) and not mysql,
-            last_insert_id=mysql,
-            locking_read=mysql,
-            on_conflict=name in ("postgresql", "sqlite"),
+        sqlite = name == "sqlite"
+        flags = (
+            name,
+            bool(dialect.update_returning) and not mysql,
+            mysql,
+            mysql,
+            name in ("postgresql", "sqlite"),
+            not sqlite,
+            sqlite,
+            mysql,
         )
-        _backends[dialect] = found
+        with _backends_lock:
+            found = _interned.get(flags)
+            if found is None:
+                found = _interned[flags] = Backend(*flags)
+            _backends[dialect] = found
     return found
 
 
@@ -121,6 +143,21 @@ _MYSQL_NOWAIT = 3572  # MySQL 8's ER_LOCK_NOWAIT
 _MYSQL_DEADLOCK = 1213
 _MYSQL_RECORD_CHANGED = 1020  # innodb_snapshot_isolation=ON at REPEATABLE READ
 _SQLITE_BUSY = 5  # primary result code; BUSY_SNAPSHOT is 517 (5 | 2 << 8)
+_MYSQL_DUPLICATE_KEY = 1062
+_MYSQL_DRIVERS = ("pymysql", "MySQLdb", "mysql", "mariadb", "asyncmy", "aiomysql")
+
+
+def _mysql_errno(orig: Any) -> int | None:
+    """The MySQL/MariaDB error number of a driver exception, or ``None`` for other drivers."""
+    args = getattr(orig, "args", ())
+    if args and isinstance(args[0], int) and type(orig).__module__.startswith(_MYSQL_DRIVERS):
+        return args[0]
+    return None
+
+
+def is_duplicate_key(error: sa_exc.DBAPIError) -> bool:
+    """Whether ``error`` is MySQL/MariaDB's duplicate-key error (1062) and nothing else."""
+    return _mysql_errno(error.orig) == _MYSQL_DUPLICATE_KEY
 
 
 def classify_db_error(error: BaseException) -> type[StateguardError] | None:
@@ -134,21 +171,15 @@ def classify_db_error(error: BaseException) -> type[StateguardError] | None:
     orig = error.orig if isinstance(error, sa_exc.DBAPIError) else error
     if orig is None:
         return None
-    args = getattr(orig, "args", ())
-    if (
-        args
-        and isinstance(args[0], int)
-        and type(orig).__module__.startswith(
-            ("pymysql", "MySQLdb", "mysql", "mariadb", "asyncmy", "aiomysql")
-        )
-    ):
+    errno = _mysql_errno(orig)
+    if errno is not None:
         # MySQL drivers: the error number is exact (SQLSTATE 40001 covers both
         # deadlocks and other rollbacks there), so it is checked first.
-        if args[0] == _MYSQL_DEADLOCK:
+        if errno == _MYSQL_DEADLOCK:
             return DeadlockDetected
-        if args[0] == _MYSQL_RECORD_CHANGED:
+        if errno == _MYSQL_RECORD_CHANGED:
             return SerializationConflict
-        if args[0] in (_MYSQL_LOCK_WAIT_TIMEOUT, _MYSQL_NOWAIT):
+        if errno in (_MYSQL_LOCK_WAIT_TIMEOUT, _MYSQL_NOWAIT):
             return LockNotAcquired
         return None
     code = getattr(orig, "sqlite_errorcode", None)
@@ -184,17 +215,6 @@ def conflict_error(error: sa_exc.DBAPIError) -> StateguardError | None:
     )
 
 
-def execute(conn: Connection, stmt: Any, params: Mapping[str, Any] | None = None) -> CursorResult[Any]:
-    """Run ``stmt`` on ``conn``, turning retryable driver conflicts into our errors."""
-    try:
-        return conn.execute(stmt, params)
-    except sa_exc.DBAPIError as error:
-        mapped = conflict_error(error)
-        if mapped is None:
-            raise
-        raise mapped from error
-
-
 # --------------------------------------------------------------------------
 # Models and keys
 # --------------------------------------------------------------------------
@@ -205,6 +225,7 @@ class ModelInfo:
 
     __slots__ = (
         "attr_by_column",
+        "bind_arguments",
         "column_by_attr",
         "fence_attr",
         "fence_column",
@@ -215,7 +236,6 @@ class ModelInfo:
         "pk_columns",
         "pk_names",
         "pk_where",
-        "read_cache",
         "table",
         "version_attr",
         "version_column",
@@ -230,6 +250,8 @@ class ModelInfo:
             )
         self.model = model
         self.mapper = mapper
+        #: What ``Session.connection()`` needs to pick the model's bind (per-model binds).
+        self.bind_arguments: dict[str, Any] = {"mapper": mapper}
         self.table: Table = table
         self.identity_class = mapper._identity_class
         self.pk_columns: tuple[Column[Any], ...] = tuple(mapper.primary_key)  # type: ignore[arg-type]
@@ -255,7 +277,6 @@ class ModelInfo:
         for attr, col in self.column_by_attr.items():
             if col.info.get(INFO_KEY) == "fence":
                 self.fence_column, self.fence_attr = col, attr
-        self.read_cache: dict[Any, Select[Any]] = {}
 
     def column(self, attr: str, *, role: str) -> Column[Any]:
         col = self.column_by_attr.get(attr)
@@ -279,17 +300,6 @@ class ModelInfo:
             return {"sg_pk0": key[0]}
         return dict(zip(self.pk_names, key, strict=True))
 
-    def read(self, columns: Sequence[Column[Any]], backend: Backend) -> Select[Any]:
-        """``SELECT columns WHERE pk`` that sees what an UPDATE just saw (cached)."""
-        cache_key = (tuple(columns), backend.locking_read)
-        stmt = self.read_cache.get(cache_key)
-        if stmt is None:
-            stmt = select(*columns).where(self.pk_where)
-            if backend.locking_read:
-                stmt = stmt.with_for_update()
-            self.read_cache[cache_key] = stmt
-        return stmt
-
 
 def _python_type(col: Column[Any]) -> type | None:
     try:
@@ -303,6 +313,7 @@ _infos_lock = threading.Lock()
 
 
 def model_info(model: type[Any]) -> ModelInfo:
+    """The :class:`ModelInfo` of a mapped class (built once per class)."""
     found = _infos.get(model)
     if found is None:
         with _infos_lock:
@@ -312,137 +323,13 @@ def model_info(model: type[Any]) -> ModelInfo:
     return found
 
 
-def _bad_key(info: ModelInfo, target: Any, why: str) -> InvalidArgument:
-    pk = ", ".join(
-        f"{c.name}: {t.__name__ if t else '?'}" for c, t in zip(info.pk_columns, info.pk_checks, strict=True)
-    )
-    return InvalidArgument(
-        f"{info.model.__name__}: {target!r} is not a valid target ({why}); pass a primary key "
-        f"({pk}){' as a tuple' if len(info.pk_columns) > 1 else ''} or a loaded "
-        f"{info.model.__name__} instance"
-    )
-
-
-def check_key_value(info: ModelInfo, value: Any, i: int, target: Any) -> None:
-    expected = info.pk_checks[i]
-    if value is None:
-        raise _bad_key(info, target, "a primary key value is None")
-    if expected is None or isinstance(value, expected):
-        if expected is int and isinstance(value, bool):
-            raise _bad_key(info, target, "a bool is not an integer key")
-        return
-    if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        return
-    if expected.__module__ == "decimal" and isinstance(value, int | float):
-        return
-    raise _bad_key(info, target, f"expected {expected.__name__}, got {type(value).__name__}")
-
-
-def resolve_target(session: Session | None, info: ModelInfo, target: Any) -> tuple[tuple[Any, ...], Any]:
-    """``(key tuple, instance or None)`` for a primary key or a mapped instance."""
-    # Fast path: a scalar integer/str key of a single-column primary key.
-    if len(info.pk_checks) == 1 and type(target) is info.pk_checks[0]:
-        return (target,), None
-    state = getattr(target, "_sa_instance_state", None)
-    if state is not None:
-        if not isinstance(target, info.model):
-            raise InvalidArgument(
-                f"expected a {info.model.__name__} instance or primary key, got a "
-                f"{type(target).__name__} instance"
-            )
-        identity = state.identity
-        if identity is None:
-            if state.pending and session is not None and state.session_id == session.hash_key:
-                # A pending instance has no row yet: flush it, as ORM autoflush would.
-                session.flush()
-                identity = state.identity
-            if identity is None:
-                raise InvalidArgument(
-                    f"{info.model.__name__} instance {target!r} has no primary key yet "
-                    f"(transient or not flushed); add it to the session and flush first"
-                )
-        return tuple(identity), target
-    key = target if isinstance(target, tuple) else (target,)
-    if len(key) != len(info.pk_columns):
-        raise _bad_key(info, target, f"the primary key has {len(info.pk_columns)} column(s)")
-    for i, value in enumerate(key):
-        check_key_value(info, value, i, target)
-    return key, None
-
-
 def public_key(key: tuple[Any, ...]) -> Any:
     return key[0] if len(key) == 1 else key
-
-
-def identity_instance(session: Session, info: ModelInfo, key: tuple[Any, ...]) -> Any:
-    """The instance for ``key`` already in the session's identity map, if any (no SQL)."""
-    identity_map = session.identity_map
-    if not len(identity_map):
-        return None
-    return identity_map.get((info.identity_class, key, None))
-
-
-def sync_instance(
-    session: Session,
-    instance: Any,
-    committed: Mapping[str, Any],
-    expire: Iterable[str] = (),
-) -> None:
-    """Make a loaded instance agree with the row we just wrote or read.
-
-    ``committed`` values are known exactly and become the instance's committed
-    state (so a later ORM flush's version check uses the new version); the
-    ``expire`` attributes were changed by SQL expressions and reload on access.
-    """
-    for attr, value in committed.items():
-        set_committed_value(instance, attr, value)
-    expire = [a for a in expire if a not in committed]
-    if expire and instance in session:
-        session.expire(instance, expire)
 
 
 # --------------------------------------------------------------------------
 # Values
 # --------------------------------------------------------------------------
-
-
-def split_values(
-    info: ModelInfo,
-    values: Mapping[str, Any] | None,
-    *,
-    forbidden: Mapping[str, str],
-) -> tuple[tuple[tuple[str, Column[Any], Any], ...], bool]:
-    """Validate user ``values`` by attribute name.
-
-    Returns ``((attr, column, value), ...)`` sorted by attribute and whether
-    any value is a SQL expression (which must be embedded in the statement
-    rather than bound).  ``forbidden`` maps attribute names that must not be
-    set this way to the reason.
-    """
-    if not values:
-        return (), False
-    if not isinstance(values, Mapping):
-        raise InvalidArgument(
-            f"values must be a mapping of attribute names to values, got {type(values).__name__}"
-        )
-    items = []
-    has_sql = False
-    for attr in sorted(values):
-        if not isinstance(attr, str):
-            raise InvalidArgument(f"values keys must be attribute names (str), got {attr!r}")
-        reason = forbidden.get(attr)
-        if reason is not None:
-            raise InvalidArgument(f"{info.model.__name__}.{attr} cannot be set through values: {reason}")
-        col = info.column(attr, role="a values entry")
-        if col.primary_key:
-            raise InvalidArgument(
-                f"{info.model.__name__}.{attr} is part of the primary key and cannot be set"
-            )
-        value = values[attr]
-        if isinstance(value, ClauseElement):
-            has_sql = True
-        items.append((attr, col, value))
-    return tuple(items), has_sql
 
 
 def set_clause(
@@ -498,70 +385,9 @@ def version_increment(col: Column[Any], backend: Backend) -> ColumnElement[Any]:
     return expr
 
 
-def finish_update(stmt: Update, returning: Sequence[Column[Any]], backend: Backend) -> Update:
-    if returning and backend.returning:
-        stmt = stmt.returning(*returning)
-    return stmt
-
-
-# --------------------------------------------------------------------------
-# Savepoints
-# --------------------------------------------------------------------------
-
-
-def ensure_real_transaction(conn: Connection) -> None:
-    """Make sure the driver really has a transaction open before a SAVEPOINT.
-
-    Python's sqlite3 (with its default, legacy transaction control) does not
-    send BEGIN before a SAVEPOINT: the SAVEPOINT then starts its own
-    transaction and RELEASE commits it, long before the session commits.
-    Opening the transaction explicitly keeps the savepoint nested in it.
-    """
-    if conn.dialect.name != "sqlite":
-        return
-    if not _driver_in_transaction(conn):
-        conn.exec_driver_sql("BEGIN")
-
-
-def abandon_savepoint(savepoint: Any) -> None:
-    """Roll back a SAVEPOINT (Connection or Session level) while an error propagates, keeping that error.
-
-    MariaDB/MySQL roll the whole transaction back on a deadlock (1213),
-    savepoints included: ``ROLLBACK TO SAVEPOINT`` then fails with 1305
-    ("SAVEPOINT ... does not exist"), and raising that would hide the
-    retryable :class:`DeadlockDetected`.  The caller's transaction is dead
-    either way and must be rolled back.
-    """
-    if not savepoint.is_active:
-        return
-    with contextlib.suppress(sa_exc.DBAPIError):
-        savepoint.rollback()
-
-
-def _driver_in_transaction(conn: Connection) -> bool:
-    """Whether SQLite's driver has a transaction open (sqlite3, or aiosqlite under SQLAlchemy's adapter)."""
-    dbapi_conn = conn.connection.dbapi_connection
-    flag = getattr(dbapi_conn, "in_transaction", None)
-    if flag is None:
-        # SQLAlchemy's aiosqlite adapter does not expose it; the aiosqlite
-        # connection it wraps does (read from sqlite3's connection).
-        flag = getattr(getattr(dbapi_conn, "_connection", None), "in_transaction", None)
-    return True if flag is None else bool(flag)
-
-
 # --------------------------------------------------------------------------
 # Fencing tokens
 # --------------------------------------------------------------------------
-
-
-def check_fence(info: ModelInfo, fence: Any) -> None:
-    if info.fence_column is None:
-        raise InvalidArgument(
-            f"{info.model.__name__} has no fence column, so fence= cannot be checked; "
-            f"declare one with fence_column()"
-        )
-    if type(fence) is not int or fence < 0:
-        raise InvalidArgument(f"fence must be a non-negative int (a fencing token), got {fence!r}")
 
 
 def fence_condition(col: Column[Any], value: int | None = None) -> ColumnElement[bool]:
@@ -578,21 +404,45 @@ def fence_allows(found: Any, fence: int) -> bool:
     return found is None or found <= fence
 
 
-def sqlite_write_lock(conn: Connection) -> None:
-    """On SQLite, make sure the transaction holds the write lock before a read-then-write.
+# --------------------------------------------------------------------------
+# Statements shared by the key tables
+# --------------------------------------------------------------------------
 
-    SQLite has no row locks; its equivalent of ``SELECT ... FOR UPDATE`` is
-    holding the database's write lock.  Python's sqlite3 (legacy transaction
-    control) does not even BEGIN before a SELECT, so a read would run outside
-    the transaction of the UPDATE that follows it.  Outside a transaction,
-    start one with ``BEGIN IMMEDIATE``; inside a deferred transaction that has
-    only read, the UPDATE's upgrade either succeeds or fails with a busy error
-    (a retryable SerializationConflict), never silently on stale data.
+
+def read_statement(info: ModelInfo, columns: Sequence[Column[Any]], backend: Backend) -> Select[Any]:
+    """``SELECT columns WHERE pk`` that sees what an UPDATE just saw.
+
+    On InnoDB a plain SELECT reads the REPEATABLE READ snapshot, which may
+    predate the row the UPDATE found: the read is ``FOR UPDATE`` there.
     """
-    if conn.dialect.name != "sqlite":
-        return
-    if not _driver_in_transaction(conn):
-        execute(conn, _BEGIN_IMMEDIATE)
+    stmt = select(*columns).where(info.pk_where)
+    if backend.locking_read:
+        stmt = stmt.with_for_update()
+    return stmt
 
 
-_BEGIN_IMMEDIATE = text("BEGIN IMMEDIATE")
+def purge_statement(table: Table, backend: Backend, batch: int) -> Any:
+    """The batched DELETE of ``table``'s expired rows (``expires_ms <= :sg_now``) for one backend."""
+    expired = table.c.expires_ms <= bindparam("sg_now")
+    cols = list(table.primary_key.columns)
+    pk: Any = tuple_(*cols) if len(cols) > 1 else cols[0]
+    if backend.row_locks and not backend.delete_limit_literal:
+        # PostgreSQL.  SKIP LOCKED: rows a claimant holds right now are left
+        # for the next batch instead of making the purge wait behind it (and
+        # making the claimant wait behind the purge).  The outer WHERE repeats
+        # the expiry: a row updated meanwhile is re-checked before it is deleted.
+        victims = (
+            select(*table.primary_key.columns)
+            .where(expired)
+            .limit(bindparam("sg_batch"))
+            .with_for_update(skip_locked=True)
+        )
+        return delete(table).where(expired, pk.in_(victims))
+    if backend.delete_limit_literal:
+        # MySQL/MariaDB: no LIMIT inside an IN subquery and no subquery on the
+        # table being deleted from, but DELETE itself takes a LIMIT (a literal
+        # in SQLAlchemy, hence one statement per batch size).
+        return delete(table).where(expired).with_dialect_options(mysql_limit=batch)
+    rowid: Any = literal_column("rowid")
+    victims = select(rowid).select_from(table).where(expired).limit(bindparam("sg_batch"))
+    return delete(table).where(expired, rowid.in_(victims.scalar_subquery()))

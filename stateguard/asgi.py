@@ -63,7 +63,6 @@ from typing import Any, TypeAlias, TypeVar
 
 from sqlalchemy.orm import Session
 
-from . import _keys
 from .exceptions import (
     IdempotencyKeyReused,
     InvalidArgument,
@@ -72,6 +71,7 @@ from .exceptions import (
     SerializationConflict,
 )
 from .idempotency import IdempotentCall, idempotent
+from .tables import MAX_KEY, MAX_SCOPE
 
 __all__ = ["IdempotencyMiddleware", "RouteOptions", "default_store_status"]
 
@@ -186,9 +186,9 @@ def _check_scope(scope: Any) -> None:
         raise InvalidArgument(
             f"scope must be a non-blank string or a callable of the ASGI scope, got {scope!r}"
         )
-    if len(scope) > _keys.MAX_SCOPE or "\x00" in scope:
+    if len(scope) > MAX_SCOPE or "\x00" in scope:
         raise InvalidArgument(
-            f"scope must be at most {_keys.MAX_SCOPE} characters without NUL, got {len(scope)} characters"
+            f"scope must be at most {MAX_SCOPE} characters without NUL, got {len(scope)} characters"
         )
 
 
@@ -296,8 +296,8 @@ def _parse_key(values: list[bytes]) -> str:
         raise _BadKey("the Idempotency-Key is blank")
     if any(not (" " <= c <= "~") for c in text):
         raise _BadKey("the Idempotency-Key must be printable ASCII")
-    if len(text) > _keys.MAX_KEY:
-        raise _BadKey(f"the Idempotency-Key is {len(text)} characters long; the limit is {_keys.MAX_KEY}")
+    if len(text) > MAX_KEY:
+        raise _BadKey(f"the Idempotency-Key is {len(text)} characters long; the limit is {MAX_KEY}")
     return text
 
 

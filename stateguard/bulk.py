@@ -32,7 +32,7 @@ from sqlalchemy import ColumnElement, any_, bindparam, select, tuple_, update
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
 
-from . import _sql
+from . import _sql, _write
 from .exceptions import InvalidArgument
 from .result import Outcome, Result
 
@@ -68,7 +68,7 @@ def _resolve_many(
         raise InvalidArgument(f"many() takes an iterable of targets, got {targets!r}")
     keys: dict[tuple[Any, ...], Any] = {}
     for target in targets:
-        key, instance = _sql.resolve_target(session, info, target)
+        key, instance = _write.resolve_target(session, info, target)
         if key not in keys or instance is not None:
             keys[key] = instance
     return list(keys), keys
@@ -93,7 +93,7 @@ def fire_many(
         keys = sorted(given)
     except TypeError:  # pragma: no cover - keys of one column type always compare
         keys = given
-    items, _ = _sql.split_values(info, values, forbidden=m._forbidden)
+    items, _ = _write.split_values(info, values, forbidden=m._forbidden)
     if session.autoflush:
         session.flush()
     conn = session.connection(bind_arguments=m._bind_args)
@@ -145,7 +145,7 @@ def fire_many(
             if vcol is not None:
                 returning.append(vcol)
             returning.append(state_col)
-            rows = _sql.execute(
+            rows = _write.execute(
                 conn,
                 update_stmt.returning(*returning),
                 {**params_base, "sg_keys": _key_param(chunk, single)},
@@ -159,7 +159,7 @@ def fire_many(
                 )
             rest = [k for k in chunk if k not in done]
             if rest:
-                found = _sql.execute(
+                found = _write.execute(
                     conn, select(*read_cols).where(keys_in), {"sg_keys": _key_param(rest, single)}
                 ).all()
                 by_key = {tuple(r[:npk]): r for r in found}
@@ -171,14 +171,14 @@ def fire_many(
         else:
             # No UPDATE RETURNING: lock the batch in key order and let the
             # database evaluate the trigger's condition on the latest rows.
-            _sql.sqlite_write_lock(conn)
+            _write.sqlite_write_lock(conn)
             probe = (
                 select(*read_cols, state_cond.label("sg_ok"))
                 .where(keys_in)
                 .order_by(*info.pk_columns)
                 .with_for_update()
             )
-            found = _sql.execute(conn, probe, {"sg_keys": _key_param(chunk, single)}).all()
+            found = _write.execute(conn, probe, {"sg_keys": _key_param(chunk, single)}).all()
             by_key = {tuple(r[:npk]): r for r in found}
             ok: list[tuple[Any, ...]] = []
             for k in chunk:
@@ -190,7 +190,7 @@ def fire_many(
                 else:
                     unapplied.append((k, r[npk], r[npk + 1] if vcol is not None else None))
             if ok:
-                result = _sql.execute(conn, update_stmt, {**params_base, "sg_keys": _key_param(ok, single)})
+                result = _write.execute(conn, update_stmt, {**params_base, "sg_keys": _key_param(ok, single)})
                 if result.rowcount != len(ok):  # pragma: no cover - the rows are locked
                     raise RuntimeError(
                         f"stateguard: bulk {trigger!r} matched {result.rowcount} of {len(ok)} locked rows"
@@ -253,13 +253,13 @@ def _sync(
     expire: Iterable[str],
 ) -> None:
     if instance is None:
-        instance = _sql.identity_instance(session, info, key)
+        instance = _write.identity_instance(session, info, key)
         if instance is None:
             return
     committed: dict[str, Any] = {state_attr: db_state}
     if info.version_attr is not None and version is not None:
         committed[info.version_attr] = version
-    _sql.sync_instance(session, instance, committed, expire)
+    _write.sync_loaded(session, info, key, instance, committed, expire)
 
 
 def fire_where(
@@ -277,7 +277,7 @@ def fire_where(
         raise InvalidArgument(f"where() takes a SQL expression over {info.model.__name__}, got {condition!r}")
     if limit is not None and (type(limit) is not int or limit < 1):
         raise InvalidArgument(f"limit must be a positive int or None, got {limit!r}")
-    items, _ = _sql.split_values(info, values, forbidden=m._forbidden)
+    items, _ = _write.split_values(info, values, forbidden=m._forbidden)
     if session.autoflush:
         session.flush()
     conn = session.connection(bind_arguments=m._bind_args)
@@ -311,7 +311,7 @@ def fire_where(
         if vcol is not None:
             returning.append(vcol)
         stmt = update(info.table).where(where).ordered_values(*pairs).returning(*returning)
-        rows = sorted(_sql.execute(conn, stmt, params).all(), key=lambda r: tuple(r[:npk]))
+        rows = sorted(_write.execute(conn, stmt, params).all(), key=lambda r: tuple(r[:npk]))
         keys = [tuple(r[:npk]) for r in rows]
         states = [r[npk] for r in rows]
         versions = [r[npk + 1] if vcol is not None else None for r in rows]
@@ -323,13 +323,13 @@ def fire_where(
         pick = select(*cols).where(condition, state_cond).order_by(*info.pk_columns)
         if limit is not None:
             pick = pick.limit(limit)
-        _sql.sqlite_write_lock(conn)
-        found = _sql.execute(conn, pick.with_for_update(skip_locked=True), params).all()
+        _write.sqlite_write_lock(conn)
+        found = _write.execute(conn, pick.with_for_update(skip_locked=True), params).all()
         keys = [tuple(r[:npk]) for r in found]
         states, versions, sources = [], [], []
         if keys:
             single = npk == 1
-            result = _sql.execute(
+            result = _write.execute(
                 conn,
                 update(info.table).where(_keys_in(info), state_cond).ordered_values(*pairs),
                 {**params, "sg_keys": _key_param(keys, single)},

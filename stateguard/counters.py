@@ -40,64 +40,38 @@ from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import (
-    BigInteger,
-    Column,
     Connection,
-    DateTime,
-    Integer,
-    String,
-    Table,
-    UniqueConstraint,
     bindparam,
     delete,
     func,
-    insert,
     select,
     update,
 )
-from sqlalchemy import exc as sa_exc
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import QueryableAttribute
 
-from . import _sql
+from . import _sql, _write
 from ._async import dual
-from ._keys import exact_string
 from .exceptions import InvalidArgument, RefConflict, SerializationConflict
-from .history import row_key
 from .result import Outcome, Result
-from .tables import metadata
+from .tables import MAX_REF, counter_ledger, row_key
 
 __all__ = ["counter_ledger", "decrement", "increment", "release", "reserve"]
 
-#: Longest ``ref`` accepted.
-MAX_REF = 200
-
-counter_ledger = Table(
-    "stateguard_counter_ledger",
-    metadata,
-    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
-    # Byte-exact on MariaDB too: its default collation would make 'order-A' and 'order-a ' one ref.
-    Column("ref", exact_string(MAX_REF), nullable=False),
-    Column("table_name", String(200), nullable=False),
-    Column("row_key", exact_string(255), nullable=False),
-    Column("column_name", String(100), nullable=False),
-    # The delta as exact decimal text: no float rounding on any backend.
-    Column("delta", String(60), nullable=False),
-    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()),
-    Column("released_at", DateTime(timezone=True), nullable=True),
-    UniqueConstraint("ref", "table_name", "row_key", "column_name", name="uq_stateguard_counter_ledger_ref"),
-)
-
-_MYSQL_DUPLICATE_KEY = 1062
-
 _LEDGER_FIELDS = ("ref", "table_name", "row_key", "column_name", "delta")
+
+#: Claims a ref: the ledger row's id, or ``None`` when the unique key was taken.
+_LEDGER_CLAIM = _write.InsertOnce(
+    counter_ledger,
+    {name: bindparam(f"sg_{name}") for name in _LEDGER_FIELDS},
+    returning=[counter_ledger.c.id],
+)
 
 
 class _Counter:
     """What a guarded change of one column needs, computed once per column and bound kind."""
 
-    __slots__ = ("attr", "bound_column", "column", "info", "integer", "model", "plans")
+    __slots__ = ("attr", "bound_column", "changed", "column", "info", "integer", "model")
 
     def __init__(self, column: Any, bound: Any, role: str) -> None:
         if not isinstance(column, QueryableAttribute):
@@ -128,24 +102,22 @@ class _Counter:
                     f"the {role} {bound!r} must be a number or a column of {model.__name__} (the same row)"
                 )
             self.bound_column = bcol
-        self.plans: dict[Any, Any] = {}
+        #: What a change leaves stale on a loaded instance: the column and the version.
+        self.changed = (self.attr,) + ((info.version_attr,) if info.version_attr is not None else ())
 
     @property
     def name(self) -> str:
         return f"{self.model.__name__}.{self.attr}"
 
 
-_counters: dict[tuple[Any, ...], _Counter] = {}
-
-
 def _counter(column: Any, bound: Any, role: str) -> _Counter:
     if not isinstance(column, QueryableAttribute):
         return _Counter(column, bound, role)  # raises InvalidArgument
     bound_key = (bound.class_, bound.key) if isinstance(bound, QueryableAttribute) else None
-    key = (column.class_, column.key, role, bound_key)
-    found = _counters.get(key)
+    key = ("counter-column", column.class_, column.key, role, bound_key)
+    found: _Counter | None = _write.memo.get(key)
     if found is None:
-        found = _counters[key] = _Counter(column, bound, role)
+        found = _write.memo.put(key, _Counter(column, bound, role))
     return found
 
 
@@ -186,8 +158,8 @@ def _check_ref(ref: Any) -> None:
 
 def _plan(counter: _Counter, backend: _sql.Backend, sign: int, has_bound: bool, lid: bool) -> Any:
     """The guarded UPDATE for one backend, direction, bound kind and value-return mode (cached)."""
-    cache_key = (backend, sign, has_bound, lid)
-    found = counter.plans.get(cache_key)
+    cache_key = ("counter", counter, backend, sign, has_bound, lid)
+    found = _write.memo.get(cache_key)
     if found is not None:
         return found
     info, col = counter.info, counter.column
@@ -209,16 +181,13 @@ def _plan(counter: _Counter, backend: _sql.Backend, sign: int, has_bound: bool, 
     stmt = update(info.table).where(*conditions).ordered_values(*pairs)
     if backend.returning:
         stmt = stmt.returning(col)
-    counter.plans[cache_key] = stmt
-    return stmt
-
-
-_ledger_plans: dict[tuple[str, _sql.Backend], Any] = {}
+    return _write.memo.put(cache_key, stmt)
 
 
 def _ledger_stmt(kind: str, backend: _sql.Backend) -> Any:
     """The ledger statements, built once per backend (all parameters bound)."""
-    found = _ledger_plans.get((kind, backend))
+    cache_key = ("ledger", kind, backend)
+    found = _write.memo.get(cache_key)
     if found is not None:
         return found
     ledger = counter_ledger
@@ -228,14 +197,7 @@ def _ledger_stmt(kind: str, backend: _sql.Backend) -> Any:
         ledger.c.column_name == bindparam("sg_column_name"),
     )
     stmt: Any
-    if kind == "claim":
-        values: dict[str, Any] = {name: bindparam(f"sg_{name}") for name in _LEDGER_FIELDS}
-        if backend.on_conflict:
-            dialect_insert = postgresql.insert if backend.name == "postgresql" else sqlite.insert
-            stmt = dialect_insert(ledger).values(values).on_conflict_do_nothing().returning(ledger.c.id)
-        else:
-            stmt = insert(ledger).values(values)
-    elif kind == "find":
+    if kind == "find":
         stmt = select(ledger.c.delta).where(*same_ref, ledger.c.row_key == bindparam("sg_row_key"))
         if backend.locking_read:
             # InnoDB: a plain SELECT reads the REPEATABLE READ snapshot, which
@@ -251,8 +213,7 @@ def _ledger_stmt(kind: str, backend: _sql.Backend) -> Any:
             .where(ledger.c.id.in_(bindparam("sg_ids", expanding=True)), ledger.c.released_at.is_(None))
             .values(released_at=func.current_timestamp())
         )
-    _ledger_plans[(kind, backend)] = stmt
-    return stmt
+    return _write.memo.put(cache_key, stmt)
 
 
 def _claim(
@@ -266,24 +227,10 @@ def _claim(
         "sg_column_name": counter.column.name,
         "sg_delta": str(delta),
     }
-    claim = _ledger_stmt("claim", backend)
-    if backend.on_conflict:
-        # A twin's uncommitted row with the same key makes this INSERT wait;
-        # once the twin commits it does nothing (no row returned).
-        row = _sql.execute(conn, claim, params).first()
-        if row is not None:
-            return row[0]
-    else:
-        try:
-            result = _sql.execute(conn, claim, params)
-        except sa_exc.IntegrityError as error:
-            # InnoDB rolls back only this statement on a duplicate key; the
-            # transaction and everything it did before stay intact.
-            if getattr(error.orig, "args", (None,))[0] != _MYSQL_DUPLICATE_KEY:
-                raise
-        else:
-            return result.inserted_primary_key[0]  # type: ignore[index]
-    existing = _sql.execute(conn, _ledger_stmt("find", backend), params).scalar()
+    inserted = _LEDGER_CLAIM(conn, params)
+    if inserted is not None:
+        return inserted[0]
+    existing = _write.execute(conn, _ledger_stmt("find", backend), params).scalar()
     if existing is None:  # pragma: no cover - the conflicting row vanished in between
         raise SerializationConflict(
             f"the ledger row of ref {ref!r} changed while this call checked it; "
@@ -328,32 +275,22 @@ def _apply(
     params["sg_delta"] = delta
     if numeric_bound:
         params["sg_bound"] = bound
-    result = _sql.execute(conn, stmt, params)
-    value: Any = None
-    if backend.returning:
-        row = result.first()
-        applied = row is not None
-        if row is not None:
-            value = row[0]
-    else:
-        applied = result.rowcount == 1
-        if applied and lid:
-            value = result.lastrowid
+    applied, returned = _write.run_guarded(
+        conn, stmt, params, returning=backend.returning, last_insert_id=lid
+    )
+    value: Any = None if returned is None else returned[0]
     if applied:
-        if instance is None:
-            instance = _sql.identity_instance(session, info, key)
-        if instance is not None:
-            expire = [counter.attr]
-            if info.version_attr is not None:
-                expire.append(info.version_attr)
-            _sql.sync_instance(session, instance, {} if value is None else {counter.attr: value}, expire)
+        _write.sync_loaded(
+            session, info, key, instance, {} if value is None else {counter.attr: value}, counter.changed
+        )
         return Result(Outcome.APPLIED, model=counter.model, key=public, value=value, session=session)
     if ledger_id is not None:
         # Nothing changed: forget the claim, so the same ref can apply later.
-        _sql.execute(conn, _ledger_stmt("forget", backend), {"sg_id": ledger_id})
+        _write.execute(conn, _ledger_stmt("forget", backend), {"sg_id": ledger_id})
     # One read tells a missing row from a short one; on MariaDB a locking read,
     # which sees the latest committed row as the UPDATE did.
-    row = _sql.execute(conn, info.read([counter.column], backend), info.key_params(key)).first()
+    read = _write.read_back(info, [counter.column], backend)
+    row = _write.execute(conn, read, info.key_params(key)).first()
     if row is None:
         return Result(Outcome.NOT_FOUND, model=counter.model, key=public, session=session)
     return Result(Outcome.INSUFFICIENT, model=counter.model, key=public, value=row[0], session=session)
@@ -373,10 +310,8 @@ def _change(
     _check_amount(counter, by)
     _check_bound(counter, bound, role)
     _check_ref(ref)
-    key, instance = _sql.resolve_target(session, counter.info, target)
-    if session.autoflush:
-        session.flush()
-    conn = session.connection(bind_arguments={"mapper": counter.info.mapper})
+    key, instance = _write.resolve_target(session, counter.info, target)
+    conn = _write.connection_for(session, counter.info)
     return _apply(session, conn, _sql.backend(conn.dialect), counter, key, instance, by, sign, bound, ref)
 
 
@@ -476,18 +411,16 @@ def reserve(session: Session, column: Any, amounts: Mapping[Any, Any], *, ref: s
     resolved: dict[tuple[Any, ...], tuple[Any, Any]] = {}
     for target, by in amounts.items():
         _check_amount(counter, by)
-        key, instance = _sql.resolve_target(session, counter.info, target)
+        key, instance = _write.resolve_target(session, counter.info, target)
         if key in resolved:
             raise InvalidArgument(
                 f"reserve got {counter.model.__name__} {_sql.public_key(key)!r} twice; "
                 f"give each row once with its total amount"
             )
         resolved[key] = (by, instance)
-    if session.autoflush:
-        session.flush()
-    conn = session.connection(bind_arguments={"mapper": counter.info.mapper})
+    conn = _write.connection_for(session, counter.info)
     backend = _sql.backend(conn.dialect)
-    _sql.ensure_real_transaction(conn)
+    _write.ensure_real_transaction(conn)
     savepoint = conn.begin_nested()
     values: dict[Any, Any] = {}
     outcomes: set[Outcome] = set()
@@ -506,7 +439,7 @@ def reserve(session: Session, column: Any, amounts: Mapping[Any, Any], *, ref: s
                 )
             values[r.key] = r.value
     except BaseException:
-        _sql.abandon_savepoint(savepoint)
+        _write.abandon_savepoint(savepoint)
         raise
     savepoint.commit()
     return Result(outcomes.pop(), model=counter.model, key=ref, value=values, session=session)
@@ -530,9 +463,7 @@ def release(session: Session, column: Any, ref: str) -> Result:
         raise InvalidArgument("release needs a ref")
     _check_ref(ref)
     info = counter.info
-    if session.autoflush:
-        session.flush()
-    conn = session.connection(bind_arguments={"mapper": info.mapper})
+    conn = _write.connection_for(session, info)
     backend = _sql.backend(conn.dialect)
     params = {"sg_ref": ref, "sg_table_name": info.table.fullname, "sg_column_name": counter.column.name}
     # Read the ref's entries without locking, then mark them released by
@@ -543,11 +474,12 @@ def release(session: Session, column: Any, ref: str) -> Result:
     # locking read of the ref would instead take InnoDB next-key locks on the
     # index range, blocking unrelated refs' ledger inserts and risking
     # deadlocks with concurrent reservations.
-    _sql.sqlite_write_lock(conn)
-    rows = _sql.execute(conn, _ledger_stmt("entries", backend), params).all()
+    _write.sqlite_write_lock(conn)
+    rows = _write.execute(conn, _ledger_stmt("entries", backend), params).all()
     if not rows:
         return Result(Outcome.NOT_FOUND, model=counter.model, key=ref, session=session)
-    marked = _sql.execute(conn, _ledger_stmt("mark", backend), {"sg_ids": [row.id for row in rows]}).rowcount
+    mark = _ledger_stmt("mark", backend)
+    marked = _write.execute(conn, mark, {"sg_ids": [row.id for row in rows]}).rowcount
     if not marked:
         return Result(Outcome.REPEATED, model=counter.model, key=ref, session=session)
     if marked != len(rows):  # pragma: no cover - a ref's entries are marked together
@@ -571,10 +503,7 @@ def release(session: Session, column: Any, ref: str) -> Result:
     stmt = _plan(counter, backend, 1, False, False)
     given_back: dict[Any, Any] = {}
     for key, amount in undo:
-        _sql.execute(conn, stmt, {**info.key_params(key), "sg_delta": amount})
+        _write.execute(conn, stmt, {**info.key_params(key), "sg_delta": amount})
         given_back[_sql.public_key(key)] = amount
-        instance = _sql.identity_instance(session, info, key)
-        if instance is not None:
-            expire = [counter.attr] + ([info.version_attr] if info.version_attr else [])
-            _sql.sync_instance(session, instance, {}, expire)
+        _write.sync_loaded(session, info, key, None, {}, counter.changed)
     return Result(Outcome.APPLIED, model=counter.model, key=ref, value=given_back, session=session)

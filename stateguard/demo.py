@@ -55,13 +55,12 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Engine, String, delete, func, insert, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-from ._keys import idempotency_keys
 from .counters import decrement
 from .inserts import insert_once
 from .machine import StateMachine
 from .result import Outcome, Result
 from .retry import retry_on_conflict
-from .tables import create_tables
+from .tables import create_tables, idempotency_keys
 from .versioning import guarded_update, version_column
 
 if TYPE_CHECKING:

@@ -65,6 +65,8 @@ __all__ = [
     "StateguardError",
     "TransitionRejected",
     "UnknownTrigger",
+    "WorkerIdsExhausted",
+    "WorkerLeaseLost",
 ]
 
 
@@ -269,3 +271,45 @@ class RequestFailed(_KeyError):
     def __init__(self, message: str, *, scope: str, key: str, error: str | None) -> None:
         self.error = error
         super().__init__(message, scope=scope, key=key)
+
+
+class WorkerLeaseLost(LockLost):
+    """A :class:`Snowflake` lost the lease on its worker id: it will issue no more ids.
+
+    The lease expired (no renewal reached the database in time) and another
+    generator may have taken the worker id over.  Ids already returned are
+    safe; close this generator and create a new one (it leases a fresh
+    worker id).  ``namespace`` and ``worker_id`` say which lease::
+
+        try:
+            order.id = ids.next_id()
+        except WorkerLeaseLost:
+            ids.close()
+            ids = Snowflake(engine, namespace="orders")
+            order.id = ids.next_id()
+    """
+
+    def __init__(self, message: str, *, namespace: str, worker_id: int) -> None:
+        self.namespace = namespace
+        self.worker_id = worker_id
+        super().__init__(message)
+
+
+class WorkerIdsExhausted(StateguardError):
+    """All 1024 worker ids of a :class:`Snowflake` namespace are leased by live generators.
+
+    ``retryable`` is ``True``: a lease frees up when a generator closes or
+    dies (after its lease expires).  Use separate namespaces for id spaces
+    that do not need to be unique with each other::
+
+        try:
+            ids = Snowflake(engine, namespace="orders")
+        except WorkerIdsExhausted as error:
+            log.warning("no free worker id in %s; retrying", error.namespace)
+    """
+
+    retryable = True
+
+    def __init__(self, message: str, *, namespace: str) -> None:
+        self.namespace = namespace
+        super().__init__(message)

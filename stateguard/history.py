@@ -24,61 +24,22 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sqlalchemy import (
-    JSON,
-    BigInteger,
-    Column,
     Connection,
-    DateTime,
-    Index,
-    Integer,
-    String,
-    Table,
     and_,
     bindparam,
-    func,
     insert,
     select,
 )
 from sqlalchemy import exc as sa_exc
 
-from . import _sql
+from . import _write
 from .exceptions import InvalidArgument, SerializationConflict
-from .tables import metadata
+from .tables import MAX_REQUEST_ID, row_key, transition_log
 
 if TYPE_CHECKING:
     from .machine import StateMachine, Trigger
 
 __all__ = ["HistoryEntry", "transition_log"]
-
-#: Longest request id accepted (bytes of UTF-8 are not counted: characters).
-MAX_REQUEST_ID = 200
-
-transition_log = Table(
-    "stateguard_transition_log",
-    metadata,
-    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
-    Column("model", String(200), nullable=False),
-    Column("machine", String(100), nullable=False),
-    Column("row_key", String(255), nullable=False),
-    Column("trigger", String(100), nullable=False),
-    Column("source", String(100), nullable=False),
-    Column("dest", String(100), nullable=False),
-    Column("version", Integer, nullable=True),
-    Column("at", DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()),
-    Column("request_id", String(MAX_REQUEST_ID), nullable=True),
-    Column("meta", JSON, nullable=True),
-    Index("ix_stateguard_transition_log_row", "model", "machine", "row_key", "id"),
-    Index(
-        "uq_stateguard_transition_log_request",
-        "model",
-        "machine",
-        "row_key",
-        "trigger",
-        "request_id",
-        unique=True,
-    ),
-)
-
 
 class HistoryEntry(NamedTuple):
     """One logged transition, as returned by :meth:`StateMachine.history`."""
@@ -90,12 +51,6 @@ class HistoryEntry(NamedTuple):
     request_id: str | None
     metadata: Any
     version: int | None
-
-
-def row_key(key: tuple[Any, ...]) -> str:
-    """The primary key as stored in the log: JSON of the key (a list for composite keys)."""
-    value: Any = key[0] if len(key) == 1 else list(key)
-    return json.dumps(value, separators=(",", ":"), default=str, sort_keys=True)
 
 
 def check_request(request_id: Any, meta: Any) -> None:
@@ -130,7 +85,7 @@ def applied_by_request(
     conn: Connection, machine: StateMachine[Any], trigger: str, key: tuple[Any, ...], request_id: str
 ) -> Any:
     """The logged row (dest, version) if ``request_id`` already applied ``trigger`` to ``key``."""
-    return _sql.execute(
+    return _write.execute(
         conn,
         _lookup,
         {
@@ -171,9 +126,9 @@ def record(
     ]
     try:
         if len(rows) == 1:
-            _sql.execute(conn, insert(transition_log), rows[0])
+            _write.execute(conn, insert(transition_log), rows[0])
         else:
-            _sql.execute(conn, insert(transition_log).values(rows))
+            _write.execute(conn, insert(transition_log).values(rows))
     except sa_exc.IntegrityError as error:
         # Two calls with the same request id raced after the row came back to a
         # source state: the unique index refused the second.  A retry of the
@@ -186,7 +141,7 @@ def record(
 
 def history(session: Any, machine: StateMachine[Any], target: Any) -> list[HistoryEntry]:
     info = machine.info
-    key, _ = _sql.resolve_target(session, info, target)
+    key, _ = _write.resolve_target(session, info, target)
     log = transition_log
     stmt = (
         select(log.c.trigger, log.c.source, log.c.dest, log.c.at, log.c.request_id, log.c.meta, log.c.version)
@@ -211,7 +166,7 @@ def history(session: Any, machine: StateMachine[Any], target: Any) -> list[Histo
             r.meta,
             r.version,
         )
-        for r in _sql.execute(conn, stmt)
+        for r in _write.execute(conn, stmt)
     ]
 
 

@@ -76,9 +76,8 @@ from typing import Any, Final, Literal, ParamSpec, Protocol, TypeVar
 from sqlalchemy import Connection, Engine, bindparam, select, update
 from sqlalchemy.orm import Session, SessionTransaction
 
-from . import _keys, _sql
+from . import _sql, _write
 from ._async import AsyncSession, dual
-from ._keys import MAX_KEY, MAX_SCOPE, consumed_messages, idempotency_keys
 from .exceptions import (
     DeadlockDetected,
     IdempotencyKeyReused,
@@ -90,6 +89,7 @@ from .exceptions import (
     SerializationConflict,
 )
 from .result import Outcome, Result
+from .tables import MAX_KEY, MAX_SCOPE, consumed_messages, idempotency_keys
 
 __all__ = [
     "AsyncIdempotentCall",
@@ -124,7 +124,7 @@ _CLAIM_ATTEMPTS: Final = 5
 
 def _now_ms() -> int:
     """The application's clock in integer epoch milliseconds (tests replace it)."""
-    return _keys.now_ms()
+    return _write.now_ms()
 
 
 # --------------------------------------------------------------------------
@@ -291,7 +291,7 @@ _FRESH: Final = {
     "updated_ms": bindparam("sg_now"),
 }
 _NEW_ROW: Final = {"scope": bindparam("sg_scope"), "idem_key": bindparam("sg_key"), **_FRESH}
-_CLAIM: Final = _keys.NewRowInsert(_t, _NEW_ROW)
+_CLAIM: Final = _write.InsertOnce(_t, _NEW_ROW, returning=[_t.c.scope])
 _READ: Final = select(
     _t.c.status,
     _t.c.fingerprint,
@@ -460,7 +460,7 @@ class IdempotentCall:
         :raises LeaseLost: the key was taken over.
         """
         self._check_open("checkpoint")
-        _keys.check_text(name, "checkpoint name", 100)
+        _write.check_text(name, "checkpoint name", 100)
         manager = self._manager
         text = _dump(manager.serializer, data, "checkpoint data")
         manager.write(self, _CHECKPOINT, {"sg_name": name, "sg_text": text}, None)
@@ -642,13 +642,13 @@ class _Idempotent:
 
     def _enter_same(self) -> IdempotentCall:
         session = self.session
-        _sql.ensure_real_transaction(session.connection())
+        _write.ensure_real_transaction(session.connection())
         nested = session.begin_nested()
         try:
             conn = session.connection()
             call = self._claim(conn)
         except BaseException:
-            _sql.abandon_savepoint(nested)
+            _write.abandon_savepoint(nested)
             raise
         self._nested, self._conn = nested, conn
         return call
@@ -692,15 +692,15 @@ class _Idempotent:
     def _claim(self, conn: Connection) -> IdempotentCall:
         backend = _sql.backend(conn.dialect)
         params = self._params(_now_ms())
-        if _CLAIM(conn, params):
+        if _CLAIM(conn, params) is not None:
             _emit("claimed", self.scope, self.key, 1, self.mode)
             return IdempotentCall(self, replayed=False, attempt=1)
         read = _READ_LOCKING if backend.locking_read else _READ
         for _ in range(_MAX_ROUNDS):
-            row = _sql.execute(conn, read, params).first()
+            row = _write.execute(conn, read, params).first()
             if row is None:
                 # Purged (or its claimant rolled back) between our statements.
-                if _CLAIM(conn, params):
+                if _CLAIM(conn, params) is not None:
                     _emit("claimed", self.scope, self.key, 1, self.mode)
                     return IdempotentCall(self, replayed=False, attempt=1)
                 continue
@@ -718,7 +718,7 @@ class _Idempotent:
         now = params["sg_now"]
         scope, key = self.scope, self.key
         if row.expires_ms <= now:
-            if _sql.execute(conn, _RECLAIM, {**params, "sg_old_owner": row.owner}).rowcount != 1:
+            if _write.execute(conn, _RECLAIM, {**params, "sg_old_owner": row.owner}).rowcount != 1:
                 return None
             _emit("claimed", scope, key, 1, self.mode)
             return IdempotentCall(self, replayed=False, attempt=1)
@@ -757,7 +757,7 @@ class _Idempotent:
                 key=key,
                 retry_after=timedelta(milliseconds=locked_until - now),
             )
-        if _sql.execute(conn, _TAKEOVER, {**params, "sg_old_owner": row.owner}).rowcount != 1:
+        if _write.execute(conn, _TAKEOVER, {**params, "sg_old_owner": row.owner}).rowcount != 1:
             return None
         attempt = row.attempt + 1
         _emit("taken_over", scope, key, attempt, self.mode)
@@ -778,11 +778,11 @@ class _Idempotent:
         params = {**self._params(_now_ms()), **extra}
         if self.mode == "same_transaction":
             assert self._conn is not None
-            matched = _sql.execute(self._conn, stmt, params).rowcount
+            matched = _write.execute(self._conn, stmt, params).rowcount
         else:
             session = self.session
             try:
-                matched = _sql.execute(session.connection(), stmt, params).rowcount
+                matched = _write.execute(session.connection(), stmt, params).rowcount
                 if matched == 1:
                     session.commit()
             except BaseException:
@@ -801,11 +801,11 @@ class _Idempotent:
         params = self._params(_now_ms())
         if self.mode == "same_transaction":
             assert self._conn is not None
-            matched = _sql.execute(self._conn, _HEARTBEAT, params).rowcount
+            matched = _write.execute(self._conn, _HEARTBEAT, params).rowcount
         else:
             assert self._engine is not None
             with self._engine.begin() as conn:
-                matched = _sql.execute(conn, _HEARTBEAT, params).rowcount
+                matched = _write.execute(conn, _HEARTBEAT, params).rowcount
         if matched != 1:
             self._lost(call)
 
@@ -909,7 +909,7 @@ class _Idempotent:
             return
         if self.mode == "same_transaction":
             if self._nested is not None:
-                _sql.abandon_savepoint(self._nested)
+                _write.abandon_savepoint(self._nested)
             if call._state == "open":
                 call._state = "released"
                 _emit("released", self.scope, self.key, call.attempt, self.mode)
@@ -951,10 +951,10 @@ class _Idempotent:
 def _check_options(
     scope: Any, key: Any, lease: Any, ttl: Any, mode: Any, heartbeat_every: Any, non_retryable: Any
 ) -> tuple[int, int, float | None, tuple[type[BaseException], ...]]:
-    _keys.check_text(scope, "scope", MAX_SCOPE)
-    _keys.check_text(key, "idempotency key", MAX_KEY)
-    lease_ms = _keys.duration_ms(lease, "lease")
-    ttl_ms = _keys.duration_ms(ttl, "ttl")
+    _write.check_text(scope, "scope", MAX_SCOPE)
+    _write.check_text(key, "idempotency key", MAX_KEY)
+    lease_ms = _write.duration_ms(lease, "lease")
+    ttl_ms = _write.duration_ms(ttl, "ttl")
     if ttl_ms < lease_ms:
         raise InvalidArgument(f"ttl ({ttl}) must not be shorter than lease ({lease})")
     if mode not in ("same_transaction", "separate"):
@@ -966,7 +966,7 @@ def _check_options(
                 "heartbeat_every needs mode='separate': in same_transaction mode the claim is invisible to "
                 "other transactions until it commits, so there is no lease to keep alive"
             )
-        interval = _keys.duration_ms(heartbeat_every, "heartbeat_every") / 1000
+        interval = _write.duration_ms(heartbeat_every, "heartbeat_every") / 1000
         if interval * 1000 >= lease_ms:
             raise InvalidArgument(f"heartbeat_every ({heartbeat_every}) must be shorter than lease ({lease})")
     if isinstance(non_retryable, type):
@@ -1159,7 +1159,9 @@ _CONSUME_ROW: Final[dict[str, Any]] = {
     "message_id": bindparam("sg_message"),
     "consumed_ms": bindparam("sg_now"),
 }
-_CONSUME: Final = _keys.NewRowInsert(consumed_messages, _CONSUME_ROW)
+_CONSUME: Final = _write.InsertOnce(
+    consumed_messages, _CONSUME_ROW, returning=[consumed_messages.c.consumer]
+)
 
 
 @dual
@@ -1177,13 +1179,13 @@ def consume_once(session: Session, consumer: str, message_id: str) -> Result:
     :raises InvalidArgument: blank, oversize or non-str ``consumer`` or
         ``message_id``; nothing was written.
     """
-    _keys.check_text(consumer, "consumer", MAX_SCOPE)
-    _keys.check_text(message_id, "message_id", MAX_KEY)
+    _write.check_text(consumer, "consumer", MAX_SCOPE)
+    _write.check_text(message_id, "message_id", MAX_KEY)
     if session.autoflush:
         session.flush()
     conn = session.connection()
     params = {"sg_consumer": consumer, "sg_message": message_id, "sg_now": _now_ms()}
-    inserted = _CONSUME(conn, params)
+    inserted = _CONSUME(conn, params) is not None
     return Result(
         Outcome.APPLIED if inserted else Outcome.REPEATED,
         model=ConsumedMessage,
@@ -1211,4 +1213,4 @@ def purge_expired(bind: Engine | Connection | Session, *, batch: int = 1000) -> 
 
     :raises InvalidArgument: ``batch`` is not a positive int.
     """
-    return _keys.purge_expired_rows(_t, bind, batch, _now_ms)
+    return _write.purge_expired_rows(_t, bind, batch, _now_ms)

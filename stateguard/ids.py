@@ -23,9 +23,9 @@ from typing import Any, Final
 
 from sqlalchemy import Engine, bindparam, case, select, update
 
-from . import _keys, _sql
-from ._keys import worker_leases
-from .exceptions import InvalidArgument, LockLost, StateguardError
+from . import _write
+from .exceptions import InvalidArgument, WorkerIdsExhausted, WorkerLeaseLost
+from .tables import worker_leases
 
 __all__ = [
     "DEFAULT_EPOCH_MS",
@@ -126,48 +126,6 @@ _MAX_SEQUENCE: Final = (1 << _SEQUENCE_BITS) - 1
 _MAX_NAMESPACE: Final = 100
 
 
-class WorkerLeaseLost(LockLost):
-    """A :class:`Snowflake` lost the lease on its worker id: it will issue no more ids.
-
-    The lease expired (no renewal reached the database in time) and another
-    generator may have taken the worker id over.  Ids already returned are
-    safe; close this generator and create a new one (it leases a fresh
-    worker id).  ``namespace`` and ``worker_id`` say which lease::
-
-        try:
-            order.id = ids.next_id()
-        except WorkerLeaseLost:
-            ids.close()
-            ids = Snowflake(engine, namespace="orders")
-            order.id = ids.next_id()
-    """
-
-    def __init__(self, message: str, *, namespace: str, worker_id: int) -> None:
-        self.namespace = namespace
-        self.worker_id = worker_id
-        super().__init__(message)
-
-
-class WorkerIdsExhausted(StateguardError):
-    """All 1024 worker ids of a :class:`Snowflake` namespace are leased by live generators.
-
-    ``retryable`` is ``True``: a lease frees up when a generator closes or
-    dies (after its lease expires).  Use separate namespaces for id spaces
-    that do not need to be unique with each other::
-
-        try:
-            ids = Snowflake(engine, namespace="orders")
-        except WorkerIdsExhausted as error:
-            log.warning("no free worker id in %s; retrying", error.namespace)
-    """
-
-    retryable = True
-
-    def __init__(self, message: str, *, namespace: str) -> None:
-        self.namespace = namespace
-        super().__init__(message)
-
-
 def _wall_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -228,7 +186,7 @@ _NEW_ROW_VALUES: Final = {
     "lease_expires_ms": bindparam("sg_expires"),
     "last_ms": 0,
 }
-_INSERT: Final = _keys.NewRowInsert(worker_leases, _NEW_ROW_VALUES)
+_INSERT: Final = _write.InsertOnce(worker_leases, _NEW_ROW_VALUES, returning=[worker_leases.c.namespace])
 
 
 class Snowflake:
@@ -337,14 +295,14 @@ class Snowflake:
             params["sg_now"] = now
             params["sg_expires"] = now + self._lease_ms
             with self.engine.connect() as conn:
-                rows = _sql.execute(conn, _LIVE_ROWS, params).all()
+                rows = _write.execute(conn, _LIVE_ROWS, params).all()
             taken = {row.worker_id for row in rows}
             free = [row.worker_id for row in rows if row.owner is None or row.lease_expires_ms < now]
             for worker in free:
                 params["sg_worker"] = worker
                 with self.engine.begin() as conn:
-                    if _sql.execute(conn, _CLAIM, params).rowcount == 1:
-                        last = _sql.execute(conn, _LAST_MS, params).scalar_one()
+                    if _write.execute(conn, _CLAIM, params).rowcount == 1:
+                        last = _write.execute(conn, _LAST_MS, params).scalar_one()
                         self._set_deadlines(now, started_mono)
                         return worker, int(last)
             unused = next((w for w in range(MAX_WORKERS) if w not in taken), None)
@@ -370,7 +328,7 @@ class Snowflake:
     def _insert(self, params: dict[str, Any]) -> bool:
         """Create the worker row already leased to us; ``False`` if someone created it first."""
         with self.engine.begin() as conn:
-            return _INSERT(conn, params)
+            return _INSERT(conn, params) is not None
 
     def _renew(self, *, due_only: bool) -> None:
         """Extend the lease (conditional on still owning it) or raise :class:`WorkerLeaseLost`."""
@@ -393,7 +351,7 @@ class Snowflake:
                 "sg_last": last,
             }
             with self.engine.begin() as conn:
-                renewed = _sql.execute(conn, _RENEW, params).rowcount == 1
+                renewed = _write.execute(conn, _RENEW, params).rowcount == 1
             if not renewed:
                 self._lost = WorkerLeaseLost(
                     f"Snowflake lost its lease on worker id {self.worker_id} of namespace "
@@ -491,7 +449,7 @@ class Snowflake:
                 "sg_last": last,
             }
             with self.engine.begin() as conn:
-                _sql.execute(conn, _RELEASE, params)
+                _write.execute(conn, _RELEASE, params)
 
     def __enter__(self) -> Snowflake:
         return self

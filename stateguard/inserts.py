@@ -1,17 +1,10 @@
 """Insert-once: let a unique key decide the first insert (SCHEMES.md, scheme 4).
 
-PostgreSQL and SQLite use ``INSERT ... ON CONFLICT DO NOTHING RETURNING pk``:
-one statement, and the returned row (not the row count, which psycopg reports
-as -1 for a skipped insert with RETURNING) says whether it was inserted.
-
-MySQL/MariaDB have no exact single-statement form: ``INSERT IGNORE`` also
-turns strict-mode errors into warnings (a too-long key is truncated and may
-then look like a duplicate of another key), and because SQLAlchemy's MySQL
-dialects always set the found-rows client flag, ``ON DUPLICATE KEY UPDATE
-pk = pk`` reports 1 for both outcomes.  There a plain INSERT runs and only a
-duplicate-key error (1062) means REPEATED; every other error propagates.
-InnoDB rolls back just the failing statement, so the surrounding transaction
-stays usable either way, with no SAVEPOINT round trips.
+One statement through the kernel's :class:`~stateguard._write.InsertOnce`:
+``INSERT ... ON CONFLICT DO NOTHING RETURNING pk`` on PostgreSQL and SQLite,
+a plain INSERT whose duplicate-key error (1062) InnoDB rolls back alone on
+MySQL/MariaDB.  Either way the surrounding transaction stays usable, with no
+SAVEPOINT round trips.
 """
 
 from __future__ import annotations
@@ -19,32 +12,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from sqlalchemy import exc as sa_exc
-from sqlalchemy import insert
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from . import _sql
+from . import _sql, _write
 from ._async import dual
 from .exceptions import InvalidArgument
 from .result import Outcome, Result
 
 __all__ = ["insert_once"]
-
-_MYSQL_DUPLICATE_KEY = 1062
-
-_plans: dict[Any, Any] = {}
-
-
-def _build(info: _sql.ModelInfo, backend: _sql.Backend, items: tuple[tuple[str, Any, Any], ...]) -> Any:
-    pairs = dict(_sql.set_clause(items, embed=False))
-    if backend.name == "postgresql":
-        return (
-            postgresql.insert(info.table).values(pairs).on_conflict_do_nothing().returning(*info.pk_columns)
-        )
-    if backend.name == "sqlite":
-        return sqlite.insert(info.table).values(pairs).on_conflict_do_nothing().returning(*info.pk_columns)
-    return insert(info.table).values(pairs)
 
 
 @dual
@@ -69,33 +44,18 @@ def insert_once(session: Session, model: type[Any], values: Mapping[str, Any]) -
         items.append((attr, info.column(attr, role="a values entry"), values[attr]))
     frozen = tuple(items)
     has_sql = any(isinstance(v, _sql.ClauseElement) for _, _, v in frozen)
-    if session.autoflush:
-        session.flush()
-    conn = session.connection(bind_arguments={"mapper": info.mapper})
-    backend = _sql.backend(conn.dialect)
+    conn = _write.connection_for(session, info)
     variant = _sql.variant_key(frozen, has_sql)
-    cache_key = (model, conn.dialect, variant)
-    stmt = _plans.get(cache_key) if variant is not None else None
-    if stmt is None:
-        stmt = _build(info, backend, frozen)
-        if variant is not None and len(_plans) < _sql.MAX_CACHED_VARIANTS * 4:
-            _plans[cache_key] = stmt
-    params = _sql.value_params(frozen)
+    cache_key = ("insert_once", info, variant)
+    insert = _write.memo.get(cache_key) if variant is not None else None
+    if insert is None:
+        insert = _write.InsertOnce(info.table, dict(_sql.set_clause(frozen, embed=False)), info.pk_columns)
+        if variant is not None:
+            _write.memo.put(cache_key, insert)
     given_key = tuple(values.get(info.attr_by_column[c]) for c in info.pk_columns)
     known_key = None if any(k is None for k in given_key) else _sql.public_key(given_key)
-    if backend.on_conflict:
-        row = _sql.execute(conn, stmt, params).first()
-        if row is None:
-            return Result(Outcome.REPEATED, model=model, key=known_key, session=session)
-        return Result(Outcome.APPLIED, model=model, key=_sql.public_key(tuple(row)), session=session)
-    try:
-        result = _sql.execute(conn, stmt, params)
-    except sa_exc.IntegrityError as error:
-        # InnoDB rolled back only this statement: the transaction stays usable.
-        args = getattr(error.orig, "args", ())
-        if args and args[0] == _MYSQL_DUPLICATE_KEY:
-            return Result(Outcome.REPEATED, model=model, key=known_key, session=session)
-        raise
-    inserted = result.inserted_primary_key
-    key = _sql.public_key(tuple(inserted)) if inserted is not None else known_key
+    inserted = insert(conn, _sql.value_params(frozen))
+    if inserted is None:
+        return Result(Outcome.REPEATED, model=model, key=known_key, session=session)
+    key = _sql.public_key(inserted) if inserted and None not in inserted else known_key
     return Result(Outcome.APPLIED, model=model, key=key, session=session)

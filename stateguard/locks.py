@@ -33,7 +33,7 @@ from sqlalchemy import Connection, Engine, Select, event, select, text, tuple_
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
-from . import _sql
+from . import _sql, _write
 from ._async import AsyncSession, DualContext, dual
 from .engine import BEGIN_MARK
 from .exceptions import InvalidArgument, LockLost, LockNotAcquired, NotSupported
@@ -103,7 +103,7 @@ def row_lock(
         raise InvalidArgument("row_lock: nowait and skip_locked cannot be combined")
     many = isinstance(target, list | set | frozenset)
     targets = target if many else (target,)
-    keys = list(dict.fromkeys(_sql.resolve_target(session, info, t)[0] for t in targets))
+    keys = list(dict.fromkeys(_write.resolve_target(session, info, t)[0] for t in targets))
     session.flush()
     conn = session.connection(bind_arguments={"mapper": info.mapper})
     _check_row_lock_support(conn, nowait=nowait, skip_locked=skip_locked, of=of)
@@ -330,12 +330,12 @@ def _pg_advisory_lock(conn: Connection, name: str, wait: float | None, shared: b
         )
     params = {"k": advisory_key(name)}
     if wait is None:
-        _sql.execute(conn, _PG_LOCK[shared], params)
+        _write.execute(conn, _PG_LOCK[shared], params)
         return
     deadline = time.monotonic() + wait
     delay = 0.002
     while True:
-        if _sql.execute(conn, _PG_TRY[shared], params).scalar():
+        if _write.execute(conn, _PG_TRY[shared], params).scalar():
             return
         left = deadline - time.monotonic()
         if left <= 0:
@@ -348,7 +348,7 @@ def _pg_advisory_lock(conn: Connection, name: str, wait: float | None, shared: b
 
 
 def _mysql_get_lock(conn: Connection, name: str, lock_name: str, wait: float | None) -> None:
-    got = _sql.execute(
+    got = _write.execute(
         conn, _GET_LOCK, {"name": lock_name, "timeout": _FOREVER if wait is None else wait}
     ).scalar()
     if got != 1:
@@ -374,7 +374,7 @@ def _mysql_release(conn: Connection, name: str, lock_name: str, raised: bool) ->
         return
     held[lock_name] -= 1
     try:
-        released = _sql.execute(conn, _RELEASE_LOCK, {"name": lock_name}).scalar()
+        released = _write.execute(conn, _RELEASE_LOCK, {"name": lock_name}).scalar()
     except Exception:
         if raised:
             return  # keep the block's own error; a broken connection dropped its locks anyway

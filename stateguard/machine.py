@@ -32,7 +32,7 @@ from sqlalchemy.sql.elements import conv
 from sqlalchemy.sql.selectable import Exists, ScalarSelect, Select
 from transitions import Machine as _GraphMachine
 
-from . import _commit, _sql
+from . import _commit, _sql, _write
 from ._async import AsyncSession
 from .exceptions import ConfigurationError, InvalidArgument, UnknownTrigger
 from .result import Outcome, Result
@@ -249,7 +249,7 @@ class Trigger:
         plan = self._plans.get(cache_key)
         if plan is None:
             plan = self._build(_sql.backend(dialect), items, expected, embed=False, fence=fence)
-            if len(self._plans) < _sql.MAX_CACHED_VARIANTS:
+            if len(self._plans) < 256:
                 self._plans[cache_key] = plan
         return plan
 
@@ -263,9 +263,9 @@ class Trigger:
     ) -> tuple[_sql.ModelInfo, tuple[Any, ...], Any, tuple[tuple[str, Column[Any], Any], ...], bool]:
         m = self.machine
         info = m.info
-        key, instance = _sql.resolve_target(session, info, target)
+        key, instance = _write.resolve_target(session, info, target)
         if values:
-            items, has_sql = _sql.split_values(info, values, forbidden=m._forbidden)
+            items, has_sql = _write.split_values(info, values, forbidden=m._forbidden)
         else:
             items, has_sql = (), False
         if expected_version is not None:
@@ -277,7 +277,7 @@ class Trigger:
             if type(expected_version) is not int:
                 raise InvalidArgument(f"expected_version must be an int, got {expected_version!r}")
         if fence is not None:
-            _sql.check_fence(info, fence)
+            _write.check_fence(info, fence)
         return info, key, instance, items, has_sql
 
     def statement(
@@ -437,8 +437,8 @@ class Trigger:
                     )
             if len(self.sources) > 1:
                 # Several possible sources: lock the row and read the real one first.
-                _sql.sqlite_write_lock(conn)
-                locked: Any = _sql.execute(conn, m._lock_stmt(conn.dialect), info.key_params(key)).first()
+                _write.sqlite_write_lock(conn)
+                locked: Any = _write.execute(conn, m._lock_stmt(conn.dialect), info.key_params(key)).first()
                 if locked is None:
                     return Result(
                         Outcome.NOT_FOUND,
@@ -461,7 +461,7 @@ class Trigger:
             params["sg_expected"] = expected_version
         if fence is not None:
             params["sg_fence"] = fence
-        result = _sql.execute(conn, plan.stmt, params)
+        result = _write.execute(conn, plan.stmt, params)
         version: int | None = None
         db_state: Any = None
         applied: bool
@@ -490,7 +490,7 @@ class Trigger:
                 # MySQL/MariaDB cannot return the new state of a trigger with
                 # several destinations: read it back.  Our UPDATE holds the row
                 # lock, so this is exactly the row we wrote.
-                row = _sql.execute(conn, m._read_stmt(conn.dialect), info.key_params(key)).one()
+                row = _write.execute(conn, m._read_stmt(conn.dialect), info.key_params(key)).one()
                 db_state = row[0]
                 if info.version_column is not None:
                     version = row[1]
@@ -508,7 +508,7 @@ class Trigger:
                 )
             out = self._applied(session, key, state, version, expected_version)
             if instance is None:
-                instance = _sql.identity_instance(session, info, key)
+                instance = _write.identity_instance(session, info, key)
             if instance is not None:
                 committed = {m.attr: db_state}
                 expire = [attr for attr, _, _ in items]
@@ -521,7 +521,7 @@ class Trigger:
                         expire.append(info.version_attr)
                 if fence is not None and info.fence_attr is not None:
                     committed[info.fence_attr] = fence
-                _sql.sync_instance(session, instance, committed, expire)
+                _write.sync_loaded(session, info, key, instance, committed, expire)
             return out
         found = self._classify(session, conn, info, key, instance, expected_version, fence)
         if found.outcome is Outcome.REJECTED and _raced < _RACE_RETRIES and self._allows(found.state):
@@ -676,7 +676,7 @@ class Trigger:
         fence: int | None = None,
     ) -> Result:
         m = self.machine
-        row: Any = _sql.execute(conn, m._read_stmt(conn.dialect), info.key_params(key)).first()
+        row: Any = _write.execute(conn, m._read_stmt(conn.dialect), info.key_params(key)).first()
         public = _sql.public_key(key)
         if row is None:
             return Result(
@@ -700,12 +700,12 @@ class Trigger:
         else:
             outcome = Outcome.REJECTED
         if instance is None:
-            instance = _sql.identity_instance(session, info, key)
+            instance = _write.identity_instance(session, info, key)
         if instance is not None:
             committed = {m.attr: db_state}
             if info.version_attr is not None:
                 committed[info.version_attr] = version
-            _sql.sync_instance(session, instance, committed)
+            _write.sync_loaded(session, info, key, instance, committed)
         return Result(
             outcome,
             model=info.model,
@@ -1075,7 +1075,7 @@ class StateMachine(Generic[S]):
                 cols.append(info.version_column)
             if info.fence_column is not None:
                 cols.append(info.fence_column)
-            stmt = self._reads[dialect] = info.read(cols, _sql.backend(dialect))
+            stmt = self._reads[dialect] = _write.read_back(info, cols, _sql.backend(dialect))
         return stmt
 
     # -- public API -----------------------------------------------------------

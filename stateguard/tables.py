@@ -1,25 +1,245 @@
-"""stateguard's own tables, on one ``MetaData``: the transition log and the
-counter ledger, idempotency keys, consumed messages, one-time tokens and worker
-leases.
+"""Every table stateguard owns, on one ``MetaData``: the transition log, the
+counter ledger, idempotency keys, consumed messages, one-time tokens and
+worker leases, and the column types they share.
 
-Create them with the alembic revisions in ``migrations/`` (branch label
-``stateguard``) or, without alembic, with :func:`create_tables`.
+Create them with the alembic revisions in ``stateguard/migrations/`` (branch
+label ``stateguard``) or, without alembic, with :func:`create_tables`.  A
+test compares these definitions with what the migrations create.
+
+This module imports no feature module: the algorithms (in
+:mod:`stateguard.machine`, :mod:`stateguard.counters`,
+:mod:`stateguard.idempotency`, :mod:`stateguard.tokens`, :mod:`stateguard.ids`)
+import their tables from here.
+
+Times in the key tables are integer milliseconds since the Unix epoch (UTC):
+integers compare the same way on every backend, with no time zone or
+fractional-second precision quirks (MariaDB's ``DATETIME`` drops fractions
+unless declared ``DATETIME(6)``; SQLite has no date type at all).
 """
 
 from __future__ import annotations
 
-from sqlalchemy import Connection, Engine, MetaData
+import json
+from typing import Any, Final
 
-__all__ = ["create_tables", "drop_tables", "metadata", "migrations_location"]
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Column,
+    Connection,
+    DateTime,
+    Dialect,
+    Engine,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+    func,
+)
+from sqlalchemy.dialects import mysql
+from sqlalchemy.types import TypeDecorator, TypeEngine
+
+__all__ = [
+    "MAX_KEY",
+    "MAX_REF",
+    "MAX_REQUEST_ID",
+    "MAX_SCOPE",
+    "ExactString",
+    "consumed_messages",
+    "counter_ledger",
+    "create_tables",
+    "drop_tables",
+    "exact_string",
+    "idempotency_keys",
+    "long_text",
+    "metadata",
+    "migrations_location",
+    "row_key",
+    "tokens",
+    "transition_log",
+    "worker_leases",
+]
 
 #: The MetaData holding every stateguard table.
 metadata = MetaData()
 
+#: Longest idempotency key, message id or token accepted (characters).
+MAX_KEY: Final = 255
+#: Longest scope or consumer name accepted (characters).
+MAX_SCOPE: Final = 200
+#: Longest counter ``ref`` accepted (characters).
+MAX_REF: Final = 200
+#: Longest transition ``request_id`` accepted (characters).
+MAX_REQUEST_ID: Final = 200
 
-def _load() -> None:
-    # Table definitions live next to the code that uses them; importing the
-    # modules registers them on ``metadata``.
-    from . import _keys, counters, history  # noqa: F401
+
+class ExactString(TypeDecorator[str]):
+    """A VARCHAR that compares byte-exact on every backend.
+
+    MariaDB's default collations ignore case, and its ``_bin`` collations
+    still ignore trailing spaces (PAD SPACE), so ``'order-A'``, ``'order-a'``
+    and ``'order-A '`` would be one unique key.  ``utf8mb4_nopad_bin``
+    (MariaDB) and ``utf8mb4_0900_bin`` (MySQL 8) compare code points with no
+    padding.  PostgreSQL (deterministic collations, VARCHAR keeps trailing
+    spaces significant) and SQLite (``BINARY``) already compare exactly.
+
+    A TypeDecorator rather than ``with_variant``: under a ``mysql://`` URL a
+    MariaDB server is still the ``mysql`` dialect, and only the connected
+    dialect knows which server it is.  stateguard's migrations use this type,
+    so its DDL must never change.
+    """
+
+    impl = String
+    cache_ok = True
+
+    def __init__(self, length: int) -> None:
+        super().__init__(length)
+        self.length = length
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name in ("mysql", "mariadb"):
+            collation = "utf8mb4_nopad_bin" if getattr(dialect, "is_mariadb", False) else "utf8mb4_0900_bin"
+            return dialect.type_descriptor(mysql.VARCHAR(self.length, charset="utf8mb4", collation=collation))
+        return dialect.type_descriptor(String(self.length))
+
+
+def exact_string(length: int) -> ExactString:
+    """A byte-exact VARCHAR(``length``); see :class:`ExactString`."""
+    return ExactString(length)
+
+
+def long_text() -> Any:
+    """TEXT that holds more than MariaDB's 64 KiB ``TEXT``."""
+    return Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")
+
+
+def row_key(key: tuple[Any, ...]) -> str:
+    """A primary key as stored in the log and the ledger: JSON of the key (a list for composite keys)."""
+    value: Any = key[0] if len(key) == 1 else list(key)
+    return json.dumps(value, separators=(",", ":"), default=str, sort_keys=True)
+
+
+def _serial() -> Any:
+    # SQLite only autoincrements an INTEGER PRIMARY KEY (a rowid alias), not a BIGINT one.
+    return BigInteger().with_variant(Integer, "sqlite")
+
+
+# --------------------------------------------------------------------------
+# State machines: the transition log (machine/history.py)
+# --------------------------------------------------------------------------
+
+transition_log = Table(
+    "stateguard_transition_log",
+    metadata,
+    Column("id", _serial(), primary_key=True, autoincrement=True),
+    Column("model", String(200), nullable=False),
+    Column("machine", String(100), nullable=False),
+    Column("row_key", String(255), nullable=False),
+    Column("trigger", String(100), nullable=False),
+    Column("source", String(100), nullable=False),
+    Column("dest", String(100), nullable=False),
+    Column("version", Integer, nullable=True),
+    Column("at", DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()),
+    Column("request_id", String(MAX_REQUEST_ID), nullable=True),
+    Column("meta", JSON, nullable=True),
+    Index("ix_stateguard_transition_log_row", "model", "machine", "row_key", "id"),
+    Index(
+        "uq_stateguard_transition_log_request",
+        "model",
+        "machine",
+        "row_key",
+        "trigger",
+        "request_id",
+        unique=True,
+    ),
+)
+
+# --------------------------------------------------------------------------
+# Counters: the ledger of ref'd changes (counters.py)
+# --------------------------------------------------------------------------
+
+counter_ledger = Table(
+    "stateguard_counter_ledger",
+    metadata,
+    Column("id", _serial(), primary_key=True, autoincrement=True),
+    # Byte-exact on MariaDB too: its default collation would make 'order-A' and 'order-a ' one ref.
+    Column("ref", exact_string(MAX_REF), nullable=False),
+    Column("table_name", String(200), nullable=False),
+    Column("row_key", exact_string(255), nullable=False),
+    Column("column_name", String(100), nullable=False),
+    # The delta as exact decimal text: no float rounding on any backend.
+    Column("delta", String(60), nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()),
+    Column("released_at", DateTime(timezone=True), nullable=True),
+    UniqueConstraint("ref", "table_name", "row_key", "column_name", name="uq_stateguard_counter_ledger_ref"),
+)
+
+# --------------------------------------------------------------------------
+# Keys: idempotency keys, consumed messages, one-time tokens, worker leases
+# --------------------------------------------------------------------------
+
+idempotency_keys = Table(
+    "stateguard_idempotency_keys",
+    metadata,
+    Column("scope", exact_string(MAX_SCOPE), primary_key=True),
+    Column("idem_key", exact_string(MAX_KEY), primary_key=True),
+    # 'in_progress', 'completed' or 'failed'.
+    Column("status", String(16), nullable=False),
+    # SHA-256 (hex) of the canonical request fingerprint; NULL when none was given.
+    Column("fingerprint", String(64), nullable=True),
+    # The current claimant; every later write is conditional on it.
+    Column("owner", String(32), nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("locked_until_ms", BigInteger, nullable=True),
+    Column("expires_ms", BigInteger, nullable=False),
+    Column("response", long_text(), nullable=True),
+    Column("checkpoint_name", String(100), nullable=True),
+    Column("checkpoint_data", long_text(), nullable=True),
+    Column("error", Text, nullable=True),
+    Column("created_ms", BigInteger, nullable=False),
+    Column("updated_ms", BigInteger, nullable=False),
+    Index("ix_stateguard_idempotency_keys_expires", "expires_ms"),
+)
+
+consumed_messages = Table(
+    "stateguard_consumed_messages",
+    metadata,
+    Column("consumer", exact_string(MAX_SCOPE), primary_key=True),
+    Column("message_id", exact_string(MAX_KEY), primary_key=True),
+    Column("consumed_ms", BigInteger, nullable=False),
+)
+
+tokens = Table(
+    "stateguard_tokens",
+    metadata,
+    # SHA-256 (hex) of the token: a leaked table does not leak usable tokens.
+    Column("token_hash", String(64), primary_key=True),
+    Column("scope", exact_string(MAX_SCOPE), nullable=False),
+    Column("expires_ms", BigInteger, nullable=False),
+    Column("consumed_ms", BigInteger, nullable=True),
+    Column("created_ms", BigInteger, nullable=False),
+    Index("ix_stateguard_tokens_expires", "expires_ms"),
+)
+
+worker_leases = Table(
+    "stateguard_worker_leases",
+    metadata,
+    Column("namespace", exact_string(100), primary_key=True),
+    Column("worker_id", Integer, primary_key=True, autoincrement=False),
+    Column("owner", String(64), nullable=True),
+    Column("lease_expires_ms", BigInteger, nullable=False),
+    # The highest timestamp a holder has used: a new holder starts after it,
+    # so ids never go backwards across a handover.
+    Column("last_ms", BigInteger, nullable=False),
+)
+
+
+# --------------------------------------------------------------------------
+# Creating them
+# --------------------------------------------------------------------------
 
 
 def migrations_location() -> str:
@@ -42,11 +262,12 @@ def create_tables(bind: Engine | Connection) -> None:
 
     stateguard.create_tables(engine)
     """
-    _load()
     metadata.create_all(bind, checkfirst=True)
 
 
 def drop_tables(bind: Engine | Connection) -> None:
-    """Drop every stateguard table (for tests and teardown)."""
-    _load()
+    """Drop every stateguard table (for tests and teardown)::
+
+    stateguard.drop_tables(engine)
+    """
     metadata.drop_all(bind, checkfirst=True)

@@ -34,11 +34,11 @@ from typing import Any, ClassVar, Final
 from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 from sqlalchemy.orm import Session
 
-from . import _keys, _sql
+from . import _sql, _write
 from ._async import dual
-from ._keys import MAX_KEY, MAX_SCOPE, tokens
 from .exceptions import InvalidArgument, SerializationConflict
 from .result import Outcome, Result
+from .tables import MAX_KEY, MAX_SCOPE, tokens
 
 __all__ = [
     "AsyncRedisTokens",
@@ -64,7 +64,7 @@ class OneTimeToken:
 
 def _now_ms() -> int:
     """The application's clock in integer epoch milliseconds (tests replace it)."""
-    return _keys.now_ms()
+    return _write.now_ms()
 
 
 def _hash(token: str) -> str:
@@ -72,11 +72,11 @@ def _hash(token: str) -> str:
 
 
 def _check_scope(scope: Any) -> str:
-    return _keys.check_text(scope, "scope", MAX_SCOPE)
+    return _write.check_text(scope, "scope", MAX_SCOPE)
 
 
 def _check_token(token: Any) -> str:
-    return _keys.check_text(token, "token", MAX_KEY)
+    return _write.check_text(token, "token", MAX_KEY)
 
 
 # --------------------------------------------------------------------------
@@ -127,11 +127,11 @@ def issue_token(session: Session, *, scope: str, ttl: timedelta) -> str:
         ``ttl`` under 1 ms; nothing was written.
     """
     _check_scope(scope)
-    ttl_ms = _keys.duration_ms(ttl, "ttl")
+    ttl_ms = _write.duration_ms(ttl, "ttl")
     token = secrets.token_urlsafe(TOKEN_BYTES)
     now = _now_ms()
     conn = session.connection()
-    _sql.execute(
+    _write.execute(
         conn, _ISSUE, {"sg_hash": _hash(token), "sg_scope": scope, "sg_expires": now + ttl_ms, "sg_now": now}
     )
     return token
@@ -169,10 +169,10 @@ def consume_token(session: Session, token: str, *, scope: str) -> Result:
     if session.autoflush:
         session.flush()
     conn = session.connection()
-    if _sql.execute(conn, _CONSUME, params).rowcount == 1:
+    if _write.execute(conn, _CONSUME, params).rowcount == 1:
         return Result(Outcome.APPLIED, model=OneTimeToken, key=digest, state="consumed", session=session)
     backend = _sql.backend(conn.dialect)
-    row = _sql.execute(conn, _FIND_LOCKING if backend.locking_read else _FIND, params).first()
+    row = _write.execute(conn, _FIND_LOCKING if backend.locking_read else _FIND, params).first()
     if row is None:
         return Result(Outcome.NOT_FOUND, model=OneTimeToken, key=digest, trigger="consume", session=session)
     if row.consumed_ms is not None:
@@ -212,7 +212,7 @@ def purge_expired_tokens(bind: Engine | Connection | Session, *, batch: int = 10
 
     :raises InvalidArgument: ``batch`` is not a positive int.
     """
-    return _keys.purge_expired_rows(tokens, bind, batch, _now_ms)
+    return _write.purge_expired_rows(tokens, bind, batch, _now_ms)
 
 
 # --------------------------------------------------------------------------
@@ -282,7 +282,7 @@ class _RedisTokensBase:
     def _ttl_ms(scope: str, ttl: timedelta) -> int:
         """Check :meth:`issue`'s arguments and return the TTL in milliseconds."""
         _check_scope(scope)
-        return _keys.duration_ms(ttl, "ttl")
+        return _write.duration_ms(ttl, "ttl")
 
     @staticmethod
     def _new_token(scope: str, ttl_ms: int) -> tuple[str, tuple[Any, ...], dict[str, Any]]:

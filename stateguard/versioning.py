@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import BigInteger, Integer, text, update
 from sqlalchemy.orm import MappedColumn, Session
 
-from . import _sql
+from . import _sql, _write
 from ._async import dual
 from .exceptions import ConfigurationError, InvalidArgument
 from .result import Outcome, Result
@@ -91,9 +91,6 @@ def fence_column(*, name: str | None = None, **kw: Any) -> MappedColumn[int | No
     return MappedColumn(*args, info=info, **kw)
 
 
-_plans: dict[Any, Any] = {}
-
-
 @dual
 def guarded_update(
     session: Session,
@@ -124,24 +121,22 @@ def guarded_update(
         raise ConfigurationError(f"{model.__name__} has no version column; declare one with version_column()")
     if type(expected_version) is not int:
         raise InvalidArgument(f"expected_version must be an int, got {expected_version!r}")
-    key, instance = _sql.resolve_target(session, info, target)
+    key, instance = _write.resolve_target(session, info, target)
     if fence is not None:
-        _sql.check_fence(info, fence)
+        _write.check_fence(info, fence)
     forbidden = {info.version_attr or "": "it is the version column; stateguard increments it"}
     if info.fence_attr is not None:
         forbidden[info.fence_attr] = "it is the fence column; pass fence= instead"
     for m in machines_of(model):
         forbidden[m.attr] = f"it is the state column of {m.name}; fire a trigger instead"
-    items, has_sql = _sql.split_values(info, values, forbidden=forbidden)
+    items, has_sql = _write.split_values(info, values, forbidden=forbidden)
     if not items:
         raise InvalidArgument("guarded_update needs at least one value to set")
-    if session.autoflush:
-        session.flush()
-    conn = session.connection(bind_arguments={"mapper": info.mapper})
+    conn = _write.connection_for(session, info)
     backend = _sql.backend(conn.dialect)
     variant = _sql.variant_key(items, has_sql)
-    cache_key = (model, conn.dialect, variant, fence is not None)
-    stmt = _plans.get(cache_key) if variant is not None else None
+    cache_key = ("guarded_update", info, variant, fence is not None)
+    stmt = _write.memo.get(cache_key) if variant is not None else None
     if stmt is None:
         vcol = info.version_column
         pairs = _sql.set_clause(items, embed=False)
@@ -152,24 +147,21 @@ def guarded_update(
             pairs.append((fcol, _sql.bindparam("sg_fence", type_=fcol.type)))
             conditions.append(_sql.fence_condition(fcol))
         stmt = update(info.table).where(*conditions).ordered_values(*pairs)
-        if variant is not None and len(_plans) < _sql.MAX_CACHED_VARIANTS * 4:
-            _plans[cache_key] = stmt
+        if variant is not None:
+            _write.memo.put(cache_key, stmt)
     params = info.key_params(key)
     params.update(_sql.value_params(items))
     params["sg_expected"] = expected_version
     if fence is not None:
         params["sg_fence"] = fence
-    result = _sql.execute(conn, stmt, params)
+    applied, _ = _write.run_guarded(conn, stmt, params, returning=False)
     public = _sql.public_key(key)
-    if result.rowcount == 1:
+    if applied:
         version = expected_version + 1
-        if instance is None:
-            instance = _sql.identity_instance(session, info, key)
-        if instance is not None and info.version_attr is not None:
-            committed: dict[str, Any] = {info.version_attr: version}
-            if fence is not None and info.fence_attr is not None:
-                committed[info.fence_attr] = fence
-            _sql.sync_instance(session, instance, committed, [a for a, _, _ in items])
+        committed: dict[str, Any] = {info.version_attr: version} if info.version_attr is not None else {}
+        if fence is not None and info.fence_attr is not None:
+            committed[info.fence_attr] = fence
+        _write.sync_loaded(session, info, key, instance, committed, [a for a, _, _ in items])
         return Result(
             Outcome.APPLIED,
             model=model,
@@ -178,7 +170,8 @@ def guarded_update(
             expected_version=expected_version,
             session=session,
         )
-    row = _sql.execute(conn, info.read([info.version_column], backend), info.key_params(key)).first()
+    read = _write.read_back(info, [info.version_column], backend)
+    row = _write.execute(conn, read, info.key_params(key)).first()
     if row is None:
         return Result(
             Outcome.NOT_FOUND, model=model, key=public, expected_version=expected_version, session=session

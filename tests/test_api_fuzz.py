@@ -26,7 +26,7 @@ from stateguard import (
     idempotent,
     insert_once,
 )
-from stateguard._keys import consumed_messages, idempotency_keys
+from stateguard.tables import consumed_messages, idempotency_keys
 from stateguard.idempotency import _CLAIM
 
 from .conftest import Backend

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 import stateguard.asgi
 from stateguard import Outcome, Result, cli, demo
-from stateguard._keys import idempotency_keys
+from stateguard.tables import idempotency_keys
 from stateguard.demo import DemoBase, DemoOrder, DemoRun, DemoSideEffect, Request, SchemeRow
 
 from .conftest import Backend

@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy import Engine, func, insert, select
 
 from stateguard import drop_tables
-from stateguard._keys import idempotency_keys, tokens
+from stateguard.tables import idempotency_keys, tokens
 from stateguard.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, main
 
 from .conftest import Backend

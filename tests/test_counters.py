@@ -38,7 +38,7 @@ from stateguard import (
     release,
     reserve,
 )
-from stateguard.counters import counter_ledger
+from stateguard.tables import counter_ledger
 
 from . import _counter_workers as w
 from ._counter_workers import Bin, CounterBase, Wallet
@@ -481,13 +481,15 @@ def test_concurrent_releases_of_many_refs_give_back_each_once(engine: Any) -> No
 
 def test_counter_plans_are_cached(engine: Any) -> None:
     """The guarded UPDATE is built once per column, backend and bound kind, then reused."""
-    from stateguard import counters
+    from stateguard import _write
+
+    def bin_plans() -> dict[Any, Any]:
+        return {k: v for k, v in _write.memo._data.items() if k[0] == "counter" and k[1].model is Bin}
 
     _bins(engine, {1: 10})
     with Session(engine) as s, s.begin():
         decrement(s, Bin.qty, 1)
-        counter = counters._counters[(Bin, "qty", "floor", None)]
-        plans = dict(counter.plans)
+        plans = bin_plans()
         for _ in range(3):
             decrement(s, Bin.qty, 1)
-    assert {k: id(v) for k, v in counter.plans.items()} == {k: id(v) for k, v in plans.items()}
+    assert plans and {k: id(v) for k, v in bin_plans().items()} == {k: id(v) for k, v in plans.items()}

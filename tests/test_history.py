@@ -11,7 +11,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from stateguard import InvalidArgument, Outcome, SerializationConflict, retry_on_conflict
-from stateguard.history import transition_log
+from stateguard.tables import transition_log
 from stateguard.tables import create_tables, drop_tables
 
 from .conftest import Backend, count_statements

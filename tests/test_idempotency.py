@@ -33,7 +33,7 @@ from stateguard import (
     purge_expired,
 )
 from stateguard import idempotency as idem
-from stateguard._keys import consumed_messages, idempotency_keys
+from stateguard.tables import consumed_messages, idempotency_keys
 
 from .conftest import Backend, count_statements
 

@@ -35,7 +35,7 @@ from stateguard import (
     on_idempotency_event,
     purge_expired,
 )
-from stateguard._keys import idempotency_keys
+from stateguard.tables import idempotency_keys
 
 from . import _idem_workers as w
 from .conftest import Backend

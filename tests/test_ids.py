@@ -38,7 +38,7 @@ from stateguard import (
     new_request_id,
 )
 from stateguard import ids as ids_module
-from stateguard._keys import worker_leases
+from stateguard.tables import worker_leases
 
 from . import _id_workers as w
 from ._id_workers import VirtualClock

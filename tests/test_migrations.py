@@ -78,7 +78,7 @@ def test_revisions_are_on_the_stateguard_branch_with_sg_ids() -> None:
     from alembic.script import ScriptDirectory
 
     cfg = Config()
-    cfg.set_main_option("script_location", str(ROOT / "migrations"))
+    cfg.set_main_option("script_location", str(ROOT / "stateguard" / "migrations"))
     cfg.set_main_option("path_separator", "os")
     cfg.set_main_option("version_locations", stateguard.migrations_location())
     scripts = ScriptDirectory.from_config(cfg)

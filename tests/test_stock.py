@@ -24,7 +24,7 @@ from stateguard import (
     release,
     reserve,
 )
-from stateguard.counters import counter_ledger
+from stateguard.tables import counter_ledger
 
 from . import _stock_workers as w
 from ._stock_workers import Stock, StockBase

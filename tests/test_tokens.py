@@ -30,7 +30,7 @@ from stateguard import (
     purge_expired_tokens,
 )
 from stateguard import tokens as tokens_module
-from stateguard._keys import tokens as tokens_table
+from stateguard.tables import tokens as tokens_table
 
 from . import _token_workers as w
 from .conftest import REDIS_URL, Backend, count_statements
@@ -262,9 +262,9 @@ def test_purge_statement_text_per_dialect() -> None:
 
 
 def purge_statement(table: Any, backend: Any, batch: int) -> Any:
-    from stateguard import _keys
+    from stateguard import _sql
 
-    return _keys.purge_statement(table, backend, batch)
+    return _sql.purge_statement(table, backend, batch)
 
 
 def _backend(dialect: Any) -> Any:

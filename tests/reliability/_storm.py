@@ -51,7 +51,7 @@ from sqlalchemy.orm import Session
 
 from stateguard import DeadlockDetected, Result, StateguardError, decrement, reserve, retry_on_conflict
 from stateguard._sql import classify_db_error
-from stateguard.counters import counter_ledger
+from stateguard.tables import counter_ledger
 
 from .. import _workers as w
 from .._counter_workers import Bin

@@ -24,7 +24,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
-from stateguard.counters import counter_ledger
+from stateguard.tables import counter_ledger
 
 from .. import _workers as w
 from ..conftest import IN_CI, Backend, _Namespaces, _only

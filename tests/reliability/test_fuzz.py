@@ -32,7 +32,7 @@ from sqlalchemy import delete, insert, select
 from sqlalchemy.orm import Session
 
 from stateguard import Result, decrement, retry_on_conflict
-from stateguard.counters import counter_ledger
+from stateguard.tables import counter_ledger
 from stateguard.tables import metadata as stateguard_metadata
 
 from .._counter_workers import Bin, CounterBase

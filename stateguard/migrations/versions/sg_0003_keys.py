@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import mysql
 
-from stateguard._keys import ExactString
+from stateguard.tables import ExactString
 
 revision = "sg_0003"
 down_revision = "sg_0002"

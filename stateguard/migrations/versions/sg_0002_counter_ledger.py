@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from stateguard._keys import ExactString
+from stateguard.tables import ExactString
 
 revision = "sg_0002"
 down_revision = "sg_0001"

@@ -1,0 +1,528 @@
+"""The guarded-write kernel: every stateguard statement runs through here.
+
+One place for what every guarded write shares, whatever scheme it serves:
+
+- :func:`connection_for`: the session's connection for a model (autoflush
+  first, per-model binds honoured);
+- :func:`execute` and :func:`run_guarded`: run one statement, map retryable
+  driver conflicts to typed errors, and decode what the database said
+  (``RETURNING`` row, affected-row count, or MySQL's ``LAST_INSERT_ID``);
+- :class:`InsertOnce`: insert-or-detect-duplicate for every dialect, without
+  poisoning the transaction;
+- :func:`sync_loaded`: make a loaded ORM instance agree with the row written
+  or read;
+- checks of keys and values before anything is sent (:func:`resolve_target`,
+  :func:`split_values`, :func:`check_text` ...);
+- savepoint and SQLite transaction helpers;
+- :data:`memo`: the one bounded memo of built statements.
+
+Dialect differences are :class:`~stateguard._sql.Backend` flags; the
+algorithms live in the feature modules and call into here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any, Final, TypeVar
+
+from sqlalchemy import Column, Connection, CursorResult, Engine, Table, insert, text
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import set_committed_value
+from sqlalchemy.sql.elements import ClauseElement
+
+from . import _sql
+from .exceptions import InvalidArgument
+
+__all__ = [
+    "InsertOnce",
+    "Memo",
+    "abandon_savepoint",
+    "check_batch",
+    "check_fence",
+    "check_text",
+    "connection_for",
+    "duration_ms",
+    "ensure_real_transaction",
+    "execute",
+    "identity_instance",
+    "memo",
+    "now_ms",
+    "purge_expired_rows",
+    "read_back",
+    "resolve_target",
+    "run_guarded",
+    "split_values",
+    "sqlite_write_lock",
+    "sync_loaded",
+]
+
+T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------
+# The statement memo
+# --------------------------------------------------------------------------
+
+
+class Memo:
+    """A bounded memo of built statements, shared by every guarded write.
+
+    Keys name what a statement depends on: its owner (a trigger, a model's
+    :class:`~stateguard._sql.ModelInfo`, a table), the
+    :class:`~stateguard._sql.Backend` (interned per capability set, so an
+    application that creates an engine per tenant adds no entries) and the
+    call variant.  A hit is one ``dict.get``; when full, the oldest entry is
+    dropped (insertion order), so a workload that churns through variants
+    cannot grow it without bound.
+    """
+
+    __slots__ = ("_data", "_lock", "maxsize")
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._data: dict[Hashable, Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable) -> Any:
+        """The memoised value for ``key``, or ``None``."""
+        return self._data.get(key)
+
+    def put(self, key: Hashable, value: T) -> T:
+        """Remember ``value`` under ``key`` (evicting the oldest entry when full); return it."""
+        with self._lock:
+            data = self._data
+            if key not in data and len(data) >= self.maxsize:
+                del data[next(iter(data))]
+            data[key] = value
+        return value
+
+    def get_or_build(self, key: Hashable, build: Callable[[], T]) -> T:
+        """The memoised value for ``key``, built by ``build()`` on a miss."""
+        found = self._data.get(key)
+        if found is None:
+            found = self.put(key, build())
+        return found
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def clear(self) -> None:
+        """Forget everything (tests)."""
+        with self._lock:
+            self._data.clear()
+
+
+#: The statement memo of every guarded write.
+memo: Final = Memo(4096)
+
+
+# --------------------------------------------------------------------------
+# Connections and execution
+# --------------------------------------------------------------------------
+
+
+def connection_for(session: Session, info: _sql.ModelInfo) -> Connection:
+    """The session's connection for ``info``'s model, after an autoflush.
+
+    Per-model binds (``Session(binds={Model: engine})``) are honoured, and
+    the flush sends pending ORM changes first, as a query would.
+    """
+    if session.autoflush:
+        session.flush()
+    return session.connection(bind_arguments=info.bind_arguments)
+
+
+def execute(conn: Connection, stmt: Any, params: Mapping[str, Any] | None = None) -> CursorResult[Any]:
+    """Run ``stmt`` on ``conn``, turning retryable driver conflicts into our errors."""
+    try:
+        return conn.execute(stmt, params)
+    except sa_exc.DBAPIError as error:
+        mapped = _sql.conflict_error(error)
+        if mapped is None:
+            raise
+        raise mapped from error
+
+
+def run_guarded(
+    conn: Connection, stmt: Any, params: Mapping[str, Any], *, returning: bool, last_insert_id: bool = False
+) -> tuple[bool, Sequence[Any] | None]:
+    """Run a guarded UPDATE; ``(applied, values)``.
+
+    ``returning``: the statement has a ``RETURNING`` clause, and the row it
+    returns (not the row count, which psycopg reports as -1 in some cases)
+    says whether it matched; ``values`` is that row.  Otherwise the affected
+    row count decides, and with ``last_insert_id`` (MySQL/MariaDB, where
+    ``SET v = LAST_INSERT_ID(expr)`` hands the new value back in the OK
+    packet) ``values`` is ``(lastrowid,)``.
+    """
+    result = execute(conn, stmt, params)
+    if returning:
+        row = result.first()
+        return row is not None, row
+    if result.rowcount == 1:
+        return True, (result.lastrowid,) if last_insert_id else None
+    return False, None
+
+
+class InsertOnce:
+    """An INSERT that reports whether it created the row or found its unique key taken.
+
+    PostgreSQL and SQLite: ``INSERT ... ON CONFLICT DO NOTHING RETURNING``;
+    the returned row, not the row count (psycopg reports -1 for a skipped
+    insert), says which.  MySQL/MariaDB have no exact single-statement form:
+    ``INSERT IGNORE`` also turns strict-mode errors into warnings (a too-long
+    key is truncated and may then look like a duplicate of another key), and
+    because SQLAlchemy's MySQL dialects set the found-rows client flag,
+    ``ON DUPLICATE KEY UPDATE pk = pk`` reports 1 for both outcomes.  There a
+    plain INSERT runs and only a duplicate-key error (1062) means "taken";
+    InnoDB rolls back just the failing statement, so the surrounding
+    transaction stays usable with no SAVEPOINT round trips.
+
+    ``values`` maps columns (or names) to bound parameters or SQL
+    expressions; ``returning`` are the columns handed back for a new row
+    (on MySQL: the primary key SQLAlchemy reports).  Built once per table and
+    variant; each dialect's statement is built on first use.
+    """
+
+    __slots__ = ("_statements", "returning", "table", "values")
+
+    def __init__(self, table: Table, values: Mapping[Any, Any], returning: Sequence[Column[Any]]) -> None:
+        self.table = table
+        self.values = dict(values)
+        self.returning = tuple(returning)
+        self._statements: dict[str, Any] = {}
+
+    def statement(self, backend: _sql.Backend) -> Any:
+        """The INSERT this object runs on ``backend``."""
+        stmt = self._statements.get(backend.name)
+        if stmt is None:
+            if backend.on_conflict:
+                dialect_insert = postgresql.insert if backend.name == "postgresql" else sqlite.insert
+                stmt = (
+                    dialect_insert(self.table)
+                    .values(self.values)
+                    .on_conflict_do_nothing()
+                    .returning(*self.returning)
+                )
+            else:
+                stmt = insert(self.table).values(self.values)
+            self._statements[backend.name] = stmt
+        return stmt
+
+    def __call__(self, conn: Connection, params: Mapping[str, Any]) -> tuple[Any, ...] | None:
+        """Run it: the ``returning`` values of the new row, or ``None`` when the key was taken."""
+        backend = _sql.backend(conn.dialect)
+        stmt = self.statement(backend)
+        if backend.on_conflict:
+            # A twin's uncommitted row with the same key makes this INSERT wait;
+            # once the twin commits it does nothing (no row returned).
+            row = execute(conn, stmt, params).first()
+            return None if row is None else tuple(row)
+        try:
+            result = execute(conn, stmt, params)
+        except sa_exc.IntegrityError as error:
+            # InnoDB rolled back only this statement: the transaction stays usable.
+            if _sql.is_duplicate_key(error):
+                return None
+            raise
+        inserted = result.inserted_primary_key
+        return tuple(inserted) if inserted is not None else ()
+
+
+# --------------------------------------------------------------------------
+# Loaded instances
+# --------------------------------------------------------------------------
+
+
+def identity_instance(session: Session, info: _sql.ModelInfo, key: tuple[Any, ...]) -> Any:
+    """The instance for ``key`` already in the session's identity map, if any (no SQL)."""
+    identity_map = session.identity_map
+    if not len(identity_map):
+        return None
+    return identity_map.get((info.identity_class, key, None))
+
+
+def sync_loaded(
+    session: Session,
+    info: _sql.ModelInfo,
+    key: tuple[Any, ...],
+    instance: Any,
+    committed: Mapping[str, Any],
+    expire: Iterable[str] = (),
+) -> None:
+    """Make the loaded instance of ``key`` (``instance``, or the identity map's) agree with the row.
+
+    ``committed`` values are known exactly and become the instance's
+    committed state (so a later ORM flush's version check uses the new
+    version); the ``expire`` attributes were changed by SQL expressions and
+    reload on access.  Nothing happens when the row is not loaded.
+    """
+    if instance is None:
+        instance = identity_instance(session, info, key)
+        if instance is None:
+            return
+    for attr, value in committed.items():
+        set_committed_value(instance, attr, value)
+    expire = [a for a in expire if a not in committed]
+    if expire and instance in session:
+        session.expire(instance, expire)
+
+
+# --------------------------------------------------------------------------
+# Checks of keys and values (nothing is sent before they pass)
+# --------------------------------------------------------------------------
+
+
+def _bad_key(info: _sql.ModelInfo, target: Any, why: str) -> InvalidArgument:
+    pk = ", ".join(
+        f"{c.name}: {t.__name__ if t else '?'}" for c, t in zip(info.pk_columns, info.pk_checks, strict=True)
+    )
+    return InvalidArgument(
+        f"{info.model.__name__}: {target!r} is not a valid target ({why}); pass a primary key "
+        f"({pk}){' as a tuple' if len(info.pk_columns) > 1 else ''} or a loaded "
+        f"{info.model.__name__} instance"
+    )
+
+
+def check_key_value(info: _sql.ModelInfo, value: Any, i: int, target: Any) -> None:
+    """Raise InvalidArgument unless ``value`` fits primary-key column ``i`` of ``info``'s model."""
+    expected = info.pk_checks[i]
+    if value is None:
+        raise _bad_key(info, target, "a primary key value is None")
+    if expected is None or isinstance(value, expected):
+        if expected is int and isinstance(value, bool):
+            raise _bad_key(info, target, "a bool is not an integer key")
+        return
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return
+    if expected.__module__ == "decimal" and isinstance(value, int | float):
+        return
+    raise _bad_key(info, target, f"expected {expected.__name__}, got {type(value).__name__}")
+
+
+def resolve_target(session: Session | None, info: _sql.ModelInfo, target: Any) -> tuple[tuple[Any, ...], Any]:
+    """``(key tuple, instance or None)`` for a primary key or a mapped instance."""
+    # Fast path: a scalar integer/str key of a single-column primary key.
+    if len(info.pk_checks) == 1 and type(target) is info.pk_checks[0]:
+        return (target,), None
+    state = getattr(target, "_sa_instance_state", None)
+    if state is not None:
+        if not isinstance(target, info.model):
+            raise InvalidArgument(
+                f"expected a {info.model.__name__} instance or primary key, got a "
+                f"{type(target).__name__} instance"
+            )
+        identity = state.identity
+        if identity is None:
+            if state.pending and session is not None and state.session_id == session.hash_key:
+                # A pending instance has no row yet: flush it, as ORM autoflush would.
+                session.flush()
+                identity = state.identity
+            if identity is None:
+                raise InvalidArgument(
+                    f"{info.model.__name__} instance {target!r} has no primary key yet "
+                    f"(transient or not flushed); add it to the session and flush first"
+                )
+        return tuple(identity), target
+    key = target if isinstance(target, tuple) else (target,)
+    if len(key) != len(info.pk_columns):
+        raise _bad_key(info, target, f"the primary key has {len(info.pk_columns)} column(s)")
+    for i, value in enumerate(key):
+        check_key_value(info, value, i, target)
+    return key, None
+
+
+def split_values(
+    info: _sql.ModelInfo,
+    values: Mapping[str, Any] | None,
+    *,
+    forbidden: Mapping[str, str],
+) -> tuple[tuple[tuple[str, Column[Any], Any], ...], bool]:
+    """Validate user ``values`` by attribute name.
+
+    Returns ``((attr, column, value), ...)`` sorted by attribute and whether
+    any value is a SQL expression (which must be embedded in the statement
+    rather than bound).  ``forbidden`` maps attribute names that must not be
+    set this way to the reason.
+    """
+    if not values:
+        return (), False
+    if not isinstance(values, Mapping):
+        raise InvalidArgument(
+            f"values must be a mapping of attribute names to values, got {type(values).__name__}"
+        )
+    items = []
+    has_sql = False
+    for attr in sorted(values):
+        if not isinstance(attr, str):
+            raise InvalidArgument(f"values keys must be attribute names (str), got {attr!r}")
+        reason = forbidden.get(attr)
+        if reason is not None:
+            raise InvalidArgument(f"{info.model.__name__}.{attr} cannot be set through values: {reason}")
+        col = info.column(attr, role="a values entry")
+        if col.primary_key:
+            raise InvalidArgument(
+                f"{info.model.__name__}.{attr} is part of the primary key and cannot be set"
+            )
+        value = values[attr]
+        if isinstance(value, ClauseElement):
+            has_sql = True
+        items.append((attr, col, value))
+    return tuple(items), has_sql
+
+
+def check_fence(info: _sql.ModelInfo, fence: Any) -> None:
+    """Raise InvalidArgument unless the model has a fence column and ``fence`` is a fencing token."""
+    if info.fence_column is None:
+        raise InvalidArgument(
+            f"{info.model.__name__} has no fence column, so fence= cannot be checked; "
+            f"declare one with fence_column()"
+        )
+    if type(fence) is not int or fence < 0:
+        raise InvalidArgument(f"fence must be a non-negative int (a fencing token), got {fence!r}")
+
+
+def check_text(value: Any, what: str, limit: int) -> str:
+    """``value`` if it is a non-blank str of at most ``limit`` characters without NUL, else InvalidArgument.
+
+    Keys are stored as given (no stripping, no case folding), so ``"a"`` and
+    ``"a "`` are two keys; a blank key is almost always a client bug.
+    """
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{what} must be a str, got {type(value).__name__}")
+    if not value.strip():
+        raise InvalidArgument(f"{what} must not be blank, got {value!r}")
+    if len(value) > limit:
+        raise InvalidArgument(f"{what} is {len(value)} characters long; the limit is {limit}")
+    if "\x00" in value:
+        raise InvalidArgument(f"{what} must not contain NUL characters")
+    return value
+
+
+def duration_ms(value: Any, what: str) -> int:
+    """A positive :class:`~datetime.timedelta` as whole milliseconds, else InvalidArgument."""
+    if not isinstance(value, timedelta):
+        raise InvalidArgument(f"{what} must be a datetime.timedelta, got {value!r}")
+    ms = value // timedelta(milliseconds=1)
+    if ms < 1:
+        raise InvalidArgument(f"{what} must be at least 1 millisecond, got {value!r}")
+    return ms
+
+
+def check_batch(batch: Any) -> int:
+    """``batch`` if it is a positive int, else InvalidArgument."""
+    if type(batch) is not int or batch < 1:
+        raise InvalidArgument(f"batch must be a positive int, got {batch!r}")
+    return batch
+
+
+def now_ms() -> int:
+    """The application's clock in integer epoch milliseconds."""
+    return time.time_ns() // 1_000_000
+
+
+# --------------------------------------------------------------------------
+# Transactions and savepoints
+# --------------------------------------------------------------------------
+
+
+def ensure_real_transaction(conn: Connection) -> None:
+    """Make sure the driver really has a transaction open before a SAVEPOINT.
+
+    Python's sqlite3 (with its default, legacy transaction control) does not
+    send BEGIN before a SAVEPOINT: the SAVEPOINT then starts its own
+    transaction and RELEASE commits it, long before the session commits.
+    Opening the transaction explicitly keeps the savepoint nested in it.
+    """
+    if _sql.backend(conn.dialect).driver_begins_lazily and not _driver_in_transaction(conn):
+        conn.exec_driver_sql("BEGIN")
+
+
+def abandon_savepoint(savepoint: Any) -> None:
+    """Roll back a SAVEPOINT (Connection or Session level) while an error propagates, keeping that error.
+
+    MariaDB/MySQL roll the whole transaction back on a deadlock (1213),
+    savepoints included: ``ROLLBACK TO SAVEPOINT`` then fails with 1305
+    ("SAVEPOINT ... does not exist"), and raising that would hide the
+    retryable :class:`DeadlockDetected`.  The caller's transaction is dead
+    either way and must be rolled back.
+    """
+    if not savepoint.is_active:
+        return
+    with contextlib.suppress(sa_exc.DBAPIError):
+        savepoint.rollback()
+
+
+def _driver_in_transaction(conn: Connection) -> bool:
+    """Whether SQLite's driver has a transaction open (sqlite3, or aiosqlite under SQLAlchemy's adapter)."""
+    dbapi_conn = conn.connection.dbapi_connection
+    flag = getattr(dbapi_conn, "in_transaction", None)
+    if flag is None:
+        # SQLAlchemy's aiosqlite adapter does not expose it; the aiosqlite
+        # connection it wraps does (read from sqlite3's connection).
+        flag = getattr(getattr(dbapi_conn, "_connection", None), "in_transaction", None)
+    return True if flag is None else bool(flag)
+
+
+def sqlite_write_lock(conn: Connection) -> None:
+    """On SQLite, make sure the transaction holds the write lock before a read-then-write.
+
+    SQLite has no row locks; its equivalent of ``SELECT ... FOR UPDATE`` is
+    holding the database's write lock.  Python's sqlite3 (legacy transaction
+    control) does not even BEGIN before a SELECT, so a read would run outside
+    the transaction of the UPDATE that follows it.  Outside a transaction,
+    start one with ``BEGIN IMMEDIATE``; inside a deferred transaction that has
+    only read, the UPDATE's upgrade either succeeds or fails with a busy error
+    (a retryable SerializationConflict), never silently on stale data.
+    """
+    if _sql.backend(conn.dialect).driver_begins_lazily and not _driver_in_transaction(conn):
+        execute(conn, _BEGIN_IMMEDIATE)
+
+
+_BEGIN_IMMEDIATE = text("BEGIN IMMEDIATE")
+
+
+# --------------------------------------------------------------------------
+# Expired rows of the key tables
+# --------------------------------------------------------------------------
+
+
+def purge_expired_rows(
+    table: Table, bind: Engine | Connection | Session, batch: Any, clock: Callable[[], int]
+) -> int:
+    """Delete at most ``batch`` rows of ``table`` whose ``expires_ms`` has passed; return how many.
+
+    With an Engine the batch runs in its own short transaction; with a
+    Connection or Session in the caller's.
+    """
+    params = {"sg_now": clock(), "sg_batch": check_batch(batch)}
+    if isinstance(bind, Engine):
+        with bind.begin() as conn:
+            return _purge(table, conn, params)
+    conn = bind.connection() if isinstance(bind, Session) else bind
+    return _purge(table, conn, params)
+
+
+def _purge(table: Table, conn: Connection, params: dict[str, Any]) -> int:
+    backend = _sql.backend(conn.dialect)
+    batch = params["sg_batch"]
+    key = ("purge", table, backend, batch if backend.delete_limit_literal else 0)
+    stmt = memo.get(key)
+    if stmt is None:
+        stmt = memo.put(key, _sql.purge_statement(table, backend, batch))
+    return int(execute(conn, stmt, params).rowcount)
+
+
+def read_back(info: _sql.ModelInfo, columns: Sequence[Column[Any]], backend: _sql.Backend) -> Any:
+    """The memoised ``SELECT columns WHERE pk`` that sees what an UPDATE just saw (a 0-row follow-up)."""
+    key = ("read", info, tuple(columns), backend.locking_read)
+    stmt = memo.get(key)
+    if stmt is None:
+        stmt = memo.put(key, _sql.read_statement(info, columns, backend))
+    return stmt
