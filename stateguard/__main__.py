@@ -1,5 +1,5 @@
 """``python -m stateguard``: the same as the ``stateguard`` command."""
 
-from .cli import main
+from .tooling.cli import main
 
 raise SystemExit(main())

@@ -363,7 +363,7 @@ def _compare_check(
     held = _schema.undeclared_rows(conn, tname, col, declared, schema=schema) if column_exists else {}
     if held:
         message = (
-            f"stateguard: {sum(held.values())} row(s) of {tname} hold states that {machine._where()} "
+            f"stateguard: {sum(held.values())} row(s) of {tname} hold states that {machine.qualname} "
             f"does not declare ({_held_text(held)}); the generated upgrade stops until they are "
             f"moved to a declared state"
         )

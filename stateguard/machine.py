@@ -37,7 +37,7 @@ from ._async import AsyncSession
 from .exceptions import ConfigurationError, InvalidArgument, UnknownTrigger
 from .result import Outcome, Result
 
-__all__ = ["StateMachine", "Trigger"]
+__all__ = ["StateCodec", "StateMachine", "Trigger"]
 
 S = TypeVar("S")
 
@@ -70,6 +70,49 @@ _EDGE_KEYS: Final = frozenset({"trigger", "source", "dest", "where", "values", "
 _CALLBACK_KEYS: Final = frozenset(
     {"conditions", "unless", "before", "after", "prepare", "on_enter", "on_exit"}
 )
+
+
+class StateCodec:
+    """A machine's states and how each is stored and named: state <-> database value <-> name.
+
+    A state is what the declaration uses (a string, or a member of the
+    declared Enum); its database value is what the state column holds (the
+    member itself for a SQLAlchemy ``Enum`` column of that class, the
+    member's value for a plain column); its name is the string used in
+    diagrams, the transition log and error messages::
+
+        codec = Order.flow.codec
+        codec.to_db("paid"), codec.from_db("paid"), codec.name("paid")
+    """
+
+    __slots__ = ("_by_name", "_from_db", "_to_db", "states")
+
+    def __init__(self, states: Sequence[Any], to_db: Mapping[Any, Any]) -> None:
+        self.states: tuple[Any, ...] = tuple(states)
+        self._to_db = dict(to_db)
+        self._from_db = {v: k for k, v in self._to_db.items()}
+        self._by_name = {self.name(s): s for s in self.states}
+
+    @staticmethod
+    def name(state: Any) -> str:
+        """The name of a state (an Enum member's name, else the string itself)."""
+        return state.name if isinstance(state, enum.Enum) else str(state)
+
+    def to_db(self, state: Any) -> Any:
+        """The database value of a declared state (``KeyError`` for an undeclared one)."""
+        return self._to_db[state]
+
+    def from_db(self, value: Any) -> Any:
+        """The state stored as ``value``; an undeclared value comes back unchanged."""
+        return self._from_db.get(value, value)
+
+    def named(self, name: str) -> Any:
+        """The state called ``name``; an unknown name comes back unchanged."""
+        return self._by_name.get(name, name)
+
+    def declared(self, state: Any) -> bool:
+        """Whether ``state`` is one of the declared states."""
+        return state in self._to_db
 
 
 class _Edge:
@@ -808,6 +851,8 @@ class StateMachine(Generic[S]):
         self.state_column: Column[Any] = None  # type: ignore[assignment]
         self._to_db: dict[Any, Any] = {}
         self._from_db_map: dict[Any, Any] = {}
+        #: The state codec (set when the machine is bound to its mapped class).
+        self.codec: StateCodec = StateCodec(self.states, {s: s for s in self.states})
         self._forbidden: dict[str, str] = {}
         self._bind_args: dict[str, Any] = {}
         self._reads: dict[Dialect, Any] = {}
@@ -817,6 +862,11 @@ class StateMachine(Generic[S]):
 
     def _where(self) -> str:
         return f"{self._owner_name}.{self.name}"
+
+    @property
+    def qualname(self) -> str:
+        """``Model.attribute`` of this machine (``"Order.flow"``), as messages name it."""
+        return self._where()
 
     def _state(self, value: Any, role: str, trigger: str | None = None) -> Any:
         """Resolve a declared state reference (name, value or member)."""
@@ -984,6 +1034,7 @@ class StateMachine(Generic[S]):
         else:
             self._to_db = {s: s for s in self.states}
         self._from_db_map = {v: k for k, v in self._to_db.items()}
+        self.codec = StateCodec(self.states, self._to_db)
         for trig, edges in self._edges_by_trigger.items():
             for edge in edges:
                 for attr in edge.values:

@@ -19,7 +19,17 @@ from ._async import dual
 from .exceptions import ConfigurationError, InvalidArgument
 from .result import Outcome, Result
 
-__all__ = ["fence_column", "guarded_update", "version_column"]
+__all__ = ["column_role", "fence_column", "guarded_update", "version_column"]
+
+
+def column_role(column: Any) -> str | None:
+    """``"version"`` or ``"fence"`` for a column declared by :func:`version_column` or
+    :func:`fence_column`, else ``None``::
+
+        column_role(Order.__table__.c.version)   # 'version'
+    """
+    info = getattr(column, "info", None)
+    return info.get(_sql.INFO_KEY) if isinstance(info, dict) else None
 
 
 class _VersionColumn(MappedColumn[int]):

@@ -20,9 +20,10 @@ from sqlalchemy import create_engine, func, select, update
 from sqlalchemy.orm import Session
 
 import stateguard.asgi
-from stateguard import Outcome, Result, cli, demo
+from stateguard import Outcome, Result
+from stateguard.tooling import cli, demo
 from stateguard.tables import idempotency_keys
-from stateguard.demo import DemoBase, DemoOrder, DemoRun, DemoSideEffect, Request, SchemeRow
+from stateguard.tooling.demo import DemoBase, DemoOrder, DemoRun, DemoSideEffect, Request, SchemeRow
 
 from .conftest import Backend
 

@@ -9,7 +9,7 @@ from sqlalchemy import Engine, func, insert, select
 
 from stateguard import drop_tables
 from stateguard.tables import idempotency_keys, tokens
-from stateguard.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, main
+from stateguard.tooling.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, main
 
 from .conftest import Backend
 

@@ -19,9 +19,9 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
-from stateguard import cli
-from stateguard.demo import DemoOrder
-from stateguard.schema import GRAPHVIZ_HINT, graphviz_available, render_graph
+from stateguard.tooling import cli
+from stateguard.tooling.demo import DemoOrder
+from stateguard.tooling.graph import GRAPHVIZ_HINT, graphviz_available, render_graph
 
 from .conftest import Backend
 
@@ -76,20 +76,20 @@ class Plain(Base):
 
 
 def test_readme_shows_the_current_demo_graph(capsys: pytest.CaptureFixture[str]) -> None:
-    """The README's Mermaid block is exactly what `stateguard graph stateguard.demo:DemoOrder` prints now."""
+    """The README's Mermaid block is exactly what `stateguard graph stateguard.tooling.demo:DemoOrder` prints now."""
     readme = (ROOT / "README.md").read_text()
     match = re.search(
-        r"<!-- stateguard graph stateguard\.demo:DemoOrder -->\n```mermaid\n(.*?)```", readme, re.DOTALL
+        r"<!-- stateguard graph stateguard\.tooling\.demo:DemoOrder -->\n```mermaid\n(.*?)```", readme, re.DOTALL
     )
     assert match is not None, "README lacks the marked mermaid block"
-    code, out, _ = run(["graph", "stateguard.demo:DemoOrder", "--format", "mermaid"], capsys)
+    code, out, _ = run(["graph", "stateguard.tooling.demo:DemoOrder", "--format", "mermaid"], capsys)
     assert code == 0
     assert match.group(1) == out
 
 
 def test_mermaid_comes_from_transitions_and_lists_every_edge(capsys: pytest.CaptureFixture[str]) -> None:
     """The default is transitions' Mermaid state diagram, every state drawn alike, every edge labelled."""
-    code, out, err = run(["graph", "stateguard.demo:DemoOrder"], capsys)
+    code, out, err = run(["graph", "stateguard.tooling.demo:DemoOrder"], capsys)
     assert (code, err) == (0, "")
     assert out.startswith("---\nDemoOrder.flow\n---\nstateDiagram-v2\n")
     for edge in (
@@ -107,7 +107,7 @@ def test_mermaid_comes_from_transitions_and_lists_every_edge(capsys: pytest.Capt
 def test_dot_text_needs_nothing_extra(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--format dot -o FILE`` writes DOT text with merged labels and the initial arrow."""
     target = tmp_path / "flow.dot"
-    code, out, err = run(["graph", "stateguard.demo:DemoOrder", "--format", "dot", "-o", str(target)], capsys)
+    code, out, err = run(["graph", "stateguard.tooling.demo:DemoOrder", "--format", "dot", "-o", str(target)], capsys)
     assert (code, out, err) == (0, "", "")
     dot = target.read_text()
     assert dot.startswith('digraph "DemoOrder.flow" {\n') and dot.endswith("}\n")
@@ -123,7 +123,7 @@ def test_images_need_graphviz_and_say_how_to_install_it(
 ) -> None:
     """SVG/PNG are drawn with Graphviz when it is installed; otherwise exit 2 naming the install commands."""
     target = tmp_path / f"flow.{fmt}"
-    code, out, err = run(["graph", "stateguard.demo:DemoOrder", "--format", fmt, "-o", str(target)], capsys)
+    code, out, err = run(["graph", "stateguard.tooling.demo:DemoOrder", "--format", fmt, "-o", str(target)], capsys)
     if graphviz_available():
         assert code == 0
         data = target.read_bytes()
@@ -150,16 +150,16 @@ def test_machine_choice(
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["graph", "stateguard.demo"], "expected MODULE:Model"),
+        (["graph", "stateguard.tooling.demo"], "expected MODULE:Model"),
         (["graph", "no_such_module_sg:Order"], "cannot import no_such_module_sg: ModuleNotFoundError"),
-        (["graph", "stateguard.demo:Nope"], "stateguard.demo has no class 'Nope'"),
-        (["graph", "stateguard.demo:DemoSideEffect"], "declares no StateMachine"),
-        (["graph", "stateguard.demo:DemoOrder", "--format", "gif"], "invalid choice: 'gif'"),
+        (["graph", "stateguard.tooling.demo:Nope"], "stateguard.tooling.demo has no class 'Nope'"),
+        (["graph", "stateguard.tooling.demo:DemoSideEffect"], "declares no StateMachine"),
+        (["graph", "stateguard.tooling.demo:DemoOrder", "--format", "gif"], "invalid choice: 'gif'"),
         (["graph", "bad name:Order"], "not a module name"),
         (["check", "no_such_module_sg"], "cannot import no_such_module_sg"),
         (["check", "stateguard.result"], "no StateMachine found in stateguard.result"),
-        (["check", "stateguard.demo", "--db", "nonsense://x"], "unknown database URL scheme"),
-        (["check", "stateguard.demo", "--db", "sqlite://"], "stateguard check needs a SQLite file"),
+        (["check", "stateguard.tooling.demo", "--db", "nonsense://x"], "unknown database URL scheme"),
+        (["check", "stateguard.tooling.demo", "--db", "sqlite://"], "stateguard check needs a SQLite file"),
     ],
 )
 def test_usage_errors_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -181,7 +181,7 @@ def test_help_documents_exit_codes(command: str, capsys: pytest.CaptureFixture[s
 def test_graph_as_a_real_subprocess() -> None:
     """``python -m stateguard graph`` prints the same Mermaid text as ``main()``."""
     done = subprocess.run(
-        [sys.executable, "-m", "stateguard", "graph", "stateguard.demo:DemoOrder"],
+        [sys.executable, "-m", "stateguard", "graph", "stateguard.tooling.demo:DemoOrder"],
         capture_output=True,
         text=True,
         timeout=60,

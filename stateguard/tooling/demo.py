@@ -55,16 +55,16 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Engine, String, delete, func, insert, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-from .counters import decrement
-from .inserts import insert_once
-from .machine import StateMachine
-from .result import Outcome, Result
-from .retry import retry_on_conflict
-from .tables import create_tables, idempotency_keys
-from .versioning import guarded_update, version_column
+from ..counters import decrement
+from ..inserts import insert_once
+from ..machine import StateMachine
+from ..result import Outcome, Result
+from ..retry import retry_on_conflict
+from ..tables import create_tables, idempotency_keys
+from ..versioning import guarded_update, version_column
 
 if TYPE_CHECKING:
-    from .asgi import ASGIApp, Message
+    from ..asgi import ASGIApp, Message
 
 __all__ = [
     "SCENARIOS",
@@ -766,7 +766,7 @@ def http_retry_storm(run: DemoRun) -> list[SchemeRow]:
             f"{scheme}: skipped: it needs starlette ({error}); pip install 'stateguard[demo]' to run it"
         )
         return []
-    from .asgi import IdempotencyMiddleware
+    from ..asgi import IdempotencyMiddleware
 
     token = uuid.uuid4().hex[:8]
     key_scope = f"{DEMO_KEY_SCOPE}{token}"  # keys outlive the sg_demo_* tables: unique per run

@@ -31,13 +31,15 @@ from sqlalchemy import Engine, create_engine
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL, make_url
 
-from . import __version__
-from . import schema as _schema
+from .. import __version__
+from ..engine import sqlite_engine
+from ..idempotency import purge_expired as _purge_keys
+from ..machine import StateMachine, machines_of
+from ..schema import machines_in_module
+from ..tokens import purge_expired_tokens as _purge_tokens
+from . import check as _check
+from . import graph as _graph
 from .demo import Progress, SchemeRow, render, run_demo
-from .engine import sqlite_engine
-from .idempotency import purge_expired as _purge_keys
-from .machine import StateMachine, machines_of
-from .tokens import purge_expired_tokens as _purge_tokens
 
 __all__ = ["main"]
 
@@ -360,8 +362,8 @@ def _cmd_graph(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     else:
         machine = machines[0]
     try:
-        drawn = _schema.render_graph(machine, args.format)
-    except _schema.GraphvizMissing as error:
+        drawn = _graph.render_graph(machine, args.format)
+    except _graph.GraphvizMissing as error:
         raise UsageError(str(error)) from error
     if args.output is not None:
         path = Path(args.output)
@@ -390,7 +392,7 @@ def _cmd_graph(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return EXIT_OK
 
 
-_COLORS = {_schema.PROBLEM: "\x1b[31m", _schema.WARNING: "\x1b[33m", "ok": "\x1b[32m"}
+_COLORS = {_check.PROBLEM: "\x1b[31m", _check.WARNING: "\x1b[33m", "ok": "\x1b[32m"}
 
 
 def _paint(text: str, level: str, color: bool) -> str:
@@ -407,10 +409,10 @@ def _cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if model_name is not None:
         machines = _model_machines(module, model_name)[1]
     else:
-        machines = _schema.machines_in_module(module)
+        machines = machines_in_module(module)
         if not machines:
             raise UsageError(f"no StateMachine found in {module_name}")
-    findings: dict[int, list[_schema.Finding]] = {id(m): _schema.check_declaration(m) for m in machines}
+    findings: dict[int, list[_check.Finding]] = {id(m): _check.check_declaration(m) for m in machines}
     database: str | None = None
     if args.db is not None:
         engine = open_engine(args.db, workers=1, purpose="stateguard check")
@@ -418,14 +420,14 @@ def _cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         try:
             with engine.connect() as conn:
                 for m in machines:
-                    findings[id(m)] += _schema.check_database(conn, m)
+                    findings[id(m)] += _check.check_database(conn, m)
         except sa_exc.SQLAlchemyError as error:
             err.write(f"stateguard check: database error: {_first_line(error)}\n")
             return EXIT_PROBLEMS
         finally:
             engine.dispose()
     every = [f for m in machines for f in findings[id(m)]]
-    problems = sum(f.level == _schema.PROBLEM for f in every)
+    problems = sum(f.level == _check.PROBLEM for f in every)
     warnings_ = len(every) - problems
     if args.json:
         report = {
@@ -464,7 +466,7 @@ def _cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         for f in found:
             lines.append(f"    {_paint(f'{f.level:<8}', f.level, color)} {f.code}: {f.message}")
     summary = f"{_plural(problems, 'problem')}, {_plural(warnings_, 'warning')}"
-    lines.append(_paint(summary, _schema.PROBLEM if problems else "ok", color))
+    lines.append(_paint(summary, _check.PROBLEM if problems else "ok", color))
     out.write("\n".join(lines) + "\n")
     out.flush()
     return EXIT_PROBLEMS if problems else EXIT_OK
@@ -528,7 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
     graph.add_argument("--machine", metavar="NAME", help="the machine to draw, when the model has several")
     graph.add_argument(
         "--format",
-        choices=_schema.GRAPH_FORMATS,
+        choices=_graph.GRAPH_FORMATS,
         default="mermaid",
         help="output format (default: mermaid)",
     )
