@@ -23,8 +23,8 @@ from sqlalchemy import Engine, bindparam, event, func, insert, select, text
 from sqlalchemy.orm import Session
 
 from stateguard import idempotent
-from stateguard.tables import idempotency_keys
 from stateguard.idempotency import fingerprint_of
+from stateguard.tables import idempotency_keys
 
 from .models import Table, make_engine, median, pct
 

@@ -26,8 +26,8 @@ from stateguard import (
     idempotent,
     insert_once,
 )
-from stateguard.tables import consumed_messages, idempotency_keys
 from stateguard.idempotency import _CLAIM
+from stateguard.tables import consumed_messages, idempotency_keys
 
 from .conftest import Backend
 from .models import Base, Order, Shipment

@@ -32,8 +32,8 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from stateguard import InvalidArgument, idempotency
-from stateguard.tables import idempotency_keys
 from stateguard.asgi import IdempotencyMiddleware, RouteOptions, _stored_headers, default_store_status
+from stateguard.tables import idempotency_keys
 from stateguard.tables import metadata as stateguard_metadata
 
 from .conftest import Backend, count_statements

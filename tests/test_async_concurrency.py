@@ -22,9 +22,8 @@ from sqlalchemy import func, insert, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from stateguard import Outcome, decrement, idempotent
-from stateguard.tables import idempotency_keys
-from stateguard.tables import counter_ledger
 from stateguard.idempotency import Mode
+from stateguard.tables import counter_ledger, idempotency_keys
 from stateguard.tables import metadata as stateguard_metadata
 
 from ._async_helpers import (

@@ -21,8 +21,8 @@ from sqlalchemy.orm import Session
 
 import stateguard.asgi
 from stateguard import Outcome, Result
-from stateguard.tooling import cli, demo
 from stateguard.tables import idempotency_keys
+from stateguard.tooling import cli, demo
 from stateguard.tooling.demo import DemoBase, DemoOrder, DemoRun, DemoSideEffect, Request, SchemeRow
 
 from .conftest import Backend

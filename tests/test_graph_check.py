@@ -27,6 +27,9 @@ from .conftest import Backend
 
 ROOT = Path(__file__).resolve().parent.parent
 
+#: The demo's order model, as `stateguard graph` names it.
+DEMO = "stateguard.tooling.demo:DemoOrder"
+
 
 def write_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str) -> str:
     """Write a uniquely named model module importable by name; return that name."""
@@ -76,20 +79,22 @@ class Plain(Base):
 
 
 def test_readme_shows_the_current_demo_graph(capsys: pytest.CaptureFixture[str]) -> None:
-    """The README's Mermaid block is exactly what `stateguard graph stateguard.tooling.demo:DemoOrder` prints now."""
+    """The README's Mermaid block is exactly what `stateguard graph <the demo's Order>` prints now."""
     readme = (ROOT / "README.md").read_text()
     match = re.search(
-        r"<!-- stateguard graph stateguard\.tooling\.demo:DemoOrder -->\n```mermaid\n(.*?)```", readme, re.DOTALL
+        r"<!-- stateguard graph stateguard\.tooling\.demo:DemoOrder -->\n```mermaid\n(.*?)```",
+        readme,
+        re.DOTALL,
     )
     assert match is not None, "README lacks the marked mermaid block"
-    code, out, _ = run(["graph", "stateguard.tooling.demo:DemoOrder", "--format", "mermaid"], capsys)
+    code, out, _ = run(["graph", DEMO, "--format", "mermaid"], capsys)
     assert code == 0
     assert match.group(1) == out
 
 
 def test_mermaid_comes_from_transitions_and_lists_every_edge(capsys: pytest.CaptureFixture[str]) -> None:
     """The default is transitions' Mermaid state diagram, every state drawn alike, every edge labelled."""
-    code, out, err = run(["graph", "stateguard.tooling.demo:DemoOrder"], capsys)
+    code, out, err = run(["graph", DEMO], capsys)
     assert (code, err) == (0, "")
     assert out.startswith("---\nDemoOrder.flow\n---\nstateDiagram-v2\n")
     for edge in (
@@ -107,7 +112,7 @@ def test_mermaid_comes_from_transitions_and_lists_every_edge(capsys: pytest.Capt
 def test_dot_text_needs_nothing_extra(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--format dot -o FILE`` writes DOT text with merged labels and the initial arrow."""
     target = tmp_path / "flow.dot"
-    code, out, err = run(["graph", "stateguard.tooling.demo:DemoOrder", "--format", "dot", "-o", str(target)], capsys)
+    code, out, err = run(["graph", DEMO, "--format", "dot", "-o", str(target)], capsys)
     assert (code, out, err) == (0, "", "")
     dot = target.read_text()
     assert dot.startswith('digraph "DemoOrder.flow" {\n') and dot.endswith("}\n")
@@ -123,7 +128,7 @@ def test_images_need_graphviz_and_say_how_to_install_it(
 ) -> None:
     """SVG/PNG are drawn with Graphviz when it is installed; otherwise exit 2 naming the install commands."""
     target = tmp_path / f"flow.{fmt}"
-    code, out, err = run(["graph", "stateguard.tooling.demo:DemoOrder", "--format", fmt, "-o", str(target)], capsys)
+    code, out, err = run(["graph", DEMO, "--format", fmt, "-o", str(target)], capsys)
     if graphviz_available():
         assert code == 0
         data = target.read_bytes()
@@ -154,7 +159,7 @@ def test_machine_choice(
         (["graph", "no_such_module_sg:Order"], "cannot import no_such_module_sg: ModuleNotFoundError"),
         (["graph", "stateguard.tooling.demo:Nope"], "stateguard.tooling.demo has no class 'Nope'"),
         (["graph", "stateguard.tooling.demo:DemoSideEffect"], "declares no StateMachine"),
-        (["graph", "stateguard.tooling.demo:DemoOrder", "--format", "gif"], "invalid choice: 'gif'"),
+        (["graph", DEMO, "--format", "gif"], "invalid choice: 'gif'"),
         (["graph", "bad name:Order"], "not a module name"),
         (["check", "no_such_module_sg"], "cannot import no_such_module_sg"),
         (["check", "stateguard.result"], "no StateMachine found in stateguard.result"),
@@ -181,7 +186,7 @@ def test_help_documents_exit_codes(command: str, capsys: pytest.CaptureFixture[s
 def test_graph_as_a_real_subprocess() -> None:
     """``python -m stateguard graph`` prints the same Mermaid text as ``main()``."""
     done = subprocess.run(
-        [sys.executable, "-m", "stateguard", "graph", "stateguard.tooling.demo:DemoOrder"],
+        [sys.executable, "-m", "stateguard", "graph", DEMO],
         capture_output=True,
         text=True,
         timeout=60,

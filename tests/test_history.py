@@ -11,8 +11,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from stateguard import InvalidArgument, Outcome, SerializationConflict, retry_on_conflict
-from stateguard.tables import transition_log
-from stateguard.tables import create_tables, drop_tables
+from stateguard.tables import create_tables, drop_tables, transition_log
 
 from .conftest import Backend, count_statements
 from .models import Base, Invoice, Order
