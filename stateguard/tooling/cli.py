@@ -20,12 +20,11 @@ import importlib
 import json
 import os
 import sys
-import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 from sqlalchemy import Engine, create_engine
 from sqlalchemy import exc as sa_exc
@@ -39,7 +38,7 @@ from ..schema import machines_in_module
 from ..tokens import purge_expired_tokens as _purge_tokens
 from . import check as _check
 from . import graph as _graph
-from .demo import Progress, SchemeRow, render, run_demo
+from .terminal import StderrProgress, isatty, use_color
 
 __all__ = ["main"]
 
@@ -62,95 +61,6 @@ _EXTRAS = {"psycopg": "postgres", "pymysql": "mysql"}
 
 class UsageError(Exception):
     """Reported as one line on stderr, exit code 2."""
-
-
-# --------------------------------------------------------------------------
-# Terminal output
-# --------------------------------------------------------------------------
-
-
-def _isatty(stream: TextIO) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False
-
-
-def use_color(stream: TextIO) -> bool:
-    """Colour only for a terminal, and never when ``NO_COLOR`` is set (https://no-color.org)."""
-    return not os.environ.get("NO_COLOR") and _isatty(stream)
-
-
-class StderrProgress(Progress):
-    """Progress on stderr, shown only once the run has taken longer than ``delay`` seconds.
-
-    On a terminal: one line redrawn in place.  Otherwise (CI logs): one line
-    per finished scenario.
-    """
-
-    def __init__(self, stream: TextIO, *, delay: float = 1.0, interval: float = 0.1) -> None:
-        self.stream = stream
-        self.tty = _isatty(stream)
-        self.delay = delay
-        self.interval = interval
-        self.started = time.monotonic()
-        self._lock = threading.Lock()
-        self._title = ""
-        self._index = 0
-        self._count = 0
-        self._done = 0
-        self._total = 0
-        self._scenario_started = self.started
-        self._drawn = 0.0
-        self._dirty = False
-
-    def begin(self, index: int, count: int, title: str) -> None:
-        with self._lock:
-            self._index, self._count, self._title = index, count, title
-            self._done = self._total = 0
-            self._scenario_started = time.monotonic()
-
-    def total(self, deliveries: int) -> None:
-        with self._lock:
-            self._total += deliveries
-            self._draw(force=True)
-
-    def advance(self) -> None:
-        with self._lock:
-            self._done += 1
-            self._draw()
-
-    def end(self, rows: Sequence[SchemeRow]) -> None:
-        with self._lock:
-            now = time.monotonic()
-            if self.tty:
-                self._clear()
-            elif now - self.started > self.delay:
-                verdict = "ok" if all(r.ok for r in rows) else "VIOLATED"
-                self.stream.write(
-                    f"stateguard demo: [{self._index}/{self._count}] {self._title}: "
-                    f"{self._done} deliveries in {now - self._scenario_started:.1f}s, invariant {verdict}\n"
-                )
-                self.stream.flush()
-
-    def _draw(self, *, force: bool = False) -> None:
-        if not self.tty:
-            return
-        now = time.monotonic()
-        if now - self.started < self.delay or (not force and now - self._drawn < self.interval):
-            return
-        self._drawn = now
-        share = f" {100 * self._done // self._total:3d}%" if self._total else ""
-        where = f"[{self._index}/{self._count}] {self._title}"
-        self.stream.write(f"\r\x1b[K{where}: {self._done}/{self._total}{share}")
-        self.stream.flush()
-        self._dirty = True
-
-    def _clear(self) -> None:
-        if self._dirty:
-            self.stream.write("\r\x1b[K")
-            self.stream.flush()
-            self._dirty = False
 
 
 # --------------------------------------------------------------------------
@@ -227,17 +137,33 @@ def open_engine(db: str, *, workers: int, purpose: str = "the demo") -> Engine:
 # --------------------------------------------------------------------------
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+N = TypeVar("N", int, float)
+
+
+def _number(convert: Callable[[str], N], what: str, *, least: N, bound: str) -> Callable[[str], N]:
+    """An argparse ``type``: ``convert(text)``, refused with a one-line reason below ``least``."""
+
+    def parse(text: str) -> N:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        if not value >= least:  # written so that NaN is refused too
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+
+    return parse
+
+
+_positive = _number(int, "a whole number", least=1, bound="at least 1")
+_nonnegative_float = _number(float, "a number", least=0.0, bound="0 or more")
 
 
 def _cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    # Only this command imports the demo: its mapped models (DemoBase, DemoOrder ...)
+    # stay out of every other command's process.
+    from .demo import render, run_demo
+
     engine = open_engine(args.db, workers=args.workers)
     try:
         report = run_demo(
@@ -293,16 +219,6 @@ def _cmd_purge(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return EXIT_OK
 
 
-def _nonnegative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
-
-
 # -- graph and check --------------------------------------------------------
 
 
@@ -339,7 +255,8 @@ def _split_target(target: str, *, model_required: bool) -> tuple[str, str | None
     module, sep, model = target.partition(":")
     if not sep:
         if model_required:
-            raise UsageError(f"expected MODULE:Model, got {target!r} (e.g. stateguard.demo:DemoOrder)")
+            example = "stateguard.tooling.demo:DemoOrder"
+            raise UsageError(f"expected MODULE:Model, got {target!r} (e.g. {example})")
         return module, None
     if not model.isidentifier():
         raise UsageError(f"not a class name: {model!r} in {target!r}")
@@ -380,7 +297,7 @@ def _cmd_graph(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             out.write(drawn.decode("utf-8"))
         else:
             buffer = getattr(out, "buffer", None)
-            if buffer is None or _isatty(out):
+            if buffer is None or isatty(out):
                 raise UsageError(f"{args.format.upper()} is binary: write it to a file with -o FILE")
             out.flush()
             buffer.write(drawn)
@@ -472,6 +389,29 @@ def _cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return EXIT_PROBLEMS if problems else EXIT_OK
 
 
+Handler = Callable[[argparse.Namespace, TextIO, TextIO], int]
+
+
+def _command(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    handler: Handler,
+    *,
+    help: str,
+    description: str,
+) -> argparse.ArgumentParser:
+    """A ``stateguard NAME`` command run by ``handler``; its ``--help`` ends with the exit codes."""
+    command = commands.add_parser(
+        name,
+        help=help,
+        description=description,
+        epilog=_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    command.set_defaults(handler=handler)
+    return command
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``stateguard`` and its commands."""
     parser = argparse.ArgumentParser(
@@ -482,8 +422,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"stateguard {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    demo = commands.add_parser(
+    demo = _command(
+        commands,
         "demo",
+        _cmd_demo,
         help="fire duplicate and concurrent requests at a database and check the invariants",
         description=(
             "Create the sg_demo_* tables (dropped and recreated on every run), then fire\n"
@@ -494,8 +436,6 @@ def build_parser() -> argparse.ArgumentParser:
             "IdempotencyMiddleware (skipped without starlette).  Prints one row per scheme\n"
             "and checks that side effects ran exactly once per APPLIED call."
         ),
-        epilog=_EXIT_CODES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument(
         "--db",
@@ -514,19 +454,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--seed", type=int, default=None, metavar="N", help="seed of the request plan (default: random)"
     )
-    demo.set_defaults(handler=_cmd_demo)
-    graph = commands.add_parser(
+    graph = _command(
+        commands,
         "graph",
+        _cmd_graph,
         help="draw a model's declared state graph (Mermaid, DOT, SVG, PNG)",
         description=(
             "Draw the state graph a StateMachine declares, through the transitions package's\n"
             "diagram support.  Mermaid and DOT are text and need nothing extra; SVG and PNG\n"
             "need Graphviz (apt install graphviz, and pip install graphviz)."
         ),
-        epilog=_EXIT_CODES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    graph.add_argument("target", metavar="MODULE:Model", help="e.g. stateguard.demo:DemoOrder")
+    graph.add_argument("target", metavar="MODULE:Model", help="e.g. stateguard.tooling.demo:DemoOrder")
     graph.add_argument("--machine", metavar="NAME", help="the machine to draw, when the model has several")
     graph.add_argument(
         "--format",
@@ -535,9 +474,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="output format (default: mermaid)",
     )
     graph.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of standard output")
-    graph.set_defaults(handler=_cmd_graph)
-    check = commands.add_parser(
+    check = _command(
+        commands,
         "check",
+        _cmd_check,
         help="validate the state machines of a module, and compare a live database",
         description=(
             "Validate every StateMachine found in MODULE (or only MODULE:Model's):\n"
@@ -546,15 +486,14 @@ def build_parser() -> argparse.ArgumentParser:
             "With --db, also compare the database: missing tables, columns, CHECK constraints,\n"
             "version columns and legal-edges triggers, and rows holding undeclared states."
         ),
-        epilog=_EXIT_CODES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     check.add_argument("target", metavar="MODULE", help="e.g. myapp.models (or myapp.models:Order)")
     check.add_argument("--db", metavar="URL", help="SQLAlchemy URL of a database to compare")
     check.add_argument("--json", action="store_true", help="print a machine-readable report")
-    check.set_defaults(handler=_cmd_check)
-    purge = commands.add_parser(
+    purge = _command(
+        commands,
         "purge",
+        _cmd_purge,
         help="delete expired idempotency keys and one-time tokens, in short batches",
         description=(
             "Delete expired rows of stateguard's key tables in batches of --batch rows, each\n"
@@ -563,8 +502,6 @@ def build_parser() -> argparse.ArgumentParser:
             "claim holds).  Expired keys are already ignored by claims; purging reclaims space.\n"
             "Run it from cron or a scheduler."
         ),
-        epilog=_EXIT_CODES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     purge.add_argument("--db", required=True, metavar="URL", help="SQLAlchemy URL of the database")
     purge.add_argument(
@@ -591,7 +528,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         help="purge only this table (repeatable; default: keys and tokens)",
     )
-    purge.set_defaults(handler=_cmd_purge)
     return parser
 
 
@@ -603,7 +539,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         $ stateguard demo --orders 50
         >>> main(["demo", "--db", "sqlite:///demo.db", "--orders", "50"])
         0
-        >>> main(["graph", "stateguard.demo:DemoOrder", "--format", "dot", "-o", "flow.dot"])
+        >>> main(["graph", "stateguard.tooling.demo:DemoOrder", "--format", "dot", "-o", "flow.dot"])
         0
         >>> main(["check", "myapp.models", "--db", "sqlite:///app.db", "--json"])
         1

@@ -27,12 +27,11 @@ one function::
     def flash_sale(run: DemoRun) -> list[SchemeRow]:
         ids = run.create_orders(run.orders)
 
-        def deliver(session: Session, request: Request, worker: str) -> Result:
-            result = reserve(session, request.order_id)      # one guarded statement
-            if result.applied:
-                run.side_effect(session, "flash sale", request, worker)
-            return result
+        def buy(session: Session, request: Request) -> Result:
+            return reserve(session, request.order_id)        # one guarded statement
 
+        # The side effect is recorded only when the call was APPLIED.
+        deliver = run.with_side_effect("flash sale", buy)
         tally = run.fire(run.plan([[[Request(i, "reserve")] for i in ids]]), deliver)
         return [run.row("flash sale", "guarded counter", tally)]
 """
@@ -62,6 +61,7 @@ from ..result import Outcome, Result
 from ..retry import retry_on_conflict
 from ..tables import create_tables, idempotency_keys
 from ..versioning import guarded_update, version_column
+from .terminal import Progress
 
 if TYPE_CHECKING:
     from ..asgi import ASGIApp, Message
@@ -243,27 +243,12 @@ class DemoReport:
         return all(row.ok for row in self.rows)
 
 
-class Progress:
-    """Receives progress events; this base class ignores them (the CLI draws them)."""
-
-    def begin(self, index: int, count: int, title: str) -> None:
-        """Scenario ``index`` (1-based) of ``count`` starts."""
-
-    def total(self, deliveries: int) -> None:
-        """The running scenario will make ``deliveries`` deliveries."""
-
-    def advance(self) -> None:
-        """One delivery finished (called from worker threads)."""
-
-    def end(self, rows: Sequence[SchemeRow]) -> None:
-        """The running scenario finished."""
-
-
 # --------------------------------------------------------------------------
 # The run: plans, workers, checks
 # --------------------------------------------------------------------------
 
 Deliver = Callable[[Session, Request, str], Result]
+Call = Callable[[Session, Request], Result]
 Sender = Callable[[Delivery], Outcome]
 Group = list[Request]
 
@@ -326,6 +311,24 @@ class DemoRun:
                 size = max(1, self.workers)
                 plan.extend(group[i : i + size] for i in range(0, len(group), size))
         return plan
+
+    def two_waves(
+        self, ids: Sequence[int], requests: Callable[[int, float], tuple[Group, Group | None]]
+    ) -> list[list[Group]]:
+        """Two waves for :meth:`plan`, with one roll of the RNG per order.
+
+        ``requests(order_id, roll)`` returns the group of requests the order
+        sends first and the group it sends later (or ``None``); ``roll`` is
+        uniform in [0, 1) and decides which kind of traffic the order gets.
+        """
+        first: list[Group] = []
+        later: list[Group] = []
+        for order_id in ids:
+            now, then = requests(order_id, self.rng.random())
+            first.append(now)
+            if then is not None:
+                later.append(then)
+        return [first, later]
 
     def fire(self, plan: Sequence[Group], deliver: Deliver) -> Tally:
         """Run every delivery of ``plan`` on ``workers`` threads and count the outcomes.
@@ -426,6 +429,23 @@ class DemoRun:
             )
         )
 
+    def with_side_effect(self, scheme: str, call: Call) -> Deliver:
+        """A :data:`Deliver` that makes ``call`` and records the side effect only when it was APPLIED.
+
+        The side effect joins the call's transaction: it commits, or rolls
+        back, with the write that decided the outcome::
+
+            run.fire(plan, run.with_side_effect(scheme, lambda session, request: pay(session, request)))
+        """
+
+        def deliver(session: Session, request: Request, worker: str) -> Result:
+            result = call(session, request)
+            if result.applied:
+                self.side_effect(session, scheme, request, worker)
+            return result
+
+        return deliver
+
     def row(self, scheme: str, how: str, tally: Tally, *, problems: Sequence[str] = ()) -> SchemeRow:
         """The table row for ``scheme``, with the side-effect invariant checked in the database."""
         applied = tally.outcomes[Outcome.APPLIED]
@@ -517,27 +537,19 @@ def state_machine(run: DemoRun) -> list[SchemeRow]:
     """pay, then ship or cancel (sometimes both, racing), through ``Order.flow.<trigger>``."""
     scheme = "state machine"
     ids = run.create_orders(run.orders)
-    pays: list[Group] = []
-    follow_ups: list[Group] = []
-    for order_id in ids:
-        pays.append([Request(order_id, "pay")])
-        roll = run.rng.random()
+
+    def requests(order_id: int, roll: float) -> tuple[Group, Group]:
+        pay = [Request(order_id, "pay")]
         if roll < 0.15:
             # A customer cancels while the warehouse ships: only one may win.
-            follow_ups.append([Request(order_id, "ship"), Request(order_id, "cancel")])
-        elif roll < 0.35:
-            follow_ups.append([Request(order_id, "cancel")])
-        else:
-            follow_ups.append([Request(order_id, "ship")])
+            return pay, [Request(order_id, "ship"), Request(order_id, "cancel")]
+        return pay, [Request(order_id, "cancel" if roll < 0.35 else "ship")]
 
-    def deliver(session: Session, request: Request, worker: str) -> Result:
+    def fire(session: Session, request: Request) -> Result:
         values = {"paid_at": _now()} if request.action == "pay" else None
-        result = DemoOrder.flow.fire(session, request.action, request.order_id, values=values)
-        if result.applied:
-            run.side_effect(session, scheme, request, worker)
-        return result
+        return DemoOrder.flow.fire(session, request.action, request.order_id, values=values)
 
-    tally = run.fire(run.plan([pays, follow_ups]), deliver)
+    tally = run.fire(run.plan(run.two_waves(ids, requests)), run.with_side_effect(scheme, fire))
     with run.engine.connect() as conn:
         both = conn.scalar(
             select(func.count()).select_from(
@@ -557,20 +569,16 @@ def optimistic_version(run: DemoRun) -> list[SchemeRow]:
     """Load, look, write with ``guarded_update(expected_version=...)``; STALE re-runs the whole unit."""
     scheme = "optimistic version"
     ids = run.create_orders(run.orders)
-    first: list[Group] = []
-    later: list[Group] = []
-    for order_id in ids:
-        roll = run.rng.random()
+
+    def requests(order_id: int, roll: float) -> tuple[Group, Group | None]:
         if roll < 0.25:
             # Paying and cancelling exclude each other; both arrive at once.
-            first.append([Request(order_id, "pay"), Request(order_id, "cancel")])
-        else:
-            first.append([Request(order_id, "pay")])
-            if roll < 0.45:
-                later.append([Request(order_id, "cancel")])
+            return [Request(order_id, "pay"), Request(order_id, "cancel")], None
+        return [Request(order_id, "pay")], [Request(order_id, "cancel")] if roll < 0.45 else None
+
     columns = {"pay": ("paid_at", "cancelled_at"), "cancel": ("cancelled_at", "paid_at")}
 
-    def deliver(session: Session, request: Request, worker: str) -> Result:
+    def look_then_write(session: Session, request: Request) -> Result:
         done, excluded = columns[request.action]
         order = session.get(DemoOrder, request.order_id)
         if order is None:
@@ -582,12 +590,9 @@ def optimistic_version(run: DemoRun) -> list[SchemeRow]:
             return Result(Outcome.REPEATED, model=DemoOrder, key=request.order_id, version=order.version)
         if getattr(order, excluded) is not None:
             return Result(Outcome.REJECTED, model=DemoOrder, key=request.order_id, version=order.version)
-        result = guarded_update(session, DemoOrder, order, {done: _now()}, expected_version=order.version)
-        if result.applied:
-            run.side_effect(session, scheme, request, worker)
-        return result
+        return guarded_update(session, DemoOrder, order, {done: _now()}, expected_version=order.version)
 
-    tally = run.fire(run.plan([first, later]), deliver)
+    tally = run.fire(run.plan(run.two_waves(ids, requests)), run.with_side_effect(scheme, look_then_write))
     with run.engine.connect() as conn:
         both = conn.scalar(
             select(func.count())
@@ -612,13 +617,10 @@ def insert_once_consumer(run: DemoRun) -> list[SchemeRow]:
     paid = [[Request(order_id, "pay")] for order_id in ids]
     shipped = [[Request(order_id, "ship")] for order_id in ids if run.rng.random() < 0.7]
 
-    def deliver(session: Session, request: Request, worker: str) -> Result:
-        result = insert_once(session, DemoInbox, {"message_id": request.request_id})
-        if result.applied:
-            run.side_effect(session, scheme, request, worker)
-        return result
+    def consume(session: Session, request: Request) -> Result:
+        return insert_once(session, DemoInbox, {"message_id": request.request_id})
 
-    tally = run.fire(run.plan([paid, shipped]), deliver)
+    tally = run.fire(run.plan([paid, shipped]), run.with_side_effect(scheme, consume))
     return [run.row(scheme, "message consumer redelivery, insert_once", tally)]
 
 
@@ -634,13 +636,10 @@ def flash_sale(run: DemoRun) -> list[SchemeRow]:
     buyers = run.create_orders(run.orders)
     purchases = [[Request(buyer, "buy")] for buyer in buyers]
 
-    def deliver(session: Session, request: Request, worker: str) -> Result:
-        result = decrement(session, DemoStock.amount, 1, by=1, ref=f"demo-{token}-{request.request_id}")
-        if result.applied:
-            run.side_effect(session, scheme, request, worker)
-        return result
+    def buy(session: Session, request: Request) -> Result:
+        return decrement(session, DemoStock.amount, 1, by=1, ref=f"demo-{token}-{request.request_id}")
 
-    tally = run.fire(run.plan([purchases]), deliver)
+    tally = run.fire(run.plan([purchases]), run.with_side_effect(scheme, buy))
     with run.engine.connect() as conn:
         left = int(conn.scalar(select(DemoStock.amount).where(DemoStock.id == 1)) or 0)
     sold = tally.outcomes[Outcome.APPLIED]

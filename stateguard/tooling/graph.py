@@ -140,5 +140,3 @@ def render_graph(machine: StateMachine[Any], fmt: str = "mermaid") -> str | byte
         drawn = _graph_machine(machine, "graphviz").get_graph().draw(None, format=fmt, prog="dot")
         return bytes(drawn)
     raise ValueError(f"unknown graph format {fmt!r}; choose one of {', '.join(GRAPH_FORMATS)}")
-
-

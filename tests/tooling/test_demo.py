@@ -1,9 +1,8 @@
-"""The ``stateguard`` command line and ``stateguard demo`` on every backend."""
+"""``stateguard demo`` on every backend: the storm machinery, the scenarios' invariant checks,
+the result table, and ``python -m stateguard demo`` as a real process."""
 
 from __future__ import annotations
 
-import importlib.util
-import io
 import os
 import random
 import re
@@ -25,7 +24,7 @@ from stateguard.tables import idempotency_keys
 from stateguard.tooling import cli, demo
 from stateguard.tooling.demo import DemoBase, DemoOrder, DemoRun, DemoSideEffect, Request, SchemeRow
 
-from .conftest import Backend
+from ..conftest import Backend
 
 SCHEMES = ("state machine", "optimistic version", "insert-once", "flash sale", "http retry storm")
 ROW = re.compile(
@@ -42,39 +41,6 @@ def table(out: str) -> dict[str, dict[str, str]]:
         if m:
             rows[m["scheme"]] = m.groupdict()
     return rows
-
-
-# --------------------------------------------------------------------------
-# Arguments, help, exit codes
-# --------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"]])
-def test_help_exits_zero_and_documents_exit_codes(
-    argv: list[str], capsys: pytest.CaptureFixture[str]
-) -> None:
-    """``--help`` on every command prints usage and the exit codes, and returns 0."""
-    assert cli.main(argv) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("usage: stateguard")
-    assert "exit codes:" in out and "0  ok" in out and "1  an invariant was violated" in out
-    assert "2  usage error" in out
-
-
-def test_version(capsys: pytest.CaptureFixture[str]) -> None:
-    """``--version`` prints the package version and returns 0."""
-    assert cli.main(["--version"]) == 0
-    assert capsys.readouterr().out.strip() == "stateguard 0.1.0"
-
-
-@pytest.mark.parametrize(
-    "argv",
-    [[], ["nope"], ["demo", "--workers", "0"], ["demo", "--orders", "x"], ["demo", "--bogus"]],
-)
-def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    """A missing or unknown command and bad options return 2 with a usage message."""
-    assert cli.main(argv) == 2
-    assert "usage: stateguard" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------
@@ -350,70 +316,8 @@ def test_state_machine_scenario_counts_outcomes_of_real_triggers(backend: Backen
 
 
 # --------------------------------------------------------------------------
-# Errors before the demo starts
+# The result table
 # --------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "url",
-    [
-        "postgresql+psycopg://postgres@127.0.0.1:1/test",
-        "mysql+pymysql://root@127.0.0.1:1/test",
-        "sqlite:////nonexistent-stateguard-dir/demo.db",
-    ],
-)
-def test_unreachable_db_exits_2_with_one_line(url: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """An unreachable database gives one clear line on stderr, no traceback, and exit code 2."""
-    assert cli.main(["demo", "--db", url]) == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    lines = captured.err.splitlines()
-    assert len(lines) == 1, captured.err
-    assert lines[0].startswith("stateguard demo: cannot connect to ")
-
-
-def test_missing_driver_names_the_extra(capsys: pytest.CaptureFixture[str]) -> None:
-    """A URL naming a driver that is not installed says how to install one, exit code 2."""
-    assert importlib.util.find_spec("pg8000") is None, "this test needs pg8000 to be absent"
-    assert cli.main(["demo", "--db", "postgresql+pg8000://postgres@127.0.0.1/test"]) == 2
-    err = capsys.readouterr().err
-    assert "pg8000 driver for postgresql is not installed" in err
-    assert "pip install 'stateguard[postgres]'" in err and len(err.splitlines()) == 1
-
-
-@pytest.mark.parametrize(
-    ("url", "message"),
-    [
-        ("sqlite://", "needs a SQLite file"),
-        ("sqlite:///:memory:", "needs a SQLite file"),
-        ("not a url", "not a database URL"),
-        ("nosuchdb://x/y", "unknown database URL scheme"),
-    ],
-)
-def test_unusable_urls_exit_2(url: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """URLs the demo cannot use are usage errors with a one-line reason."""
-    assert cli.main(["demo", "--db", url]) == 2
-    err = capsys.readouterr().err
-    assert message in err and len(err.splitlines()) == 1
-
-
-# --------------------------------------------------------------------------
-# Terminal behaviour
-# --------------------------------------------------------------------------
-
-
-class _Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
-
-
-def test_colour_only_on_a_terminal_without_no_color(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Colour is used for a terminal, not for a pipe, and never when NO_COLOR is set."""
-    monkeypatch.delenv("NO_COLOR", raising=False)
-    assert cli.use_color(_Terminal()) is True
-    assert cli.use_color(io.StringIO()) is False
-    monkeypatch.setenv("NO_COLOR", "1")
-    assert cli.use_color(_Terminal()) is False
 
 
 def test_render_colours_the_verdict_only_when_asked() -> None:
@@ -426,42 +330,6 @@ def test_render_colours_the_verdict_only_when_asked() -> None:
     assert "\x1b[" not in plain
     assert "\x1b[32mok" in coloured and "\x1b[1;31mVIOLATED" in coloured
     assert table(plain)["a"]["invariant"] == "ok" and table(plain)["b"]["invariant"] == "VIOLATED"
-
-
-def test_progress_on_a_terminal_is_one_line_redrawn_then_cleared() -> None:
-    """On a terminal, progress is one line redrawn with \\r and erased when the scenario ends."""
-    stream = _Terminal()
-    progress = cli.StderrProgress(stream, delay=0.0, interval=0.0)
-    progress.begin(1, 2, "state machine")
-    progress.total(4)
-    for _ in range(4):
-        progress.advance()
-    progress.end([])
-    text = stream.getvalue()
-    assert "\n" not in text
-    assert "[1/2] state machine: 4/4 100%" in text
-    assert text.endswith("\r\x1b[K")
-
-
-def test_progress_in_a_log_is_one_line_per_scenario_after_a_second() -> None:
-    """Not on a terminal: nothing while the run is short, then one plain line per finished scenario."""
-    stream = io.StringIO()
-    progress = cli.StderrProgress(stream, delay=1.0)
-    progress.begin(1, 2, "state machine")
-    progress.total(2)
-    progress.advance()
-    progress.end([])
-    assert stream.getvalue() == ""  # finished within the first second
-    progress.started -= 5  # the run has now lasted more than a second
-    progress.begin(2, 2, "insert-once")
-    progress.total(3)
-    for _ in range(3):
-        progress.advance()
-    progress.end([])
-    lines = stream.getvalue().splitlines()
-    assert len(lines) == 1 and "\r" not in stream.getvalue()
-    assert lines[0].startswith("stateguard demo: [2/2] insert-once: 3 deliveries in ")
-    assert lines[0].endswith("invariant ok")
 
 
 # --------------------------------------------------------------------------

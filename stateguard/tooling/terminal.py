@@ -1,0 +1,123 @@
+"""What the command line shows on a terminal: colour or not, and the demo's progress.
+
+:class:`Progress` is what :func:`stateguard.tooling.demo.run_demo` reports to
+(its base ignores every event); :class:`StderrProgress` draws it on stderr.
+Both live here, away from the demo's mapped models, so that ``stateguard``
+commands other than ``demo`` never import them::
+
+    run_demo(engine, progress=StderrProgress(sys.stderr))
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from .demo import SchemeRow
+
+__all__ = ["Progress", "StderrProgress", "isatty", "use_color"]
+
+
+def isatty(stream: TextIO) -> bool:
+    """Whether ``stream`` is a terminal (``False`` for a closed stream or one without ``isatty``)."""
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def use_color(stream: TextIO) -> bool:
+    """Colour only for a terminal, and never when ``NO_COLOR`` is set (https://no-color.org)."""
+    return not os.environ.get("NO_COLOR") and isatty(stream)
+
+
+class Progress:
+    """Receives progress events; this base class ignores them (the CLI draws them)."""
+
+    def begin(self, index: int, count: int, title: str) -> None:
+        """Scenario ``index`` (1-based) of ``count`` starts."""
+
+    def total(self, deliveries: int) -> None:
+        """The running scenario will make ``deliveries`` deliveries."""
+
+    def advance(self) -> None:
+        """One delivery finished (called from worker threads)."""
+
+    def end(self, rows: Sequence[SchemeRow]) -> None:
+        """The running scenario finished."""
+
+
+class StderrProgress(Progress):
+    """Progress on stderr, shown only once the run has taken longer than ``delay`` seconds.
+
+    On a terminal: one line redrawn in place.  Otherwise (CI logs): one line
+    per finished scenario.
+    """
+
+    def __init__(self, stream: TextIO, *, delay: float = 1.0, interval: float = 0.1) -> None:
+        self.stream = stream
+        self.tty = isatty(stream)
+        self.delay = delay
+        self.interval = interval
+        self.started = time.monotonic()
+        self._lock = threading.Lock()
+        self._title = ""
+        self._index = 0
+        self._count = 0
+        self._done = 0
+        self._total = 0
+        self._scenario_started = self.started
+        self._drawn = 0.0
+        self._dirty = False
+
+    def begin(self, index: int, count: int, title: str) -> None:
+        with self._lock:
+            self._index, self._count, self._title = index, count, title
+            self._done = self._total = 0
+            self._scenario_started = time.monotonic()
+
+    def total(self, deliveries: int) -> None:
+        with self._lock:
+            self._total += deliveries
+            self._draw(force=True)
+
+    def advance(self) -> None:
+        with self._lock:
+            self._done += 1
+            self._draw()
+
+    def end(self, rows: Sequence[SchemeRow]) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if self.tty:
+                self._clear()
+            elif now - self.started > self.delay:
+                verdict = "ok" if all(r.ok for r in rows) else "VIOLATED"
+                self.stream.write(
+                    f"stateguard demo: [{self._index}/{self._count}] {self._title}: "
+                    f"{self._done} deliveries in {now - self._scenario_started:.1f}s, invariant {verdict}\n"
+                )
+                self.stream.flush()
+
+    def _draw(self, *, force: bool = False) -> None:
+        if not self.tty:
+            return
+        now = time.monotonic()
+        if now - self.started < self.delay or (not force and now - self._drawn < self.interval):
+            return
+        self._drawn = now
+        share = f" {100 * self._done // self._total:3d}%" if self._total else ""
+        where = f"[{self._index}/{self._count}] {self._title}"
+        self.stream.write(f"\r\x1b[K{where}: {self._done}/{self._total}{share}")
+        self.stream.flush()
+        self._dirty = True
+
+    def _clear(self) -> None:
+        if self._dirty:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self._dirty = False

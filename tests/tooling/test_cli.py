@@ -1,0 +1,271 @@
+"""The ``stateguard`` command line: arguments, help, exit codes, opening databases, ``purge``,
+and which commands import the demo."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine, func, insert, select
+
+from stateguard import drop_tables
+from stateguard.tables import idempotency_keys, tokens
+from stateguard.tooling import cli
+from stateguard.tooling.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, main
+
+from ..conftest import Backend
+from ._helpers import DEMO, MULTI, run
+
+# --------------------------------------------------------------------------
+# Arguments, help, exit codes
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"]])
+def test_help_exits_zero_and_documents_exit_codes(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--help`` on every command prints usage and the exit codes, and returns 0."""
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: stateguard")
+    assert "exit codes:" in out and "0  ok" in out and "1  an invariant was violated" in out
+    assert "2  usage error" in out
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--version`` prints the package version and returns 0."""
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == "stateguard 0.1.0"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["nope"], ["demo", "--workers", "0"], ["demo", "--orders", "x"], ["demo", "--bogus"]],
+)
+def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """A missing or unknown command and bad options return 2 with a usage message."""
+    assert cli.main(argv) == 2
+    assert "usage: stateguard" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["graph", "stateguard.tooling.demo"], "expected MODULE:Model"),
+        (["graph", "no_such_module_sg:Order"], "cannot import no_such_module_sg: ModuleNotFoundError"),
+        (["graph", "stateguard.tooling.demo:Nope"], "stateguard.tooling.demo has no class 'Nope'"),
+        (["graph", "stateguard.tooling.demo:DemoSideEffect"], "declares no StateMachine"),
+        (["graph", DEMO, "--format", "gif"], "invalid choice: 'gif'"),
+        (["graph", "bad name:Order"], "not a module name"),
+        (["check", "no_such_module_sg"], "cannot import no_such_module_sg"),
+        (["check", "stateguard.result"], "no StateMachine found in stateguard.result"),
+        (["check", "stateguard.tooling.demo", "--db", "nonsense://x"], "unknown database URL scheme"),
+        (["check", "stateguard.tooling.demo", "--db", "sqlite://"], "stateguard check needs a SQLite file"),
+    ],
+)
+def test_graph_and_check_usage_errors_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Bad targets, formats and URLs return 2 with one line saying what is wrong."""
+    code, out, err = run(argv, capsys)
+    assert code == 2 and out == ""
+    assert message in err
+
+
+@pytest.mark.parametrize("command", ["graph", "check"])
+def test_help_documents_exit_codes(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--help`` of graph and check prints usage and the exit codes, and returns 0."""
+    code, out, _ = run([command, "--help"], capsys)
+    assert code == 0
+    assert out.startswith(f"usage: stateguard {command}")
+    assert "exit codes:" in out and "2  usage error" in out
+
+
+# --------------------------------------------------------------------------
+# Errors before the demo starts
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql+psycopg://postgres@127.0.0.1:1/test",
+        "mysql+pymysql://root@127.0.0.1:1/test",
+        "sqlite:////nonexistent-stateguard-dir/demo.db",
+    ],
+)
+def test_unreachable_db_exits_2_with_one_line(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """An unreachable database gives one clear line on stderr, no traceback, and exit code 2."""
+    assert cli.main(["demo", "--db", url]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("stateguard demo: cannot connect to ")
+
+
+def test_missing_driver_names_the_extra(capsys: pytest.CaptureFixture[str]) -> None:
+    """A URL naming a driver that is not installed says how to install one, exit code 2."""
+    assert importlib.util.find_spec("pg8000") is None, "this test needs pg8000 to be absent"
+    assert cli.main(["demo", "--db", "postgresql+pg8000://postgres@127.0.0.1/test"]) == 2
+    err = capsys.readouterr().err
+    assert "pg8000 driver for postgresql is not installed" in err
+    assert "pip install 'stateguard[postgres]'" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("sqlite://", "needs a SQLite file"),
+        ("sqlite:///:memory:", "needs a SQLite file"),
+        ("not a url", "not a database URL"),
+        ("nosuchdb://x/y", "unknown database URL scheme"),
+    ],
+)
+def test_unusable_urls_exit_2(url: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """URLs the demo cannot use are usage errors with a one-line reason."""
+    assert cli.main(["demo", "--db", url]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.splitlines()) == 1
+
+
+# --------------------------------------------------------------------------
+# purge
+# --------------------------------------------------------------------------
+
+
+def _fill(engine: Engine, expired: int, live: int) -> None:
+    now = time.time_ns() // 1_000_000
+    keys = [
+        {
+            "scope": "s",
+            "idem_key": f"k-{i}",
+            "status": "completed",
+            "owner": "o",
+            "attempt": 1,
+            "expires_ms": now - 1000 if i < expired else now + 3_600_000,
+            "created_ms": now,
+            "updated_ms": now,
+        }
+        for i in range(expired + live)
+    ]
+    toks = [
+        {
+            "token_hash": f"{i:064x}",
+            "scope": "s",
+            "expires_ms": now - 1000 if i < expired else now + 3_600_000,
+            "created_ms": now,
+        }
+        for i in range(expired + live)
+    ]
+    with engine.begin() as conn:
+        conn.execute(insert(idempotency_keys), keys)
+        conn.execute(insert(tokens), toks)
+
+
+def _count(engine: Engine) -> tuple[int, int]:
+    with engine.connect() as conn:
+        return (
+            conn.execute(select(func.count()).select_from(idempotency_keys)).scalar_one(),
+            conn.execute(select(func.count()).select_from(tokens)).scalar_one(),
+        )
+
+
+def test_purge_deletes_every_expired_row_in_batches_and_keeps_live_ones(
+    backend: Backend, engine: Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """25 expired rows per table go in batches of 10 (3 batches); the 5 live rows stay."""
+    _fill(engine, expired=25, live=5)
+    assert main(["purge", "--db", backend.url, "--batch", "10", "--pause", "0"]) == EXIT_OK
+    assert _count(engine) == (5, 5)
+    out = capsys.readouterr().out
+    assert "expired idempotency keys: 25 deleted in 3 batches" in out
+    assert "expired one-time tokens: 25 deleted in 3 batches" in out
+
+
+def test_purge_only_and_max_batches_limit_the_work(
+    backend: Backend, engine: Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--only picks a table; --max-batches stops early."""
+    _fill(engine, expired=25, live=0)
+    assert main(["purge", "--db", backend.url, "--only", "keys", "--batch", "10", "--max-batches", "1"]) == 0
+    assert _count(engine) == (15, 25)
+    assert "tokens" not in capsys.readouterr().out
+
+
+def test_purge_without_tables_says_how_to_create_them(
+    backend: Backend, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A database without stateguard's tables is a reported problem (exit 1) with the fix."""
+    drop_tables(backend.engine)
+    assert main(["purge", "--db", backend.url]) == EXIT_PROBLEMS
+    assert "alembic upgrade stateguard@head" in capsys.readouterr().err
+
+
+def test_purge_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    """Missing --db, a bad batch or an unreachable database exit 2 with one line."""
+    assert main(["purge"]) == EXIT_USAGE
+    assert main(["purge", "--db", "sqlite:///x.db", "--batch", "0"]) == EXIT_USAGE
+    assert main(["purge", "--db", "postgresql+psycopg://nobody@127.0.0.1:1/none"]) == EXIT_USAGE
+    assert "cannot connect" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------
+# Which commands import the demo
+# --------------------------------------------------------------------------
+
+#: Runs ``cli.main`` for each argv in a fresh interpreter and records, after each one,
+#: its exit code and whether the demo module has been imported by then.
+LAZY_DEMO = """
+import json, sys
+from stateguard import create_tables, sqlite_engine
+from stateguard.tooling import cli
+
+url, commands, report = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+engine = sqlite_engine(url)
+create_tables(engine)
+engine.dispose()
+seen = []
+for argv in commands:
+    seen.append([cli.main(argv), "stateguard.tooling.demo" in sys.modules])
+with open(report, "w") as f:
+    json.dump(seen, f)
+"""
+
+
+def test_only_the_demo_command_imports_the_demo(tmp_path: Path) -> None:
+    """--help, purge, graph and check run without importing the demo's mapped models (DemoBase ...)."""
+    module = f"sgmod_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{module}.py").write_text(MULTI.format(table=f"jobs_{uuid.uuid4().hex[:6]}"))
+    db = f"sqlite:///{tmp_path / 'lazy.db'}"
+    # Each command and the exit code it should give (check --db: Job's table is missing).
+    expected = [
+        (["--help"], 0),
+        (["demo", "--help"], 0),
+        (["purge", "--help"], 0),
+        (["purge", "--db", db, "--pause", "0"], 0),
+        (["graph", f"{module}:Job", "--machine", "run"], 0),
+        (["check", module], 0),
+        (["check", module, "--db", db], 1),
+        (["graph", DEMO], 0),
+    ]
+    commands = [argv for argv, _ in expected]
+    report = tmp_path / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-c", LAZY_DEMO, db, json.dumps(commands), str(report)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(report.read_text())
+    # The last command, drawing the demo's own model, is the control: it does import the demo.
+    assert seen == [[code, argv[-1] == DEMO] for argv, code in expected]
