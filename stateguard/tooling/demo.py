@@ -435,7 +435,10 @@ class DemoRun:
         The side effect joins the call's transaction: it commits, or rolls
         back, with the write that decided the outcome::
 
-            run.fire(plan, run.with_side_effect(scheme, lambda session, request: pay(session, request)))
+            def consume(session: Session, request: Request) -> Result:
+                return insert_once(session, DemoInbox, {"message_id": request.request_id})
+
+            tally = run.fire(plan, run.with_side_effect("insert-once", consume))
         """
 
         def deliver(session: Session, request: Request, worker: str) -> Result:
