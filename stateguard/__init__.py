@@ -44,12 +44,13 @@ from .idempotency import (
 )
 from .ids import Snowflake, WorkerIdsExhausted, WorkerLeaseLost, new_request_id
 from .inserts import insert_once
-from .locks import AsyncRedisLock, RedisLock, advisory_lock, row_lock
+from .locks import advisory_lock, row_lock
 from .machine import StateMachine, Trigger
+from .redis import AsyncRedisLock, AsyncRedisTokens, RedisLock, RedisTokens
 from .result import Outcome, Result
 from .retry import retry_on_conflict
 from .tables import create_tables, drop_tables, migrations_location
-from .tokens import AsyncRedisTokens, RedisTokens, consume_token, issue_token, purge_expired_tokens
+from .tokens import consume_token, issue_token, purge_expired_tokens
 from .versioning import fence_column, guarded_update, version_column
 
 __version__ = "0.1.0"

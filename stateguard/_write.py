@@ -57,6 +57,7 @@ __all__ = [
     "read_back",
     "resolve_target",
     "run_guarded",
+    "seconds",
     "split_values",
     "sqlite_write_lock",
     "sync_loaded",
@@ -413,6 +414,25 @@ def duration_ms(value: Any, what: str) -> int:
     if ms < 1:
         raise InvalidArgument(f"{what} must be at least 1 millisecond, got {value!r}")
     return ms
+
+
+def seconds(value: Any, what: str, *, allow_zero: bool) -> float | None:
+    """Seconds (an int, a float or a :class:`~datetime.timedelta`) as a float; ``None`` stays ``None``.
+
+    Negative, NaN or (unless ``allow_zero``) zero durations and any other
+    type are InvalidArgument.
+    """
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        result = value.total_seconds()
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        result = float(value)
+    else:
+        raise InvalidArgument(f"{what} must be seconds (int or float) or a timedelta, got {value!r}")
+    if result < 0 or (result == 0 and not allow_zero) or result != result:
+        raise InvalidArgument(f"{what} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+    return result
 
 
 def check_batch(batch: Any) -> int:

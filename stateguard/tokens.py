@@ -19,34 +19,34 @@ not leak usable tokens.  Consuming is not deleting: a consumed token stays
 until it expires and :func:`purge_expired_tokens` removes it, so a replay is
 told apart (REPEATED) from a forgery (NOT_FOUND).
 
-:class:`RedisTokens` (and :class:`AsyncRedisTokens`, for ``redis.asyncio``)
-do the same in Redis with one Lua script per consume.
+:class:`~stateguard.RedisTokens` (and :class:`~stateguard.AsyncRedisTokens`,
+for ``redis.asyncio``) do the same in Redis with one Lua script per consume;
+they live in :mod:`stateguard.redis`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import inspect
 import secrets
 from datetime import timedelta
-from typing import Any, ClassVar, Final
+from typing import Any, Final
 
 from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 from sqlalchemy.orm import Session
 
 from . import _sql, _write
 from ._async import dual
-from .exceptions import InvalidArgument, SerializationConflict
+from .exceptions import SerializationConflict
 from .result import Outcome, Result
 from .tables import MAX_KEY, MAX_SCOPE, tokens
 
 __all__ = [
-    "AsyncRedisTokens",
+    "TOKEN_BYTES",
     "OneTimeToken",
-    "RedisTokens",
     "consume_token",
     "issue_token",
     "purge_expired_tokens",
+    "token_digest",
 ]
 
 #: Bytes of randomness in an issued token (256 bits; ``token_urlsafe`` makes 43 characters).
@@ -67,7 +67,14 @@ def _now_ms() -> int:
     return _write.now_ms()
 
 
-def _hash(token: str) -> str:
+def token_digest(token: str) -> str:
+    """The SHA-256 (hex) of ``token``: what is stored instead of it, and every token Result's ``key``.
+
+    The database table and :class:`~stateguard.RedisTokens` both keep only
+    this digest, so a leaked table or Redis dump leaks no usable token::
+
+        token_digest("abc")   # 'ba7816bf8f01cfea...'
+    """
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
 
@@ -131,9 +138,8 @@ def issue_token(session: Session, *, scope: str, ttl: timedelta) -> str:
     token = secrets.token_urlsafe(TOKEN_BYTES)
     now = _now_ms()
     conn = session.connection()
-    _write.execute(
-        conn, _ISSUE, {"sg_hash": _hash(token), "sg_scope": scope, "sg_expires": now + ttl_ms, "sg_now": now}
-    )
+    params = {"sg_hash": token_digest(token), "sg_scope": scope, "sg_expires": now + ttl_ms, "sg_now": now}
+    _write.execute(conn, _ISSUE, params)
     return token
 
 
@@ -164,7 +170,7 @@ def consume_token(session: Session, token: str, *, scope: str) -> Result:
     """
     _check_token(token)
     _check_scope(scope)
-    digest = _hash(token)
+    digest = token_digest(token)
     params = {"sg_hash": digest, "sg_scope": scope, "sg_now": _now_ms()}
     if session.autoflush:
         session.flush()
@@ -213,199 +219,3 @@ def purge_expired_tokens(bind: Engine | Connection | Session, *, batch: int = 10
     :raises InvalidArgument: ``batch`` is not a positive int.
     """
     return _write.purge_expired_rows(tokens, bind, batch, _now_ms)
-
-
-# --------------------------------------------------------------------------
-# Redis
-# --------------------------------------------------------------------------
-
-_LIVE: Final = "live"
-_USED: Final = "used"
-
-#: Consume in one atomic step.  A live token becomes a tombstone that keeps
-#: the key's remaining TTL (KEEPTTL, Redis >= 6.0), so a second consume is
-#: REPEATED until the token would have expired anyway.
-_CONSUME_SCRIPT: Final = """
-local v = redis.call('get', KEYS[1])
-if not v then return 0 end
-if v == ARGV[1] then
-    redis.call('set', KEYS[1], ARGV[2], 'KEEPTTL')
-    return 1
-end
-return 2
-"""
-
-
-def _redis_key(scope: str, digest: str) -> str:
-    return f"stateguard:token:{scope}:{digest}"
-
-
-def _check_redis_client(client: Any, owner: str, *, asynchronous: bool) -> None:
-    """Refuse anything but a redis-py client of the kind ``owner`` drives (shared with the locks).
-
-    A redis.asyncio client handed to a synchronous class would return
-    coroutines that are never awaited (a token "issued" but never stored);
-    a synchronous one handed to an async class fails on the first ``await``.
-    Both are caught here, before anything is sent.
-    """
-    wanted = "redis.asyncio.Redis" if asynchronous else "redis.Redis"
-    if client is None or not callable(getattr(client, "register_script", None)):
-        raise InvalidArgument(f"{owner} needs a redis client ({wanted}), got {client!r}")
-    if inspect.iscoroutinefunction(getattr(client, "execute_command", None)) is not asynchronous:
-        other = owner.removeprefix("Async") if asynchronous else f"Async{owner}"
-        raise InvalidArgument(
-            f"{owner} needs a {'redis.asyncio' if asynchronous else 'synchronous'} client ({wanted}), "
-            f"got {client!r}; use {other} with this client"
-        )
-
-
-class _RedisTokensBase:
-    """Everything :class:`RedisTokens` and :class:`AsyncRedisTokens` share; they only add the I/O."""
-
-    #: Whether the client's commands return awaitables (redis.asyncio).
-    _asynchronous: ClassVar[bool] = False
-
-    def __init__(self, client: Any) -> None:
-        _check_redis_client(client, type(self).__name__, asynchronous=self._asynchronous)
-        self.client = client
-        self._consume = client.register_script(_CONSUME_SCRIPT)
-
-    @staticmethod
-    def key(scope: str, token: str) -> str:
-        """The Redis key of ``token`` in ``scope`` (the token itself never appears in it)::
-
-        RedisTokens.key("reset-password:42", token)   # 'stateguard:token:reset-password:42:9f86...'
-        """
-        return _redis_key(scope, _hash(token))
-
-    @staticmethod
-    def _ttl_ms(scope: str, ttl: timedelta) -> int:
-        """Check :meth:`issue`'s arguments and return the TTL in milliseconds."""
-        _check_scope(scope)
-        return _write.duration_ms(ttl, "ttl")
-
-    @staticmethod
-    def _new_token(scope: str, ttl_ms: int) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
-        """A fresh token and the arguments of the ``SET`` that stores it.
-
-        NX: a 256-bit collision will not happen, but if it did, the existing
-        token must not be revived or shortened; the caller draws another.
-        """
-        token = secrets.token_urlsafe(TOKEN_BYTES)
-        return token, (_redis_key(scope, _hash(token)), _LIVE), {"px": ttl_ms, "nx": True}
-
-    @staticmethod
-    def _consume_call(token: str, scope: str) -> tuple[str, dict[str, Any]]:
-        """Check :meth:`consume`'s arguments; return the digest and the script's keys and args."""
-        _check_token(token)
-        _check_scope(scope)
-        digest = _hash(token)
-        return digest, {"keys": [_redis_key(scope, digest)], "args": [_LIVE, _USED]}
-
-    @staticmethod
-    def _outcome(digest: str, found: Any) -> Result:
-        """The Result for the script's reply: 1 consumed now, 2 consumed before, 0 no such key."""
-        found = int(found)
-        if found == 1:
-            return Result(Outcome.APPLIED, model=OneTimeToken, key=digest, state="consumed")
-        if found == 2:
-            return Result(Outcome.REPEATED, model=OneTimeToken, key=digest, state="consumed")
-        return Result(Outcome.NOT_FOUND, model=OneTimeToken, key=digest, trigger="consume")
-
-
-class RedisTokens(_RedisTokensBase):
-    """One-time tokens in Redis: :meth:`issue` and :meth:`consume`, atomic on the server.
-
-    ``client`` is a ``redis.Redis`` (or cluster) client; for a
-    ``redis.asyncio`` client use :class:`AsyncRedisTokens`.  A token is
-    stored under ``stateguard:token:<scope>:<sha256 of the token>`` with the
-    TTL as the key's expiry; consuming runs one Lua script (never GET then
-    DEL), so of any number of concurrent consumers exactly one gets APPLIED::
-
-        tokens = RedisTokens(redis.Redis())
-        token = tokens.issue(scope="reset-password:42", ttl=timedelta(minutes=30))
-        ...
-        r = tokens.consume(token, scope="reset-password:42")
-        if r.applied:
-            reset_password(42)
-
-    Outcomes: APPLIED the first time; REPEATED afterwards while the
-    tombstone lives (it keeps the token's remaining TTL); NOT_FOUND for an
-    unknown token, a token of another scope, **and an expired token**: once
-    Redis has expired the key, nothing tells an expired token from one that
-    never existed, so Redis never answers REJECTED.  (The SQL
-    :func:`consume_token` keeps expired rows until purged and says
-    REJECTED.)  Unlike the SQL version, a consumption is not part of any
-    database transaction: if the work after it fails, issue a new token.
-
-    :raises InvalidArgument: ``client`` is not a synchronous redis client.
-    """
-
-    def issue(self, *, scope: str, ttl: timedelta) -> str:
-        """Create a token for ``scope`` that expires after ``ttl`` and return it (one SET)::
-
-            token = tokens.issue(scope="checkout:cart-7", ttl=timedelta(minutes=10))
-
-        :raises InvalidArgument: bad ``scope`` or a ``ttl`` under 1 ms.
-        """
-        ttl_ms = self._ttl_ms(scope, ttl)
-        while True:
-            token, args, options = self._new_token(scope, ttl_ms)
-            if self.client.set(*args, **options):
-                return token
-
-    def consume(self, token: str, *, scope: str) -> Result:
-        """Consume ``token`` once: APPLIED, REPEATED, or NOT_FOUND (unknown *or* expired)::
-
-            r = tokens.consume(form["token"], scope="checkout:cart-7")
-            r.raise_for_outcome()     # NotFound for unknown or expired tokens
-
-        :raises InvalidArgument: bad ``token`` or ``scope``; Redis was not called.
-        """
-        digest, call = self._consume_call(token, scope)
-        return self._outcome(digest, self._consume(**call))
-
-
-class AsyncRedisTokens(_RedisTokensBase):
-    """:class:`RedisTokens` for a ``redis.asyncio`` client: the same keys, script and outcomes, awaited.
-
-    Tokens issued by either class can be consumed by the other::
-
-        tokens = AsyncRedisTokens(redis.asyncio.Redis())
-        token = await tokens.issue(scope="reset-password:42", ttl=timedelta(minutes=30))
-        ...
-        r = await tokens.consume(token, scope="reset-password:42")
-        if r.applied:
-            await reset_password(42)
-
-    Consuming is one script call, so any number of concurrent tasks (or
-    processes) consuming one token get exactly one APPLIED.
-
-    :raises InvalidArgument: ``client`` is not a ``redis.asyncio`` client.
-    """
-
-    _asynchronous = True
-
-    async def issue(self, *, scope: str, ttl: timedelta) -> str:
-        """Create a token for ``scope`` that expires after ``ttl`` and return it (one SET)::
-
-            token = await tokens.issue(scope="checkout:cart-7", ttl=timedelta(minutes=10))
-
-        :raises InvalidArgument: bad ``scope`` or a ``ttl`` under 1 ms.
-        """
-        ttl_ms = self._ttl_ms(scope, ttl)
-        while True:
-            token, args, options = self._new_token(scope, ttl_ms)
-            if await self.client.set(*args, **options):
-                return token
-
-    async def consume(self, token: str, *, scope: str) -> Result:
-        """Consume ``token`` once: APPLIED, REPEATED, or NOT_FOUND (unknown *or* expired)::
-
-            r = await tokens.consume(form["token"], scope="checkout:cart-7")
-            r.raise_for_outcome()     # NotFound for unknown or expired tokens
-
-        :raises InvalidArgument: bad ``token`` or ``scope``; Redis was not called.
-        """
-        digest, call = self._consume_call(token, scope)
-        return self._outcome(digest, await self._consume(**call))

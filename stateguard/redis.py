@@ -1,0 +1,724 @@
+"""Redis: one-time tokens and locks with fencing tokens (SCHEMES.md, schemes 6 and 8).
+
+* :class:`RedisTokens`: :func:`~stateguard.issue_token` /
+  :func:`~stateguard.consume_token` in Redis, one Lua script per consume.
+* :class:`RedisLock`: redis-py's own lock plus a *fencing token*, a number
+  that only grows, to pass as ``fence=`` to a trigger or
+  :func:`~stateguard.guarded_update` so a holder whose lock expired while it
+  was paused cannot overwrite a newer holder's write.
+* :class:`AsyncRedisTokens` and :class:`AsyncRedisLock`: the same for a
+  ``redis.asyncio`` client (same keys, scripts, fences and outcomes).
+
+redis-py (the ``stateguard[redis]`` extra) is imported only by this module,
+and only when a lock is built or an error mapped: ``import stateguard`` works
+without it.
+
+Each operation is written once, for both kinds of client: a generator
+(``_issue``, ``_acquire`` ...) that makes every Redis call through
+``yield from self._call(fn, ...)``.  A synchronous client's reply comes back
+at once, so the generator never suspends and :func:`_run` runs it to its end;
+an async client returns a coroutine, which ``_call`` awaits by delegating to
+its ``__await__``, and the async method awaits the whole generator
+(:class:`_Awaited`).  Keys, scripts, validation, fencing and outcomes are
+therefore decided in one place; the public classes only say whether they
+block or await.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import secrets
+import weakref
+from collections.abc import Callable, Generator, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, TypeVar, cast
+
+from . import _write
+from .exceptions import InvalidArgument, LockLost, LockNotAcquired
+from .result import Outcome, Result
+from .tables import MAX_KEY, MAX_SCOPE
+from .tokens import TOKEN_BYTES, OneTimeToken, token_digest
+
+if TYPE_CHECKING:
+    from redis.asyncio.lock import Lock as AsyncLock
+    from redis.lock import Lock
+
+__all__ = ["AsyncRedisLock", "AsyncRedisTokens", "RedisLock", "RedisTokens"]
+
+T = TypeVar("T")
+
+#: One operation, written once: it makes its Redis calls with
+#: ``yield from self._call(...)`` and returns its result.
+_Steps = Generator[Any, Any, T]
+
+
+# --------------------------------------------------------------------------
+# Sync or async: the one place a Redis call is made
+# --------------------------------------------------------------------------
+
+
+def _run(steps: _Steps[T]) -> T:
+    """The result of a synchronous class's operation (its calls return at once: it never suspends)."""
+    try:
+        next(steps)
+    except StopIteration as done:
+        result: T = done.value
+        return result
+    raise AssertionError("a synchronous redis call suspended")  # pragma: no cover
+
+
+class _Awaited(Generic[T]):
+    """An async class's operation as an awaitable: the event loop drives it through each awaited call."""
+
+    __slots__ = ("_steps",)
+
+    def __init__(self, steps: _Steps[T]) -> None:
+        self._steps = steps
+
+    def __await__(self) -> _Steps[T]:
+        return self._steps
+
+
+class _RedisClient:
+    """What every class here shares: the client check and :meth:`_call`."""
+
+    #: Whether the client's commands return awaitables (redis.asyncio): the Async* classes.
+    _asynchronous: ClassVar[bool] = False
+
+    def _check_client(self, client: Any) -> None:
+        """Refuse anything but a redis-py client of the kind this class drives.
+
+        A redis.asyncio client handed to a synchronous class would return
+        coroutines that are never awaited (a token "issued" but never
+        stored); a synchronous one handed to an async class fails on the
+        first ``await``.  Both are caught here, before anything is sent.
+        """
+        owner = type(self).__name__
+        asynchronous = self._asynchronous
+        wanted = "redis.asyncio.Redis" if asynchronous else "redis.Redis"
+        if client is None or not callable(getattr(client, "register_script", None)):
+            raise InvalidArgument(f"{owner} needs a redis client ({wanted}), got {client!r}")
+        if inspect.iscoroutinefunction(getattr(client, "execute_command", None)) is not asynchronous:
+            other = owner.removeprefix("Async") if asynchronous else f"Async{owner}"
+            raise InvalidArgument(
+                f"{owner} needs a {'redis.asyncio' if asynchronous else 'synchronous'} client ({wanted}), "
+                f"got {client!r}; use {other} with this client"
+            )
+
+    def _call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> _Steps[Any]:
+        """``fn(*args, **kwargs)``'s reply, awaited for an async client; use as ``yield from``."""
+        reply = fn(*args, **kwargs)
+        if self._asynchronous:
+            reply = yield from reply.__await__()
+        return reply
+
+
+# --------------------------------------------------------------------------
+# One-time tokens
+# --------------------------------------------------------------------------
+
+_LIVE: Final = "live"
+_USED: Final = "used"
+
+#: Consume in one atomic step.  A live token becomes a tombstone that keeps
+#: the key's remaining TTL (KEEPTTL, Redis >= 6.0), so a second consume is
+#: REPEATED until the token would have expired anyway.
+_CONSUME_SCRIPT: Final = """
+local v = redis.call('get', KEYS[1])
+if not v then return 0 end
+if v == ARGV[1] then
+    redis.call('set', KEYS[1], ARGV[2], 'KEEPTTL')
+    return 1
+end
+return 2
+"""
+
+
+def _token_key(scope: str, digest: str) -> str:
+    return f"stateguard:token:{scope}:{digest}"
+
+
+def _consumed(digest: str, found: Any) -> Result:
+    """The Result for the script's reply: 1 consumed now, 2 consumed before, 0 no such key."""
+    found = int(found)
+    if found == 1:
+        return Result(Outcome.APPLIED, model=OneTimeToken, key=digest, state="consumed")
+    if found == 2:
+        return Result(Outcome.REPEATED, model=OneTimeToken, key=digest, state="consumed")
+    return Result(Outcome.NOT_FOUND, model=OneTimeToken, key=digest, trigger="consume")
+
+
+class _RedisTokens(_RedisClient):
+    """:class:`RedisTokens` and :class:`AsyncRedisTokens`: everything but blocking or awaiting."""
+
+    def __init__(self, client: Any) -> None:
+        self._check_client(client)
+        self.client = client
+        self._consume_script = client.register_script(_CONSUME_SCRIPT)
+
+    @staticmethod
+    def key(scope: str, token: str) -> str:
+        """The Redis key of ``token`` in ``scope`` (the token itself never appears in it)::
+
+        RedisTokens.key("reset-password:42", token)   # 'stateguard:token:reset-password:42:9f86...'
+        """
+        return _token_key(scope, token_digest(token))
+
+    def _issue(self, scope: str, ttl: timedelta) -> _Steps[str]:
+        _write.check_text(scope, "scope", MAX_SCOPE)
+        ttl_ms = _write.duration_ms(ttl, "ttl")
+        while True:
+            token = secrets.token_urlsafe(TOKEN_BYTES)
+            # NX: a 256-bit collision will not happen, but if it did, the
+            # existing token must not be revived or shortened: draw another.
+            key = _token_key(scope, token_digest(token))
+            if (yield from self._call(self.client.set, key, _LIVE, px=ttl_ms, nx=True)):
+                return token
+
+    def _consume(self, token: str, scope: str) -> _Steps[Result]:
+        _write.check_text(token, "token", MAX_KEY)
+        _write.check_text(scope, "scope", MAX_SCOPE)
+        digest = token_digest(token)
+        keys, args = [_token_key(scope, digest)], [_LIVE, _USED]
+        return _consumed(digest, (yield from self._call(self._consume_script, keys=keys, args=args)))
+
+
+class RedisTokens(_RedisTokens):
+    """One-time tokens in Redis: :meth:`issue` and :meth:`consume`, atomic on the server.
+
+    ``client`` is a ``redis.Redis`` (or cluster) client; for a
+    ``redis.asyncio`` client use :class:`AsyncRedisTokens`.  A token is
+    stored under ``stateguard:token:<scope>:<sha256 of the token>`` with the
+    TTL as the key's expiry; consuming runs one Lua script (never GET then
+    DEL), so of any number of concurrent consumers exactly one gets APPLIED::
+
+        tokens = RedisTokens(redis.Redis())
+        token = tokens.issue(scope="reset-password:42", ttl=timedelta(minutes=30))
+        ...
+        r = tokens.consume(token, scope="reset-password:42")
+        if r.applied:
+            reset_password(42)
+
+    Outcomes: APPLIED the first time; REPEATED afterwards while the
+    tombstone lives (it keeps the token's remaining TTL); NOT_FOUND for an
+    unknown token, a token of another scope, **and an expired token**: once
+    Redis has expired the key, nothing tells an expired token from one that
+    never existed, so Redis never answers REJECTED.  (The SQL
+    :func:`~stateguard.consume_token` keeps expired rows until purged and
+    says REJECTED.)  Unlike the SQL version, a consumption is not part of any
+    database transaction: if the work after it fails, issue a new token.
+
+    :raises InvalidArgument: ``client`` is not a synchronous redis client.
+    """
+
+    def issue(self, *, scope: str, ttl: timedelta) -> str:
+        """Create a token for ``scope`` that expires after ``ttl`` and return it (one SET)::
+
+            token = tokens.issue(scope="checkout:cart-7", ttl=timedelta(minutes=10))
+
+        :raises InvalidArgument: bad ``scope`` or a ``ttl`` under 1 ms.
+        """
+        return _run(self._issue(scope, ttl))
+
+    def consume(self, token: str, *, scope: str) -> Result:
+        """Consume ``token`` once: APPLIED, REPEATED, or NOT_FOUND (unknown *or* expired)::
+
+            r = tokens.consume(form["token"], scope="checkout:cart-7")
+            r.raise_for_outcome()     # NotFound for unknown or expired tokens
+
+        :raises InvalidArgument: bad ``token`` or ``scope``; Redis was not called.
+        """
+        return _run(self._consume(token, scope))
+
+
+class AsyncRedisTokens(_RedisTokens):
+    """:class:`RedisTokens` for a ``redis.asyncio`` client: the same keys, script and outcomes, awaited.
+
+    Tokens issued by either class can be consumed by the other::
+
+        tokens = AsyncRedisTokens(redis.asyncio.Redis())
+        token = await tokens.issue(scope="reset-password:42", ttl=timedelta(minutes=30))
+        ...
+        r = await tokens.consume(token, scope="reset-password:42")
+        if r.applied:
+            await reset_password(42)
+
+    Consuming is one script call, so any number of concurrent tasks (or
+    processes) consuming one token get exactly one APPLIED.
+
+    :raises InvalidArgument: ``client`` is not a ``redis.asyncio`` client.
+    """
+
+    _asynchronous = True
+
+    async def issue(self, *, scope: str, ttl: timedelta) -> str:
+        """Create a token for ``scope`` that expires after ``ttl`` and return it (one SET)::
+
+            token = await tokens.issue(scope="checkout:cart-7", ttl=timedelta(minutes=10))
+
+        :raises InvalidArgument: bad ``scope`` or a ``ttl`` under 1 ms.
+        """
+        return await _Awaited(self._issue(scope, ttl))
+
+    async def consume(self, token: str, *, scope: str) -> Result:
+        """Consume ``token`` once: APPLIED, REPEATED, or NOT_FOUND (unknown *or* expired)::
+
+            r = await tokens.consume(form["token"], scope="checkout:cart-7")
+            r.raise_for_outcome()     # NotFound for unknown or expired tokens
+
+        :raises InvalidArgument: bad ``token`` or ``scope``; Redis was not called.
+        """
+        return await _Awaited(self._consume(token, scope))
+
+
+# --------------------------------------------------------------------------
+# Locks with fencing tokens
+# --------------------------------------------------------------------------
+
+#: Acquire and issue the fencing token in one step: INCR only when SET NX
+#: won, so a failed attempt never consumes a token and no holder ever runs
+#: without one.  KEYS share a hash slot (see RedisLock), as Lua requires on
+#: Redis Cluster.
+_ACQUIRE_SCRIPT: Final = """
+if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+    return redis.call('incr', KEYS[2])
+end
+return false
+"""
+
+# The fencing subclasses of redis-py's two Lock classes differ only in
+# awaiting the script; these three helpers are the rest of them.
+
+
+def _register_acquire(lock: Any) -> None:
+    cls = type(lock)
+    if cls.lua_acquire is None:
+        cls.lua_acquire = lock.redis.register_script(_ACQUIRE_SCRIPT)
+
+
+def _acquire_call(lock: Any, token: Any) -> dict[str, Any]:
+    """The keys and args of :data:`_ACQUIRE_SCRIPT` for ``lock`` (a redis-py Lock) and owner ``token``."""
+    assert lock.timeout is not None  # RedisLock and AsyncRedisLock always set a ttl
+    return {
+        "keys": [lock.name, f"{lock.name}:fence"],
+        "args": [token, max(1, int(lock.timeout * 1000))],
+        "client": lock.redis,
+    }
+
+
+def _took(lock: Any, fence: Any) -> bool:
+    """Record the fence the script returned (nil: the lock is held) where the owner token goes."""
+    if fence is None:
+        return False
+    lock.local.fence = int(fence)
+    return True
+
+
+@contextmanager
+def _needs_redis(owner: str) -> Iterator[None]:
+    try:
+        yield
+    except ImportError as error:
+        raise ImportError(f"{owner} needs the redis package: pip install 'stateguard[redis]'") from error
+
+
+_fenced_classes: dict[str, Any] = {}
+
+
+def _lock_class() -> type[Lock]:
+    with _needs_redis("RedisLock"):
+        from redis.lock import Lock
+    if "sync" not in _fenced_classes:
+
+        class _FencedLock(Lock):
+            """redis-py's lock, acquiring with :data:`_ACQUIRE_SCRIPT` to get a fencing token."""
+
+            lua_acquire: Any = None
+
+            def register_scripts(self) -> None:
+                super().register_scripts()
+                _register_acquire(self)
+
+            def do_acquire(self, token: str) -> bool:
+                return _took(self, self.lua_acquire(**_acquire_call(self, token)))
+
+        _fenced_classes["sync"] = _FencedLock
+    cls: type[Lock] = _fenced_classes["sync"]
+    return cls
+
+
+def _async_lock_class() -> type[AsyncLock]:
+    with _needs_redis("AsyncRedisLock"):
+        from redis.asyncio.lock import Lock as AsyncLock
+    if "async" not in _fenced_classes:
+
+        class _AsyncFencedLock(AsyncLock):
+            """redis-py's asyncio lock, acquiring with :data:`_ACQUIRE_SCRIPT`; its token is per task."""
+
+            lua_acquire: Any = None
+
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                # redis-py types ``local`` as threading.local | SimpleNamespace;
+                # it only ever gets and sets attributes on it.
+                self.local = cast(Any, _TaskLocal())
+
+            def register_scripts(self) -> None:
+                super().register_scripts()  # type: ignore[no-untyped-call]  # untyped in redis-py
+                _register_acquire(self)
+
+            async def do_acquire(self, token: str | bytes) -> bool:
+                return _took(self, await self.lua_acquire(**_acquire_call(self, token)))
+
+        _fenced_classes["async"] = _AsyncFencedLock
+    cls: type[AsyncLock] = _fenced_classes["async"]
+    return cls
+
+
+class _TaskLocal:
+    """Attributes private to the asyncio task that set them: redis-py's thread-local token, per task.
+
+    redis-py's asyncio lock keeps its owner token in a ``threading.local``,
+    which every task of an event loop shares: task A's lock expires, task B
+    takes it through the same lock object, and A's release then reads B's
+    token and deletes B's lock.  Keyed by task (weakly, so finished tasks
+    drop out), A still holds its own token and gets LockLost.
+    """
+
+    __slots__ = ("_outside", "_tasks")
+
+    _DEFAULTS: Final = {"token": None}
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_tasks", weakref.WeakKeyDictionary())
+        object.__setattr__(self, "_outside", {})
+
+    def _mine(self) -> dict[str, Any]:
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:  # no running event loop
+            task = None
+        if task is None:
+            outside: dict[str, Any] = self._outside
+            return outside
+        tasks: weakref.WeakKeyDictionary[asyncio.Task[Any], dict[str, Any]] = self._tasks
+        return tasks.setdefault(task, {})
+
+    def __getattr__(self, name: str) -> Any:
+        mine = self._mine()
+        if name in mine:
+            return mine[name]
+        if name in self._DEFAULTS:
+            return self._DEFAULTS[name]
+        raise AttributeError(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self._mine()[name] = value
+
+
+class _RedisLock(_RedisClient):
+    """:class:`RedisLock` and :class:`AsyncRedisLock`: everything but blocking or awaiting."""
+
+    _lock: Any
+
+    def __init__(
+        self,
+        client: Any,
+        name: str,
+        *,
+        ttl: float | timedelta,
+        blocking_timeout: float | timedelta | None = None,
+        sleep: float = 0.1,
+    ) -> None:
+        cls = _async_lock_class() if self._asynchronous else _lock_class()
+        self._check_client(client)
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument(f"{type(self).__name__} needs a non-empty str name, got {name!r}")
+        seconds = _write.seconds(ttl, "ttl", allow_zero=False)
+        assert seconds is not None
+        if seconds < 0.001:
+            raise InvalidArgument(f"ttl must be at least 1 millisecond, got {ttl!r}")
+        self.name = name
+        self.ttl = seconds
+        self.blocking_timeout = _write.seconds(blocking_timeout, "blocking_timeout", allow_zero=True)
+        self.key = f"stateguard:lock:{{{name}}}"
+        # Everything up to the first "}" after the first "{" is the hash tag;
+        # the fence key only appends to the lock key, so both hash alike
+        # whatever braces the name itself contains.
+        self.fence_key = f"{self.key}:fence"
+        self._lock = cls(
+            client, self.key, timeout=seconds, sleep=sleep, blocking_timeout=self.blocking_timeout
+        )
+
+    @property
+    def fence(self) -> int | None:
+        """The fencing token of this thread's (task's) latest acquisition (``None`` before the first).
+
+        ::
+
+            lock.acquire()
+            Payout.flow.send(session, 42, fence=lock.fence)
+        """
+        fence: int | None = getattr(self._lock.local, "fence", None)
+        return fence
+
+    def _acquire(self, blocking_timeout: float | timedelta | None) -> _Steps[int]:
+        wait = _write.seconds(blocking_timeout, "blocking_timeout", allow_zero=True)
+        if wait is None:
+            wait = self.blocking_timeout
+        if not (yield from self._call(self._lock.acquire, blocking_timeout=wait)):
+            raise LockNotAcquired(
+                f"{type(self).__name__} {self.name!r} is held by someone else"
+                f"{'' if wait is None else f'; gave up after {wait:g}s'}. "
+                f"Retry later (retry_on_conflict() does this)"
+            )
+        fence = self.fence
+        assert fence is not None
+        return fence
+
+    def _release(self) -> _Steps[None]:
+        with self._owner_errors("was released"):
+            yield from self._call(self._lock.release)
+
+    def _extend(self, additional: float | timedelta, replace_ttl: bool) -> _Steps[None]:
+        seconds = _write.seconds(additional, "additional", allow_zero=False)
+        assert seconds is not None
+        with self._owner_errors("was extended"):
+            yield from self._call(self._lock.extend, seconds, replace_ttl=replace_ttl)
+
+    def _owned(self) -> _Steps[bool]:
+        return bool((yield from self._call(self._lock.owned)))
+
+    def _locked(self) -> _Steps[bool]:
+        return bool((yield from self._call(self._lock.locked)))
+
+    def _exit(self, exc_type: type[BaseException] | None) -> _Steps[None]:
+        """The end of the block: release unless already released in it; the block's own error wins."""
+        if self._lock.local.token is None:
+            return
+        try:
+            yield from self._release()
+        except LockLost:
+            if exc_type is None:
+                raise
+
+    @contextmanager
+    def _owner_errors(self, when: str) -> Iterator[None]:
+        """redis-py's lock errors as stateguard's: lost (expired) or never held here."""
+        from redis.exceptions import LockError, LockNotOwnedError
+
+        try:
+            yield
+        except LockNotOwnedError as error:
+            raise LockLost(
+                f"{type(self).__name__} {self.name!r} (fence {self.fence}) expired before it {when} "
+                f"(ttl {self.ttl:g}s) and may belong to another holder now; writes made with its "
+                f"fence after the expiry were refused by fenced updates, anything else was unprotected"
+            ) from error
+        except LockError as error:
+            holder = "task" if self._asynchronous else "thread"
+            raise InvalidArgument(
+                f"{type(self).__name__} {self.name!r} is not held by this {holder}"
+            ) from error
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} ttl={self.ttl:g}s fence={self.fence}>"
+
+
+class RedisLock(_RedisLock):
+    """A Redis lock (redis-py's) that hands out a fencing token on every acquisition.
+
+    ``ttl`` (seconds or a ``timedelta``) is required: a holder that dies
+    must not keep the lock forever.  The price of a TTL is that a holder
+    paused longer than it (GC, a stalled VM, a slow call) loses the lock
+    while it still believes it holds it.  The fencing token protects its
+    writes: an integer, incremented atomically with each acquisition, that
+    only grows for this name.  Pass it as ``fence=`` to a trigger or
+    :func:`~stateguard.guarded_update` on a model with a
+    :func:`~stateguard.fence_column`, and the database refuses (STALE) a
+    write carrying an older token than the last one it stored::
+
+        lock = RedisLock(redis_client, "payout:42", ttl=timedelta(seconds=30))
+        with lock as fence:
+            Payout.flow.send(session, 42, fence=fence)
+            session.commit()
+
+    Entering waits up to ``blocking_timeout`` seconds (``None``: forever;
+    ``0``: one try), polling every ``sleep`` seconds, then raises
+    :class:`~stateguard.LockNotAcquired`.  Exiting releases the lock only
+    if it is still ours (redis-py's compare-and-delete); if it expired it
+    raises :class:`~stateguard.LockLost` (unless the block already raised)
+    and leaves any newer holder's lock alone.  :meth:`extend` adds time.
+
+    Keys: ``stateguard:lock:{<name>}`` holds the owner token with the TTL,
+    ``stateguard:lock:{<name>}:fence`` the counter.  The braces are a Redis
+    Cluster hash tag, so both keys live in one slot.  The counter has no TTL
+    and must survive: with an ``allkeys-*`` eviction policy or a manual
+    delete it restarts at 1, and fenced writes then fail STALE (safe, but
+    stuck) until it passes the stored tokens again.
+
+    Like redis-py's lock, the token (and :attr:`fence`) is thread-local:
+    share a lock object between threads only if each acquires it itself.
+    For a ``redis.asyncio`` client use :class:`AsyncRedisLock`.
+    """
+
+    def acquire(self, *, blocking_timeout: float | timedelta | None = None) -> int:
+        """Take the lock and return its new fencing token, or raise :class:`~stateguard.LockNotAcquired`.
+
+        ``blocking_timeout`` overrides the one given to the constructor::
+
+            fence = lock.acquire(blocking_timeout=0)   # one try
+            try:
+                ...
+            finally:
+                lock.release()
+        """
+        return _run(self._acquire(blocking_timeout))
+
+    def release(self) -> None:
+        """Release the lock if it is still ours; :class:`~stateguard.LockLost` if it expired.
+
+        Never deletes another holder's lock (the owner token is compared and
+        the key deleted in one script)::
+
+            lock.acquire()
+            try:
+                work()
+            finally:
+                lock.release()
+        """
+        _run(self._release())
+
+    def extend(self, additional: float | timedelta, *, replace_ttl: bool = False) -> None:
+        """Add ``additional`` seconds to the remaining TTL (or set it, ``replace_ttl=True``).
+
+        Raises :class:`~stateguard.LockLost` if the lock already expired; the
+        fencing token stays the same::
+
+            lock = RedisLock(r, "report", ttl=30)
+            with lock as fence:
+                for chunk in chunks:
+                    process(chunk, fence)
+                    lock.extend(30)
+        """
+        _run(self._extend(additional, replace_ttl))
+
+    def owned(self) -> bool:
+        """Whether this thread holds the lock right now (one ``GET``)::
+
+        if not lock.owned():
+            raise RuntimeError("lost the lock")
+        """
+        return _run(self._owned())
+
+    def locked(self) -> bool:
+        """Whether anyone holds the lock right now (one ``GET``)::
+
+        if lock.locked():
+            print("someone is running the payout")
+        """
+        return _run(self._locked())
+
+    def __enter__(self) -> int:
+        return self.acquire()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        _run(self._exit(exc_type))
+
+
+class AsyncRedisLock(_RedisLock):
+    """:class:`RedisLock` for a ``redis.asyncio`` client: the same keys, fences and errors, awaited.
+
+    Built on redis-py's ``redis.asyncio.lock.Lock``; every method that talks
+    to Redis is a coroutine, and ``async with`` takes and releases it::
+
+        lock = AsyncRedisLock(redis.asyncio.Redis(), "payout:42", ttl=timedelta(seconds=30))
+        async with lock as fence:
+            await guarded_update(session, Payout, 42, {"sent": True},
+                                 expected_version=version, fence=fence)
+            await session.commit()
+
+    The fencing counter and the lock key are the ones :class:`RedisLock`
+    uses, so sync and async holders of one name exclude each other and
+    share one growing sequence of fences.
+
+    The owner token (and :attr:`fence`) belongs to the asyncio *task* that
+    acquired, as the sync lock's belongs to a thread: one lock object may be
+    shared by many tasks (a module-level lock in a web app), each waiting
+    for and releasing only its own hold, so a task whose hold expired gets
+    :class:`~stateguard.LockLost` instead of deleting the next task's lock.
+    Acquire and release in the same task: bound the wait with
+    ``blocking_timeout``, not ``asyncio.wait_for`` (which on Python 3.11 runs
+    the acquisition in a task of its own).  A task cancelled while its
+    acquisition is on the wire may leave the lock held until its TTL ends.
+    """
+
+    _asynchronous = True
+
+    async def acquire(self, *, blocking_timeout: float | timedelta | None = None) -> int:
+        """Take the lock and return its new fencing token, or raise :class:`~stateguard.LockNotAcquired`.
+
+        ``blocking_timeout`` overrides the one given to the constructor::
+
+            fence = await lock.acquire(blocking_timeout=0)   # one try
+            try:
+                ...
+            finally:
+                await lock.release()
+        """
+        return await _Awaited(self._acquire(blocking_timeout))
+
+    async def release(self) -> None:
+        """Release the lock if this task still holds it; :class:`~stateguard.LockLost` if it expired.
+
+        Never deletes another holder's lock::
+
+            await lock.acquire()
+            try:
+                await work()
+            finally:
+                await lock.release()
+        """
+        await _Awaited(self._release())
+
+    async def extend(self, additional: float | timedelta, *, replace_ttl: bool = False) -> None:
+        """Add ``additional`` seconds to the remaining TTL (or set it, ``replace_ttl=True``).
+
+        Raises :class:`~stateguard.LockLost` if the lock already expired; the
+        fencing token stays the same::
+
+            async with lock as fence:
+                for chunk in chunks:
+                    await process(chunk, fence)
+                    await lock.extend(30)
+        """
+        await _Awaited(self._extend(additional, replace_ttl))
+
+    async def owned(self) -> bool:
+        """Whether this task holds the lock right now (one ``GET``)::
+
+        if not await lock.owned():
+            raise RuntimeError("lost the lock")
+        """
+        return await _Awaited(self._owned())
+
+    async def locked(self) -> bool:
+        """Whether anyone holds the lock right now (one ``GET``)::
+
+        if await lock.locked():
+            print("someone is running the payout")
+        """
+        return await _Awaited(self._locked())
+
+    async def __aenter__(self) -> int:
+        return await self.acquire()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await _Awaited(self._exit(exc_type))
