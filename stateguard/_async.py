@@ -14,15 +14,25 @@ and async cannot drift apart; the cost is one greenlet switch per call.
 
     r = decrement(session, Stock.amount, sku, by=1)          # Session: a Result
     r = await decrement(session, Stock.amount, sku, by=1)    # AsyncSession: awaited
+
+Four shapes of call get their async face here, and nowhere else:
+
+- :func:`dual`: module functions whose first parameter is the session;
+- :class:`dual_method`: methods whose first parameter after ``self`` is the session;
+- :class:`DualContext`: context managers, ``with`` on a Session and ``async with`` on an AsyncSession;
+- :class:`dual_member` on a :class:`DualObject`: methods of an object made for
+  one session (what ``async with`` handed out), which take no session
+  themselves: ``call.complete(r)`` / ``await call.complete(r)``.
 """
 
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable, Coroutine
 from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, cast, overload
 
 from sqlalchemy.orm import Session
 
@@ -39,7 +49,16 @@ else:
 
 from .exceptions import InvalidArgument
 
-__all__ = ["AsyncSession", "Dual", "DualContext", "dual", "dual_method", "sync_session_of"]
+__all__ = [
+    "AsyncSession",
+    "Dual",
+    "DualContext",
+    "DualObject",
+    "dual",
+    "dual_member",
+    "dual_method",
+    "sync_session_of",
+]
 
 Obj = TypeVar("Obj")
 P = ParamSpec("P")
@@ -47,6 +66,7 @@ R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
 T = TypeVar("T")
 S = TypeVar("S")
+S_co = TypeVar("S_co", covariant=True)
 S_contra = TypeVar("S_contra", contravariant=True)
 
 
@@ -138,20 +158,28 @@ class DualContext(Generic[T]):
     """A context manager for ``with`` on a Session and ``async with`` on an AsyncSession.
 
     ``factory(sync_session)`` builds the synchronous context manager; with an
-    AsyncSession it is built, entered and exited inside ``run_sync``.
+    AsyncSession it is built, entered and exited inside ``run_sync``.  ``name``
+    is what the error for a ``with`` / ``async with`` mix-up calls it.
     """
 
-    __slots__ = ("_async", "_cm", "_factory", "_session")
+    __slots__ = ("_async", "_cm", "_factory", "_name", "_session")
 
-    def __init__(self, session: Any, factory: Callable[[Session], AbstractContextManager[T]]) -> None:
+    def __init__(
+        self,
+        session: Any,
+        factory: Callable[[Session], AbstractContextManager[T]],
+        *,
+        name: str = "this call",
+    ) -> None:
         self._async = session if isinstance(session, AsyncSession) else None
         self._session = sync_session_of(session)
         self._factory = factory
+        self._name = name
         self._cm: AbstractContextManager[T] | None = None
 
     def __enter__(self) -> T:
         if self._async is not None:
-            raise InvalidArgument("this call got an AsyncSession: use `async with`, not `with`")
+            raise InvalidArgument(f"{self._name} got an AsyncSession: use `async with`, not `with`")
         self._cm = self._factory(self._session)
         return self._cm.__enter__()
 
@@ -163,7 +191,7 @@ class DualContext(Generic[T]):
 
     async def __aenter__(self) -> T:
         if self._async is None:
-            raise InvalidArgument("this call got a Session: use `with`, not `async with`")
+            raise InvalidArgument(f"{self._name} got a Session: use `with`, not `async with`")
 
         def enter(session: Session) -> T:
             self._cm = self._factory(session)
@@ -177,3 +205,69 @@ class DualContext(Generic[T]):
         assert self._async is not None and self._cm is not None
         cm = self._cm
         return await self._async.run_sync(lambda _session: cm.__exit__(exc_type, exc, tb))
+
+
+class DualObject(Generic[S_co]):
+    """An object made for one Session or AsyncSession; its :class:`dual_member` methods follow that session.
+
+    What a :class:`DualContext` hands out is typically one: made for a
+    Session, its members return their result; made for an AsyncSession, they
+    return a coroutine that runs the same synchronous code through
+    ``run_sync`` (``await call.complete(r)``).  The type parameter is the
+    session's type, so mypy knows which.
+    """
+
+    __slots__ = ("_dual_session",)
+
+    def __init__(self, session: S_co) -> None:
+        self._dual_session = session
+
+
+def _call_member(_session: Session, fn: Callable[..., Any], obj: Any, /, *args: Any, **kwargs: Any) -> Any:
+    return fn(obj, *args, **kwargs)
+
+
+def _awaitable_member(
+    session: AsyncSession, fn: Callable[..., Any], obj: Any, /, *args: Any, **kwargs: Any
+) -> Coroutine[Any, Any, Any]:
+    return session.run_sync(_call_member, fn, obj, *args, **kwargs)
+
+
+class dual_member(Generic[Obj, P, R]):
+    """A :class:`DualObject` method, written once synchronously; awaited when the object's session is async.
+
+    ::
+
+        class IdempotentCall(DualObject[S]):
+            def _complete(self, response: R) -> R: ...
+            complete = dual_member(_complete)   # call.complete(r) / await call.complete(r)
+
+    Unlike :class:`dual_method`, the method takes no session: the object
+    carries it.
+    """
+
+    def __init__(self, fn: Callable[Concatenate[Obj, P], R]) -> None:
+        self.fn = fn
+        functools.update_wrapper(cast(Any, self), fn)  # help() and docs show fn's docstring
+
+    @overload
+    def __get__(self, obj: None, owner: type[Any]) -> dual_member[Obj, P, R]: ...
+
+    @overload
+    def __get__(self, obj: DualObject[Session], owner: type[Any]) -> Callable[P, R]: ...
+
+    @overload
+    def __get__(
+        self, obj: DualObject[AsyncSession], owner: type[Any]
+    ) -> Callable[P, Coroutine[Any, Any, R]]: ...
+
+    @overload
+    def __get__(self, obj: object, owner: type[Any]) -> Callable[P, R | Coroutine[Any, Any, R]]: ...
+
+    def __get__(self, obj: Any, owner: type[Any]) -> Any:
+        if obj is None:
+            return self
+        session = obj._dual_session
+        if isinstance(session, AsyncSession):
+            return functools.partial(_awaitable_member, session, self.fn, obj)
+        return types.MethodType(self.fn, obj)

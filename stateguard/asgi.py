@@ -701,7 +701,7 @@ class IdempotencyMiddleware:
             await send({"type": "http.response.body", "body": stored_body or b"", "more_body": False})
 
     @staticmethod
-    def _finish(call: IdempotentCall, response: dict[str, Any] | None) -> None:
+    def _finish(call: IdempotentCall[Session], response: dict[str, Any] | None) -> None:
         try:
             if response is None:
                 call.release()

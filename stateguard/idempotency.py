@@ -59,7 +59,6 @@ Times are integer epoch milliseconds from the application's clock
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import hashlib
 import inspect
@@ -71,13 +70,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
-from typing import Any, Final, Literal, ParamSpec, Protocol, TypeVar
+from typing import Any, Final, Generic, Literal, ParamSpec, Protocol, TypeVar
 
 from sqlalchemy import Connection, Engine, bindparam, select, update
 from sqlalchemy.orm import Session, SessionTransaction
 
 from . import _sql, _write
-from ._async import AsyncSession, dual
+from ._async import AsyncSession, DualContext, DualObject, dual, dual_member, sync_session_of
 from .exceptions import (
     DeadlockDetected,
     IdempotencyKeyReused,
@@ -92,7 +91,6 @@ from .result import Outcome, Result
 from .tables import MAX_KEY, MAX_SCOPE, consumed_messages, idempotency_keys
 
 __all__ = [
-    "AsyncIdempotentCall",
     "ConsumedMessage",
     "IdempotencyEvent",
     "IdempotentCall",
@@ -112,6 +110,10 @@ log = logging.getLogger("stateguard.idempotency")
 Mode = Literal["same_transaction", "separate"]
 R = TypeVar("R")
 P = ParamSpec("P")
+#: The kind of session a call was made for (a Session or an AsyncSession).
+S = TypeVar("S")
+SessionT = TypeVar("SessionT", bound="Session | AsyncSession")
+E = TypeVar("E", bound=BaseException)
 
 _IN_PROGRESS: Final = "in_progress"
 _COMPLETED: Final = "completed"
@@ -210,6 +212,10 @@ def _dump(serializer: Serializer, value: Any, what: str) -> str:
             f"{type(serializer).__name__}.dumps() must return str, got {type(text).__name__}"
         )
     return text
+
+
+def _load(serializer: Serializer, text: str | None) -> Any:
+    return None if text is None else serializer.loads(text)
 
 
 # --------------------------------------------------------------------------
@@ -363,7 +369,7 @@ _CHECKPOINT: Final = _owned_update(
 # --------------------------------------------------------------------------
 
 
-class IdempotentCall:
+class IdempotentCall(DualObject[S]):
     """What :func:`idempotent` found for a key, and the way to finish it.
 
     - ``replayed``: ``True`` when the key was completed before; ``response``
@@ -374,56 +380,49 @@ class IdempotentCall:
       this key (1 for a first call); ``taken_over`` is ``True`` when an
       earlier claim died or was released, and ``checkpoint_name`` /
       ``checkpoint_data`` then hold its last :meth:`checkpoint`.
+
+    With an AsyncSession (``async with idempotent(...) as call``) the
+    attributes are the same and ``complete``, ``checkpoint``, ``heartbeat``
+    and ``release`` are awaited::
+
+        return await call.complete({"payment_id": payment.id})
     """
 
-    __slots__ = (
-        "_manager",
-        "_state",
-        "attempt",
-        "checkpoint_data",
-        "checkpoint_name",
-        "replayed",
-        "response",
-        "taken_over",
-    )
+    #: ``True`` when the key was completed before: return :attr:`response`, do not run the work again.
+    replayed: bool = False
+    #: The stored response of a replay (after a serializer round trip).
+    response: Any = None
+    #: How many times the key was claimed (1 for a first call).
+    attempt: int = 1
+    #: ``True`` when an earlier claim died or was released and this call resumed it.
+    taken_over: bool = False
+    #: The last :meth:`checkpoint` of a taken-over claim.
+    checkpoint_name: str | None = None
+    #: Its data (after a serializer round trip).
+    checkpoint_data: Any = None
 
-    def __init__(
-        self,
-        manager: _Idempotent,
-        *,
-        replayed: bool,
-        response: Any = None,
-        attempt: int,
-        taken_over: bool = False,
-        checkpoint_name: str | None = None,
-        checkpoint_data: Any = None,
-    ) -> None:
-        self._manager = manager
+    def __init__(self, claim: _Claim[S], state: str = "open") -> None:
+        super().__init__(claim.face)
+        self._claim = claim
         #: "replayed", "open", "completed", "released", "failed" or "lost".
-        self._state = "replayed" if replayed else "open"
-        self.replayed = replayed
-        self.response = response
-        self.attempt = attempt
-        self.taken_over = taken_over
-        self.checkpoint_name = checkpoint_name
-        self.checkpoint_data = checkpoint_data
+        self._state = state
 
     @property
     def scope(self) -> str:
         """The key's scope."""
-        return self._manager.scope
+        return self._claim.options.scope
 
     @property
     def key(self) -> str:
         """The idempotency key."""
-        return self._manager.key
+        return self._claim.options.key
 
     @property
     def mode(self) -> Mode:
         """``"same_transaction"`` or ``"separate"``."""
-        return self._manager.mode
+        return self._claim.options.mode
 
-    def complete(self, response: R) -> R:
+    def _complete(self, response: R) -> R:
         """Store ``response`` as the key's result and return it.
 
         In same-transaction mode the record commits with the caller's
@@ -439,12 +438,12 @@ class IdempotentCall:
             over; its record was left as it was.
         """
         self._check_open("complete")
-        manager = self._manager
-        text = _dump(manager.serializer, response, "response")
-        manager.write(self, _COMPLETE, {"sg_text": text}, "completed")
+        claim = self._claim
+        text = _dump(claim.options.serializer, response, "response")
+        claim.write(self, _COMPLETE, {"sg_text": text}, "completed")
         return response
 
-    def checkpoint(self, name: str, data: Any = None) -> None:
+    def _checkpoint(self, name: str, data: Any = None) -> None:
         """Record a recovery point (Stripe's atomic phases) and extend the lease.
 
         A worker that takes this key over after a crash finds ``name`` and
@@ -461,13 +460,14 @@ class IdempotentCall:
         """
         self._check_open("checkpoint")
         _write.check_text(name, "checkpoint name", 100)
-        manager = self._manager
-        text = _dump(manager.serializer, data, "checkpoint data")
-        manager.write(self, _CHECKPOINT, {"sg_name": name, "sg_text": text}, None)
+        claim = self._claim
+        serializer = claim.options.serializer
+        text = _dump(serializer, data, "checkpoint data")
+        claim.write(self, _CHECKPOINT, {"sg_name": name, "sg_text": text}, None)
         self.checkpoint_name = name
-        self.checkpoint_data = manager.serializer.loads(text)
+        self.checkpoint_data = serializer.loads(text)
 
-    def heartbeat(self) -> None:
+    def _heartbeat(self) -> None:
         """Extend the lease by ``lease`` from now, for work that takes longer than one lease.
 
         In separate mode it commits in its own short transaction (the
@@ -481,9 +481,9 @@ class IdempotentCall:
         :raises LeaseLost: the key was taken over meanwhile.
         """
         self._check_open("heartbeat")
-        self._manager.heartbeat(self)
+        self._claim.heartbeat(self)
 
-    def release(self, reason: str | None = None) -> None:
+    def _release(self, reason: str | None = None) -> None:
         """Give the key back without a response, so the next retry runs the work (e.g. after a 5xx).
 
         In separate mode the release commits the session; the record keeps
@@ -497,7 +497,12 @@ class IdempotentCall:
         :raises LeaseLost: the key was taken over meanwhile.
         """
         self._check_open("release")
-        self._manager.release(self, reason)
+        self._claim.release(self, reason)
+
+    complete = dual_member(_complete)
+    checkpoint = dual_member(_checkpoint)
+    heartbeat = dual_member(_heartbeat)
+    release = dual_member(_release)
 
     def _check_open(self, what: str) -> None:
         if self._state != "open":
@@ -518,129 +523,70 @@ class IdempotentCall:
         )
 
 
-class AsyncIdempotentCall:
-    """:class:`IdempotentCall` for an AsyncSession (``async with idempotent(...) as call``).
+@dataclass(frozen=True, slots=True)
+class _Options:
+    """The checked options of one :func:`idempotent` call (lease and ttl in ms, the heartbeat in seconds)."""
 
-    The same attributes; ``complete``, ``checkpoint``, ``heartbeat`` and
-    ``release`` are awaited::
+    scope: str
+    key: str
+    fingerprint: str | None
+    lease_ms: int
+    ttl_ms: int
+    mode: Mode
+    serializer: Serializer
+    heartbeat_every: float | None
+    non_retryable: tuple[type[BaseException], ...]
 
-        async with idempotent(session, scope="payments", key=key, fingerprint=body) as call:
-            if call.replayed:
-                return call.response
-            ...
-            return await call.complete({"payment_id": payment.id})
+
+class _Claim(Generic[S]):
+    """The claim of one key: the whole algorithm, written once against a Session; a one-use context manager.
+
+    :func:`idempotent` wraps it in a :class:`~stateguard._async.DualContext`,
+    which runs it inside ``run_sync`` for an AsyncSession; ``face`` is the
+    session the caller passed, so the :class:`IdempotentCall` it hands out
+    answers in the caller's kind (awaitables for an AsyncSession).
     """
 
-    __slots__ = ("_call", "_session")
-
-    def __init__(self, call: IdempotentCall, session: AsyncSession) -> None:
-        self._call = call
-        self._session = session
-
-    def __getattr__(self, name: str) -> Any:
-        # replayed, response, attempt, taken_over, checkpoint_*, scope, key, mode
-        return getattr(self._call, name)
-
-    @property
-    def replayed(self) -> bool:
-        """See :class:`IdempotentCall`."""
-        return self._call.replayed
-
-    @property
-    def response(self) -> Any:
-        """See :class:`IdempotentCall`."""
-        return self._call.response
-
-    async def complete(self, response: R) -> R:
-        """:meth:`IdempotentCall.complete`, awaited."""
-        call = self._call
-        return await self._session.run_sync(lambda _sync: call.complete(response))
-
-    async def checkpoint(self, name: str, data: Any = None) -> None:
-        """:meth:`IdempotentCall.checkpoint`, awaited."""
-        call = self._call
-        await self._session.run_sync(lambda _sync: call.checkpoint(name, data))
-
-    async def heartbeat(self) -> None:
-        """:meth:`IdempotentCall.heartbeat`, awaited."""
-        call = self._call
-        await self._session.run_sync(lambda _sync: call.heartbeat())
-
-    async def release(self, reason: str | None = None) -> None:
-        """:meth:`IdempotentCall.release`, awaited."""
-        call = self._call
-        await self._session.run_sync(lambda _sync: call.release(reason))
-
-    def __repr__(self) -> str:
-        return repr(self._call).replace("<IdempotentCall", "<AsyncIdempotentCall", 1)
-
-
-_in_run_sync: contextvars.ContextVar[bool] = contextvars.ContextVar("stateguard_in_run_sync", default=False)
-
-
-def _run_sync_marked(fn: Callable[[], R]) -> R:
-    token = _in_run_sync.set(True)
-    try:
-        return fn()
-    finally:
-        _in_run_sync.reset(token)
-
-
-class _Idempotent:
-    """The context manager :func:`idempotent` returns (one use)."""
-
-    def __init__(
-        self,
-        session: Session,
-        *,
-        scope: str,
-        key: str,
-        fingerprint: str | None,
-        lease_ms: int,
-        ttl_ms: int,
-        mode: Mode,
-        serializer: Serializer,
-        heartbeat_every: float | None,
-        non_retryable: tuple[type[BaseException], ...],
-        async_session: AsyncSession | None = None,
-    ) -> None:
+    def __init__(self, session: Session, face: S, options: _Options) -> None:
         self.session = session
-        self.async_session = async_session
-        self.scope = scope
-        self.key = key
-        self.fingerprint = fingerprint
-        self.lease_ms = lease_ms
-        self.ttl_ms = ttl_ms
-        self.mode: Mode = mode
-        self.serializer = serializer
-        self.heartbeat_every = heartbeat_every
-        self.non_retryable = non_retryable
+        self.face = face
+        self.options = options
         self.owner = uuid.uuid4().hex
-        self.call: IdempotentCall | None = None
+        self.call: IdempotentCall[S] | None = None
         self._nested: SessionTransaction | None = None
         self._conn: Connection | None = None
         self._engine: Engine | None = None
         self._stop: threading.Event | None = None
         self._beater: threading.Thread | None = None
 
+    def _emit(self, kind: str, attempt: int | None) -> None:
+        _emit(kind, self.options.scope, self.options.key, attempt, self.options.mode)
+
+    @property
+    def _name(self) -> str:
+        return f"idempotency key {self.options.key!r} in scope {self.options.scope!r}"
+
+    def _refuse(self, kind: str, attempt: int, cls: Callable[..., E], message: str, **found: Any) -> E:
+        """Emit ``kind`` and build the error ``cls`` about this key, carrying the scope, key and ``found``."""
+        self._emit(kind, attempt)
+        return cls(message, scope=self.options.scope, key=self.options.key, **found)
+
     # -- entering ----------------------------------------------------------
 
-    def __enter__(self) -> IdempotentCall:
-        if self.async_session is not None and not _in_run_sync.get():
-            raise InvalidArgument("idempotent() got an AsyncSession: use `async with`, not `with`")
+    def __enter__(self) -> IdempotentCall[S]:
         if self.call is not None:
             raise InvalidArgument(
                 "an idempotent() context manager can be entered only once; call idempotent() again"
             )
-        if self.mode == "same_transaction":
+        if self.options.mode == "same_transaction":
             self.call = self._enter_same()
         else:
             self.call = self._enter_separate()
-        if self.heartbeat_every is not None and self.call._state == "open":
+        if self.options.heartbeat_every is not None and self.call._state == "open":
             self._start_heartbeat()
         return self.call
 
-    def _enter_same(self) -> IdempotentCall:
+    def _enter_same(self) -> IdempotentCall[S]:
         session = self.session
         _write.ensure_real_transaction(session.connection())
         nested = session.begin_nested()
@@ -653,7 +599,7 @@ class _Idempotent:
         self._nested, self._conn = nested, conn
         return call
 
-    def _enter_separate(self) -> IdempotentCall:
+    def _enter_separate(self) -> IdempotentCall[S]:
         if self.session.in_transaction():
             # checkpoint() and complete() commit the session; inside `with
             # session.begin():` (or with uncommitted work) that would commit
@@ -679,104 +625,101 @@ class _Idempotent:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _params(self, now: int) -> dict[str, Any]:
+        options = self.options
         return {
-            "sg_scope": self.scope,
-            "sg_key": self.key,
-            "sg_fp": self.fingerprint,
+            "sg_scope": options.scope,
+            "sg_key": options.key,
+            "sg_fp": options.fingerprint,
             "sg_owner": self.owner,
             "sg_now": now,
-            "sg_locked": now + self.lease_ms,
-            "sg_expires": now + self.ttl_ms,
+            "sg_locked": now + options.lease_ms,
+            "sg_expires": now + options.ttl_ms,
         }
 
-    def _claim(self, conn: Connection) -> IdempotentCall:
+    def _claimed(self) -> IdempotentCall[S]:
+        self._emit("claimed", 1)
+        return IdempotentCall(self)
+
+    def _claim(self, conn: Connection) -> IdempotentCall[S]:
         backend = _sql.backend(conn.dialect)
         params = self._params(_now_ms())
         if _CLAIM(conn, params) is not None:
-            _emit("claimed", self.scope, self.key, 1, self.mode)
-            return IdempotentCall(self, replayed=False, attempt=1)
+            return self._claimed()
         read = _READ_LOCKING if backend.locking_read else _READ
         for _ in range(_MAX_ROUNDS):
             row = _write.execute(conn, read, params).first()
             if row is None:
                 # Purged (or its claimant rolled back) between our statements.
                 if _CLAIM(conn, params) is not None:
-                    _emit("claimed", self.scope, self.key, 1, self.mode)
-                    return IdempotentCall(self, replayed=False, attempt=1)
+                    return self._claimed()
                 continue
             call = self._decide(conn, row, params)
             if call is not None:
                 return call
             params = self._params(_now_ms())
         raise SerializationConflict(
-            f"idempotency key {self.key!r} in scope {self.scope!r} changed {_MAX_ROUNDS} times while it was "
-            f"being claimed; retry the request"
+            f"{self._name} changed {_MAX_ROUNDS} times while it was being claimed; retry the request"
         )
 
-    def _decide(self, conn: Connection, row: Any, params: dict[str, Any]) -> IdempotentCall | None:
+    def _decide(self, conn: Connection, row: Any, params: dict[str, Any]) -> IdempotentCall[S] | None:
         """Act on the record found; None when a conditional UPDATE lost a race (read again)."""
         now = params["sg_now"]
-        scope, key = self.scope, self.key
+        options = self.options
         if row.expires_ms <= now:
             if _write.execute(conn, _RECLAIM, {**params, "sg_old_owner": row.owner}).rowcount != 1:
                 return None
-            _emit("claimed", scope, key, 1, self.mode)
-            return IdempotentCall(self, replayed=False, attempt=1)
+            return self._claimed()
         if (
-            self.fingerprint is not None
+            options.fingerprint is not None
             and row.fingerprint is not None
-            and row.fingerprint != self.fingerprint
+            and row.fingerprint != options.fingerprint
         ):
-            _emit("key_reused", scope, key, row.attempt, self.mode)
-            raise IdempotencyKeyReused(
-                f"idempotency key {key!r} in scope {scope!r} was first used for a different request "
-                f"(another fingerprint); send a new key for a new request",
-                scope=scope,
-                key=key,
+            raise self._refuse(
+                "key_reused",
+                row.attempt,
+                IdempotencyKeyReused,
+                f"{self._name} was first used for a different request (another fingerprint); send a new key "
+                f"for a new request",
             )
         if row.status == _COMPLETED:
-            _emit("replayed", scope, key, row.attempt, self.mode)
-            response = self.serializer.loads(row.response) if row.response is not None else None
-            return IdempotentCall(self, replayed=True, response=response, attempt=row.attempt)
+            self._emit("replayed", row.attempt)
+            call = IdempotentCall(self, "replayed")
+            call.replayed, call.attempt = True, row.attempt
+            call.response = _load(options.serializer, row.response)
+            return call
         if row.status == _FAILED:
-            _emit("failed_replayed", scope, key, row.attempt, self.mode)
-            raise RequestFailed(
-                f"the request of idempotency key {key!r} in scope {scope!r} failed with a non-retryable "
-                f"error ({row.error}); use a new key to try again",
-                scope=scope,
-                key=key,
+            raise self._refuse(
+                "failed_replayed",
+                row.attempt,
+                RequestFailed,
+                f"the request of {self._name} failed with a non-retryable error ({row.error}); use a new key "
+                f"to try again",
                 error=row.error,
             )
         locked_until = row.locked_until_ms or 0
         if locked_until > now:
-            _emit("in_progress", scope, key, row.attempt, self.mode)
-            raise RequestInProgress(
-                f"idempotency key {key!r} in scope {scope!r} is being worked on by another request; "
-                f"retry after its lease ends",
-                scope=scope,
-                key=key,
+            raise self._refuse(
+                "in_progress",
+                row.attempt,
+                RequestInProgress,
+                f"{self._name} is being worked on by another request; retry after its lease ends",
                 retry_after=timedelta(milliseconds=locked_until - now),
             )
         if _write.execute(conn, _TAKEOVER, {**params, "sg_old_owner": row.owner}).rowcount != 1:
             return None
-        attempt = row.attempt + 1
-        _emit("taken_over", scope, key, attempt, self.mode)
-        data = self.serializer.loads(row.checkpoint_data) if row.checkpoint_data is not None else None
-        return IdempotentCall(
-            self,
-            replayed=False,
-            attempt=attempt,
-            taken_over=True,
-            checkpoint_name=row.checkpoint_name,
-            checkpoint_data=data,
-        )
+        call = IdempotentCall(self)
+        call.attempt, call.taken_over = row.attempt + 1, True
+        self._emit("taken_over", call.attempt)
+        call.checkpoint_name = row.checkpoint_name
+        call.checkpoint_data = _load(options.serializer, row.checkpoint_data)
+        return call
 
     # -- writes of an open call ---------------------------------------------
 
-    def write(self, call: IdempotentCall, stmt: Any, extra: dict[str, Any], kind: str | None) -> None:
+    def write(self, call: IdempotentCall[S], stmt: Any, extra: dict[str, Any], kind: str | None) -> None:
         """Run one owner-conditional UPDATE of the record (and in separate mode commit the session)."""
         params = {**self._params(_now_ms()), **extra}
-        if self.mode == "same_transaction":
+        if self.options.mode == "same_transaction":
             assert self._conn is not None
             matched = _write.execute(self._conn, stmt, params).rowcount
         else:
@@ -795,11 +738,11 @@ class _Idempotent:
         if kind is not None:
             self._stop_heartbeat()
             call._state = kind
-            _emit(kind, self.scope, self.key, call.attempt, self.mode)
+            self._emit(kind, call.attempt)
 
-    def heartbeat(self, call: IdempotentCall) -> None:
+    def heartbeat(self, call: IdempotentCall[S]) -> None:
         params = self._params(_now_ms())
-        if self.mode == "same_transaction":
+        if self.options.mode == "same_transaction":
             assert self._conn is not None
             matched = _write.execute(self._conn, _HEARTBEAT, params).rowcount
         else:
@@ -809,35 +752,34 @@ class _Idempotent:
         if matched != 1:
             self._lost(call)
 
-    def release(self, call: IdempotentCall, reason: str | None) -> None:
-        if self.mode == "same_transaction":
+    def release(self, call: IdempotentCall[S], reason: str | None) -> None:
+        if self.options.mode == "same_transaction":
             self._stop_heartbeat()
             assert self._nested is not None
             if self._nested.is_active:
                 self._nested.rollback()
             call._state = "released"
-            _emit("released", self.scope, self.key, call.attempt, self.mode)
+            self._emit("released", call.attempt)
             return
         self.write(call, _RELEASE, {"sg_text": reason}, "released")
 
-    def _lost(self, call: IdempotentCall) -> None:
+    def _lost(self, call: IdempotentCall[S]) -> None:
         self._stop_heartbeat()
         call._state = "lost"
-        _emit("lease_lost", self.scope, self.key, call.attempt, self.mode)
-        raise LeaseLost(
-            f"the lease on idempotency key {self.key!r} in scope {self.scope!r} expired and another "
-            f"request took the key over; its record was left untouched. Use a longer lease or heartbeat() "
-            f"for long work",
-            scope=self.scope,
-            key=self.key,
+        raise self._refuse(
+            "lease_lost",
+            call.attempt,
+            LeaseLost,
+            f"the lease on {self._name} expired and another request took the key over; its record was left "
+            f"untouched. Use a longer lease or heartbeat() for long work",
         )
 
     # -- background heartbeat -----------------------------------------------
 
     def _start_heartbeat(self) -> None:
-        assert self.call is not None and self.heartbeat_every is not None
+        assert self.call is not None and self.options.heartbeat_every is not None
         stop = threading.Event()
-        call, interval = self.call, self.heartbeat_every
+        call, interval, key = self.call, self.options.heartbeat_every, self.options.key
 
         def beat() -> None:
             while not stop.wait(interval):
@@ -848,15 +790,13 @@ class _Idempotent:
                 except Exception:  # the database is away: the next beat tries again
                     log.warning(
                         "heartbeat of idempotency key %r in scope %r failed",
-                        self.key,
-                        self.scope,
+                        key,
+                        self.options.scope,
                         exc_info=True,
                     )
 
         self._stop = stop
-        self._beater = threading.Thread(
-            target=beat, name=f"stateguard-heartbeat:{self.key[:40]}", daemon=True
-        )
+        self._beater = threading.Thread(target=beat, name=f"stateguard-heartbeat:{key[:40]}", daemon=True)
         self._beater.start()
 
     def _stop_heartbeat(self) -> None:
@@ -868,26 +808,6 @@ class _Idempotent:
         if beater is not threading.current_thread():
             beater.join()
 
-    # -- async -------------------------------------------------------------
-
-    async def __aenter__(self) -> AsyncIdempotentCall:
-        session = self.async_session
-        if session is None:
-            raise InvalidArgument("idempotent() got a Session: use `with`, not `async with`")
-        call = await session.run_sync(lambda _sync: _run_sync_marked(self.__enter__))
-        return AsyncIdempotentCall(call, session)
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        # Also on cancellation (CancelledError): the savepoint is rolled back
-        # (same transaction) or the key released (separate), so it is free again.
-        assert self.async_session is not None
-        await self.async_session.run_sync(lambda _sync: self.__exit__(exc_type, exc, tb))
-
     # -- leaving -------------------------------------------------------------
 
     def __exit__(
@@ -896,6 +816,9 @@ class _Idempotent:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        # With an AsyncSession this runs also on cancellation (CancelledError):
+        # the savepoint is rolled back (same transaction) or the key released
+        # (separate), so it is free again.
         call = self.call
         if call is None:
             return
@@ -903,22 +826,22 @@ class _Idempotent:
         if exc is None:
             if call._state == "open":
                 # The block finished without complete(): its work is done, the response is None.
-                call.complete(None)
+                call._complete(None)
             if self._nested is not None and self._nested.is_active:
                 self._nested.commit()
             return
-        if self.mode == "same_transaction":
+        if self.options.mode == "same_transaction":
             if self._nested is not None:
                 _write.abandon_savepoint(self._nested)
             if call._state == "open":
                 call._state = "released"
-                _emit("released", self.scope, self.key, call.attempt, self.mode)
+                self._emit("released", call.attempt)
             return
         if call._state != "open":
             return
         self._finish_failed(call, exc)
 
-    def _finish_failed(self, call: IdempotentCall, exc: BaseException) -> None:
+    def _finish_failed(self, call: IdempotentCall[S], exc: BaseException) -> None:
         """Separate mode, the block raised: roll the session back, then release or fail the key.
 
         Nothing here may replace the block's own exception: if the database is
@@ -926,31 +849,41 @@ class _Idempotent:
         over once the lease ends.
         """
         text = f"{type(exc).__name__}: {exc}"[:2000]
+        options = self.options
         try:
             self.session.rollback()
-            if isinstance(exc, self.non_retryable):
+            if isinstance(exc, options.non_retryable):
                 self.write(call, _FAIL, {"sg_text": text}, "failed")
             else:
                 self.write(call, _RELEASE, {"sg_text": text}, "released")
         except LeaseLost:
             exc.add_note(
-                f"stateguard: the lease on idempotency key {self.key!r} in scope {self.scope!r} had been "
-                f"taken over; the new owner's record was left untouched"
+                f"stateguard: the lease on {self._name} had been taken over; the new owner's record was "
+                f"left untouched"
             )
         except Exception:
             # The database is unreachable: the claim stays in progress and the
             # next retry takes it over once the lease ends.
             log.warning(
                 "could not release idempotency key %r in scope %r; it is taken over when its lease ends",
-                self.key,
-                self.scope,
+                options.key,
+                options.scope,
                 exc_info=True,
             )
 
 
-def _check_options(
-    scope: Any, key: Any, lease: Any, ttl: Any, mode: Any, heartbeat_every: Any, non_retryable: Any
-) -> tuple[int, int, float | None, tuple[type[BaseException], ...]]:
+def _options(
+    scope: Any,
+    key: Any,
+    fingerprint: Any,
+    lease: Any,
+    ttl: Any,
+    mode: Any,
+    serializer: Serializer | None,
+    heartbeat_every: Any,
+    non_retryable: Any,
+) -> _Options:
+    """Check the options of :func:`idempotent` (nothing is written before they pass)."""
     _write.check_text(scope, "scope", MAX_SCOPE)
     _write.check_text(key, "idempotency key", MAX_KEY)
     lease_ms = _write.duration_ms(lease, "lease")
@@ -980,11 +913,21 @@ def _check_options(
             "non_retryable needs mode='separate': in same_transaction mode a failure rolls back with the "
             "transaction, so there is no failure record to keep"
         )
-    return lease_ms, ttl_ms, interval, non_retryable
+    return _Options(
+        scope,
+        key,
+        fingerprint_of(fingerprint),
+        lease_ms,
+        ttl_ms,
+        mode,
+        _JSON if serializer is None else serializer,
+        interval,
+        non_retryable,
+    )
 
 
 def idempotent(
-    session: Session | AsyncSession,
+    session: SessionT,
     *,
     scope: str,
     key: str,
@@ -995,7 +938,7 @@ def idempotent(
     serializer: Serializer | None = None,
     heartbeat_every: timedelta | None = None,
     non_retryable: tuple[type[BaseException], ...] = (),
-) -> _Idempotent:
+) -> DualContext[IdempotentCall[SessionT]]:
     """Run a block at most once per ``(scope, key)``; replay its stored response to retries.
 
     ::
@@ -1028,42 +971,27 @@ def idempotent(
         failed for good (retries get :class:`~stateguard.RequestFailed`);
         any other exception releases the key for a retry.
     With an :class:`~sqlalchemy.ext.asyncio.AsyncSession`, use ``async with``;
-    the call's methods are then awaited (:class:`AsyncIdempotentCall`), and a
-    task cancelled inside the block frees the key like an exception does.
+    the call's methods are then awaited, and a task cancelled inside the
+    block frees the key like an exception does.
 
     :raises InvalidArgument: bad arguments (nothing written).
     :raises RequestInProgress: on entering, another caller holds a live lease.
     :raises IdempotencyKeyReused: on entering, the key was used for another request.
     :raises RequestFailed: on entering, the key's request failed for good.
     """
-    lease_ms, ttl_ms, interval, errors = _check_options(
-        scope, key, lease, ttl, mode, heartbeat_every, non_retryable
-    )
-    async_session: AsyncSession | None = None
-    if isinstance(session, AsyncSession):
-        if interval is not None:
-            raise NotSupported(
-                "heartbeat_every runs a thread, which cannot use an AsyncSession's connections; "
-                "await call.heartbeat() from your own task instead"
-            )
-        async_session, session = session, session.sync_session
-    if not isinstance(session, Session):
+    options = _options(scope, key, fingerprint, lease, ttl, mode, serializer, heartbeat_every, non_retryable)
+    if isinstance(session, AsyncSession) and options.heartbeat_every is not None:
+        raise NotSupported(
+            "heartbeat_every runs a thread, which cannot use an AsyncSession's connections; "
+            "await call.heartbeat() from your own task instead"
+        )
+    sync_session = sync_session_of(session)
+    if not isinstance(sync_session, Session):
         raise InvalidArgument(
             f"idempotent() needs a sqlalchemy Session or AsyncSession, got {type(session).__name__}"
         )
-    return _Idempotent(
-        session,
-        scope=scope,
-        key=key,
-        fingerprint=fingerprint_of(fingerprint),
-        lease_ms=lease_ms,
-        ttl_ms=ttl_ms,
-        mode=mode,
-        serializer=_JSON if serializer is None else serializer,
-        heartbeat_every=interval,
-        non_retryable=errors,
-        async_session=async_session,
-    )
+    claim = _Claim(sync_session, session, options)
+    return DualContext(session, lambda _sync: claim, name="idempotent()")
 
 
 def idempotent_function(
@@ -1093,23 +1021,30 @@ def idempotent_function(
     Options are those of :func:`idempotent`; they are checked when decorating.
     An ``async def`` function takes an AsyncSession and is awaited the same way.
     """
-    _check_options(
-        "scope" if callable(scope) else scope, "key", lease, ttl, mode, heartbeat_every, non_retryable
+    _options(
+        "scope" if callable(scope) else scope,
+        "key",
+        None,
+        lease,
+        ttl,
+        mode,
+        serializer,
+        heartbeat_every,
+        non_retryable,
     )
     if not callable(key):
         raise InvalidArgument(
             "key must be a callable that receives the function's arguments and returns the key"
         )
 
-    def manager_for(fn: Callable[..., Any], session_type: type, args: Any, kwargs: Any) -> _Idempotent:
+    def manager_for(fn: Callable[..., Any], session_type: type, args: Any, kwargs: Any) -> Any:
         if not args or not isinstance(args[0], session_type):
             raise InvalidArgument(
                 f"{fn.__qualname__}() is @idempotent_function: its first positional argument must be "
                 f"the {session_type.__name__}"
             )
-        session: Any = args[0]
         return idempotent(
-            session,
+            args[0],
             scope=scope(*args, **kwargs) if callable(scope) else scope,
             key=key(*args, **kwargs),
             fingerprint=None if fingerprint is None else fingerprint(*args, **kwargs),
@@ -1126,7 +1061,10 @@ def idempotent_function(
             # async def f(session: AsyncSession, ...): the same, with `async with`.
             @functools.wraps(fn)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                async with manager_for(fn, AsyncSession, args, kwargs) as call:
+                manager: DualContext[IdempotentCall[AsyncSession]] = manager_for(
+                    fn, AsyncSession, args, kwargs
+                )
+                async with manager as call:
                     if call.replayed:
                         return call.response
                     return await call.complete(await fn(*args, **kwargs))
@@ -1135,7 +1073,8 @@ def idempotent_function(
 
         @functools.wraps(fn)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            with manager_for(fn, Session, args, kwargs) as call:
+            manager: DualContext[IdempotentCall[Session]] = manager_for(fn, Session, args, kwargs)
+            with manager as call:
                 if call.replayed:
                     return call.response  # type: ignore[no-any-return]
                 return call.complete(fn(*args, **kwargs))
@@ -1159,9 +1098,7 @@ _CONSUME_ROW: Final[dict[str, Any]] = {
     "message_id": bindparam("sg_message"),
     "consumed_ms": bindparam("sg_now"),
 }
-_CONSUME: Final = _write.InsertOnce(
-    consumed_messages, _CONSUME_ROW, returning=[consumed_messages.c.consumer]
-)
+_CONSUME: Final = _write.InsertOnce(consumed_messages, _CONSUME_ROW, returning=[consumed_messages.c.consumer])
 
 
 @dual

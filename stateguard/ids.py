@@ -27,14 +27,7 @@ from . import _write
 from .exceptions import InvalidArgument, WorkerIdsExhausted, WorkerLeaseLost
 from .tables import worker_leases
 
-__all__ = [
-    "DEFAULT_EPOCH_MS",
-    "MAX_WORKERS",
-    "Snowflake",
-    "WorkerIdsExhausted",
-    "WorkerLeaseLost",
-    "new_request_id",
-]
+__all__ = ["DEFAULT_EPOCH_MS", "MAX_WORKERS", "Snowflake", "new_request_id"]
 
 
 # --------------------------------------------------------------------------
@@ -330,6 +323,17 @@ class Snowflake:
         with self.engine.begin() as conn:
             return _INSERT(conn, params) is not None
 
+    def _lease_params(self) -> dict[str, Any]:
+        """The parameters naming our lease row, with the last millisecond used so far."""
+        with self._lock:
+            last = self._last_ms
+        return {
+            "sg_ns": self.namespace,
+            "sg_worker": self.worker_id,
+            "sg_owner": self._owner,
+            "sg_last": last,
+        }
+
     def _renew(self, *, due_only: bool) -> None:
         """Extend the lease (conditional on still owning it) or raise :class:`WorkerLeaseLost`."""
         with self._renew_lock:
@@ -341,15 +345,8 @@ class Snowflake:
             now = self._clock()
             if due_only and now < self._renew_ms and started_mono < self._renew_mono:
                 return  # another thread renewed meanwhile
-            with self._lock:
-                last = self._last_ms
-            params = {
-                "sg_ns": self.namespace,
-                "sg_worker": self.worker_id,
-                "sg_owner": self._owner,
-                "sg_expires": now + self._lease_ms,
-                "sg_last": last,
-            }
+            params = self._lease_params()
+            params["sg_expires"] = now + self._lease_ms
             with self.engine.begin() as conn:
                 renewed = _write.execute(conn, _RENEW, params).rowcount == 1
             if not renewed:
@@ -440,16 +437,8 @@ class Snowflake:
         with self._renew_lock:
             if self._lost is not None:
                 return
-            with self._lock:
-                last = self._last_ms
-            params = {
-                "sg_ns": self.namespace,
-                "sg_worker": self.worker_id,
-                "sg_owner": self._owner,
-                "sg_last": last,
-            }
             with self.engine.begin() as conn:
-                _write.execute(conn, _RELEASE, params)
+                _write.execute(conn, _RELEASE, self._lease_params())
 
     def __enter__(self) -> Snowflake:
         return self

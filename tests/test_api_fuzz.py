@@ -26,6 +26,7 @@ from stateguard import (
     idempotent,
     insert_once,
 )
+from stateguard._sql import backend as backend_of
 from stateguard.idempotency import _CLAIM
 from stateguard.tables import consumed_messages, idempotency_keys
 
@@ -166,7 +167,7 @@ def test_keys_and_states_reach_the_database_as_bound_parameters(dialect: Any) ->
     assert MARKER in params.values() and "sent" in params.values() and "delivered" in params.values()
     noted = Order.flow.pay.statement(1, values={"note": MARKER}, dialect=dialect).compile(dialect=dialect)
     assert MARKER not in str(noted) and MARKER in noted.construct_params().values()
-    claim = _CLAIM._on_conflict.get(dialect.name, _CLAIM._plain)  # the idempotency claim, as sent
+    claim = _CLAIM.statement(backend_of(dialect))  # the idempotency claim, as sent
     claimed = claim.compile(dialect=dialect)
     assert set(claimed.params) >= {"sg_scope", "sg_key", "sg_fp", "sg_owner"}
 
