@@ -29,6 +29,8 @@ from .exceptions import (
     StateguardError,
     TransitionRejected,
     UnknownTrigger,
+    WorkerIdsExhausted,
+    WorkerLeaseLost,
 )
 from .history import HistoryEntry
 from .idempotency import (
@@ -42,7 +44,7 @@ from .idempotency import (
     on_idempotency_event,
     purge_expired,
 )
-from .ids import Snowflake, WorkerIdsExhausted, WorkerLeaseLost, new_request_id
+from .ids import Snowflake, new_request_id
 from .inserts import insert_once
 from .locks import advisory_lock, row_lock
 from .machine import StateMachine, Trigger
