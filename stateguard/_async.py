@@ -250,6 +250,10 @@ class dual_member(Generic[Obj, P, R]):
         self.fn = fn
         functools.update_wrapper(cast(Any, self), fn)  # help() and docs show fn's docstring
 
+    def __set_name__(self, owner: type[Any], name: str) -> None:
+        self.__name__ = name
+        self.__qualname__ = f"{owner.__qualname__}.{name}"
+
     @overload
     def __get__(self, obj: None, owner: type[Any]) -> dual_member[Obj, P, R]: ...
 

@@ -53,7 +53,7 @@ one of ``non_retryable``); a caller whose lease expired is taken over by the
 next retry, which reads the last checkpoint.
 
 Times are integer epoch milliseconds from the application's clock
-(:mod:`stateguard._keys` explains why).
+(:mod:`stateguard.tables` explains why).
 """
 
 from __future__ import annotations
@@ -529,7 +529,6 @@ class _Options:
 
     scope: str
     key: str
-    fingerprint: str | None
     lease_ms: int
     ttl_ms: int
     mode: Mode
@@ -547,10 +546,11 @@ class _Claim(Generic[S]):
     answers in the caller's kind (awaitables for an AsyncSession).
     """
 
-    def __init__(self, session: Session, face: S, options: _Options) -> None:
+    def __init__(self, session: Session, face: S, options: _Options, fingerprint: str | None) -> None:
         self.session = session
         self.face = face
         self.options = options
+        self.fingerprint = fingerprint
         self.owner = uuid.uuid4().hex
         self.call: IdempotentCall[S] | None = None
         self._nested: SessionTransaction | None = None
@@ -629,7 +629,7 @@ class _Claim(Generic[S]):
         return {
             "sg_scope": options.scope,
             "sg_key": options.key,
-            "sg_fp": options.fingerprint,
+            "sg_fp": self.fingerprint,
             "sg_owner": self.owner,
             "sg_now": now,
             "sg_locked": now + options.lease_ms,
@@ -670,9 +670,9 @@ class _Claim(Generic[S]):
                 return None
             return self._claimed()
         if (
-            options.fingerprint is not None
+            self.fingerprint is not None
             and row.fingerprint is not None
-            and row.fingerprint != options.fingerprint
+            and row.fingerprint != self.fingerprint
         ):
             raise self._refuse(
                 "key_reused",
@@ -875,7 +875,6 @@ class _Claim(Generic[S]):
 def _options(
     scope: Any,
     key: Any,
-    fingerprint: Any,
     lease: Any,
     ttl: Any,
     mode: Any,
@@ -916,7 +915,6 @@ def _options(
     return _Options(
         scope,
         key,
-        fingerprint_of(fingerprint),
         lease_ms,
         ttl_ms,
         mode,
@@ -979,7 +977,7 @@ def idempotent(
     :raises IdempotencyKeyReused: on entering, the key was used for another request.
     :raises RequestFailed: on entering, the key's request failed for good.
     """
-    options = _options(scope, key, fingerprint, lease, ttl, mode, serializer, heartbeat_every, non_retryable)
+    options = _options(scope, key, lease, ttl, mode, serializer, heartbeat_every, non_retryable)
     if isinstance(session, AsyncSession) and options.heartbeat_every is not None:
         raise NotSupported(
             "heartbeat_every runs a thread, which cannot use an AsyncSession's connections; "
@@ -990,7 +988,7 @@ def idempotent(
         raise InvalidArgument(
             f"idempotent() needs a sqlalchemy Session or AsyncSession, got {type(session).__name__}"
         )
-    claim = _Claim(sync_session, session, options)
+    claim = _Claim(sync_session, session, options, fingerprint_of(fingerprint))
     return DualContext(session, lambda _sync: claim, name="idempotent()")
 
 
@@ -1024,7 +1022,6 @@ def idempotent_function(
     _options(
         "scope" if callable(scope) else scope,
         "key",
-        None,
         lease,
         ttl,
         mode,
