@@ -6,7 +6,6 @@ the affected-row count (or the conflict) says what happened.  See README.md.
 
 from __future__ import annotations
 
-from . import schema as _schema  # noqa: F401  (registers the legal-edges DDL events)
 from .counters import decrement, increment, release, reserve
 from .engine import async_sqlite_engine, sqlite_engine
 from .exceptions import (
@@ -32,7 +31,6 @@ from .exceptions import (
     WorkerIdsExhausted,
     WorkerLeaseLost,
 )
-from .history import HistoryEntry
 from .idempotency import (
     IdempotencyEvent,
     IdempotentCall,
@@ -47,7 +45,7 @@ from .idempotency import (
 from .ids import Snowflake, new_request_id
 from .inserts import insert_once
 from .locks import advisory_lock, row_lock
-from .machine import StateMachine, Trigger
+from .machine import HistoryEntry, StateMachine, Trigger
 from .redis import AsyncRedisLock, AsyncRedisTokens, RedisLock, RedisTokens
 from .result import Outcome, Result
 from .retry import retry_on_conflict

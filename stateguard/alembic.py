@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 from alembic.autogenerate import comparators, renderers
@@ -50,8 +51,23 @@ from alembic.operations import ops
 from sqlalchemy import column as sa_column
 from sqlalchemy.sql.elements import conv
 
-from . import schema as _schema
 from .machine import StateMachine
+from .machine.ddl import (
+    escape_for_text,
+    is_stateguard_check,
+    legal_edges_ddl,
+    legal_edges_drop_ddl,
+    stored_edges,
+    stored_states,
+)
+from .schema import (
+    LegalEdges,
+    legal_edges_current,
+    machines_for_table,
+    reflect_check_states,
+    reflect_legal_edges,
+    undeclared_rows,
+)
 
 __all__ = ["LegalEdgesOp", "StatesCheckOp", "StatesGuardOp", "StatesInUseWarning", "include_object"]
 
@@ -83,6 +99,20 @@ def _held_text(held: dict[str, int]) -> str:
 # --------------------------------------------------------------------------
 # Operations
 # --------------------------------------------------------------------------
+
+
+def _diff_tuple(
+    kind: str, op: StatesCheckOp | LegalEdgesOp, before: Sequence[Any] | None, after: Sequence[Any] | None
+) -> tuple[Any, ...]:
+    """What ``compare_metadata`` reports for an operation on one state column: ``before -> after``."""
+    return (
+        kind,
+        op.schema,
+        op.table_name,
+        op.column_name,
+        None if before is None else tuple(before),
+        None if after is None else tuple(after),
+    )
 
 
 class StatesCheckOp(ops.MigrateOperation):
@@ -127,14 +157,7 @@ class StatesCheckOp(ops.MigrateOperation):
         )
 
     def to_diff_tuple(self) -> tuple[Any, ...]:
-        return (
-            "stateguard_states",
-            self.schema,
-            self.table_name,
-            self.column_name,
-            None if self.previous is None else tuple(self.previous),
-            None if self.states is None else tuple(self.states),
-        )
+        return _diff_tuple("stateguard_states", self, self.previous, self.states)
 
 
 class StatesGuardOp(ops.OpContainer):
@@ -219,14 +242,7 @@ class LegalEdgesOp(ops.MigrateOperation):
         )
 
     def to_diff_tuple(self) -> tuple[Any, ...]:
-        return (
-            "stateguard_legal_edges",
-            self.schema,
-            self.table_name,
-            self.column_name,
-            None if self.previous is None else tuple(self.previous),
-            None if self.edges is None else tuple(self.edges),
-        )
+        return _diff_tuple("stateguard_legal_edges", self, self.previous, self.edges)
 
 
 # --------------------------------------------------------------------------
@@ -304,13 +320,13 @@ def _render_legal_edges(autogen_context: AutogenContext, op: LegalEdgesOp) -> li
     where = f"{op.table_name}.{op.column_name}"
     if op.edges is None:
         lines = [f"# stateguard: drop the legal-edges trigger of {where}"]
-        statements = _schema.legal_edges_drop_ddl(op.table_name, op.column_name, schema=op.schema)
+        statements = legal_edges_drop_ddl(op.table_name, op.column_name, schema=op.schema)
     else:
         verb = "create" if op.previous is None else "replace"
         lines = [f"# stateguard: {verb} the legal-edges trigger of {where} (PostgreSQL)"]
-        statements = _schema.legal_edges_ddl(op.table_name, op.column_name, op.edges, schema=op.schema)
+        statements = legal_edges_ddl(op.table_name, op.column_name, op.edges, schema=op.schema)
     for sql in statements:
-        sql_lines = _schema.escape_for_text(sql).split("\n")
+        sql_lines = escape_for_text(sql).split("\n")
         if len(sql_lines) == 1:
             lines.append(f"op.execute({sql_lines[0]!r})")
             continue
@@ -343,13 +359,13 @@ def _compare_check(
     dialect = autogen_context.dialect
     col = machine.state_column.name
     name = machine.check_constraint_name()
-    found, reflected = _schema.reflect_check_states(
+    found, reflected = reflect_check_states(
         conn, tname, name, schema=schema, inspector=autogen_context.inspector
     )
     if found and reflected is None:
         log.warning("stateguard: cannot read CHECK constraint %r on %r; leaving it as it is", name, tname)
         return
-    declared = _schema.stored_states(machine, dialect)
+    declared = stored_states(machine, dialect)
     previous = _ordered(reflected, declared) if found and reflected is not None else None
     if not machine.check_constraint:
         if previous is not None:
@@ -360,7 +376,7 @@ def _compare_check(
     if previous is not None and set(previous) == set(declared):
         return
     column_exists = col in conn_table.c
-    held = _schema.undeclared_rows(conn, tname, col, declared, schema=schema) if column_exists else {}
+    held = undeclared_rows(conn, tname, col, declared, schema=schema) if column_exists else {}
     if held:
         message = (
             f"stateguard: {sum(held.values())} row(s) of {tname} hold states that {machine.qualname} "
@@ -397,19 +413,19 @@ def _compare_table(
     dialect = autogen_context.dialect
     if conn is None or dialect is None:  # pragma: no cover - autogenerate always has both
         return _CONTINUE
-    machines = _schema.machines_for_table(metadata_table) if metadata_table is not None else []
+    machines = machines_for_table(metadata_table) if metadata_table is not None else []
     pg = dialect.name == "postgresql"
-    existing: dict[str, _schema.LegalEdges] = {}
+    existing: dict[str, LegalEdges] = {}
     if pg and conn_table is not None:
-        existing = _schema.reflect_legal_edges(conn, tname, schema=schema)
+        existing = reflect_legal_edges(conn, tname, schema=schema)
     for machine in machines:
         col = machine.state_column.name
         current = existing.pop(col, None)
         if not pg:
             continue
         if machine.legal_edges:
-            edges = _schema.stored_edges(machine, dialect)
-            if not _schema.legal_edges_current(current, tname, edges):
+            edges = stored_edges(machine, dialect)
+            if not legal_edges_current(current, tname, edges):
                 previous = list(current.edges) if current is not None else None
                 modify_table_ops.ops.append(
                     LegalEdgesOp(tname, col, edges=edges, previous=previous, schema=schema)
@@ -444,7 +460,7 @@ def include_object(obj: Any, name: str | None, type_: str, reflected: bool, comp
     """
     if type_ != "check_constraint":
         return True
-    return not (_schema.is_stateguard_check(obj) or _schema.is_stateguard_check(compare_to))
+    return not (is_stateguard_check(obj) or is_stateguard_check(compare_to))
 
 
 def _register() -> None:

@@ -30,7 +30,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 import stateguard.alembic as sg_alembic
 from stateguard import Outcome, StateMachine
-from stateguard.schema import legal_edges_ddl, parse_check_states
+from stateguard.machine.ddl import legal_edges_ddl
+from stateguard.schema import parse_check_states
 
 from .conftest import Backend
 

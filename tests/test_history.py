@@ -193,7 +193,7 @@ def test_same_request_racing_after_a_cycle_is_refused_by_the_unique_index(engine
     with Session(engine) as s, s.begin():
         Invoice.flow.send(s, 1, request_id="dup")
     with Session(engine) as s, pytest.raises(SerializationConflict), s.begin():
-        from stateguard import history
+        from stateguard.machine import history
 
         conn = s.connection()
         history.record(conn, Invoice.flow.send, [((1,), "draft", "sent", 9)], "dup", None)

@@ -14,14 +14,8 @@ from typing import Any, Final
 from sqlalchemy import Connection
 
 from ..machine import StateMachine
-from ..schema import (
-    legal_edges_current,
-    reflect_check_states,
-    reflect_legal_edges,
-    stored_edges,
-    stored_states,
-    undeclared_rows,
-)
+from ..machine.ddl import stored_edges, stored_states
+from ..schema import legal_edges_current, reflect_check_states, reflect_legal_edges, undeclared_rows
 from ..versioning import column_role
 
 __all__ = ["PROBLEM", "WARNING", "Finding", "check_database", "check_declaration"]

@@ -31,15 +31,18 @@ from sqlalchemy import (
     select,
 )
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.orm import Session
 
-from . import _write
-from .exceptions import InvalidArgument, SerializationConflict
-from .tables import MAX_REQUEST_ID, row_key, transition_log
+from .. import _write
+from ..exceptions import InvalidArgument, SerializationConflict
+from ..tables import MAX_REQUEST_ID, row_key, transition_log
 
 if TYPE_CHECKING:
-    from .machine import StateMachine, Trigger
+    from .declaration import StateMachine
+    from .trigger import Trigger
 
-__all__ = ["HistoryEntry", "transition_log"]
+__all__ = ["HistoryEntry", "applied_by_request", "check_request", "entries", "meta_of", "record"]
+
 
 class HistoryEntry(NamedTuple):
     """One logged transition, as returned by :meth:`StateMachine.history`."""
@@ -54,6 +57,7 @@ class HistoryEntry(NamedTuple):
 
 
 def check_request(request_id: Any, meta: Any) -> None:
+    """Raise InvalidArgument unless ``request_id`` fits the log and ``meta`` is JSON-serialisable."""
     if request_id is not None and (
         not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID
     ):
@@ -110,14 +114,15 @@ def record(
         return
     m = trigger.machine
     model = m.info.table.fullname
+    name = m.codec.name
     rows = [
         {
             "model": model,
             "machine": m.name,
             "row_key": row_key(key),
             "trigger": trigger.name,
-            "source": m._name(source),
-            "dest": m._name(dest),
+            "source": name(source),
+            "dest": name(dest),
             "version": version,
             "request_id": request_id,
             "meta": meta,
@@ -139,7 +144,8 @@ def record(
         ) from error
 
 
-def history(session: Any, machine: StateMachine[Any], target: Any) -> list[HistoryEntry]:
+def entries(session: Session, machine: StateMachine[Any], target: Any) -> list[HistoryEntry]:
+    """The logged transitions of ``target``, oldest first."""
     info = machine.info
     key, _ = _write.resolve_target(session, info, target)
     log = transition_log
@@ -154,13 +160,13 @@ def history(session: Any, machine: StateMachine[Any], target: Any) -> list[Histo
         )
         .order_by(log.c.id)
     )
-    conn = session.connection(bind_arguments=machine._bind_args)
-    names = {machine._name(s): s for s in machine.states}
+    conn = session.connection(bind_arguments=info.bind_arguments)
+    named = machine.codec.named
     return [
         HistoryEntry(
             r.trigger,
-            names.get(r.source, r.source),
-            names.get(r.dest, r.dest),
+            named(r.source),
+            named(r.dest),
             r.at,
             r.request_id,
             r.meta,
@@ -171,4 +177,5 @@ def history(session: Any, machine: StateMachine[Any], target: Any) -> list[Histo
 
 
 def meta_of(value: Mapping[str, Any] | None) -> Any:
+    """``metadata`` as the log stores it (a plain dict, or ``None``)."""
     return None if value is None else dict(value)

@@ -28,22 +28,26 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import ColumnElement, any_, bindparam, select, tuple_, update
+from sqlalchemy import ColumnElement, Connection, any_, bindparam, select, tuple_, update
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
 
-from . import _sql, _write
-from .exceptions import InvalidArgument
-from .result import Outcome, Result
+from .. import _sql, _write
+from ..exceptions import InvalidArgument
+from ..result import Outcome, Result
+from . import compile, history
 
 if TYPE_CHECKING:
-    from .machine import Trigger
+    from .trigger import Trigger
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "fire_many", "fire_where"]
 
 #: Keys per statement; large enough to amortise round trips, small enough to
 #: stay far below every driver's bind-parameter limit.
 DEFAULT_CHUNK_SIZE = 1000
+
+#: An applied row: (key, database state, version, source state).
+_Moved = tuple[tuple[Any, ...], Any, int | None, Any]
 
 
 def _keys_in(info: _sql.ModelInfo, backend: _sql.Backend | None = None) -> ColumnElement[bool]:
@@ -74,6 +78,68 @@ def _resolve_many(
     return list(keys), keys
 
 
+class _Batch:
+    """What many() and where() share: the checked values, the connection and the SET clause."""
+
+    __slots__ = ("backend", "conn", "items", "npk", "pairs", "params", "state_cond", "trigger", "vcol")
+
+    def __init__(self, trigger: Trigger, session: Session, values: Mapping[str, Any] | None) -> None:
+        m = trigger.machine
+        info = m.info
+        self.trigger = trigger
+        self.items, _ = _write.split_values(info, values, forbidden=m._forbidden)
+        self.conn: Connection = _write.connection_for(session, info)
+        self.backend = _sql.backend(self.conn.dialect)
+        self.pairs, self.state_cond, _ = compile.parts(
+            trigger, self.backend, self.items, embed=False, last_insert_id=False
+        )
+        self.params = _sql.value_params(self.items)
+        self.npk = len(info.pk_columns)
+        self.vcol = info.version_column
+
+    def moved(self, key: tuple[Any, ...], row: Any) -> _Moved:
+        """The applied row for a locked ``row`` (pk..., state, version) the UPDATE then moved."""
+        m = self.trigger.machine
+        npk = self.npk
+        old_state = m.codec.from_db(row[npk])
+        dest = m.target_of(self.trigger.name, old_state)
+        version = row[npk + 1] + 1 if self.vcol is not None else None
+        return key, m.codec.to_db(dest), version, old_state
+
+    def update_locked(self, stmt: Any, keys: list[tuple[Any, ...]], what: str) -> None:
+        """Run ``stmt``, the UPDATE of rows this transaction has locked and found eligible."""
+        result = _write.execute(self.conn, stmt, {**self.params, "sg_keys": _key_param(keys, self.npk == 1)})
+        if result.rowcount != len(keys):  # pragma: no cover - the rows are locked
+            raise RuntimeError(
+                f"stateguard: {what} {self.trigger!r} matched {result.rowcount} of {len(keys)} locked rows"
+            )
+
+    def finish(
+        self,
+        session: Session,
+        applied_rows: list[_Moved],
+        instances: Mapping[tuple[Any, ...], Any],
+        chunk_size: int,
+        meta: Any,
+    ) -> list[Result]:
+        """Log the applied rows (``chunk_size`` per INSERT), sync loaded instances; the APPLIED results."""
+        trigger = self.trigger
+        m = trigger.machine
+        from_db = m.codec.from_db
+        expire = [attr for attr, _, _ in self.items]
+        for edge in trigger.edges:
+            expire.extend(edge.values)
+        if m.history_enabled and applied_rows:
+            log_rows = [(k, src, from_db(st), v) for k, st, v, src in applied_rows]
+            for start in range(0, len(log_rows), chunk_size):
+                history.record(self.conn, trigger, log_rows[start : start + chunk_size], None, meta)
+        out = []
+        for key, db_state, version, _source in applied_rows:
+            out.append(trigger._applied(session, key, from_db(db_state), version))
+            _sync(session, m.info, m.attr, instances.get(key), key, db_state, version, expire)
+        return out
+
+
 def fire_many(
     trigger: Trigger,
     session: Session,
@@ -83,7 +149,17 @@ def fire_many(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     metadata: Mapping[str, Any] | None = None,
 ) -> dict[Any, Result]:
-    """Implementation of :meth:`Trigger.many`."""
+    """Fire the trigger on many rows with one UPDATE per chunk; a Result per key.
+
+    Outcomes are exact per key (APPLIED / REPEATED / REJECTED / NOT_FOUND),
+    also when other transactions move some of the same rows concurrently;
+    see :mod:`stateguard.machine.bulk` for the statements each backend runs::
+
+        results = Order.flow.ship.many(session, [1, 2, 3], values={"note": "batch 7"})
+        results[2].outcome
+
+    Awaited when given an AsyncSession, like the trigger itself.
+    """
     m = trigger.machine
     info = m.info
     if type(chunk_size) is not int or chunk_size < 1:
@@ -93,36 +169,26 @@ def fire_many(
         keys = sorted(given)
     except TypeError:  # pragma: no cover - keys of one column type always compare
         keys = given
-    items, _ = _write.split_values(info, values, forbidden=m._forbidden)
-    if session.autoflush:
-        session.flush()
-    conn = session.connection(bind_arguments=m._bind_args)
-    backend = _sql.backend(conn.dialect)
-    pairs, state_cond, _ = trigger._parts(backend, items, embed=False, last_insert_id=False)
+    batch = _Batch(trigger, session, values)
+    conn, backend, state_cond, npk, vcol = batch.conn, batch.backend, batch.state_cond, batch.npk, batch.vcol
     keys_in = _keys_in(info, backend)
-    single = len(info.pk_columns) == 1
-    vcol = info.version_column
+    single = npk == 1
     state_col = m.state_column
-    params_base = _sql.value_params(items)
-    out: dict[Any, Result] = {}
     # A trigger with several sources needs each row's previous state for the
     # history: read it with the locking read (the path MySQL always takes).
     need_old = m.history_enabled and len(trigger.sources) > 1
     if m.history_enabled:
-        from . import history
-
         history.check_request(None, metadata)
     elif metadata is not None:
         raise InvalidArgument(
             f"{m._where()} keeps no history; metadata needs StateMachine(..., history=True)"
         )
-    applied_rows: list[tuple[tuple[Any, ...], Any, int | None, Any]] = []  # key, db state, version, source
+    applied_rows: list[_Moved] = []
     unapplied: list[tuple[tuple[Any, ...], Any, int | None] | tuple[tuple[Any, ...]]] = []
     read_cols: list[Any] = [*info.pk_columns, state_col]
     if vcol is not None:
         read_cols.append(vcol)
-    npk = len(info.pk_columns)
-    update_stmt = update(info.table).where(keys_in, state_cond).ordered_values(*pairs)
+    update_stmt = update(info.table).where(keys_in, state_cond).ordered_values(*batch.pairs)
     if backend.name == "postgresql":
         # Lock the chunk's rows in key order before updating them: a plain
         # UPDATE locks rows in whatever order its plan visits them (physical
@@ -135,7 +201,7 @@ def fire_many(
         update_stmt = (
             update(info.table)
             .where(*(c == locked.c[c.key] for c in info.pk_columns), state_cond)
-            .ordered_values(*pairs)
+            .ordered_values(*batch.pairs)
         )
 
     for start in range(0, len(keys), chunk_size):
@@ -148,7 +214,7 @@ def fire_many(
             rows = _write.execute(
                 conn,
                 update_stmt.returning(*returning),
-                {**params_base, "sg_keys": _key_param(chunk, single)},
+                {**batch.params, "sg_keys": _key_param(chunk, single)},
             ).all()
             done = set()
             for row in rows:
@@ -190,54 +256,22 @@ def fire_many(
                 else:
                     unapplied.append((k, r[npk], r[npk + 1] if vcol is not None else None))
             if ok:
-                result = _write.execute(conn, update_stmt, {**params_base, "sg_keys": _key_param(ok, single)})
-                if result.rowcount != len(ok):  # pragma: no cover - the rows are locked
-                    raise RuntimeError(
-                        f"stateguard: bulk {trigger!r} matched {result.rowcount} of {len(ok)} locked rows"
-                    )
-                for k in ok:
-                    r = by_key[k]
-                    old_state = m._from_db(r[npk])
-                    dest = m.target_of(trigger.name, old_state)
-                    version = r[npk + 1] + 1 if vcol is not None else None
-                    applied_rows.append((k, m._to_db[dest], version, old_state))
+                batch.update_locked(update_stmt, ok, "bulk")
+                applied_rows.extend(batch.moved(k, by_key[k]) for k in ok)
 
-    expire = [attr for attr, _, _ in items]
-    for edge in trigger.edges:
-        expire.extend(edge.values)
-    if m.history_enabled and applied_rows:
-        from . import history
-
-        log_rows = [(k, src, m._from_db(st), v) for k, st, v, src in applied_rows]
-        for start in range(0, len(log_rows), chunk_size):
-            history.record(
-                conn, trigger, log_rows[start : start + chunk_size], None, history.meta_of(metadata)
-            )
-    for key, db_state, version, _source in applied_rows:
-        result_obj = trigger._applied(session, key, m._from_db(db_state), version)
-        out[result_obj.key] = result_obj
-        _sync(session, info, m.attr, instances.get(key), key, db_state, version, expire)
+    out = {
+        r.key: r
+        for r in batch.finish(session, applied_rows, instances, chunk_size, history.meta_of(metadata))
+    }
     for entry in unapplied:
         key = entry[0]
-        public = _sql.public_key(key)
         if len(entry) == 1:
-            out[public] = Result(
-                Outcome.NOT_FOUND, model=info.model, key=public, trigger=trigger.name, session=session
-            )
-            continue
-        db_state, version = entry[1], entry[2]
-        state = m._from_db(db_state)
-        outcome = Outcome.REPEATED if state in trigger.dests else Outcome.REJECTED
-        out[public] = Result(
-            outcome,
-            model=info.model,
-            key=public,
-            trigger=trigger.name,
-            state=state,
-            version=version,
-            session=session,
-        )
-        _sync(session, info, m.attr, instances.get(key), key, db_state, version, ())
+            result = trigger._result(Outcome.NOT_FOUND, session, key)
+        else:
+            db_state, version = entry[1], entry[2]
+            result = trigger._found(session, key, db_state, version)
+            _sync(session, info, m.attr, instances.get(key), key, db_state, version, ())
+        out[result.key] = result
     # Results in the order the keys were given.
     return {_sql.public_key(k): out[_sql.public_key(k)] for k in given}
 
@@ -252,10 +286,6 @@ def _sync(
     version: int | None,
     expire: Iterable[str],
 ) -> None:
-    if instance is None:
-        instance = _write.identity_instance(session, info, key)
-        if instance is None:
-            return
     committed: dict[str, Any] = {state_attr: db_state}
     if info.version_attr is not None and version is not None:
         committed[info.version_attr] = version
@@ -270,27 +300,26 @@ def fire_where(
     limit: int | None = None,
     values: Mapping[str, Any] | None = None,
 ) -> list[Any]:
-    """Implementation of :meth:`Trigger.where`."""
+    """Fire the trigger on every row matching ``condition`` (a sweeper); the applied keys.
+
+    Rows not in a source state are left alone.  With ``limit``, at most
+    that many rows, in primary-key order; concurrent sweepers skip each
+    other's locked rows instead of waiting::
+
+        expired = Order.flow.cancel.where(session, Order.created_at < cutoff, limit=500)
+
+    Awaited when given an AsyncSession, like the trigger itself.
+    """
     m = trigger.machine
     info = m.info
     if not isinstance(condition, ColumnElement):
         raise InvalidArgument(f"where() takes a SQL expression over {info.model.__name__}, got {condition!r}")
     if limit is not None and (type(limit) is not int or limit < 1):
         raise InvalidArgument(f"limit must be a positive int or None, got {limit!r}")
-    items, _ = _write.split_values(info, values, forbidden=m._forbidden)
-    if session.autoflush:
-        session.flush()
-    conn = session.connection(bind_arguments=m._bind_args)
-    backend = _sql.backend(conn.dialect)
-    pairs, state_cond, _ = trigger._parts(backend, items, embed=False, last_insert_id=False)
-    params = _sql.value_params(items)
-    npk = len(info.pk_columns)
-    vcol = info.version_column
+    batch = _Batch(trigger, session, values)
+    conn, backend, state_cond, npk, vcol = batch.conn, batch.backend, batch.state_cond, batch.npk, batch.vcol
     state_col = m.state_column
-    keys: list[tuple[Any, ...]]
-    states: list[Any]
-    versions: list[int | None]
-    sources: list[Any]
+    applied_rows: list[_Moved]
     need_old = m.history_enabled and len(trigger.sources) > 1
     if backend.returning and not need_old:
         where: ColumnElement[bool]
@@ -310,12 +339,12 @@ def fire_where(
         returning = [*info.pk_columns, state_col]
         if vcol is not None:
             returning.append(vcol)
-        stmt = update(info.table).where(where).ordered_values(*pairs).returning(*returning)
-        rows = sorted(_write.execute(conn, stmt, params).all(), key=lambda r: tuple(r[:npk]))
-        keys = [tuple(r[:npk]) for r in rows]
-        states = [r[npk] for r in rows]
-        versions = [r[npk + 1] if vcol is not None else None for r in rows]
-        sources = [trigger.sources[0]] * len(rows)
+        stmt = update(info.table).where(where).ordered_values(*batch.pairs).returning(*returning)
+        rows = sorted(_write.execute(conn, stmt, batch.params).all(), key=lambda r: tuple(r[:npk]))
+        source = trigger.sources[0]
+        applied_rows = [
+            (tuple(r[:npk]), r[npk], r[npk + 1] if vcol is not None else None, source) for r in rows
+        ]
     else:
         cols: list[Any] = [*info.pk_columns, state_col]
         if vcol is not None:
@@ -324,37 +353,12 @@ def fire_where(
         if limit is not None:
             pick = pick.limit(limit)
         _write.sqlite_write_lock(conn)
-        found = _write.execute(conn, pick.with_for_update(skip_locked=True), params).all()
+        found = _write.execute(conn, pick.with_for_update(skip_locked=True), batch.params).all()
         keys = [tuple(r[:npk]) for r in found]
-        states, versions, sources = [], [], []
         if keys:
-            single = npk == 1
-            result = _write.execute(
-                conn,
-                update(info.table).where(_keys_in(info), state_cond).ordered_values(*pairs),
-                {**params, "sg_keys": _key_param(keys, single)},
-            )
-            if result.rowcount != len(keys):  # pragma: no cover - the rows are locked
-                raise RuntimeError(
-                    f"stateguard: sweep {trigger!r} matched {result.rowcount} of {len(keys)} locked rows"
-                )
-            for r in found:
-                old_state = m._from_db(r[npk])
-                dest = m.target_of(trigger.name, old_state)
-                sources.append(old_state)
-                states.append(m._to_db[dest])
-                versions.append(r[npk + 1] + 1 if vcol is not None else None)
-    expire = [attr for attr, _, _ in items]
-    for edge in trigger.edges:
-        expire.extend(edge.values)
-    if m.history_enabled and keys:
-        from . import history
-
-        log_rows = [
-            (k, src, m._from_db(st), v) for k, st, v, src in zip(keys, states, versions, sources, strict=True)
-        ]
-        history.record(conn, trigger, log_rows, None, None)
-    for key, db_state, version in zip(keys, states, versions, strict=True):
-        trigger._applied(session, key, m._from_db(db_state), version)
-        _sync(session, info, m.attr, None, key, db_state, version, expire)
-    return [_sql.public_key(k) for k in keys]
+            sweep = update(info.table).where(_keys_in(info), state_cond).ordered_values(*batch.pairs)
+            batch.update_locked(sweep, keys, "sweep")
+        applied_rows = [batch.moved(k, r) for k, r in zip(keys, found, strict=True)]
+    # One INSERT logs the whole sweep.
+    batch.finish(session, applied_rows, {}, max(len(applied_rows), 1), None)
+    return [_sql.public_key(k) for k, _, _, _ in applied_rows]

@@ -1,0 +1,383 @@
+"""Trigger: fire one row's transition, and say exactly why an UPDATE that matched nothing changed nothing.
+
+One conditional UPDATE (built once, see :mod:`stateguard.machine.compile`)
+when the transition applies; when it matches no row, one read of the row
+tells REPEATED, REJECTED, STALE and NOT_FOUND apart.  Written once against a
+:class:`~sqlalchemy.orm.Session`; given an AsyncSession every call returns
+an awaitable (:mod:`stateguard._async`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Final, TypedDict
+
+from sqlalchemy import Connection, Update
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import Session
+
+from .. import _commit, _sql, _write
+from .._async import dual_method
+from ..exceptions import InvalidArgument
+from ..result import Outcome, Result
+from . import bulk, compile, history
+
+if TYPE_CHECKING:
+    from .declaration import StateMachine, _Edge
+
+__all__ = ["FireOptions", "Trigger"]
+
+#: How often a call re-runs its UPDATE after a concurrent commit made the row eligible.
+_RACE_RETRIES: Final = 3
+
+
+class FireOptions(TypedDict, total=False):
+    """The keyword options of a trigger call, for calls that pass them on (``StateMachine.fire``)."""
+
+    values: Mapping[str, Any] | None
+    expected_version: int | None
+    fence: int | None
+    request_id: str | None
+    metadata: Mapping[str, Any] | None
+
+
+class Trigger:
+    """A trigger of a bound :class:`StateMachine`: ``Order.flow.pay``.
+
+    Calling it runs the transition; :meth:`statement` shows the SQL.
+    """
+
+    def __init__(self, machine: StateMachine[Any], name: str, edges: list[_Edge]) -> None:
+        self.machine = machine
+        self.name = name
+        self.edges = edges
+        self.sources = tuple(dict.fromkeys(s for e in edges for s in e.sources))
+        self.dests = tuple(dict.fromkeys(e.dest for e in edges))
+        self._callbacks = any(e.after_commit for e in edges)
+
+    def __repr__(self) -> str:
+        model = self.machine.model.__name__ if self.machine.model is not None else "?"
+        return f"<Trigger {model}.{self.machine.name}.{self.name}>"
+
+    # -- building -----------------------------------------------------------
+
+    def _prepare(
+        self,
+        session: Session | None,
+        target: Any,
+        values: Mapping[str, Any] | None,
+        expected_version: int | None,
+        fence: int | None = None,
+    ) -> tuple[_sql.ModelInfo, tuple[Any, ...], Any, compile.Items, bool]:
+        m = self.machine
+        info = m.info
+        key, instance = _write.resolve_target(session, info, target)
+        if values:
+            items, has_sql = _write.split_values(info, values, forbidden=m._forbidden)
+        else:
+            items, has_sql = (), False
+        if expected_version is not None:
+            if info.version_column is None:
+                raise InvalidArgument(
+                    f"{info.model.__name__} has no version column, so expected_version "
+                    f"cannot be checked; declare one with version_column()"
+                )
+            if type(expected_version) is not int:
+                raise InvalidArgument(f"expected_version must be an int, got {expected_version!r}")
+        if fence is not None:
+            _write.check_fence(info, fence)
+        return info, key, instance, items, has_sql
+
+    def statement(
+        self,
+        target: Any,
+        *,
+        values: Mapping[str, Any] | None = None,
+        expected_version: int | None = None,
+        fence: int | None = None,
+        dialect: Dialect | None = None,
+    ) -> Update:
+        """The ``UPDATE`` this trigger runs for ``target``, with its parameters bound.
+
+        Without ``dialect`` it is the portable statement; with one it is exactly
+        what runs there (``RETURNING`` on PostgreSQL/SQLite, ``LAST_INSERT_ID``
+        on MySQL/MariaDB)::
+
+            print(Order.flow.pay.statement(42))
+            # UPDATE orders SET version=(orders.version + :version_1), status=:param_1
+            # WHERE orders.id = :sg_pk0 AND orders.status IN (__[POSTCOMPILE_status_1])
+        """
+        info, key, _, items, _ = self._prepare(None, target, values, expected_version, fence)
+        backend = _sql.backend(dialect) if dialect is not None else None
+        params: dict[str, Any] = info.key_params(key)
+        params["sg_expected"] = expected_version
+        params["sg_fence"] = fence
+        return compile.build(
+            self,
+            backend,
+            items,
+            expected_version is not None,
+            embed=True,
+            bound=params,
+            fence=fence is not None,
+        ).stmt
+
+    # -- running ------------------------------------------------------------
+
+    def _fire(
+        self,
+        session: Session,
+        target: Any,
+        *,
+        values: Mapping[str, Any] | None = None,
+        expected_version: int | None = None,
+        fence: int | None = None,
+        request_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Result:
+        """Fire the trigger on ``target`` (a primary key or a loaded instance).
+
+        One UPDATE when it applies, one more read when it does not::
+
+            r = Order.flow.pay(session, 42, values={"paid_at": func.now()})
+            r.outcome   # APPLIED, REPEATED, REJECTED, STALE or NOT_FOUND
+
+        When the read finds the row in a state an unguarded edge of this
+        trigger leaves from (a transaction committed between the UPDATE and
+        the read, possible at READ COMMITTED), the UPDATE runs again, at most
+        three times, rather than report a rejection the row contradicts.
+
+        ``expected_version`` adds an optimistic version check (a mismatch is
+        STALE).  ``fence`` (a fencing token, e.g. from :class:`RedisLock`)
+        needs a :func:`fence_column` on the model: the row's fence must not be
+        newer than ``fence`` (else STALE), and the row records ``fence``.
+
+        On a machine declared with ``history=True``, ``request_id`` and
+        ``metadata`` go into the transition log; a ``request_id`` that already
+        applied this trigger to this row makes the call REPEATED even after
+        the row moved on (see :mod:`stateguard.machine.history`).
+
+        Given an :class:`~sqlalchemy.ext.asyncio.AsyncSession`, returns a
+        coroutine: ``r = await Order.flow.pay(session, 42)``.
+        """
+        result = self._attempt(session, target, values, expected_version, fence, request_id, metadata)
+        raced = 0
+        while result.outcome is Outcome.REJECTED and raced < _RACE_RETRIES and self._allows(result.state):
+            # At READ COMMITTED (PostgreSQL) the follow-up read takes a newer
+            # snapshot than the UPDATE did: a transaction that committed in
+            # between moved the row into a state this trigger leaves from, so
+            # "rejected" would be false news.  Run the UPDATE again.
+            raced += 1
+            result = self._attempt(session, target, values, expected_version, fence, request_id, metadata)
+        return result
+
+    __call__ = dual_method(_fire)
+    many = dual_method(bulk.fire_many)
+    where = dual_method(bulk.fire_where)
+
+    def _attempt(
+        self,
+        session: Session,
+        target: Any,
+        values: Mapping[str, Any] | None,
+        expected_version: int | None,
+        fence: int | None,
+        request_id: str | None,
+        metadata: Mapping[str, Any] | None,
+    ) -> Result:
+        """One UPDATE, and the read that classifies it when it matched nothing."""
+        m = self.machine
+        if values is None and expected_version is None and fence is None and type(target) is m._fast_key:
+            # The common call, a scalar primary key and nothing else: skip the
+            # general validation (the key's type is exactly the column's).
+            info, key, instance, has_sql = m.info, (target,), None, False
+            items: compile.Items = ()
+        else:
+            info, key, instance, items, has_sql = self._prepare(
+                session, target, values, expected_version, fence
+            )
+        conn = _write.connection_for(session, info)
+        backend = _sql.backend(conn.dialect)
+        old_db_state: Any = None
+        if m.history_enabled:
+            history.check_request(request_id, metadata)
+            if request_id is not None:
+                logged = history.applied_by_request(conn, m, self.name, key, request_id)
+                if logged is not None:
+                    state = m.codec.named(logged[0])
+                    return self._result(Outcome.REPEATED, session, key, state, logged[1], expected_version)
+            if len(self.sources) > 1:
+                # Several possible sources: lock the row and read the real one first.
+                _write.sqlite_write_lock(conn)
+                lock = compile.lock_statement(m, backend)
+                locked: Any = _write.execute(conn, lock, info.key_params(key)).first()
+                if locked is None:
+                    return self._result(Outcome.NOT_FOUND, session, key, expected_version=expected_version)
+                old_db_state = locked[0]
+        elif request_id is not None or metadata is not None:
+            raise InvalidArgument(
+                f"{m._where()} keeps no history; request_id and metadata need StateMachine(..., history=True)"
+            )
+        plan = compile.plan(self, backend, items, has_sql, expected_version is not None, fence is not None)
+        params = info.key_params(key)
+        if items:
+            params.update(_sql.value_params(items))
+        if expected_version is not None:
+            params["sg_expected"] = expected_version
+        if fence is not None:
+            params["sg_fence"] = fence
+        applied, row = _write.run_guarded(
+            conn, plan.stmt, params, returning=plan.returning, last_insert_id=plan.uses_last_insert_id
+        )
+        if not applied:
+            return self._classify(session, conn, backend, info, key, instance, expected_version, fence)
+        version: int | None = None
+        db_state: Any = None
+        if row is not None:
+            # RETURNING (version, [state]), or MySQL's (LAST_INSERT_ID,): the new version.
+            if info.version_column is not None:
+                version = row[0]
+            if plan.returns_state:
+                db_state = row[-1]
+        codec = m.codec
+        if len(self.dests) == 1:
+            state = self.dests[0]
+            db_state = codec.to_db(state)
+        elif db_state is None and old_db_state is not None:
+            state = m.target_of(self.name, codec.from_db(old_db_state))
+            db_state = codec.to_db(state)
+        elif db_state is None:
+            # MySQL/MariaDB cannot return the new state of a trigger with
+            # several destinations: read it back.  Our UPDATE holds the row
+            # lock, so this is exactly the row we wrote.
+            read: Any = _write.execute(conn, compile.read_statement(m, backend), info.key_params(key)).one()
+            db_state = read[0]
+            if info.version_column is not None:
+                version = read[1]
+            state = codec.from_db(db_state)
+        else:
+            state = codec.from_db(db_state)
+        if expected_version is not None and version is None:
+            version = expected_version + 1
+        if m.history_enabled:
+            source = self.sources[0] if old_db_state is None else codec.from_db(old_db_state)
+            history.record(conn, self, [(key, source, state, version)], request_id, history.meta_of(metadata))
+        out = self._applied(session, key, state, version, expected_version)
+        if instance is None:
+            instance = _write.identity_instance(session, info, key)
+        if instance is not None:
+            committed = {m.attr: db_state}
+            expire = [attr for attr, _, _ in items]
+            for edge in self.edges:
+                expire.extend(edge.values)
+            if info.version_attr is not None:
+                if version is not None:
+                    committed[info.version_attr] = version
+                else:
+                    expire.append(info.version_attr)
+            if fence is not None and info.fence_attr is not None:
+                committed[info.fence_attr] = fence
+            _write.sync_loaded(session, info, key, instance, committed, expire)
+        return out
+
+    def _allows(self, state: Any) -> bool:
+        """Whether an unguarded edge of this trigger leaves from ``state``."""
+        return any(edge.where is None and state in edge.sources for edge in self.edges)
+
+    def _result(
+        self,
+        outcome: Outcome,
+        session: Session,
+        key: tuple[Any, ...],
+        state: Any = None,
+        version: int | None = None,
+        expected_version: int | None = None,
+    ) -> Result:
+        return Result(
+            outcome,
+            model=self.machine.info.model,
+            key=_sql.public_key(key),
+            trigger=self.name,
+            state=state,
+            version=version,
+            expected_version=expected_version,
+            session=session,
+        )
+
+    def _applied(
+        self,
+        session: Session,
+        key: tuple[Any, ...],
+        state: Any,
+        version: int | None,
+        expected_version: int | None = None,
+    ) -> Result:
+        """The APPLIED result for ``key``, with the edge's after-commit callbacks scheduled."""
+        out = self._result(Outcome.APPLIED, session, key, state, version, expected_version)
+        if self._callbacks:
+            for edge in self.edges:
+                if edge.after_commit and edge.dest == state:
+                    for fn in edge.after_commit:
+                        _commit.schedule(session, fn, (out,), {})
+        return out
+
+    def _found(
+        self,
+        session: Session,
+        key: tuple[Any, ...],
+        db_state: Any,
+        version: int | None,
+        *,
+        expected_version: int | None = None,
+        fence: int | None = None,
+        fence_found: Any = None,
+    ) -> Result:
+        """The result for a row the UPDATE did not change, found in ``db_state`` at ``version``."""
+        m = self.machine
+        state = m.codec.from_db(db_state)
+        if state in self.dests:
+            outcome = Outcome.REPEATED
+        elif fence is not None and not _sql.fence_allows(fence_found, fence) and state in self.sources:
+            # A newer lock holder already wrote this row.
+            outcome = Outcome.STALE
+        elif expected_version is not None and version != expected_version and state in self.sources:
+            outcome = Outcome.STALE
+        else:
+            outcome = Outcome.REJECTED
+        return self._result(outcome, session, key, state, version, expected_version)
+
+    def _classify(
+        self,
+        session: Session,
+        conn: Connection,
+        backend: _sql.Backend,
+        info: _sql.ModelInfo,
+        key: tuple[Any, ...],
+        instance: Any,
+        expected_version: int | None,
+        fence: int | None = None,
+    ) -> Result:
+        """Read the row a 0-row UPDATE left alone and say why."""
+        m = self.machine
+        row: Any = _write.execute(conn, compile.read_statement(m, backend), info.key_params(key)).first()
+        if row is None:
+            return self._result(Outcome.NOT_FOUND, session, key, expected_version=expected_version)
+        db_state = row[0]
+        version = row[1] if info.version_column is not None else None
+        found = self._found(
+            session,
+            key,
+            db_state,
+            version,
+            expected_version=expected_version,
+            fence=fence,
+            fence_found=row[-1],
+        )
+        if instance is None:
+            instance = _write.identity_instance(session, info, key)
+        if instance is not None:
+            committed = {m.attr: db_state}
+            if info.version_attr is not None:
+                committed[info.version_attr] = version
+            _write.sync_loaded(session, info, key, instance, committed)
+        return found
