@@ -56,6 +56,7 @@ __all__ = [
     "model_info",
     "purge_statement",
     "read_statement",
+    "row_lock_minimums",
 ]
 
 #: Marker stored in ``Column.info`` by :func:`stateguard.version_column`.
@@ -84,6 +85,9 @@ class Backend:
     SAVEPOINT or a SELECT (legacy transaction control).
     ``delete_limit_literal``: a batched DELETE takes its LIMIT as a literal
     (MySQL/MariaDB: no LIMIT inside an IN subquery).
+    ``named_locks``: how the server's named (advisory) locks are held:
+    ``"transaction"`` (PostgreSQL's ``pg_advisory_xact_lock``),
+    ``"connection"`` (``GET_LOCK``), or ``""`` (none: SQLite).
 
     One instance exists per distinct set of flags (see :func:`backend`), so
     a Backend is a cheap, identity-hashed memo key that does not grow with
@@ -98,6 +102,7 @@ class Backend:
     row_locks: bool
     driver_begins_lazily: bool
     delete_limit_literal: bool
+    named_locks: str
 
 
 _interned: dict[tuple[Any, ...], Backend] = {}
@@ -122,6 +127,7 @@ def backend(dialect: Dialect) -> Backend:
             not sqlite,
             sqlite,
             mysql,
+            "transaction" if name == "postgresql" else "connection" if mysql else "",
         )
         with _backends_lock:
             found = _interned.get(flags)
@@ -129,6 +135,20 @@ def backend(dialect: Dialect) -> Backend:
                 found = _interned[flags] = Backend(*flags)
             _backends[dialect] = found
     return found
+
+
+def row_lock_minimums(dialect: Dialect) -> tuple[str, dict[str, tuple[int, ...] | None]] | None:
+    """The server's name and the first version supporting each ``FOR UPDATE`` option.
+
+    ``None`` when every option works (PostgreSQL) or the dialect has no row
+    locks to configure (SQLite); a ``None`` version means "never" (MariaDB
+    has no ``FOR UPDATE OF``).
+    """
+    if dialect.name not in ("mysql", "mariadb"):
+        return None
+    if getattr(dialect, "is_mariadb", False):
+        return "MariaDB", {"nowait": (10, 3), "skip_locked": (10, 6), "of": None}
+    return "MySQL", {"nowait": (8, 0, 1), "skip_locked": (8, 0, 1), "of": (8, 0, 1)}
 
 
 # --------------------------------------------------------------------------

@@ -97,8 +97,8 @@ def row_lock(
     session.flush()
     conn = session.connection(bind_arguments={"mapper": info.mapper})
     _check_row_lock_support(conn, nowait=nowait, skip_locked=skip_locked, of=of)
-    if conn.dialect.name == "sqlite":
-        nowait = skip_locked = False  # the whole database is already ours
+    if not _sql.backend(conn.dialect).row_locks:
+        nowait = skip_locked = False  # SQLite: the whole database is already ours
         of = None
     base: Select[Any] = (
         select(model)
@@ -137,10 +137,8 @@ def _run(session: Session, stmt: Select[Any]) -> list[Any]:
 
 def _check_row_lock_support(conn: Connection, *, nowait: bool, skip_locked: bool, of: Any) -> None:
     dialect = conn.dialect
-    name = dialect.name
-    if name == "postgresql":
-        return
-    if name == "sqlite":
+    backend = _sql.backend(dialect)
+    if not backend.row_locks:
         if conn.info.get(BEGIN_MARK) != "immediate":
             raise NotSupported(
                 "row_lock on SQLite: SQLite has no row locks; the equivalent is a transaction that "
@@ -151,14 +149,10 @@ def _check_row_lock_support(conn: Connection, *, nowait: bool, skip_locked: bool
         if of is not None:
             raise NotSupported("row_lock(of=...) is not supported on SQLite (it locks the whole database)")
         return
-    if name in ("mysql", "mariadb"):
+    minimums = _sql.row_lock_minimums(dialect)
+    if minimums is not None:
+        server, needs = minimums
         version = dialect.server_version_info or (0,)
-        if getattr(dialect, "is_mariadb", False):
-            server = "MariaDB"
-            needs: dict[str, tuple[int, ...] | None] = {"nowait": (10, 3), "skip_locked": (10, 6), "of": None}
-        else:
-            server = "MySQL"
-            needs = {"nowait": (8, 0, 1), "skip_locked": (8, 0, 1), "of": (8, 0, 1)}
         found = ".".join(map(str, version))
         for option, wanted in (("nowait", nowait), ("skip_locked", skip_locked), ("of", of is not None)):
             minimum = needs[option]
@@ -173,7 +167,8 @@ def _check_row_lock_support(conn: Connection, *, nowait: bool, skip_locked: bool
                     f"this server is {found}"
                 )
         return
-    raise NotSupported(f"row_lock supports PostgreSQL, MySQL/MariaDB and SQLite, not {name}")
+    if backend.name != "postgresql":
+        raise NotSupported(f"row_lock supports PostgreSQL, MySQL/MariaDB and SQLite, not {backend.name}")
 
 
 # --------------------------------------------------------------------------
@@ -289,11 +284,11 @@ def _advisory_lock(
         raise InvalidArgument(f"advisory_lock needs a non-empty str name, got {name!r}")
     wait = _write.seconds(timeout, "timeout", allow_zero=True)
     conn = session.connection()
-    dialect = conn.dialect.name
-    if dialect == "postgresql":
+    kind = _sql.backend(conn.dialect).named_locks
+    if kind == "transaction":
         _pg_advisory_lock(conn, name, wait, shared)
         yield
-    elif dialect in ("mysql", "mariadb"):
+    elif kind == "connection":
         if shared:
             raise NotSupported("advisory_lock(shared=True): MariaDB/MySQL GET_LOCK has no shared mode")
         lock_name = mysql_lock_name(name)
@@ -306,7 +301,7 @@ def _advisory_lock(
             _mysql_release(conn, name, lock_name, raised)
     else:
         raise NotSupported(
-            f"advisory_lock is not available on {dialect}: it has no named locks "
+            f"advisory_lock is not available on {conn.dialect.name}: it has no named locks "
             f"(use row_lock with stateguard.sqlite_engine() on SQLite)"
         )
 
