@@ -36,14 +36,13 @@ from .idempotency import (
     IdempotentCall,
     JSONSerializer,
     Serializer,
-    consume_once,
     idempotent,
     idempotent_function,
     on_idempotency_event,
     purge_expired,
 )
 from .ids import Snowflake, new_request_id
-from .inserts import insert_once
+from .inserts import consume_once, insert_once
 from .locks import advisory_lock, row_lock
 from .machine import HistoryEntry, StateMachine, Trigger
 from .redis import AsyncRedisLock, AsyncRedisTokens, RedisLock, RedisTokens

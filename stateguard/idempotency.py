@@ -87,17 +87,14 @@ from .exceptions import (
     RequestInProgress,
     SerializationConflict,
 )
-from .result import Outcome, Result
-from .tables import MAX_KEY, MAX_SCOPE, consumed_messages, idempotency_keys
+from .tables import MAX_KEY, MAX_SCOPE, idempotency_keys
 
 __all__ = [
-    "ConsumedMessage",
     "IdempotencyEvent",
     "IdempotentCall",
     "JSONSerializer",
     "Mode",
     "Serializer",
-    "consume_once",
     "fingerprint_of",
     "idempotent",
     "idempotent_function",
@@ -1079,54 +1076,6 @@ def idempotent_function(
         return wrapper
 
     return decorate
-
-
-# --------------------------------------------------------------------------
-# Message consumers
-# --------------------------------------------------------------------------
-
-
-class ConsumedMessage:
-    """The ``model`` of every :func:`consume_once` result; its ``key`` is ``(consumer, message_id)``."""
-
-
-_CONSUME_ROW: Final[dict[str, Any]] = {
-    "consumer": bindparam("sg_consumer"),
-    "message_id": bindparam("sg_message"),
-    "consumed_ms": bindparam("sg_now"),
-}
-_CONSUME: Final = _write.InsertOnce(consumed_messages, _CONSUME_ROW, returning=[consumed_messages.c.consumer])
-
-
-@dual
-def consume_once(session: Session, consumer: str, message_id: str) -> Result:
-    """Record that ``consumer`` handled ``message_id``: APPLIED the first time, REPEATED after.
-
-    One INSERT in the session's transaction (a unique key decides), so the
-    record commits or rolls back with the handler's own writes: a message
-    whose handling failed is handled again on redelivery::
-
-        with Session(engine) as session, session.begin():
-            if consume_once(session, "billing", message.id).applied:
-                handle(session, message)
-
-    :raises InvalidArgument: blank, oversize or non-str ``consumer`` or
-        ``message_id``; nothing was written.
-    """
-    _write.check_text(consumer, "consumer", MAX_SCOPE)
-    _write.check_text(message_id, "message_id", MAX_KEY)
-    if session.autoflush:
-        session.flush()
-    conn = session.connection()
-    params = {"sg_consumer": consumer, "sg_message": message_id, "sg_now": _now_ms()}
-    inserted = _CONSUME(conn, params) is not None
-    return Result(
-        Outcome.APPLIED if inserted else Outcome.REPEATED,
-        model=ConsumedMessage,
-        key=(consumer, message_id),
-        trigger="consume",
-        session=session,
-    )
 
 
 @dual

@@ -1,4 +1,5 @@
-"""Insert-once: let a unique key decide the first insert (SCHEMES.md, scheme 4).
+"""Insert-once: let a unique key decide the first insert (SCHEMES.md, scheme 4);
+:func:`consume_once`, the same scheme on stateguard's consumed-messages table.
 
 One statement through the kernel's :class:`~stateguard._write.InsertOnce`:
 ``INSERT ... ON CONFLICT DO NOTHING RETURNING pk`` on PostgreSQL and SQLite,
@@ -10,16 +11,18 @@ SAVEPOINT round trips.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
+from sqlalchemy import bindparam
 from sqlalchemy.orm import Session
 
 from . import _sql, _write
 from ._async import dual
 from .exceptions import InvalidArgument
 from .result import Outcome, Result
+from .tables import MAX_KEY, MAX_SCOPE, consumed_messages
 
-__all__ = ["insert_once"]
+__all__ = ["ConsumedMessage", "consume_once", "insert_once"]
 
 
 @dual
@@ -59,3 +62,53 @@ def insert_once(session: Session, model: type[Any], values: Mapping[str, Any]) -
         return Result(Outcome.REPEATED, model=model, key=known_key, session=session)
     key = _sql.public_key(inserted) if inserted and None not in inserted else known_key
     return Result(Outcome.APPLIED, model=model, key=key, session=session)
+
+
+# --------------------------------------------------------------------------
+# Message consumers
+# --------------------------------------------------------------------------
+
+
+class ConsumedMessage:
+    """The ``model`` of every :func:`consume_once` result; its ``key`` is ``(consumer, message_id)``."""
+
+
+_CONSUME_ROW: Final[dict[str, Any]] = {
+    "consumer": bindparam("sg_consumer"),
+    "message_id": bindparam("sg_message"),
+    "consumed_ms": bindparam("sg_now"),
+}
+_CONSUME: Final = _write.InsertOnce(
+    consumed_messages, _CONSUME_ROW, returning=[consumed_messages.c.consumer]
+)
+
+
+@dual
+def consume_once(session: Session, consumer: str, message_id: str) -> Result:
+    """Record that ``consumer`` handled ``message_id``: APPLIED the first time, REPEATED after.
+
+    One INSERT in the session's transaction (a unique key decides), so the
+    record commits or rolls back with the handler's own writes: a message
+    whose handling failed is handled again on redelivery::
+
+        with Session(engine) as session, session.begin():
+            if consume_once(session, "billing", message.id).applied:
+                handle(session, message)
+
+    :raises InvalidArgument: blank, oversize or non-str ``consumer`` or
+        ``message_id``; nothing was written.
+    """
+    _write.check_text(consumer, "consumer", MAX_SCOPE)
+    _write.check_text(message_id, "message_id", MAX_KEY)
+    if session.autoflush:
+        session.flush()
+    conn = session.connection()
+    params = {"sg_consumer": consumer, "sg_message": message_id, "sg_now": _write.now_ms()}
+    inserted = _CONSUME(conn, params) is not None
+    return Result(
+        Outcome.APPLIED if inserted else Outcome.REPEATED,
+        model=ConsumedMessage,
+        key=(consumer, message_id),
+        trigger="consume",
+        session=session,
+    )
