@@ -14,8 +14,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from stateguard import ConfigurationError, StateguardError, StateMachine, Trigger
 
-from .conftest import Backend
-from .models import Base, Order
+from ..conftest import Backend
+from ..models import Base, Order
 
 GOOD: list[Any] = [{"trigger": "go", "source": "a", "dest": "b"}]
 

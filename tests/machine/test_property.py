@@ -41,8 +41,8 @@ from stateguard import (
     guarded_update,
 )
 
-from .conftest import Backend, count_statements
-from .models import ORDER_STATES, ORDER_TRANSITIONS, Base, Color, Lamp, Order, Ticket
+from ..conftest import Backend, count_statements
+from ..models import ORDER_STATES, ORDER_TRANSITIONS, Base, Color, Lamp, Order, Ticket
 
 SETTINGS = settings(
     max_examples=30,

@@ -25,8 +25,8 @@ from stateguard import (
     retry_on_conflict,
 )
 
-from .conftest import Backend, count_statements
-from .models import Base, Color, Lamp, Message, Order, Shipment, Ticket
+from ..conftest import Backend, count_statements
+from ..models import Base, Color, Lamp, Message, Order, Shipment, Ticket
 
 SEEN: list[Any] = []
 

@@ -11,8 +11,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from stateguard import ConfigurationError, StateguardError, StateMachine, version_column
 
-from .conftest import Backend
-from .models import Base, Order
+from ..conftest import Backend
+from ..models import Base, Order
 
 GOOD = [{"trigger": "go", "source": "a", "dest": "b"}]
 

@@ -20,8 +20,8 @@ from stateguard import (
     version_column,
 )
 
-from .conftest import Backend, count_statements
-from .models import Base, Color, Lamp, Order, Shipment, Ticket
+from ..conftest import Backend, count_statements
+from ..models import Base, Color, Lamp, Order, Shipment, Ticket
 
 
 class DocBase(DeclarativeBase):

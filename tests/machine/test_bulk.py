@@ -12,8 +12,8 @@ from sqlalchemy.orm import Session
 
 from stateguard import InvalidArgument, Outcome
 
-from .conftest import Backend, count_statements
-from .models import Base, Order, Shipment, SideEffect, Ticket
+from ..conftest import Backend, count_statements
+from ..models import Base, Order, Shipment, SideEffect, Ticket
 
 
 def _orders(engine: Any, states: dict[int, str]) -> None:

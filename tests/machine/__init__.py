@@ -1,0 +1,1 @@
+"""Tests of the state machine wing, mirroring ``stateguard/machine/``."""
