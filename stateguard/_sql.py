@@ -88,6 +88,13 @@ class Backend:
     ``named_locks``: how the server's named (advisory) locks are held:
     ``"transaction"`` (PostgreSQL's ``pg_advisory_xact_lock``),
     ``"connection"`` (``GET_LOCK``), or ``""`` (none: SQLite).
+    ``array_params``: a list of keys binds as one ARRAY parameter
+    (PostgreSQL's ``= ANY(:keys)``), so a statement's text does not depend on
+    how many keys it takes.
+    ``trigger_functions``: ``CREATE FUNCTION ... RETURNS trigger`` (PL/pgSQL,
+    PostgreSQL), where the legal-edges trigger of a state machine lives.
+    ``backslash_escapes``: string literals in reflected SQL escape quotes
+    with a backslash (MySQL/MariaDB).
 
     One instance exists per distinct set of flags (see :func:`backend`), so
     a Backend is a cheap, identity-hashed memo key that does not grow with
@@ -103,6 +110,9 @@ class Backend:
     driver_begins_lazily: bool
     delete_limit_literal: bool
     named_locks: str
+    array_params: bool
+    trigger_functions: bool
+    backslash_escapes: bool
 
 
 _interned: dict[tuple[Any, ...], Backend] = {}
@@ -128,6 +138,9 @@ def backend(dialect: Dialect) -> Backend:
             sqlite,
             mysql,
             "transaction" if name == "postgresql" else "connection" if mysql else "",
+            name == "postgresql",
+            name == "postgresql",
+            mysql,
         )
         with _backends_lock:
             found = _interned.get(flags)

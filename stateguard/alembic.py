@@ -51,6 +51,7 @@ from alembic.operations import ops
 from sqlalchemy import column as sa_column
 from sqlalchemy.sql.elements import conv
 
+from . import _sql
 from .machine import StateMachine
 from .machine.ddl import (
     escape_for_text,
@@ -414,14 +415,14 @@ def _compare_table(
     if conn is None or dialect is None:  # pragma: no cover - autogenerate always has both
         return _CONTINUE
     machines = machines_for_table(metadata_table) if metadata_table is not None else []
-    pg = dialect.name == "postgresql"
+    with_triggers = _sql.backend(dialect).trigger_functions
     existing: dict[str, LegalEdges] = {}
-    if pg and conn_table is not None:
+    if with_triggers and conn_table is not None:
         existing = reflect_legal_edges(conn, tname, schema=schema)
     for machine in machines:
         col = machine.state_column.name
         current = existing.pop(col, None)
-        if not pg:
+        if not with_triggers:
             continue
         if machine.legal_edges:
             edges = stored_edges(machine, dialect)

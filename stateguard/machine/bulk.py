@@ -53,7 +53,7 @@ _Moved = tuple[tuple[Any, ...], Any, int | None, Any]
 def _keys_in(info: _sql.ModelInfo, backend: _sql.Backend | None = None) -> ColumnElement[bool]:
     if len(info.pk_columns) == 1:
         col = info.pk_columns[0]
-        if backend is not None and backend.name == "postgresql":
+        if backend is not None and backend.array_params:
             # One array parameter instead of thousands of bind parameters:
             # the statement text stays the same for every chunk size.
             return col == any_(bindparam("sg_keys", type_=postgresql.ARRAY(col.type)))
@@ -189,7 +189,7 @@ def fire_many(
     if vcol is not None:
         read_cols.append(vcol)
     update_stmt = update(info.table).where(keys_in, state_cond).ordered_values(*batch.pairs)
-    if backend.name == "postgresql":
+    if backend.returning and backend.row_locks:
         # Lock the chunk's rows in key order before updating them: a plain
         # UPDATE locks rows in whatever order its plan visits them (physical
         # order under a sequential scan), and two overlapping batches locking
@@ -329,7 +329,7 @@ def fire_where(
             pick = (
                 select(*info.pk_columns).where(condition, state_cond).order_by(*info.pk_columns).limit(limit)
             )
-            if backend.name == "postgresql":
+            if backend.row_locks:
                 # Concurrent sweepers share the work instead of queueing on each other's rows.
                 pick = pick.with_for_update(skip_locked=True)
             if npk == 1:

@@ -332,7 +332,7 @@ def _attach_legal_edges_ddl(tbl: Table, machine: StateMachine[Any]) -> None:
     col_name = machine.state_column.name
 
     def after_create(target: Table, connection: Connection, **kw: Any) -> None:
-        if connection.dialect.name != "postgresql":
+        if not _sql.backend(connection.dialect).trigger_functions:
             return
         edges = stored_edges(machine, connection.dialect)
         for sql in legal_edges_ddl(target.name, col_name, edges, schema=target.schema):
@@ -340,7 +340,7 @@ def _attach_legal_edges_ddl(tbl: Table, machine: StateMachine[Any]) -> None:
 
     def after_drop(target: Table, connection: Connection, **kw: Any) -> None:
         # The trigger went with the table; the function would outlive it.
-        if connection.dialect.name != "postgresql":
+        if not _sql.backend(connection.dialect).trigger_functions:
             return
         name = legal_edges_name(target.name, col_name)
         d = connection.dialect
