@@ -293,6 +293,7 @@ class Trigger:
         version: int | None = None,
         expected_version: int | None = None,
     ) -> Result:
+        """A result of this trigger for ``key``."""
         return Result(
             outcome,
             model=self.machine.info.model,
