@@ -111,6 +111,10 @@ class _BoundDual:
         self.fn = fn
         self.obj = obj
 
+    @property
+    def __doc__(self) -> str | None:  # type: ignore[override]
+        return self.fn.__doc__
+
     def __call__(self, session: Any, /, *args: Any, **kwargs: Any) -> Any:
         if isinstance(session, AsyncSession):
             return session.run_sync(_call_method, self.fn, self.obj, *args, **kwargs)
@@ -127,13 +131,15 @@ class dual_method(Generic[Obj, S, P, R]):
             __call__ = dual_method(_fire)    # trigger(session, 42) / await trigger(async_session, 42)
 
     The method is written once, synchronously; bound to an object it is a
-    :class:`Dual`, typed per session kind.
+    :class:`Dual`, typed per session kind.  The synchronous method is looked
+    up by name on the object's class, so a subclass that overrides it (a
+    ``Trigger`` subclass overriding ``_fire``) is honoured by both faces.
     """
-
-    __slots__ = ("fn",)
 
     def __init__(self, fn: Callable[Concatenate[Obj, S, P], R]) -> None:
         self.fn = fn
+        self._name = fn.__name__
+        self.__doc__ = fn.__doc__
 
     @overload
     def __get__(self, obj: None, owner: type[Any]) -> dual_method[Obj, S, P, R]: ...
@@ -144,7 +150,8 @@ class dual_method(Generic[Obj, S, P, R]):
     def __get__(self, obj: Obj | None, owner: type[Any]) -> Any:
         if obj is None:
             return self
-        return _BoundDual(self.fn, obj)
+        fn = getattr(owner, self._name, self.fn)
+        return _BoundDual(self.fn if fn is self else fn, obj)
 
 
 def sync_session_of(session: Session | AsyncSession) -> Session:

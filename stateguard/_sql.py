@@ -121,8 +121,17 @@ _backends: weakref.WeakKeyDictionary[Dialect, Backend] = weakref.WeakKeyDictiona
 _backends_lock = threading.Lock()
 
 
+#: The last dialect asked about and its Backend: nearly every application has one
+#: engine, and a hit here skips the weak-key lookup (which builds a weakref per call).
+_last: tuple[Dialect | None, Backend | None] = (None, None)
+
+
 def backend(dialect: Dialect) -> Backend:
     """The :class:`Backend` for a (connected) dialect."""
+    global _last
+    last_dialect, last_backend = _last
+    if dialect is last_dialect and last_backend is not None:
+        return last_backend
     found = _backends.get(dialect)
     if found is None:
         name = dialect.name
@@ -147,6 +156,7 @@ def backend(dialect: Dialect) -> Backend:
             if found is None:
                 found = _interned[flags] = Backend(*flags)
             _backends[dialect] = found
+    _last = (dialect, found)
     return found
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Sequence
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from alembic.autogenerate import comparators, renderers
@@ -116,6 +117,7 @@ def _diff_tuple(
     )
 
 
+@dataclass(eq=False)
 class StatesCheckOp(ops.MigrateOperation):
     """Replace, create or drop the states CHECK constraint of one state column.
 
@@ -128,24 +130,15 @@ class StatesCheckOp(ops.MigrateOperation):
                       states=["pending", "paid"], previous=["pending", "paid", "cancelled"])
     """
 
-    def __init__(
-        self,
-        table_name: str,
-        column_name: str,
-        constraint_name: str,
-        *,
-        states: list[str] | None,
-        previous: list[str] | None,
-        schema: str | None = None,
-        held: dict[str, int] | None = None,
-    ) -> None:
-        self.table_name = table_name
-        self.column_name = column_name
-        self.constraint_name = constraint_name
-        self.states = states
-        self.previous = previous
-        self.schema = schema
-        self.held = dict(held or {})
+    table_name: str
+    column_name: str
+    constraint_name: str
+    _: KW_ONLY
+    states: list[str] | None
+    previous: list[str] | None
+    schema: str | None = None
+    #: Rows per state the new constraint would refuse (what autogenerate found).
+    held: dict[str, int] = field(default_factory=dict)
 
     def reverse(self) -> StatesCheckOp:
         return StatesCheckOp(
@@ -161,6 +154,7 @@ class StatesCheckOp(ops.MigrateOperation):
         return _diff_tuple("stateguard_states", self, self.previous, self.states)
 
 
+@dataclass(eq=False)
 class StatesGuardOp(ops.OpContainer):
     """Stop the migration while rows hold states the new CHECK constraint would refuse.
 
@@ -174,25 +168,16 @@ class StatesGuardOp(ops.OpContainer):
                       previous=["pending", "paid", "cancelled"], active=True, held={"cancelled": 2})
     """
 
-    def __init__(
-        self,
-        table_name: str,
-        column_name: str,
-        *,
-        allowed: list[str] | None,
-        previous: list[str] | None,
-        active: bool,
-        schema: str | None = None,
-        held: dict[str, int] | None = None,
-    ) -> None:
-        super().__init__(())
-        self.table_name = table_name
-        self.column_name = column_name
-        self.allowed = allowed
-        self.previous = previous
-        self.active = active
-        self.schema = schema
-        self.held = dict(held or {})
+    table_name: str
+    column_name: str
+    _: KW_ONLY
+    allowed: list[str] | None
+    previous: list[str] | None
+    active: bool
+    schema: str | None = None
+    held: dict[str, int] = field(default_factory=dict)
+    #: The container's operations (always empty: alembic's OpContainer needs the list).
+    ops: list[ops.MigrateOperation] = field(default_factory=list, init=False, repr=False)
 
     @property
     def needed(self) -> bool:
@@ -212,6 +197,7 @@ class StatesGuardOp(ops.OpContainer):
         )
 
 
+@dataclass(eq=False)
 class LegalEdgesOp(ops.MigrateOperation):
     """Create, replace or drop the PostgreSQL legal-edges trigger of one state column.
 
@@ -222,20 +208,12 @@ class LegalEdgesOp(ops.MigrateOperation):
         LegalEdgesOp("orders", "status", edges=[("pending", "paid")], previous=None)
     """
 
-    def __init__(
-        self,
-        table_name: str,
-        column_name: str,
-        *,
-        edges: list[tuple[str, str]] | None,
-        previous: list[tuple[str, str]] | None,
-        schema: str | None = None,
-    ) -> None:
-        self.table_name = table_name
-        self.column_name = column_name
-        self.edges = edges
-        self.previous = previous
-        self.schema = schema
+    table_name: str
+    column_name: str
+    _: KW_ONLY
+    edges: list[tuple[str, str]] | None
+    previous: list[tuple[str, str]] | None
+    schema: str | None = None
 
     def reverse(self) -> LegalEdgesOp:
         return LegalEdgesOp(
