@@ -33,7 +33,9 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Mapper
 from sqlalchemy.schema import Column
+from sqlalchemy.sql import sqltypes
 from sqlalchemy.sql.elements import ClauseElement
+from sqlalchemy.types import TypeDecorator
 
 from .exceptions import (
     ConfigurationError,
@@ -52,6 +54,7 @@ __all__ = [
     "bindparam",
     "classify_db_error",
     "conflict_error",
+    "integer_bounds",
     "is_duplicate_key",
     "model_info",
     "purge_statement",
@@ -172,6 +175,38 @@ def row_lock_minimums(dialect: Dialect) -> tuple[str, dict[str, tuple[int, ...] 
     if getattr(dialect, "is_mariadb", False):
         return "MariaDB", {"nowait": (10, 3), "skip_locked": (10, 6), "of": None}
     return "MySQL", {"nowait": (8, 0, 1), "skip_locked": (8, 0, 1), "of": (8, 0, 1)}
+
+
+def integer_bounds(column: Column[Any], dialect: Dialect) -> tuple[int, int] | None:
+    """The smallest and largest integer ``column`` holds on ``dialect``, or ``None`` if it is no integer.
+
+    The declared type decides, in the dialect's own form on the servers
+    (``with_variant`` included): PostgreSQL ``INTEGER`` is 32-bit and refuses
+    a wider bound parameter with an error that aborts the transaction;
+    MySQL/MariaDB have 8-, 16-, 24-, 32- and 64-bit types, signed or
+    ``UNSIGNED``.  SQLite stores any integer in up to 8 bytes, but a model
+    tested on SQLite must refuse what its production database will refuse,
+    so there the declared type's range applies too (a ``BigInteger`` with
+    an ``Integer`` variant for SQLite's rowid stays 64-bit).
+    """
+    impl: Any = column.type if dialect.name == "sqlite" else column.type.dialect_impl(dialect)
+    if isinstance(impl, TypeDecorator):
+        impl = impl.impl_instance
+    if not isinstance(impl, sqltypes.Integer):
+        return None
+    if isinstance(impl, sqltypes.BigInteger):
+        bits = 64
+    elif isinstance(impl, sqltypes.SmallInteger):
+        bits = 16
+    else:
+        bits = _MYSQL_INTEGER_BITS.get(type(impl).__name__, 32)
+    if getattr(impl, "unsigned", False):
+        return 0, (1 << bits) - 1
+    return -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+
+
+#: MySQL's integer types narrower than INTEGER, by type name.
+_MYSQL_INTEGER_BITS: Final = {"TINYINT": 8, "MEDIUMINT": 24}
 
 
 # --------------------------------------------------------------------------

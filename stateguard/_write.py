@@ -45,12 +45,14 @@ __all__ = [
     "abandon_savepoint",
     "check_batch",
     "check_fence",
+    "check_integer",
     "check_text",
     "connection_for",
     "duration_ms",
     "ensure_real_transaction",
     "execute",
     "identity_instance",
+    "key_bounds",
     "memo",
     "now_ms",
     "purge_expired_rows",
@@ -61,6 +63,7 @@ __all__ = [
     "split_values",
     "sqlite_write_lock",
     "sync_loaded",
+    "value_integers",
 ]
 
 T = TypeVar("T")
@@ -128,15 +131,75 @@ memo: Final = Memo(4096)
 # --------------------------------------------------------------------------
 
 
-def connection_for(session: Session, info: _sql.ModelInfo) -> Connection:
+def connection_for(
+    session: Session,
+    info: _sql.ModelInfo,
+    keys: Iterable[tuple[Any, ...]] = (),
+    integers: Iterable[tuple[Column[Any], Any, str]] = (),
+) -> Connection:
     """The session's connection for ``info``'s model, after an autoflush.
 
     Per-model binds (``Session(binds={Model: engine})``) are honoured, and
     the flush sends pending ORM changes first, as a query would.
+
+    ``keys`` (primary keys of the model) and ``integers`` (``(column, value,
+    what)``: a version, a fence, an amount) are checked against the range
+    their column holds on this connection's database before any statement
+    is sent: PostgreSQL refuses an out-of-range parameter with an error that
+    aborts the caller's transaction, the others would answer NOT_FOUND for a
+    row that cannot exist.  Out of range is :class:`InvalidArgument`.
     """
     if session.autoflush:
         session.flush()
-    return session.connection(bind_arguments=info.bind_arguments)
+    conn = session.connection(bind_arguments=info.bind_arguments)
+    if keys:
+        bounds = key_bounds(conn, info)
+        if bounds is not None:
+            for key in keys:
+                for value, column, limits in zip(key, info.pk_columns, bounds, strict=True):
+                    if limits is not None and type(value) is int and not limits[0] <= value <= limits[1]:
+                        raise _out_of_range(info, column, value, limits, "primary key")
+    for column, value, what in integers:
+        check_integer(conn, info, column, value, what)
+    return conn
+
+
+def value_integers(items: Iterable[tuple[str, Column[Any], Any]]) -> list[tuple[Column[Any], Any, str]]:
+    """The int values among ``(attr, column, value)`` items, as :func:`connection_for` checks them."""
+    return [(col, value, f"values[{attr!r}]") for attr, col, value in items if type(value) is int]
+
+
+def key_bounds(conn: Connection, info: _sql.ModelInfo) -> tuple[tuple[int, int] | None, ...] | None:
+    """The integer range of each primary-key column on ``conn``'s database (``None``: no integer key)."""
+    backend = _sql.backend(conn.dialect)
+    memo_key = ("key-bounds", info, backend)
+    found = memo.get(memo_key)
+    if found is None:
+        bounds = tuple(_sql.integer_bounds(c, conn.dialect) for c in info.pk_columns)
+        found = memo.put(memo_key, bounds if any(bounds) else ())
+    return found or None
+
+
+def check_integer(conn: Connection, info: _sql.ModelInfo, column: Column[Any], value: Any, what: str) -> None:
+    """Raise InvalidArgument when the int ``value`` does not fit ``column`` on ``conn``'s database."""
+    if type(value) is not int:
+        return
+    backend = _sql.backend(conn.dialect)
+    memo_key = ("int-bounds", column, backend)
+    limits = memo.get(memo_key)
+    if limits is None:
+        limits = memo.put(memo_key, _sql.integer_bounds(column, conn.dialect) or ())
+    if limits and not limits[0] <= value <= limits[1]:
+        raise _out_of_range(info, column, value, limits, what)
+
+
+def _out_of_range(
+    info: _sql.ModelInfo, column: Column[Any], value: int, limits: tuple[int, int], what: str
+) -> InvalidArgument:
+    return InvalidArgument(
+        f"{info.model.__name__}.{column.name} cannot hold {value} ({what}): on this database it "
+        f"holds integers from {limits[0]} to {limits[1]}; nothing was sent"
+    )
 
 
 def execute(conn: Connection, stmt: Any, params: Mapping[str, Any] | None = None) -> CursorResult[Any]:

@@ -311,7 +311,10 @@ def _change(
     _check_bound(counter, bound, role)
     _check_ref(ref)
     key, instance = _write.resolve_target(session, counter.info, target)
-    conn = _write.connection_for(session, counter.info)
+    integers = [(counter.column, by, "by")]
+    if counter.bound_column is None and bound is not None:
+        integers.append((counter.column, bound, role))
+    conn = _write.connection_for(session, counter.info, (key,), integers)
     return _apply(session, conn, _sql.backend(conn.dialect), counter, key, instance, by, sign, bound, ref)
 
 
@@ -418,7 +421,8 @@ def reserve(session: Session, column: Any, amounts: Mapping[Any, Any], *, ref: s
                 f"give each row once with its total amount"
             )
         resolved[key] = (by, instance)
-    conn = _write.connection_for(session, counter.info)
+    amounts_checked = [(counter.column, by, "an amount") for by, _ in resolved.values()]
+    conn = _write.connection_for(session, counter.info, list(resolved), amounts_checked)
     backend = _sql.backend(conn.dialect)
     _write.ensure_real_transaction(conn)
     savepoint = conn.begin_nested()

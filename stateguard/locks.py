@@ -95,7 +95,7 @@ def row_lock(
     targets = target if many else (target,)
     keys = list(dict.fromkeys(_write.resolve_target(session, info, t)[0] for t in targets))
     session.flush()
-    conn = session.connection(bind_arguments={"mapper": info.mapper})
+    conn = _write.connection_for(session, info, keys)
     _check_row_lock_support(conn, nowait=nowait, skip_locked=skip_locked, of=of)
     if not _sql.backend(conn.dialect).row_locks:
         nowait = skip_locked = False  # SQLite: the whole database is already ours

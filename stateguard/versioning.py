@@ -142,7 +142,11 @@ def guarded_update(
     items, has_sql = _write.split_values(info, values, forbidden=forbidden)
     if not items:
         raise InvalidArgument("guarded_update needs at least one value to set")
-    conn = _write.connection_for(session, info)
+    integers = _write.value_integers(items)
+    integers.append((info.version_column, expected_version, "expected_version"))
+    if fence is not None and info.fence_column is not None:
+        integers.append((info.fence_column, fence, "fence"))
+    conn = _write.connection_for(session, info, (key,), integers)
     backend = _sql.backend(conn.dialect)
     variant = _sql.variant_key(items, has_sql)
     cache_key = ("guarded_update", info, variant, fence is not None)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import Engine, func, select
 from sqlalchemy.dialects import mysql, postgresql, sqlite
@@ -103,6 +103,12 @@ def _call(fn: Any) -> Any:
 
 @FUZZ
 @given(name=hostile_any, key=hostile_any)
+# Found by this test (issue 15): integer keys beyond the INTEGER column raised DataError on
+# PostgreSQL (aborting the transaction) and OverflowError on SQLite.
+@example(name="pay", key=2**63)
+@example(name="pay", key=2**31)
+@example(name="pay", key=-(2**63) - 1)
+@example(name=0, key=2**63)
 def test_triggers_and_counters_answer_hostile_input_with_typed_errors(
     engine: Engine, name: Any, key: Any
 ) -> None:

@@ -25,7 +25,7 @@ on PostgreSQL and SQLite when all of them do.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import ColumnElement, Connection, any_, bindparam, select, tuple_, update
@@ -83,12 +83,20 @@ class _Batch:
 
     __slots__ = ("backend", "conn", "items", "npk", "pairs", "params", "state_cond", "trigger", "vcol")
 
-    def __init__(self, trigger: Trigger, session: Session, values: Mapping[str, Any] | None) -> None:
+    def __init__(
+        self,
+        trigger: Trigger,
+        session: Session,
+        values: Mapping[str, Any] | None,
+        keys: Sequence[tuple[Any, ...]] = (),
+    ) -> None:
         m = trigger.machine
         info = m.info
         self.trigger = trigger
         self.items, _ = _write.split_values(info, values, forbidden=m._forbidden)
-        self.conn: Connection = _write.connection_for(session, info)
+        self.conn: Connection = _write.connection_for(
+            session, info, keys, _write.value_integers(self.items)
+        )
         self.backend = _sql.backend(self.conn.dialect)
         self.pairs, self.state_cond, _ = compile.parts(
             trigger, self.backend, self.items, embed=False, last_insert_id=False
@@ -169,7 +177,7 @@ def fire_many(
         keys = sorted(given)
     except TypeError:  # pragma: no cover - keys of one column type always compare
         keys = given
-    batch = _Batch(trigger, session, values)
+    batch = _Batch(trigger, session, values, keys)
     conn, backend, state_cond, npk, vcol = batch.conn, batch.backend, batch.state_cond, batch.npk, batch.vcol
     keys_in = _keys_in(info, backend)
     single = npk == 1
