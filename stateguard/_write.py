@@ -57,6 +57,7 @@ __all__ = [
     "now_ms",
     "purge_expired_rows",
     "read_back",
+    "required_seconds",
     "resolve_target",
     "run_guarded",
     "seconds",
@@ -495,6 +496,17 @@ def seconds(value: Any, what: str, *, allow_zero: bool) -> float | None:
         raise InvalidArgument(f"{what} must be seconds (int or float) or a timedelta, got {value!r}")
     if result < 0 or (result == 0 and not allow_zero) or result != result:
         raise InvalidArgument(f"{what} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+    return result
+
+
+def required_seconds(value: Any, what: str) -> float:
+    """A finite positive duration in seconds; ``None``, infinity and what :func:`seconds` refuses are
+    InvalidArgument (no ``assert``: validation must also hold under ``python -O``)."""
+    if value is None:
+        raise InvalidArgument(f"{what} is required: pass seconds (int or float) or a timedelta")
+    result = seconds(value, what, allow_zero=False)
+    if result is None or result == float("inf"):
+        raise InvalidArgument(f"{what} must be a finite duration, got {value!r}")
     return result
 
 

@@ -437,8 +437,7 @@ class _RedisLock(_RedisClient):
         self._check_client(client)
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"{type(self).__name__} needs a non-empty str name, got {name!r}")
-        seconds = _write.seconds(ttl, "ttl", allow_zero=False)
-        assert seconds is not None
+        seconds = _write.required_seconds(ttl, "ttl")
         if seconds < 0.001:
             raise InvalidArgument(f"ttl must be at least 1 millisecond, got {ttl!r}")
         self.name = name
@@ -484,8 +483,7 @@ class _RedisLock(_RedisClient):
             yield from self._call(self._lock.release)
 
     def _extend(self, additional: float | timedelta, replace_ttl: bool) -> _Steps[None]:
-        seconds = _write.seconds(additional, "additional", allow_zero=False)
-        assert seconds is not None
+        seconds = _write.required_seconds(additional, "additional")
         with self._owner_errors("was extended"):
             yield from self._call(self._lock.extend, seconds, replace_ttl=replace_ttl)
 

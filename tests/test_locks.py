@@ -730,6 +730,30 @@ def test_redis_lock_validates_its_arguments(redis_client: Any) -> None:
         RedisLock(redis_client, "x", ttl=1, blocking_timeout=-1)
 
 
+def test_redis_lock_refuses_missing_or_infinite_durations_without_assert(
+    redis_client: Any, redis_prefix: str
+) -> None:
+    """ttl=None, ttl=inf and extend(None) are InvalidArgument, also under ``python -O`` (no assert)."""
+    for ttl in (None, float("inf"), float("nan")):
+        with pytest.raises(InvalidArgument):
+            RedisLock(redis_client, "x", ttl=ttl)  # type: ignore[arg-type]
+    lock = RedisLock(redis_client, f"{redis_prefix}:durations", ttl=5)
+    with lock:
+        for additional in (None, float("inf")):
+            with pytest.raises(InvalidArgument):
+                lock.extend(additional)  # type: ignore[arg-type]
+    code = (
+        "import redis, stateguard\n"
+        "try:\n"
+        "    stateguard.RedisLock(redis.Redis(), 'x', ttl=None)\n"
+        "except stateguard.InvalidArgument:\n"
+        "    pass\n"
+        "else:\n"
+        "    raise SystemExit('ttl=None was accepted under -O')\n"
+    )
+    subprocess.run([sys.executable, "-O", "-c", code], check=True, timeout=60)
+
+
 def test_redis_lock_without_redis_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without redis-py installed, RedisLock raises ImportError naming the stateguard[redis] extra."""
     monkeypatch.setitem(sys.modules, "redis", None)
