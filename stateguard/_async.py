@@ -193,7 +193,8 @@ class DualContext(Generic[T]):
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool | None:
-        assert self._cm is not None
+        if self._cm is None:
+            raise InvalidArgument("__exit__ without __enter__: use this object in a with statement")
         return self._cm.__exit__(exc_type, exc, tb)
 
     async def __aenter__(self) -> T:
@@ -209,7 +210,8 @@ class DualContext(Generic[T]):
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool | None:
-        assert self._async is not None and self._cm is not None
+        if self._async is None or self._cm is None:
+            raise InvalidArgument("__aexit__ without __aenter__: use this object in an async with statement")
         cm = self._cm
         return await self._async.run_sync(lambda _session: cm.__exit__(exc_type, exc, tb))
 

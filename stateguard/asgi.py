@@ -675,15 +675,13 @@ class IdempotencyMiddleware:
             manager.__exit__(type(error), error, error.__traceback__)
             raise
         start, stored_body = recorder.start, recorder.body
-        store = (
-            not recorder.streaming
-            and start is not None
-            and stored_body is not None
-            and self.store_status(int(start["status"]))
-        )
         try:
-            if store:
-                assert start is not None and stored_body is not None
+            if (
+                not recorder.streaming
+                and start is not None
+                and stored_body is not None
+                and self.store_status(int(start["status"]))
+            ):
                 response = {
                     "status": int(start["status"]),
                     "headers": _stored_headers(start.get("headers", ())),

@@ -109,6 +109,7 @@ R = TypeVar("R")
 P = ParamSpec("P")
 #: The kind of session a call was made for (a Session or an AsyncSession).
 S = TypeVar("S")
+T = TypeVar("T")
 SessionT = TypeVar("SessionT", bound="Session | AsyncSession")
 E = TypeVar("E", bound=BaseException)
 
@@ -717,8 +718,7 @@ class _Claim(Generic[S]):
         """Run one owner-conditional UPDATE of the record (and in separate mode commit the session)."""
         params = {**self._params(_now_ms()), **extra}
         if self.options.mode == "same_transaction":
-            assert self._conn is not None
-            matched = _write.execute(self._conn, stmt, params).rowcount
+            matched = _write.execute(self._open(self._conn), stmt, params).rowcount
         else:
             session = self.session
             try:
@@ -740,11 +740,9 @@ class _Claim(Generic[S]):
     def heartbeat(self, call: IdempotentCall[S]) -> None:
         params = self._params(_now_ms())
         if self.options.mode == "same_transaction":
-            assert self._conn is not None
-            matched = _write.execute(self._conn, _HEARTBEAT, params).rowcount
+            matched = _write.execute(self._open(self._conn), _HEARTBEAT, params).rowcount
         else:
-            assert self._engine is not None
-            with self._engine.begin() as conn:
+            with self._open(self._engine).begin() as conn:
                 matched = _write.execute(conn, _HEARTBEAT, params).rowcount
         if matched != 1:
             self._lost(call)
@@ -752,13 +750,19 @@ class _Claim(Generic[S]):
     def release(self, call: IdempotentCall[S], reason: str | None) -> None:
         if self.options.mode == "same_transaction":
             self._stop_heartbeat()
-            assert self._nested is not None
-            if self._nested.is_active:
-                self._nested.rollback()
+            nested = self._open(self._nested)
+            if nested.is_active:
+                nested.rollback()
             call._state = "released"
             self._emit("released", call.attempt)
             return
         self.write(call, _RELEASE, {"sg_text": reason}, "released")
+
+    def _open(self, part: T | None) -> T:
+        """A part of the open claim (its connection, savepoint, call ...); InvalidArgument once it is over."""
+        if part is None:
+            raise InvalidArgument(f"{self._name} is not open: use the call inside its with block")
+        return part
 
     def _lost(self, call: IdempotentCall[S]) -> None:
         self._stop_heartbeat()
@@ -774,9 +778,9 @@ class _Claim(Generic[S]):
     # -- background heartbeat -----------------------------------------------
 
     def _start_heartbeat(self) -> None:
-        assert self.call is not None and self.options.heartbeat_every is not None
         stop = threading.Event()
-        call, interval, key = self.call, self.options.heartbeat_every, self.options.key
+        call, interval = self._open(self.call), self._open(self.options.heartbeat_every)
+        key = self.options.key
 
         def beat() -> None:
             while not stop.wait(interval):

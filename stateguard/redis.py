@@ -301,7 +301,8 @@ def _register_acquire(lock: Any) -> None:
 
 def _acquire_call(lock: Any, token: Any) -> dict[str, Any]:
     """The keys and args of :data:`_ACQUIRE_SCRIPT` for ``lock`` (a redis-py Lock) and owner ``token``."""
-    assert lock.timeout is not None  # RedisLock and AsyncRedisLock always set a ttl
+    if lock.timeout is None:  # RedisLock and AsyncRedisLock always set a ttl
+        raise InvalidArgument("a fenced Redis lock needs a ttl")
     return {
         "keys": [lock.name, f"{lock.name}:fence"],
         "args": [token, max(1, int(lock.timeout * 1000))],
@@ -475,7 +476,8 @@ class _RedisLock(_RedisClient):
                 f"Retry later (retry_on_conflict() does this)"
             )
         fence = self.fence
-        assert fence is not None
+        if fence is None:
+            raise LockLost(f"{type(self).__name__} {self.name!r} was acquired but no fencing token came back")
         return fence
 
     def _release(self) -> _Steps[None]:

@@ -22,6 +22,7 @@ from sqlalchemy import ColumnElement, Update, and_, case, or_, select, update
 from sqlalchemy.schema import Column
 
 from .. import _sql, _write
+from ..exceptions import InvalidArgument
 
 if TYPE_CHECKING:
     from .declaration import StateMachine
@@ -48,6 +49,15 @@ class Plan:
         self.returns_state = returns_state
         self.uses_last_insert_id = lid
         self.returning = returns_state or (returns_version and not lid)
+
+
+def _needed(column: Column[Any] | None, info: _sql.ModelInfo, role: str) -> Column[Any]:
+    """The model's version or fence column; InvalidArgument when a call needs one the model lacks."""
+    if column is None:
+        raise InvalidArgument(
+            f"{info.model.__name__} has no {role} column; declare one with {role}_column()"
+        )
+    return column
 
 
 def parts(
@@ -107,8 +117,7 @@ def parts(
             pairs.append((vcol, _sql.version_increment(vcol, backend)))
             lid = backend.last_insert_id
     if fence:
-        fcol = info.fence_column
-        assert fcol is not None
+        fcol = _needed(info.fence_column, info, "fence")
         fence_value = None if bound is None else bound["sg_fence"]
         pairs.append((fcol, _sql.bindparam("sg_fence", fence_value, type_=fcol.type)))
     if single:
@@ -139,11 +148,11 @@ def build(
     pk_where = info.pk_where if bound is None else info.bound_pk_where(bound)
     where = [pk_where, state_cond]
     if expected:
-        assert vcol is not None
+        vcol = _needed(vcol, info, "version")
         expected_value = None if bound is None else bound["sg_expected"]
         where.append(vcol == _sql.bindparam("sg_expected", expected_value, type_=vcol.type))
     if fence:
-        assert fcol is not None
+        fcol = _needed(fcol, info, "fence")
         where.append(_sql.fence_condition(fcol, None if bound is None else bound["sg_fence"]))
     stmt = update(info.table).where(*where).ordered_values(*pairs)
     returning: list[Column[Any]] = []

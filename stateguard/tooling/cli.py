@@ -265,7 +265,8 @@ def _split_target(target: str, *, model_required: bool) -> tuple[str, str | None
 
 def _cmd_graph(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     module_name, model_name = _split_target(args.target, model_required=True)
-    assert model_name is not None
+    if model_name is None:  # pragma: no cover - model_required makes _split_target refuse it
+        raise UsageError(f"expected MODULE:Model, got {args.target!r}")
     model, machines = _model_machines(import_module(module_name), model_name)
     if args.machine is not None:
         picked = [m for m in machines if m.name == args.machine]
