@@ -115,7 +115,12 @@ class _BoundDual:
     def __doc__(self) -> str | None:  # type: ignore[override]
         return self.fn.__doc__
 
-    def __call__(self, session: Any, /, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            session, args = args[0], args[1:]
+        else:
+            # ``trigger(session=s, target=1)``: a method's session may be passed by keyword.
+            session = kwargs.pop("session", None)
         if isinstance(session, AsyncSession):
             return session.run_sync(_call_method, self.fn, self.obj, *args, **kwargs)
         return self.fn(self.obj, session, *args, **kwargs)

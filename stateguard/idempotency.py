@@ -75,7 +75,7 @@ from typing import Any, Final, Generic, Literal, ParamSpec, Protocol, TypeVar
 from sqlalchemy import Connection, Engine, bindparam, select, update
 from sqlalchemy.orm import Session, SessionTransaction
 
-from . import _sql, _write
+from . import _compat, _sql, _write
 from ._async import AsyncSession, DualContext, DualObject, dual, dual_member, sync_session_of
 from .exceptions import (
     DeadlockDetected,
@@ -1101,3 +1101,11 @@ def purge_expired(bind: Engine | Connection | Session, *, batch: int = 1000) -> 
     :raises InvalidArgument: ``batch`` is not a positive int.
     """
     return _write.purge_expired_rows(_t, bind, batch, _now_ms)
+
+
+#: Names this module defined before the 0.2 layout, and where they live now.
+_MOVED: Final = {"consume_once": "stateguard.inserts", "ConsumedMessage": "stateguard.inserts"}
+
+
+def __getattr__(name: str) -> Any:
+    return _compat.moved(__name__, name, _MOVED)

@@ -464,3 +464,4 @@ class Snowflake:
             (snowflake_id >> _SEQUENCE_BITS) & (MAX_WORKERS - 1),
             snowflake_id & _MAX_SEQUENCE,
         )
+

@@ -28,7 +28,7 @@ from sqlalchemy import Connection, Engine, Select, event, select, text, tuple_
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
-from . import _sql, _write
+from . import _compat, _sql, _write
 from ._async import AsyncSession, DualContext, dual
 from .engine import BEGIN_MARK
 from .exceptions import InvalidArgument, LockLost, LockNotAcquired, NotSupported
@@ -397,3 +397,11 @@ def _release_on_checkin(dbapi_conn: Any, record: Any) -> None:
     except Exception as error:
         # A connection that may still hold a lock must never be reused.
         record.invalidate(error)
+
+
+#: Names this module defined before the 0.2 layout, and where they live now.
+_MOVED: Final = {"RedisLock": "stateguard.redis", "AsyncRedisLock": "stateguard.redis"}
+
+
+def __getattr__(name: str) -> Any:
+    return _compat.moved(__name__, name, _MOVED)

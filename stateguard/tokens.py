@@ -34,7 +34,7 @@ from typing import Any, Final
 from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 from sqlalchemy.orm import Session
 
-from . import _sql, _write
+from . import _compat, _sql, _write
 from ._async import dual
 from .exceptions import SerializationConflict
 from .result import Outcome, Result
@@ -219,3 +219,11 @@ def purge_expired_tokens(bind: Engine | Connection | Session, *, batch: int = 10
     :raises InvalidArgument: ``batch`` is not a positive int.
     """
     return _write.purge_expired_rows(tokens, bind, batch, _now_ms)
+
+
+#: Names this module defined before the 0.2 layout, and where they live now.
+_MOVED: Final = {"RedisTokens": "stateguard.redis", "AsyncRedisTokens": "stateguard.redis"}
+
+
+def __getattr__(name: str) -> Any:
+    return _compat.moved(__name__, name, _MOVED)

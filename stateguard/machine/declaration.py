@@ -46,6 +46,7 @@ _name = StateCodec.name
 RESERVED_NAMES: Final = frozenset(
     {
         "available",
+        "codec",
         "column",
         "edges",
         "fire",
@@ -56,6 +57,7 @@ RESERVED_NAMES: Final = frozenset(
         "many",
         "model",
         "name",
+        "qualname",
         "states",
         "statement",
         "transitions",
@@ -450,7 +452,8 @@ class StateMachine(Generic[S]):
         Takes the options of the trigger itself; awaited when given an
         AsyncSession, like the trigger.
         """
-        return self.trigger(trigger)._fire(session, target, **options)
+        # Through the trigger's own __call__, so a trigger_cls that wraps it is honoured.
+        return self.trigger(trigger)(session, target, **options)
 
     def _history(self, session: Session, target: Any) -> list[Any]:
         """The logged transitions of one row, oldest first (needs ``history=True``).
