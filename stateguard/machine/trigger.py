@@ -341,7 +341,12 @@ class Trigger:
         """The result for a row the UPDATE did not change, found in ``db_state`` at ``version``."""
         m = self.machine
         state = m.codec.from_db(db_state)
-        if state in self.dests:
+        if state in self.dests and state not in self.sources:
+            # The row is where this trigger leads and no edge of it leaves from there:
+            # the change is already in the row.  A state this trigger also leaves from
+            # (a self-loop such as withdraw: open -> open) proves nothing: the UPDATE
+            # would have matched it, so a guard, the version or the fence refused it.
+            # Only a request_id in the history can tell a repeat there (checked first).
             outcome = Outcome.REPEATED
         elif fence is not None and not _sql.fence_allows(fence_found, fence) and state in self.sources:
             # A newer lock holder already wrote this row.

@@ -123,8 +123,11 @@ class Graph:
         if edge is not None and version_ok and (edge.guard is None or edge.guard(row)):
             version = None if row.version is None else row.version + 1
             return Outcome.APPLIED, replace(row, state=edge.dest, version=version)
-        if row.state in self.dests(trigger):
-            return Outcome.REPEATED, row  # already there: REPEATED wins over a version mismatch
+        if row.state in self.dests(trigger) and edge is None:
+            # Already there: REPEATED wins over a version mismatch.  Not when the trigger also
+            # leaves from there (a self-loop such as stop: * -> red fired on a red row): the
+            # UPDATE would have matched, so it did not apply (issue 15: STALE or REJECTED).
+            return Outcome.REPEATED, row
         if edge is not None and not version_ok:
             return Outcome.STALE, row
         return Outcome.REJECTED, row
