@@ -34,7 +34,8 @@ from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, cast, overload
 
-from sqlalchemy.orm import Session
+from sqlalchemy import Connection, Engine
+from sqlalchemy.orm import Session, scoped_session
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
@@ -54,10 +55,13 @@ __all__ = [
     "Dual",
     "DualContext",
     "DualObject",
+    "as_session",
     "dual",
+    "dual_bind",
     "dual_member",
     "dual_method",
     "sync_session_of",
+    "wrong_session",
 ]
 
 Obj = TypeVar("Obj")
@@ -82,18 +86,68 @@ class Dual(Protocol[S_contra, P, R_co]):
     ) -> Coroutine[Any, Any, R_co]: ...
 
 
+#: What to pass instead, by the type name of the object a call got where a session belongs.
+_INSTEAD: dict[str, str] = {
+    "Engine": "pass Session(engine), e.g. `with Session(engine) as session, session.begin():`",
+    "Connection": "pass Session(bind=connection) to run in that connection's transaction",
+    "AsyncEngine": "pass AsyncSession(engine) and await the call",
+    "AsyncConnection": "pass AsyncSession(bind=connection) and await the call",
+    "sessionmaker": "call the factory: pass factory(), not factory",
+    "async_sessionmaker": "call the factory: pass factory(), not factory",
+}
+
+
+def wrong_session(got: Any, what: str, *, binds: bool = False) -> InvalidArgument:
+    """The InvalidArgument for a call that got ``got`` where a session belongs, saying what to pass."""
+    kind = type(got).__name__
+    wanted = "a Session, an Engine or a Connection" if binds else "a Session"
+    instead = _INSTEAD.get(kind, "pass a sqlalchemy.orm.Session (or an AsyncSession and await the call)")
+    return InvalidArgument(f"{what} needs {wanted} (or an AsyncSession), got {kind}: {instead}")
+
+
+def as_session(session: Any, what: str) -> Any:
+    """``session`` if it is a Session (a ``scoped_session``'s current one), else the typed error.
+
+    AsyncSessions are handled by the caller before this.
+    """
+    if isinstance(session, Session):
+        return session
+    if isinstance(session, scoped_session):
+        return session()
+    raise wrong_session(session, what)
+
+
 def dual(fn: Callable[Concatenate[S, P], R]) -> Dual[S, P, R]:
     """Make ``fn(session, ...)`` also accept an AsyncSession, returning an awaitable then.
 
-    The first parameter keeps its own type for synchronous calls (a Session,
-    or for the purges also an Engine or Connection).
+    Anything else where the session belongs (an Engine, a Connection, an
+    AsyncEngine ...) is an :class:`~stateguard.InvalidArgument` that says what
+    to pass, before anything runs.
     """
+    what = f"{fn.__name__}()"
 
     @functools.wraps(fn)
     def call(session: Any, /, *args: Any, **kwargs: Any) -> Any:
         if isinstance(session, AsyncSession):
             return session.run_sync(fn, *args, **kwargs)  # type: ignore[arg-type]
-        return fn(session, *args, **kwargs)
+        return fn(as_session(session, what), *args, **kwargs)
+
+    return call
+
+
+def dual_bind(fn: Callable[Concatenate[S, P], R]) -> Dual[S, P, R]:
+    """:func:`dual` for calls that also take an Engine or a Connection (the purges)."""
+    what = f"{fn.__name__}()"
+
+    @functools.wraps(fn)
+    def call(bind: Any, /, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(bind, AsyncSession):
+            return bind.run_sync(fn, *args, **kwargs)  # type: ignore[arg-type]
+        if isinstance(bind, scoped_session):
+            bind = bind()
+        elif not isinstance(bind, Session | Engine | Connection):
+            raise wrong_session(bind, what, binds=True)
+        return fn(bind, *args, **kwargs)
 
     return call
 
@@ -123,6 +177,8 @@ class _BoundDual:
             session = kwargs.pop("session", None)
         if isinstance(session, AsyncSession):
             return session.run_sync(_call_method, self.fn, self.obj, *args, **kwargs)
+        if not isinstance(session, Session):
+            session = as_session(session, f"{self.fn.__name__.lstrip('_')}()")
         return self.fn(self.obj, session, *args, **kwargs)
 
 
@@ -184,7 +240,7 @@ class DualContext(Generic[T]):
         name: str = "this call",
     ) -> None:
         self._async = session if isinstance(session, AsyncSession) else None
-        self._session = sync_session_of(session)
+        self._session = sync_session_of(session) if self._async is not None else as_session(session, name)
         self._factory = factory
         self._name = name
         self._cm: AbstractContextManager[T] | None = None

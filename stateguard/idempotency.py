@@ -76,7 +76,15 @@ from sqlalchemy import Connection, Engine, bindparam, select, update
 from sqlalchemy.orm import Session, SessionTransaction
 
 from . import _compat, _sql, _write
-from ._async import AsyncSession, DualContext, DualObject, dual, dual_member, sync_session_of
+from ._async import (
+    AsyncSession,
+    DualContext,
+    DualObject,
+    as_session,
+    dual_bind,
+    dual_member,
+    sync_session_of,
+)
 from .exceptions import (
     DeadlockDetected,
     IdempotencyKeyReused,
@@ -984,11 +992,9 @@ def idempotent(
             "heartbeat_every runs a thread, which cannot use an AsyncSession's connections; "
             "await call.heartbeat() from your own task instead"
         )
+    if not isinstance(session, AsyncSession):
+        session = as_session(session, "idempotent()")
     sync_session = sync_session_of(session)
-    if not isinstance(sync_session, Session):
-        raise InvalidArgument(
-            f"idempotent() needs a sqlalchemy Session or AsyncSession, got {type(session).__name__}"
-        )
     claim = _Claim(sync_session, session, options, fingerprint_of(fingerprint))
     return DualContext(session, lambda _sync: claim, name="idempotent()")
 
@@ -1082,7 +1088,7 @@ def idempotent_function(
     return decorate
 
 
-@dual
+@dual_bind
 def purge_expired(bind: Engine | Connection | Session, *, batch: int = 1000) -> int:
     """Delete at most ``batch`` expired idempotency keys and return how many were deleted.
 

@@ -35,7 +35,7 @@ from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 from sqlalchemy.orm import Session
 
 from . import _compat, _sql, _write
-from ._async import dual
+from ._async import dual, dual_bind
 from .exceptions import SerializationConflict
 from .result import Outcome, Result
 from .tables import MAX_KEY, MAX_SCOPE, tokens
@@ -202,7 +202,7 @@ def consume_token(session: Session, token: str, *, scope: str) -> Result:
     )
 
 
-@dual
+@dual_bind
 def purge_expired_tokens(bind: Engine | Connection | Session, *, batch: int = 1000) -> int:
     """Delete at most ``batch`` expired tokens and return how many were deleted.
 
