@@ -57,6 +57,7 @@ __all__ = [
     "integer_bounds",
     "is_duplicate_key",
     "model_info",
+    "numeric_digits",
     "purge_statement",
     "read_statement",
     "row_lock_minimums",
@@ -203,6 +204,19 @@ def integer_bounds(column: Column[Any], dialect: Dialect) -> tuple[int, int] | N
     if getattr(impl, "unsigned", False):
         return 0, (1 << bits) - 1
     return -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+
+
+def numeric_digits(column: Column[Any]) -> tuple[int | None, int] | None:
+    """``(precision, scale)`` of a fixed-point ``Numeric`` column, or ``None`` (floats and unscaled ones)."""
+    impl: Any = column.type
+    if isinstance(impl, TypeDecorator):
+        impl = impl.impl_instance
+    if not isinstance(impl, sqltypes.Numeric) or isinstance(impl, sqltypes.Float):
+        return None
+    scale = getattr(impl, "scale", None)
+    if scale is None:
+        return None
+    return getattr(impl, "precision", None), int(scale)
 
 
 #: MySQL's integer types narrower than INTEGER, by type name.

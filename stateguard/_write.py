@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from datetime import timedelta
+from decimal import Decimal
 from typing import Any, Final, TypeVar
 
 from sqlalchemy import Column, Connection, CursorResult, Engine, Table, insert, text
@@ -44,6 +45,7 @@ __all__ = [
     "Memo",
     "abandon_savepoint",
     "check_batch",
+    "check_exact",
     "check_fence",
     "check_integer",
     "check_text",
@@ -162,6 +164,8 @@ def connection_for(
                         raise _out_of_range(info, column, value, limits, "primary key")
     for column, value, what in integers:
         check_integer(conn, info, column, value, what)
+        if type(value) is not int and isinstance(value, Decimal | float):
+            check_exact(info, column, value, what)
     return conn
 
 
@@ -192,6 +196,35 @@ def check_integer(conn: Connection, info: _sql.ModelInfo, column: Column[Any], v
         limits = memo.put(memo_key, _sql.integer_bounds(column, conn.dialect) or ())
     if limits and not limits[0] <= value <= limits[1]:
         raise _out_of_range(info, column, value, limits, what)
+
+
+def check_exact(info: _sql.ModelInfo, column: Column[Any], value: Decimal | float, what: str) -> None:
+    """Raise InvalidArgument when ``value`` has more decimal places (or digits) than ``column`` stores.
+
+    A ``Numeric(10, 2)`` column rounds ``0.004`` to ``0.00`` on assignment:
+    ``decrement(..., by=Decimal("0.004"))`` would apply again and again while
+    taking nothing.  Floats are judged by their shortest repr (``0.1`` has one
+    decimal place).
+    """
+    digits = _sql.numeric_digits(column)
+    if digits is None:
+        return
+    precision, scale = digits
+    exact = value if isinstance(value, Decimal) else Decimal(repr(value))
+    if not exact.is_finite():
+        raise InvalidArgument(f"{what} must be a finite number, got {value!r}")
+    exponent = exact.as_tuple().exponent
+    places = -exponent if isinstance(exponent, int) and exponent < 0 else 0
+    if places > scale:
+        raise InvalidArgument(
+            f"{info.model.__name__}.{column.name} stores {scale} decimal place(s); {what}={value!r} "
+            f"has {places} and would be rounded by the database; nothing was sent"
+        )
+    if precision is not None and abs(exact) >= Decimal(10) ** (precision - scale):
+        raise InvalidArgument(
+            f"{info.model.__name__}.{column.name} is NUMERIC({precision}, {scale}): {what}={value!r} "
+            f"has too many digits before the decimal point; nothing was sent"
+        )
 
 
 def _out_of_range(

@@ -22,7 +22,7 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
-from sqlalchemy import select, text
+from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from stateguard import (
@@ -114,6 +114,36 @@ def test_increment_with_number_and_column_ceilings(engine: Any) -> None:
         assert increment(s, Bin.qty, 1, by=100).applied
         assert increment(s, Bin.qty, 99, ceiling=1000).outcome is Outcome.NOT_FOUND
     assert _qty(engine, 1) == (105,)
+
+
+@pytest.mark.parametrize(
+    ("call", "needle"),
+    [
+        (lambda s, k: decrement(s, Wallet.balance, k, by=Decimal("0.004")), "would be rounded"),
+        (lambda s, k: decrement(s, Wallet.balance, k, by=0.005), "would be rounded"),
+        (lambda s, k: decrement(s, Wallet.balance, k, by=Decimal("1.001"), ref="r-1"), "would be rounded"),
+        (lambda s, k: decrement(s, Wallet.balance, k, by=1, floor=Decimal("0.001")), "would be rounded"),
+        (lambda s, k: increment(s, Wallet.balance, k, by=Decimal("1E+10")), "too many digits"),
+        (lambda s, k: increment(s, Wallet.balance, k, by=1, ceiling=Decimal("1E+12")), "too many digits"),
+        (lambda s, k: reserve(s, Wallet.balance, {k: Decimal("0.001")}, ref="r-2"), "would be rounded"),
+    ],
+)
+def test_numeric_amounts_the_column_cannot_store_exactly_are_refused(
+    engine: Any, call: Any, needle: str
+) -> None:
+    """On NUMERIC(12, 2) holding 0.01, by=0.004 would be rounded to 0.00 and APPLIED forever: refused."""
+    with Session(engine) as s, s.begin():
+        s.add(Wallet(owner="bo", currency="EUR", balance=Decimal("0.01")))
+    key = ("bo", "EUR")
+    with Session(engine) as s, s.begin():
+        with pytest.raises(InvalidArgument, match=needle):
+            call(s, key)
+        # The transaction is still usable and nothing was taken.
+        assert s.get_one(Wallet, key).balance == Decimal("0.01")
+        assert decrement(s, Wallet.balance, key, by=Decimal("0.01")).applied
+    with Session(engine) as s:
+        assert s.get_one(Wallet, key).balance == Decimal("0.00")
+        assert s.execute(select(func.count()).select_from(counter_ledger)).scalar_one() == 0
 
 
 def test_numeric_counter_with_composite_key(engine: Any) -> None:
