@@ -30,7 +30,7 @@ from datetime import timedelta
 from decimal import Decimal
 from typing import Any, Final, TypeVar
 
-from sqlalchemy import Column, Connection, CursorResult, Engine, Table, insert, text
+from sqlalchemy import Column, Connection, CursorResult, Engine, Table, event, insert, text
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
@@ -370,6 +370,101 @@ def sync_loaded(
     expire = [a for a in expire if a not in committed]
     if expire and instance in session:
         session.expire(instance, expire)
+    _journal(session, info, instance, (*committed, *expire))
+
+
+# --------------------------------------------------------------------------
+# Savepoints and loaded instances
+# --------------------------------------------------------------------------
+#
+# A value synced into a loaded instance inside a SAVEPOINT is only true while
+# that savepoint stands.  When it is rolled back (reserve() ending
+# INSUFFICIENT, an idempotent() block that raises, the user's own
+# begin_nested()), the row is back to its old value but the instance still
+# holds the new one, and its next flush would write it back: a lost update.
+# The Session itself cannot know (set_committed_value does not make the
+# instance dirty, and reserve() uses a Connection-level savepoint), so each
+# connection keeps a journal of what was synced under each open savepoint,
+# fed by SQLAlchemy's savepoint events, and a rolled-back savepoint expires
+# those attributes: they reload from the database on the next access.
+
+_JOURNAL: Final = "stateguard.savepoints"
+
+
+def _frames(conn: Connection) -> list[Any] | None:
+    """The journal of ``conn`` (``None`` on a connection that was invalidated, e.g. by a cancelled task).
+
+    ``Connection.info`` of an invalidated connection would try to reconnect
+    and raise inside SQLAlchemy's own rollback path.
+    """
+    if conn.invalidated or conn.closed:
+        return None
+    frames: list[Any] | None = conn.info.get(_JOURNAL)
+    return frames
+
+
+def _journal(session: Session, info: _sql.ModelInfo, instance: Any, attrs: tuple[str, ...]) -> None:
+    if not attrs:
+        return
+    stack = _frames(session.connection(bind_arguments=info.bind_arguments))
+    if stack:
+        stack[-1][1].append((session, instance, attrs))
+
+
+@event.listens_for(Engine, "savepoint")
+def _on_savepoint(conn: Connection, name: str | None) -> None:
+    if name is None:
+        # SQLAlchemy announces an unnamed savepoint before naming it
+        # "sa_savepoint_<n>" from its per-connection counter (Connection.
+        # _savepoint_impl); the release/rollback events carry that name.
+        seq = getattr(conn, "_Connection__savepoint_seq", None)
+        name = f"sa_savepoint_{seq + 1}" if isinstance(seq, int) else None
+    if not (conn.invalidated or conn.closed):
+        conn.info.setdefault(_JOURNAL, []).append((name, []))
+
+
+def _pop_to(conn: Connection, name: str) -> list[Any]:
+    """Remove the frame of savepoint ``name`` and any still open inside it; what they journaled.
+
+    A frame whose name could not be known is taken to be the innermost one.
+    """
+    stack = _frames(conn)
+    entries: list[Any] = []
+    if stack and all(frame_name != name for frame_name, _ in stack):
+        frame_name, frame = stack.pop()
+        return list(frame)
+    while stack:
+        frame_name, frame = stack.pop()
+        entries.extend(frame)
+        if frame_name == name:
+            break
+    return entries
+
+
+@event.listens_for(Engine, "release_savepoint")
+def _on_release_savepoint(conn: Connection, name: str, context: Any) -> None:
+    # Released: its syncs now stand or fall with the enclosing savepoint (or transaction).
+    entries = _pop_to(conn, name)
+    stack = _frames(conn)
+    if stack and entries:
+        stack[-1][1].extend(entries)
+
+
+@event.listens_for(Engine, "rollback_savepoint")
+def _on_rollback_savepoint(conn: Connection, name: str, context: Any) -> None:
+    for session, instance, attrs in _pop_to(conn, name):
+        if instance in session:
+            session.expire(instance, list(attrs))
+
+
+@event.listens_for(Engine, "begin")
+@event.listens_for(Engine, "commit")
+@event.listens_for(Engine, "rollback")
+def _on_transaction_end(conn: Connection) -> None:
+    # A whole-transaction rollback expires every instance already (Session.rollback);
+    # Connection.info lives as long as the pooled DBAPI connection, so start clean.
+    if _frames(conn) is not None:
+        conn.info.pop(_JOURNAL, None)
 
 
 # --------------------------------------------------------------------------
