@@ -322,6 +322,7 @@ class ModelInfo:
         "fence_attr",
         "fence_column",
         "identity_class",
+        "key_limits",
         "mapper",
         "model",
         "pk_checks",
@@ -352,6 +353,8 @@ class ModelInfo:
             *(c == bindparam(n, type_=c.type) for c, n in zip(self.pk_columns, self.pk_names, strict=True))
         )
         self.pk_checks = tuple(_python_type(c) for c in self.pk_columns)
+        #: Per Backend (a handful, interned): the integer range of each key column, or ``()``.
+        self.key_limits: dict[Backend, tuple[tuple[int, int] | None, ...]] = {}
         self.column_by_attr: dict[str, Column[Any]] = {}
         self.attr_by_column: dict[Column[Any], str] = {}
         for prop in mapper.column_attrs:

@@ -177,11 +177,10 @@ def value_integers(items: Iterable[tuple[str, Column[Any], Any]]) -> list[tuple[
 def key_bounds(conn: Connection, info: _sql.ModelInfo) -> tuple[tuple[int, int] | None, ...] | None:
     """The integer range of each primary-key column on ``conn``'s database (``None``: no integer key)."""
     backend = _sql.backend(conn.dialect)
-    memo_key = ("key-bounds", info, backend)
-    found = memo.get(memo_key)
+    found = info.key_limits.get(backend)
     if found is None:
         bounds = tuple(_sql.integer_bounds(c, conn.dialect) for c in info.pk_columns)
-        found = memo.put(memo_key, bounds if any(bounds) else ())
+        found = info.key_limits[backend] = bounds if any(bounds) else ()
     return found or None
 
 

@@ -196,11 +196,13 @@ class Trigger:
             info, key, instance, items, has_sql = self._prepare(
                 session, target, values, expected_version, fence
             )
-        integers = _write.value_integers(items) if items else []
-        if expected_version is not None and info.version_column is not None:
-            integers.append((info.version_column, expected_version, "expected_version"))
-        if fence is not None and info.fence_column is not None:
-            integers.append((info.fence_column, fence, "fence"))
+        integers: list[tuple[Any, Any, str]] | tuple[()] = ()
+        if items or expected_version is not None or fence is not None:
+            integers = _write.value_integers(items)
+            if expected_version is not None and info.version_column is not None:
+                integers.append((info.version_column, expected_version, "expected_version"))
+            if fence is not None and info.fence_column is not None:
+                integers.append((info.fence_column, fence, "fence"))
         conn = _write.connection_for(session, info, (key,), integers)
         backend = _sql.backend(conn.dialect)
         old_db_state: Any = None
