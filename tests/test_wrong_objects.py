@@ -8,7 +8,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, create_engine, func, select
+from sqlalchemy import Engine, func, select
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
@@ -19,6 +19,7 @@ from stateguard import (
     consume_token,
     create_tables,
     decrement,
+    drop_tables,
     guarded_update,
     idempotent,
     increment,
@@ -31,18 +32,20 @@ from stateguard import (
     row_lock,
 )
 
+from .conftest import Backend
 from .models import Base, Message, Order
 
 
 @pytest.fixture
-def engine(tmp_path: Any) -> Iterator[Engine]:
-    eng = create_engine(f"sqlite:///{tmp_path / 'wrong.db'}")
-    Base.metadata.create_all(eng)
+def engine(backend: Backend) -> Iterator[Engine]:
+    """The test models and stateguard's tables on every backend, with one order."""
+    eng = backend.create(Base.metadata)
+    drop_tables(eng)
     create_tables(eng)
     with Session(eng) as s, s.begin():
         s.add(Order(id=1))
     yield eng
-    eng.dispose()
+    drop_tables(eng)
 
 
 CALLS: dict[str, Callable[[Any], Any]] = {
