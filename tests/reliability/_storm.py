@@ -186,14 +186,23 @@ class Spec:
 
 @dataclass
 class Channels:
-    """How the parent and the workers talk (passed to each process when it is spawned)."""
+    """How the parent and the workers talk (passed to each process when it is spawned).
+
+    Every queue and event belongs to one worker (``worker -> Queue``): a process SIGKILLed
+    while its feeder thread writes to a queue dies holding that queue's
+    cross-process write lock (an event, its condition's lock), so a queue shared by all workers would hang every
+    later writer.  A killed worker's own queues are simply never read again.
+    """
 
     barrier: Any
-    results: Any  # (worker, traceback or None, Report or None)
-    held: Any  # Held
-    connections: Any  # (worker, server connection id)
+    results: dict[str, Any]  # worker -> Queue of (traceback or None, Report or None)
+    held: dict[str, Any]  # worker -> Queue of Held
+    connections: dict[str, Any]  # worker -> Queue of server connection ids
     release: dict[str, Any]  # worker -> Event
-    targets: Any  # Event: the held items are free for everyone
+    targets: dict[str, Any]  # worker -> Event: the held items are free for everyone
+
+    def queues(self) -> list[Any]:
+        return [q for qs in (self.results, self.held, self.connections) for q in qs.values()]
 
 
 @dataclass
@@ -399,7 +408,7 @@ class _Holder:
         if session is not None:
             conn_id = server_id(session.connection().connection.dbapi_connection)
         version = r.version if r is not None and kind == TRANSITIONS else None
-        self.channels.held.put(Held(self.spec.worker, kind, key, what, phase, version, conn_id))
+        self.channels.held[self.spec.worker].put(Held(self.spec.worker, kind, key, what, phase, version, conn_id))
         if not self.channels.release[self.spec.worker].wait(HOLD_FOR):
             raise AssertionError(f"held at {hold} for {HOLD_FOR:.0f}s, neither killed nor released")
 
@@ -458,7 +467,7 @@ def run_worker(engine: Engine, spec: Spec, stats: Stats, channels: Channels) -> 
     """Every order's triggers and every purchase, orders and purchases interleaved in a seeded order.
 
     The held item comes first; the items other workers hold come last, once
-    the test has set ``channels.targets``.
+    the test has set the worker's ``channels.targets`` event.
     """
     tasks: list[tuple[str, Any]] = [(TRANSITIONS, k) for k in spec.orders]
     tasks += [(COUNTERS, p) for p in spec.purchases]
@@ -477,7 +486,7 @@ def run_worker(engine: Engine, spec: Spec, stats: Stats, channels: Channels) -> 
     calls: dict[str, list[tuple[Any, str, str, Any, Any]]] = {TRANSITIONS: [], COUNTERS: []}
     for kind, task in tasks:
         if kind == "wait":
-            if later and not channels.targets.wait(HOLD_FOR):
+            if later and not channels.targets[spec.worker].wait(HOLD_FOR):
                 raise AssertionError(f"the held items were not freed within {HOLD_FOR:.0f}s")
         elif kind == TRANSITIONS:
             for trigger in triggers_for(task):
@@ -495,17 +504,17 @@ def run_worker(engine: Engine, spec: Spec, stats: Stats, channels: Channels) -> 
 
 def worker_main(spec: Spec, channels: Channels) -> None:
     """Entry point of a child process: own engine, wait for the start, run, report (or the error)."""
-    engine = make_engine(spec, channels.connections)
+    engine = make_engine(spec, channels.connections[spec.worker])
     stats = Stats()
     try:
         if spec.backend in ISOLATION_QUERY:
             with engine.connect() as conn:
                 stats.isolation = str(conn.execute(text(ISOLATION_QUERY[spec.backend])).scalar_one())
         channels.barrier.wait(w.BARRIER_TIMEOUT)
-        channels.results.put((spec.worker, None, run_worker(engine, spec, stats, channels)))
+        channels.results[spec.worker].put((None, run_worker(engine, spec, stats, channels)))
     except BaseException:
         channels.barrier.abort()
-        channels.results.put((spec.worker, traceback.format_exc(), None))
+        channels.results[spec.worker].put((traceback.format_exc(), None))
     finally:
         engine.dispose()
 
@@ -622,11 +631,11 @@ class Control:
 
     def next_held(self, timeout: float = 60.0) -> Held:
         """Wait for the next worker to reach its hold."""
-        try:
-            held: Held = self.channels.held.get(timeout=timeout)
-        except queue_mod.Empty:
+        found = _next_message(self.channels.held, self.killed, timeout)
+        if found is None:
             codes = {n: p.exitcode for n, p in self.procs.items()}
             pytest.fail(f"no worker reached its hold in {timeout:.0f}s; exit codes {codes}", pytrace=False)
+        held: Held = found[1]
         return held
 
     def kill(self, worker: str) -> None:
@@ -643,16 +652,19 @@ class Control:
 
     def free_targets(self) -> None:
         """Let every worker do the held items (done anyway once ``during`` returns)."""
-        self.channels.targets.set()
+        for freed in self.channels.targets.values():
+            freed.set()
 
     def connections(self) -> dict[str, list[int]]:
         """Every server connection id each worker reported so far, oldest first."""
-        while True:
-            try:
-                worker, conn_id = self.channels.connections.get_nowait()
-            except queue_mod.Empty:
-                return self._connections
-            self._connections[worker].append(conn_id)
+        for worker, q in self.channels.connections.items():
+            while worker not in self.killed:
+                try:
+                    _, conn_id = q.get_nowait()
+                except queue_mod.Empty:
+                    break
+                self._connections[worker].append(conn_id)
+        return self._connections
 
 
 @dataclass
@@ -697,6 +709,22 @@ class Storm:
         return {k: n for k, n in self.raised().items() if k.startswith("stateguard ") and "(conflict)" in k}
 
 
+def _next_message(queues: dict[str, Any], skip: set[str], timeout: float) -> tuple[str, Any] | None:
+    """The next message on any worker's queue but those of ``skip``, or None after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for worker, q in queues.items():
+            if worker in skip:
+                continue
+            try:
+                return worker, q.get_nowait()
+            except queue_mod.Empty:
+                pass
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.005)
+
+
 def run_storm(
     specs: Sequence[Spec],
     *,
@@ -712,11 +740,11 @@ def run_storm(
     ctx = multiprocessing.get_context("spawn")
     channels = Channels(
         barrier=ctx.Barrier(len(specs) + 1),
-        results=ctx.Queue(),
-        held=ctx.Queue(),
-        connections=ctx.Queue(),
+        results={s.worker: ctx.Queue() for s in specs},
+        held={s.worker: ctx.Queue() for s in specs},
+        connections={s.worker: ctx.Queue() for s in specs},
         release={s.worker: ctx.Event() for s in specs},
-        targets=ctx.Event(),
+        targets={s.worker: ctx.Event() for s in specs},
     )
     procs = {s.worker: ctx.Process(target=worker_main, args=(s, channels)) for s in specs}
     for p in procs.values():
@@ -732,12 +760,16 @@ def run_storm(
         control.free_targets()
         expected = {s.worker for s in specs} - control.killed
         while not expected <= set(got) and time.monotonic() < deadline:
-            try:
-                name, tb, report = channels.results.get(timeout=0.5)
-            except queue_mod.Empty:
-                if all(not p.is_alive() for p in procs.values()) and channels.results.empty():
-                    break
-                continue
+            found = _next_message(channels.results, control.killed | set(got), 0.5)
+            if found is None:
+                if all(not p.is_alive() for p in procs.values()):
+                    # A last look: a worker's report may have landed just before it exited.
+                    found = _next_message(channels.results, control.killed | set(got), 0)
+                    if found is None:
+                        break
+                else:
+                    continue
+            name, (tb, report) = found
             got[name] = (tb, report)
     except BaseException:
         failed = True
@@ -750,7 +782,7 @@ def run_storm(
                 hung.append(name)
                 p.kill()
                 p.join()
-        for q in (channels.results, channels.held, channels.connections):
+        for q in channels.queues():
             q.close()
             q.join_thread()
     exitcodes = {name: p.exitcode for name, p in procs.items()}
