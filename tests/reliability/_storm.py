@@ -188,10 +188,11 @@ class Spec:
 class Channels:
     """How the parent and the workers talk (passed to each process when it is spawned).
 
-    Every queue and event belongs to one worker (``worker -> Queue``): a process SIGKILLed
-    while its feeder thread writes to a queue dies holding that queue's
-    cross-process write lock (an event, its condition's lock), so a queue shared by all workers would hang every
-    later writer.  A killed worker's own queues are simply never read again.
+    Every queue and event belongs to one worker (``worker -> Queue``): a process
+    SIGKILLed while its feeder thread writes to a queue dies holding that
+    queue's cross-process write lock (an event, its condition's lock), so a
+    queue shared by all workers would hang every later writer.  A killed
+    worker's own queues are simply never read again.
     """
 
     barrier: Any
@@ -408,7 +409,8 @@ class _Holder:
         if session is not None:
             conn_id = server_id(session.connection().connection.dbapi_connection)
         version = r.version if r is not None and kind == TRANSITIONS else None
-        self.channels.held[self.spec.worker].put(Held(self.spec.worker, kind, key, what, phase, version, conn_id))
+        held = Held(self.spec.worker, kind, key, what, phase, version, conn_id)
+        self.channels.held[self.spec.worker].put(held)
         if not self.channels.release[self.spec.worker].wait(HOLD_FOR):
             raise AssertionError(f"held at {hold} for {HOLD_FOR:.0f}s, neither killed nor released")
 
