@@ -54,7 +54,7 @@ from . import _sql, _write
 from ._async import dual
 from .exceptions import InvalidArgument, RefConflict, SerializationConflict
 from .result import Outcome, Result
-from .tables import MAX_REF, counter_ledger, row_key
+from .tables import DIGEST_PREFIX, MAX_REF, ROW_KEY_LENGTH, counter_ledger, row_key
 
 __all__ = ["counter_ledger", "decrement", "increment", "release", "reserve"]
 
@@ -216,6 +216,22 @@ def _ledger_stmt(kind: str, backend: _sql.Backend) -> Any:
     return _write.memo.put(cache_key, stmt)
 
 
+def _ledger_key(counter: _Counter, key: tuple[Any, ...]) -> str:
+    """The ledger's ``row_key`` of ``key``, or InvalidArgument if only its digest fits the column.
+
+    ``release`` reads the keys of a ref back from the ledger, which a digest
+    cannot give; refused before any statement.
+    """
+    stored = row_key(key)
+    if stored.startswith(DIGEST_PREFIX):
+        raise InvalidArgument(
+            f"{counter.model.__name__} key {_sql.public_key(key)!r} is too long for a ref'd counter "
+            f"change: the ledger stores keys of at most {ROW_KEY_LENGTH} characters as JSON; "
+            f"use a shorter key or change it without ref="
+        )
+    return stored
+
+
 def _claim(
     conn: Connection, backend: _sql.Backend, counter: _Counter, key: tuple[Any, ...], ref: str, delta: Any
 ) -> Any:
@@ -223,7 +239,7 @@ def _claim(
     params = {
         "sg_ref": ref,
         "sg_table_name": counter.info.table.fullname,
-        "sg_row_key": row_key(key),
+        "sg_row_key": _ledger_key(counter, key),
         "sg_column_name": counter.column.name,
         "sg_delta": str(delta),
     }
@@ -311,6 +327,8 @@ def _change(
     _check_bound(counter, bound, role)
     _check_ref(ref)
     key, instance = _write.resolve_target(session, counter.info, target)
+    if ref is not None:
+        _ledger_key(counter, key)
     integers = [(counter.column, by, "by")]
     if counter.bound_column is None and bound is not None:
         integers.append((counter.column, bound, role))
@@ -420,6 +438,7 @@ def reserve(session: Session, column: Any, amounts: Mapping[Any, Any], *, ref: s
                 f"reserve got {counter.model.__name__} {_sql.public_key(key)!r} twice; "
                 f"give each row once with its total amount"
             )
+        _ledger_key(counter, key)
         resolved[key] = (by, instance)
     amounts_checked = [(counter.column, by, "an amount") for by, _ in resolved.values()]
     conn = _write.connection_for(session, counter.info, list(resolved), amounts_checked)

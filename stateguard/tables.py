@@ -19,6 +19,7 @@ unless declared ``DATETIME(6)``; SQLite has no date type at all).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any, Final
 
@@ -43,10 +44,12 @@ from sqlalchemy.dialects import mysql
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
 __all__ = [
+    "DIGEST_PREFIX",
     "MAX_KEY",
     "MAX_REF",
     "MAX_REQUEST_ID",
     "MAX_SCOPE",
+    "ROW_KEY_LENGTH",
     "ExactString",
     "consumed_messages",
     "counter_ledger",
@@ -116,10 +119,40 @@ def long_text() -> Any:
     return Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")
 
 
+#: Length of the ``row_key`` columns of the transition log and the counter ledger (characters).
+ROW_KEY_LENGTH: Final = 255
+#: How :func:`row_key` marks a key stored as a digest (no JSON text starts with ``#``).
+DIGEST_PREFIX: Final = "#sha256:"
+
+
 def row_key(key: tuple[Any, ...]) -> str:
-    """A primary key as stored in the log and the ledger: JSON of the key (a list for composite keys)."""
+    """A primary key as stored in the log and the ledger: JSON of the key (a list for composite keys).
+
+    Every key fits the ``row_key`` columns: the JSON with ASCII escapes
+    (what stateguard always stored, so existing rows still match), else the
+    JSON without escapes (a 60-character CJK code is 62 characters, not
+    362), else, for keys that long, ``#sha256:`` and the hex digest of that
+    JSON.  The transition log only compares row keys; the counter ledger
+    reads its keys back (``release``), so a ref'd counter call refuses a key
+    of the digest form (:func:`ledger_key`).
+    """
     value: Any = key[0] if len(key) == 1 else list(key)
-    return json.dumps(value, separators=(",", ":"), default=str, sort_keys=True)
+    text = json.dumps(value, separators=(",", ":"), default=str, sort_keys=True)
+    if len(text) <= ROW_KEY_LENGTH:
+        return text
+    text = json.dumps(value, separators=(",", ":"), default=str, sort_keys=True, ensure_ascii=False)
+    # A lone surrogate cannot be stored unescaped (no UTF-8 for it): digest it.
+    if len(text) <= ROW_KEY_LENGTH and not _has_surrogate(text):
+        return text
+    return DIGEST_PREFIX + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _serial() -> Any:
