@@ -280,7 +280,9 @@ def _apply(
     if ref is not None:
         ledger_id = _claim(conn, backend, counter, key, ref, delta)
         if ledger_id is None:
-            return Result(Outcome.REPEATED, model=counter.model, key=public, session=session)
+            return Result(
+                Outcome.REPEATED, model=counter.model, key=public, session=session, same_request=True
+            )
     numeric_bound = bound is not None and counter.bound_column is None
     # MySQL's OK packet carries LAST_INSERT_ID(expr) as an unsigned integer, so
     # it can return the new value only when that is certainly a non-negative
@@ -465,7 +467,15 @@ def reserve(session: Session, column: Any, amounts: Mapping[Any, Any], *, ref: s
         _write.abandon_savepoint(savepoint)
         raise
     savepoint.commit()
-    return Result(outcomes.pop(), model=counter.model, key=ref, value=values, session=session)
+    outcome = outcomes.pop()
+    return Result(
+        outcome,
+        model=counter.model,
+        key=ref,
+        value=values,
+        session=session,
+        same_request=outcome is Outcome.REPEATED,
+    )
 
 
 @dual
@@ -504,7 +514,7 @@ def release(session: Session, column: Any, ref: str) -> Result:
     mark = _ledger_stmt("mark", backend)
     marked = _write.execute(conn, mark, {"sg_ids": [row.id for row in rows]}).rowcount
     if not marked:
-        return Result(Outcome.REPEATED, model=counter.model, key=ref, session=session)
+        return Result(Outcome.REPEATED, model=counter.model, key=ref, session=session, same_request=True)
     if marked != len(rows):  # pragma: no cover - a ref's entries are marked together
         raise SerializationConflict(
             f"some ledger entries of ref {ref!r} were released by another transaction meanwhile; "

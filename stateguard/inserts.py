@@ -59,7 +59,7 @@ def insert_once(session: Session, model: type[Any], values: Mapping[str, Any]) -
     known_key = None if any(k is None for k in given_key) else _sql.public_key(given_key)
     inserted = insert(conn, _sql.value_params(frozen))
     if inserted is None:
-        return Result(Outcome.REPEATED, model=model, key=known_key, session=session)
+        return Result(Outcome.REPEATED, model=model, key=known_key, session=session, same_request=True)
     key = _sql.public_key(inserted) if inserted and None not in inserted else known_key
     return Result(Outcome.APPLIED, model=model, key=key, session=session)
 
@@ -111,4 +111,5 @@ def consume_once(session: Session, consumer: str, message_id: str) -> Result:
         key=(consumer, message_id),
         trigger="consume",
         session=session,
+        same_request=not inserted,
     )

@@ -57,6 +57,20 @@ class Result:
             r.on_commit(send_receipt, 42)
         else:
             r.raise_for_outcome()   # no-op for REPEATED
+
+    ``same_request`` is ``True`` on a REPEATED result decided by the identity
+    the call carried, which the first application stored in its own
+    transaction: a trigger's ``request_id`` found in the transition history,
+    a counter's ``ref`` found in the ledger, :func:`insert_once`'s unique key,
+    :func:`consume_once`'s ``(consumer, message_id)``.  A retry whose first
+    attempt lost its reply (the COMMIT ran, its acknowledgement never came)
+    learns from it that the first attempt committed.  A REPEATED read from the
+    row's state alone (the row is already where the trigger leads, moved there
+    by any request) has ``same_request`` ``False``::
+
+        r = Invoice.flow.pay(session, 7, request_id=rid)   # the retry
+        if r.same_request:
+            ...  # the first attempt with rid committed: its effects are in the database
     """
 
     __slots__ = (
@@ -65,6 +79,7 @@ class Result:
         "key",
         "model",
         "outcome",
+        "same_request",
         "state",
         "trigger",
         "value",
@@ -83,6 +98,7 @@ class Result:
         value: Any = None,
         expected_version: int | None = None,
         session: Session | None = None,
+        same_request: bool = False,
     ) -> None:
         self.outcome = outcome
         self.model = model
@@ -92,6 +108,7 @@ class Result:
         self.version = version
         self.value = value
         self.expected_version = expected_version
+        self.same_request = same_request
         self._session = session
 
     @property
@@ -136,5 +153,7 @@ class Result:
             parts.append(f"version={self.version!r}")
         if self.value is not None:
             parts.append(f"value={self.value!r}")
+        if self.same_request:
+            parts.append("same_request=True")
         model = getattr(self.model, "__name__", self.model)
         return f"<Result {model} {' '.join(parts)}>"

@@ -212,7 +212,9 @@ class Trigger:
                 logged = history.applied_by_request(conn, m, self.name, key, request_id)
                 if logged is not None:
                     state = m.codec.named(logged[0])
-                    return self._result(Outcome.REPEATED, session, key, state, logged[1], expected_version)
+                    return self._result(
+                        Outcome.REPEATED, session, key, state, logged[1], expected_version, same_request=True
+                    )
             if len(self.sources) > 1:
                 # Several possible sources: lock the row and read the real one first.
                 _write.sqlite_write_lock(conn)
@@ -299,6 +301,8 @@ class Trigger:
         state: Any = None,
         version: int | None = None,
         expected_version: int | None = None,
+        *,
+        same_request: bool = False,
     ) -> Result:
         """A result of this trigger for ``key``."""
         return Result(
@@ -310,6 +314,7 @@ class Trigger:
             version=version,
             expected_version=expected_version,
             session=session,
+            same_request=same_request,
         )
 
     def _applied(

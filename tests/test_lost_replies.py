@@ -1,0 +1,225 @@
+"""Lost COMMIT acknowledgements (issue 15, item 2, the SQL half): the COMMIT ran on the
+server, the client got a DBAPI error; the retry (a new connection, the same request_id,
+ref, unique key or message id) learns that its first attempt applied: REPEATED with
+``same_request`` set, and the change is in the database exactly once.
+
+The fault is real: tests/_faultproxy.py forwards the COMMIT to PostgreSQL or MariaDB and
+drops the server's reply. A connection cut *before* the COMMIT (nothing applied) makes the
+retry APPLIED instead, so the two cases are told apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, create_engine, func, select
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
+
+from stateguard import (
+    Outcome,
+    Result,
+    consume_once,
+    create_tables,
+    decrement,
+    drop_tables,
+    insert_once,
+    release,
+    reserve,
+)
+
+from ._faultproxy import FaultProxy
+from ._stock_workers import Stock, StockBase
+from .conftest import Backend
+from .models import Base, Invoice, Message
+
+
+@pytest.fixture(params=["postgresql", "mariadb"])
+def server(request: pytest.FixtureRequest) -> Backend:
+    """PostgreSQL and MariaDB (a TCP server the proxy can stand in front of)."""
+    fixture = "pg" if request.param == "postgresql" else "mariadb"
+    backend: Backend = request.getfixturevalue(fixture)
+    return backend
+
+
+@pytest.fixture
+def proxied(server: Backend) -> Iterator[tuple[Engine, FaultProxy]]:
+    """stateguard's tables and the models on ``server``, and an engine reaching it through a FaultProxy."""
+    direct = server.create(Base.metadata, StockBase.metadata)
+    drop_tables(direct)
+    create_tables(direct)
+    url = make_url(server.url)
+    with FaultProxy(
+        url.host or "127.0.0.1", url.port or (5432 if server.name == "postgresql" else 3306)
+    ) as proxy:
+        through = url.set(host=proxy.host, port=proxy.port)
+        if server.name == "postgresql":
+            through = through.update_query_dict({"sslmode": "disable"})
+        engine = create_engine(through)
+        try:
+            yield engine, proxy
+        finally:
+            engine.dispose()
+    drop_tables(direct)
+
+
+def lose_commit_reply(engine: Engine, proxy: FaultProxy, work: Callable[[Session], Result]) -> Result:
+    """Run ``work`` in a transaction whose COMMIT reaches the server but whose reply is cut."""
+    with Session(engine) as s:
+        first = work(s)
+        proxy.cut_after_next_request(b"COMMIT")
+        with pytest.raises(DBAPIError):
+            s.commit()
+    assert proxy.wait_cut()
+    assert proxy.cuts == 1
+    return first
+
+
+def lose_connection_before_commit(
+    engine: Engine, proxy: FaultProxy, work: Callable[[Session], Result]
+) -> None:
+    """Run ``work`` in a transaction whose connection is cut before the COMMIT is sent (nothing applies)."""
+    with Session(engine) as s:
+        assert work(s).applied
+        assert proxy.cut_all() == 1
+        with pytest.raises(DBAPIError):
+            s.commit()
+
+
+def retry(engine: Engine, work: Callable[[Session], Result]) -> Result:
+    """Run ``work`` again in a new session and commit."""
+    with Session(engine) as s, s.begin():
+        return work(s)
+
+
+def _seed(engine: Engine, *rows: Any) -> None:
+    with Session(engine) as s, s.begin():
+        s.add_all(rows)
+
+
+def _invoice(engine: Engine, key: int) -> Invoice:
+    with Session(engine) as s:
+        return s.get_one(Invoice, key)
+
+
+def _amount(engine: Engine, key: int) -> int:
+    with Session(engine) as s:
+        return s.get_one(Stock, key).amount
+
+
+def test_trigger_retry_learns_its_lost_commit_applied(proxied: tuple[Engine, FaultProxy]) -> None:
+    """A pay whose COMMIT reply was lost is REPEATED with same_request on retry, logged once."""
+    engine, proxy = proxied
+    _seed(engine, Invoice(id=1, status="sent"))
+    pay = lambda s: Invoice.flow.pay(s, 1, request_id="req-1")  # noqa: E731
+    assert lose_commit_reply(engine, proxy, pay).applied
+    again = retry(engine, pay)
+    assert (again.outcome, again.same_request, again.state) == (Outcome.REPEATED, True, "paid")
+    assert _invoice(engine, 1).status == "paid"
+    with Session(engine) as s:
+        assert [e.request_id for e in Invoice.flow.history(s, 1)] == ["req-1"]
+
+
+def test_trigger_other_request_is_not_same_request(proxied: tuple[Engine, FaultProxy]) -> None:
+    """After a lost COMMIT another request_id is REPEATED from the row's state, without same_request."""
+    engine, proxy = proxied
+    _seed(engine, Invoice(id=1, status="sent"))
+    lose_commit_reply(engine, proxy, lambda s: Invoice.flow.pay(s, 1, request_id="req-1"))
+    other = retry(engine, lambda s: Invoice.flow.pay(s, 1, request_id="req-2"))
+    assert (other.outcome, other.same_request) == (Outcome.REPEATED, False)
+
+
+def test_trigger_retry_after_row_moved_on(proxied: tuple[Engine, FaultProxy]) -> None:
+    """The retry learns its pay applied even after another request voided the invoice meanwhile."""
+    engine, proxy = proxied
+    _seed(engine, Invoice(id=1, status="sent"))
+    pay = lambda s: Invoice.flow.pay(s, 1, request_id="req-1")  # noqa: E731
+    lose_commit_reply(engine, proxy, pay)
+    assert retry(engine, lambda s: Invoice.flow.void(s, 1, request_id="req-9")).applied
+    again = retry(engine, pay)
+    assert (again.outcome, again.same_request) == (Outcome.REPEATED, True)
+    assert _invoice(engine, 1).status == "void"
+
+
+def test_trigger_cut_before_commit_retry_applies(proxied: tuple[Engine, FaultProxy]) -> None:
+    """A connection lost before the COMMIT left nothing: the retry with the same request_id is APPLIED."""
+    engine, proxy = proxied
+    _seed(engine, Invoice(id=1, status="sent"))
+    pay = lambda s: Invoice.flow.pay(s, 1, request_id="req-1")  # noqa: E731
+    lose_connection_before_commit(engine, proxy, pay)
+    assert _invoice(engine, 1).status == "sent"
+    again = retry(engine, pay)
+    assert (again.outcome, again.same_request) == (Outcome.APPLIED, False)
+
+
+def test_decrement_retry_learns_its_lost_commit_applied(proxied: tuple[Engine, FaultProxy]) -> None:
+    """A decrement with ref whose COMMIT reply was lost is REPEATED with same_request; taken once."""
+    engine, proxy = proxied
+    _seed(engine, Stock(id=1, amount=10))
+    take = lambda s: decrement(s, Stock.amount, 1, by=3, ref="order-1")  # noqa: E731
+    assert lose_commit_reply(engine, proxy, take).applied
+    again = retry(engine, take)
+    assert (again.outcome, again.same_request) == (Outcome.REPEATED, True)
+    assert _amount(engine, 1) == 7
+
+
+def test_decrement_cut_before_commit_retry_applies(proxied: tuple[Engine, FaultProxy]) -> None:
+    """A decrement whose connection was lost before the COMMIT is APPLIED on retry, taken once."""
+    engine, proxy = proxied
+    _seed(engine, Stock(id=1, amount=10))
+    take = lambda s: decrement(s, Stock.amount, 1, by=3, ref="order-1")  # noqa: E731
+    lose_connection_before_commit(engine, proxy, take)
+    again = retry(engine, take)
+    assert (again.outcome, again.same_request) == (Outcome.APPLIED, False)
+    assert _amount(engine, 1) == 7
+
+
+def test_reserve_and_release_retries_learn_their_lost_commits_applied(
+    proxied: tuple[Engine, FaultProxy],
+) -> None:
+    """reserve and release whose COMMIT replies were lost are REPEATED with same_request on retry."""
+    engine, proxy = proxied
+    _seed(engine, Stock(id=1, amount=5), Stock(id=2, amount=5))
+    hold = lambda s: reserve(s, Stock.amount, {1: 2, 2: 1}, ref="order-1")  # noqa: E731
+    assert lose_commit_reply(engine, proxy, hold).applied
+    again = retry(engine, hold)
+    assert (again.outcome, again.same_request) == (Outcome.REPEATED, True)
+    assert (_amount(engine, 1), _amount(engine, 2)) == (3, 4)
+    proxy.cuts = 0
+    give_back = lambda s: release(s, Stock.amount, "order-1")  # noqa: E731
+    assert lose_commit_reply(engine, proxy, give_back).applied
+    again = retry(engine, give_back)
+    assert (again.outcome, again.same_request) == (Outcome.REPEATED, True)
+    assert (_amount(engine, 1), _amount(engine, 2)) == (5, 5)
+
+
+def test_insert_once_retry_learns_its_lost_commit_applied(proxied: tuple[Engine, FaultProxy]) -> None:
+    """insert_once whose COMMIT reply was lost is REPEATED with same_request on retry; one row."""
+    engine, proxy = proxied
+    put = lambda s: insert_once(s, Message, {"message_id": "m-1"})  # noqa: E731
+    assert lose_commit_reply(engine, proxy, put).applied
+    again = retry(engine, put)
+    assert (again.outcome, again.same_request) == (Outcome.REPEATED, True)
+    with Session(engine) as s:
+        assert s.scalar(select(func.count()).select_from(Message)) == 1
+
+
+def test_consume_once_retry_learns_its_lost_commit_applied(proxied: tuple[Engine, FaultProxy]) -> None:
+    """consume_once whose COMMIT reply was lost is REPEATED with same_request on retry."""
+    engine, proxy = proxied
+    eat = lambda s: consume_once(s, "billing", "msg-1")  # noqa: E731
+    assert lose_commit_reply(engine, proxy, eat).applied
+    again = retry(engine, eat)
+    assert (again.outcome, again.same_request) == (Outcome.REPEATED, True)
+
+
+def test_consume_once_cut_before_commit_retry_applies(proxied: tuple[Engine, FaultProxy]) -> None:
+    """consume_once whose connection was lost before the COMMIT is APPLIED on retry."""
+    engine, proxy = proxied
+    eat = lambda s: consume_once(s, "billing", "msg-1")  # noqa: E731
+    lose_connection_before_commit(engine, proxy, eat)
+    again = retry(engine, eat)
+    assert (again.outcome, again.same_request) == (Outcome.APPLIED, False)
