@@ -7,8 +7,10 @@
     $ stateguard check myapp.models --db postgresql+psycopg://app@db/app --json
     $ stateguard purge --db postgresql+psycopg://app@db/app --batch 1000
 
-Exit codes: 0 ok, 1 an invariant was violated or problems were found,
-2 usage error (bad arguments, unreachable database, missing driver).
+Exit codes: 0 ok; 1 only from ``demo`` (an invariant was violated) and
+``check`` (problems were found); 2 usage error (bad arguments, a database
+that cannot be reached or does not exist, a missing driver, missing
+stateguard tables for ``purge``).  Each command's ``--help`` lists its own.
 :func:`main` takes the arguments and returns the exit code, so it can be
 tested without a subprocess.
 """
@@ -25,6 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, TextIO, TypeVar
+from urllib.parse import unquote, urlsplit
 
 from sqlalchemy import Engine, create_engine
 from sqlalchemy import exc as sa_exc
@@ -32,6 +35,7 @@ from sqlalchemy.engine import URL, make_url
 
 from .. import __version__
 from ..engine import sqlite_engine
+from ..exceptions import StateguardError
 from ..idempotency import purge_expired as _purge_keys
 from ..machine import StateMachine, machines_of
 from ..schema import machines_in_module
@@ -48,12 +52,40 @@ EXIT_USAGE = 2
 
 DEFAULT_DB = "sqlite:///stateguard-demo.db"
 
-_EXIT_CODES = """\
-exit codes:
+#: The ``exit codes:`` epilog of ``stateguard --help`` and of each command's ``--help``: its own codes only.
+_EXIT_CODES: dict[str, str] = {
+    "stateguard": """\
+exit codes (each command's --help lists its own):
   0  ok
-  1  an invariant was violated or problems were found
+  1  demo: an invariant was violated; check: problems were found
+  2  usage error (bad arguments, unreachable or missing database, missing driver)
+""",
+    "demo": """\
+exit codes:
+  0  ok: every invariant held
+  1  an invariant was violated (or the database failed during the run)
   2  usage error (bad arguments, unreachable database, missing driver)
-"""
+""",
+    "graph": """\
+exit codes:
+  0  ok: the graph was written
+  2  usage error (bad arguments, unimportable module, no such model or machine,
+     Graphviz missing, output not writable)
+""",
+    "check": """\
+exit codes:
+  0  ok: no problems (warnings allowed)
+  1  problems were found
+  2  usage error (bad arguments, unimportable module, unreachable database,
+     a SQLite file that does not exist, a database error while reading)
+""",
+    "purge": """\
+exit codes:
+  0  ok: expired rows deleted (or none were left)
+  2  usage error (bad arguments, unreachable database, a SQLite file that does
+     not exist, stateguard's tables missing, a database error)
+""",
+}
 
 #: Which extra installs the driver a URL names (for the "not installed" hint).
 _EXTRAS = {"psycopg": "postgres", "pymysql": "mysql"}
@@ -82,12 +114,17 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0].strip() if text else type(orig).__name__
 
 
-def open_engine(db: str, *, workers: int, purpose: str = "the demo") -> Engine:
+def open_engine(db: str, *, workers: int, purpose: str = "the demo", create: bool = True) -> Engine:
     """An engine for ``db`` that has connected once, or :class:`UsageError` saying why not.
 
     SQLite URLs go through :func:`stateguard.sqlite_engine` (WAL, busy
-    timeout, ``BEGIN IMMEDIATE``); the pool has room for every worker.
-    ``purpose`` names the command in the "needs a SQLite file" message.
+    timeout); the pool has room for every worker.  ``purpose`` names the
+    command in the messages.  With ``create=False`` (``check``, ``purge``) a
+    SQLite file that does not exist is a :class:`UsageError` instead of a new
+    empty database (sqlite3 creates the file on connect), and the database's
+    journal mode is left as it is::
+
+        open_engine("sqlite:///app.db", workers=1, purpose="stateguard check", create=False)
     """
     try:
         url = make_url(db)
@@ -101,7 +138,9 @@ def open_engine(db: str, *, workers: int, purpose: str = "the demo") -> Engine:
             if database in ("", ":memory:") or url.query.get("mode") == "memory":
                 # Every worker needs its own connection to the same database.
                 raise UsageError(f"{purpose} needs a SQLite file, e.g. sqlite:///stateguard-demo.db")
-            engine = sqlite_engine(db, **pool)
+            if not create:
+                _sqlite_file_exists(url, database, purpose)
+            engine = sqlite_engine(db, wal=create, **pool)
         else:
             connect_args: dict[str, Any] = {}
             timeout_known = url.get_driver_name() in ("psycopg", "psycopg2", "pymysql")
@@ -130,6 +169,20 @@ def open_engine(db: str, *, workers: int, purpose: str = "the demo") -> Engine:
         engine.dispose()
         raise UsageError(f"cannot connect to {_safe(url)}: {_first_line(error)}") from error
     return engine
+
+
+def _sqlite_file_exists(url: URL, database: str, purpose: str) -> None:
+    """:class:`UsageError` unless the SQLite file ``database`` names exists (connecting would create it)."""
+    path = database
+    if path.startswith("file:") and str(url.query.get("uri", "")).lower() in ("1", "true"):
+        # sqlite:///file:app.db?mode=ro&uri=true: an SQLite URI filename.
+        path = unquote(urlsplit(path).path)
+    if not Path(path).is_file():
+        where = Path(path).resolve()
+        raise UsageError(
+            f"no SQLite database at {where} ({_safe(url)}); {purpose} does not create one: "
+            "check the path (relative paths start at the current folder)"
+        )
 
 
 # --------------------------------------------------------------------------
@@ -193,7 +246,7 @@ _PURGERS: dict[str, tuple[str, Any]] = {
 
 
 def _cmd_purge(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    engine = open_engine(args.db, workers=1, purpose="stateguard purge")
+    engine = open_engine(args.db, workers=1, purpose="stateguard purge", create=False)
     try:
         for what in args.what or sorted(_PURGERS):
             label, purge = _PURGERS[what]
@@ -201,12 +254,13 @@ def _cmd_purge(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             while True:
                 try:
                     deleted = int(purge(engine, batch=args.batch))
-                except sa_exc.SQLAlchemyError as error:
+                except (sa_exc.SQLAlchemyError, StateguardError) as error:
+                    # Missing tables are a setup mistake, not "problems found" (exit 1 is not purge's).
                     err.write(f"stateguard purge: {label}: database error: {_first_line(error)}\n")
                     err.write(
                         "  (run `alembic upgrade stateguard@head` or stateguard.create_tables() first?)\n"
                     )
-                    return EXIT_PROBLEMS
+                    return EXIT_USAGE
                 total += deleted
                 batches += 1
                 if deleted < args.batch or (args.max_batches and batches >= args.max_batches):
@@ -333,15 +387,16 @@ def _cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     findings: dict[int, list[_check.Finding]] = {id(m): _check.check_declaration(m) for m in machines}
     database: str | None = None
     if args.db is not None:
-        engine = open_engine(args.db, workers=1, purpose="stateguard check")
+        engine = open_engine(args.db, workers=1, purpose="stateguard check", create=False)
         database = _safe(engine.url)
         try:
             with engine.connect() as conn:
                 for m in machines:
                     findings[id(m)] += _check.check_database(conn, m)
         except sa_exc.SQLAlchemyError as error:
+            # The comparison could not run: not "problems found" (exit 1).
             err.write(f"stateguard check: database error: {_first_line(error)}\n")
-            return EXIT_PROBLEMS
+            return EXIT_USAGE
         finally:
             engine.dispose()
     every = [f for m in machines for f in findings[id(m)]]
@@ -406,7 +461,7 @@ def _command(
         name,
         help=help,
         description=description,
-        epilog=_EXIT_CODES,
+        epilog=_EXIT_CODES[name],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     command.set_defaults(handler=handler)
@@ -418,7 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stateguard",
         description="Safe retried, duplicated and concurrent writes for SQLAlchemy.",
-        epilog=_EXIT_CODES,
+        epilog=_EXIT_CODES["stateguard"],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"stateguard {__version__}")

@@ -35,8 +35,31 @@ def test_help_exits_zero_and_documents_exit_codes(
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: stateguard")
-    assert "exit codes:" in out and "0  ok" in out and "1  an invariant was violated" in out
+    assert "exit codes" in out and "0  ok" in out and "an invariant was violated" in out
     assert "2  usage error" in out
+
+
+@pytest.mark.parametrize(
+    ("command", "codes", "one"),
+    [
+        ("demo", ["0", "1", "2"], "an invariant was violated"),
+        ("graph", ["0", "2"], None),
+        ("check", ["0", "1", "2"], "problems were found"),
+        ("purge", ["0", "2"], None),
+    ],
+)
+def test_each_command_help_lists_only_its_own_exit_codes(
+    command: str, codes: list[str], one: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A command's --help lists the exit codes that command can return, and no other's meaning of 1."""
+    assert cli.main([command, "--help"]) == 0
+    epilog = capsys.readouterr().out.split("exit codes:", 1)[1]
+    listed = [line.split()[0] for line in epilog.splitlines() if line[:3].strip().isdigit()]
+    assert listed == codes
+    other = {"an invariant was violated", "problems were found"} - {one}
+    assert not any(text in epilog for text in other), epilog
+    if one is not None:
+        assert f"1  {one}" in epilog
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -203,10 +226,63 @@ def test_purge_only_and_max_batches_limit_the_work(
 def test_purge_without_tables_says_how_to_create_them(
     backend: Backend, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A database without stateguard's tables is a reported problem (exit 1) with the fix."""
+    """A database without stateguard's tables is a usage error (exit 2, not 1 "problems") with the fix."""
     drop_tables(backend.engine)
-    assert main(["purge", "--db", backend.url]) == EXIT_PROBLEMS
+    assert main(["purge", "--db", backend.url]) == EXIT_USAGE
     assert "alembic upgrade stateguard@head" in capsys.readouterr().err
+
+
+def _missing_sqlite_urls(tmp_path: Path) -> list[tuple[str, Path]]:
+    """SQLite URLs naming files that do not exist, with the file each would create."""
+    return [
+        (f"sqlite:///{tmp_path / 'absent.db'}", tmp_path / "absent.db"),
+        ("sqlite:///relative-absent.db", tmp_path / "relative-absent.db"),
+        ("sqlite:///file:uri-absent.db?uri=true", tmp_path / "uri-absent.db"),
+        (f"sqlite:///{tmp_path / 'no-such-dir' / 'x.db'}", tmp_path / "no-such-dir"),
+    ]
+
+
+@pytest.mark.parametrize("command", [["purge", "--pause", "0"], ["check", "stateguard.tooling.demo"]])
+def test_check_and_purge_never_create_a_missing_sqlite_file(
+    command: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """check and purge on a SQLite path or URL that does not exist exit 2, say so, and create no file."""
+    monkeypatch.chdir(tmp_path)
+    for url, created in _missing_sqlite_urls(tmp_path):
+        code, out, err = run([*command, "--db", url], capsys)
+        assert code == EXIT_USAGE, (url, out, err)
+        assert out == "" and len(err.splitlines()) == 1, err
+        assert "no SQLite database at" in err and "does not create one" in err, err
+        assert not created.exists(), url
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [["purge", "--pause", "0"], ["check", "stateguard.tooling.demo"]])
+def test_check_and_purge_on_an_unreadable_database_exit_2(
+    command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A database error while reading (a file that is not a SQLite database) is exit 2, not 1 "problems"."""
+    path = tmp_path / "not-a-database.db"
+    path.write_bytes(b"this is not a SQLite database, just text" * 100)
+    code, _, err = run([*command, "--db", f"sqlite:///{path}"], capsys)
+    assert code == EXIT_USAGE, err
+    assert "file is not a database" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["not-a-database.db"]
+
+
+def test_check_and_purge_still_work_on_an_existing_sqlite_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An existing SQLite file is opened as before: purge exits 0, check reports the missing table (1)."""
+    from stateguard import create_tables, sqlite_engine
+
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    engine = sqlite_engine(url)
+    create_tables(engine)
+    engine.dispose()
+    assert run(["purge", "--db", url, "--pause", "0"], capsys)[0] == EXIT_OK
+    code, out, _ = run(["check", "stateguard.tooling.demo", "--db", url], capsys)
+    assert code == EXIT_PROBLEMS and "missing_table" in out
 
 
 def test_purge_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
