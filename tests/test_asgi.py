@@ -9,6 +9,7 @@ both by counting calls and by counting payment rows.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -31,7 +32,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from stateguard import InvalidArgument, idempotency
+from stateguard import InvalidArgument
 from stateguard.asgi import IdempotencyMiddleware, RouteOptions, _stored_headers, default_store_status
 from stateguard.tables import idempotency_keys
 from stateguard.tables import metadata as stateguard_metadata
@@ -634,31 +635,46 @@ def test_sixteen_threads_same_key_run_the_handler_once(client: Client, shop: Sho
 
 
 # --------------------------------------------------------------------------
-# Leases: takeover and heartbeat (the clock is moved, nothing sleeps a lease)
+# Leases: Retry-After, takeover and heartbeat (short real leases on the database's clock)
 # --------------------------------------------------------------------------
 
 
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Shift stateguard.idempotency's clock by ``clock[0]`` milliseconds."""
-    offset = [0]
-    real = idempotency._now_ms
-    monkeypatch.setattr(idempotency, "_now_ms", lambda: real() + offset[0])
-    return offset
+def test_retry_after_is_the_remaining_lease_not_the_whole_lease(client: Client, shop: Shop) -> None:
+    """A 409's Retry-After is the ceiling of the seconds left on the live lease, not the full lease."""
+    lease = 4
+    tc = client(lease=timedelta(seconds=lease))
+    body = {"amount": 5, "block": True}
+    with ThreadPoolExecutor(1) as pool:
+        t0 = time.monotonic()
+        first = pool.submit(post, tc, "short", body)
+        assert shop.entered.wait(30), "the first request never reached the handler"
+        t1 = time.monotonic()  # the claim was committed between t0 and t1
+        time.sleep(2.2)
+        sent = time.monotonic()
+        busy = post(tc, "short", body)
+        t2 = time.monotonic()  # the lease was judged between sent and t2
+        shop.gate.set()
+        assert first.result(timeout=60).status_code == 201
+    assert busy.status_code == 409
+    retry_after = int(busy.headers["retry-after"])
+    # The remaining lease was between lease - (t2 - t0) and lease - (sent - t1) seconds; the
+    # database's clock ticks in milliseconds, hence the small allowance.
+    assert max(1, math.ceil(lease - (t2 - t0) - 0.01)) <= retry_after <= math.ceil(lease - (sent - t1) + 0.01)
+    assert retry_after < lease
 
 
 def test_a_request_outliving_its_lease_is_taken_over_and_cannot_store_its_response(
-    client: Client, shop: Shop, clock: list[int], caplog: pytest.LogCaptureFixture
+    client: Client, shop: Shop, caplog: pytest.LogCaptureFixture
 ) -> None:
     """After the lease ends a retry runs the handler again; the late first one answers but stores nothing."""
-    tc = client(lease=timedelta(seconds=30))
+    tc = client(lease=timedelta(seconds=1))
     body = {"amount": 5, "block": True}
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(post, tc, "late", body)
         assert shop.entered.wait(30), "the first request never reached the handler"
         shop.entered.clear()
         assert post(tc, "late", body).status_code == 409  # lease still live
-        clock[0] = 31_000  # the first worker looks dead now
+        time.sleep(1.2)  # the first worker looks dead now
         second = pool.submit(post, tc, "late", body)
         assert shop.entered.wait(30), "the retry never took the key over"
         with caplog.at_level(logging.WARNING, logger="stateguard.asgi"):
@@ -675,18 +691,14 @@ def test_a_request_outliving_its_lease_is_taken_over_and_cannot_store_its_respon
     assert shop.calls["pay"] == 2 and payments_rows(shop) == 2
 
 
-def test_heartbeat_keeps_a_long_request_in_progress(client: Client, shop: Shop, clock: list[int]) -> None:
+def test_heartbeat_keeps_a_long_request_in_progress(client: Client, shop: Shop) -> None:
     """With heartbeat_every, a request running past its first lease still answers retries with 409."""
-    tc = client(lease=timedelta(seconds=30), heartbeat_every=timedelta(milliseconds=20))
+    tc = client(lease=timedelta(seconds=1), heartbeat_every=timedelta(milliseconds=200))
     body = {"amount": 8, "block": True}
     with ThreadPoolExecutor(1) as pool:
         first = pool.submit(post, tc, "long", body)
         assert shop.entered.wait(30), "the first request never reached the handler"
-        clock[0] = 60_000  # twice the lease: without a heartbeat a retry would take over
-        deadline = time.monotonic() + 30
-        while not any((r.locked_until_ms or 0) > idempotency._now_ms() for r in key_rows(shop)):
-            assert time.monotonic() < deadline, "no heartbeat extended the lease"
-            time.sleep(0.02)
+        time.sleep(1.5)  # past the first lease: without a heartbeat a retry would take over
         busy = post(tc, "long", body)
         shop.gate.set()
         done = first.result(timeout=60)
