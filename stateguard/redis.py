@@ -31,13 +31,15 @@ import inspect
 import secrets
 import weakref
 from collections.abc import Callable, Generator, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, TypeVar, cast
 
-from . import _write
-from .exceptions import InvalidArgument, LockLost, LockNotAcquired
+from sqlalchemy import Connection, Engine, text
+
+from . import _sql, _write
+from .exceptions import InvalidArgument, LockLost, LockNotAcquired, NotSupported
 from .result import Outcome, Result
 from .tables import MAX_KEY, MAX_SCOPE
 from .tokens import TOKEN_BYTES, OneTimeToken, token_digest
@@ -278,15 +280,34 @@ class AsyncRedisTokens(_RedisTokens):
 # Locks with fencing tokens
 # --------------------------------------------------------------------------
 
-#: Acquire and issue the fencing token in one step: INCR only when SET NX
-#: won, so a failed attempt never consumes a token and no holder ever runs
+#: Acquire and issue the fencing token in one step: a fence only when SET NX
+#: won, so a failed attempt never consumes one and no holder ever runs
 #: without one.  KEYS share a hash slot (see RedisLock), as Lua requires on
-#: Redis Cluster.
+#: Redis Cluster.  ARGV[3] is "1" when Redis issues the fence, "0" when the
+#: database does (``fences=``: only the lock is taken here).
+#:
+#: The counter is seeded from the server's clock: the fence is
+#: max(INCR, TIME in microseconds), so a Redis that restarted without its
+#: data (or a replica promoted with an older counter) still hands out a
+#: bigger fence than any before, as long as its clock did not go back.  The
+#: new value is stored as the exact decimal text of TIME (a Lua number would
+#: be printed as 1.7e+15).  Lua numbers are doubles: exact up to 2**53,
+#: centuries of microseconds away.
 _ACQUIRE_SCRIPT: Final = """
-if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-    return redis.call('incr', KEYS[2])
+if not redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+    return false
 end
-return false
+if ARGV[3] ~= '1' then
+    return 0
+end
+local fence = redis.call('incr', KEYS[2])
+local now = redis.call('time')
+local now_us = tonumber(now[1]) * 1000000 + tonumber(now[2])
+if fence < now_us then
+    redis.call('set', KEYS[2], now[1] .. string.format('%06d', tonumber(now[2])))
+    fence = now_us
+end
+return fence
 """
 
 # The fencing subclasses of redis-py's two Lock classes differ only in
@@ -305,16 +326,20 @@ def _acquire_call(lock: Any, token: Any) -> dict[str, Any]:
         raise InvalidArgument("a fenced Redis lock needs a ttl")
     return {
         "keys": [lock.name, f"{lock.name}:fence"],
-        "args": [token, max(1, int(lock.timeout * 1000))],
+        "args": [token, max(1, int(lock.timeout * 1000)), "0" if lock.fences_from_database else "1"],
         "client": lock.redis,
     }
 
 
 def _took(lock: Any, fence: Any) -> bool:
-    """Record the fence the script returned (nil: the lock is held) where the owner token goes."""
+    """Record the fence the script returned (nil: the lock is held) where the owner token goes.
+
+    With database fences the script returns 0 and :meth:`_RedisLock._acquire`
+    records the database's fence right after.
+    """
     if fence is None:
         return False
-    lock.local.fence = int(fence)
+    lock.local.fence = None if lock.fences_from_database else int(fence)
     return True
 
 
@@ -338,6 +363,7 @@ def _lock_class() -> type[Lock]:
             """redis-py's lock, acquiring with :data:`_ACQUIRE_SCRIPT` to get a fencing token."""
 
             lua_acquire: Any = None
+            fences_from_database = False
 
             def register_scripts(self) -> None:
                 super().register_scripts()
@@ -360,6 +386,7 @@ def _async_lock_class() -> type[AsyncLock]:
             """redis-py's asyncio lock, acquiring with :data:`_ACQUIRE_SCRIPT`; its token is per task."""
 
             lua_acquire: Any = None
+            fences_from_database = False
 
             def __init__(self, *args: Any, **kwargs: Any) -> None:
                 super().__init__(*args, **kwargs)
@@ -420,10 +447,42 @@ class _TaskLocal:
         self._mine()[name] = value
 
 
+def _take_fence(conn: Connection, name: str) -> int:
+    """The next fencing token of lock ``name`` from ``stateguard_fences``: one statement, one round trip.
+
+    PostgreSQL and SQLite (>= 3.35): an upsert that returns the new value.
+    MySQL/MariaDB: ``LAST_INSERT_ID(expr)`` on both the insert and the update
+    branch hands the new value back in the OK packet (``cursor.lastrowid``),
+    with no ``SELECT LAST_INSERT_ID()`` after it.  The row lock the upsert
+    takes orders concurrent acquirers of one name; the value it returns is
+    committed before the fence is used.
+    """
+    backend = _sql.backend(conn.dialect)
+    if backend.last_insert_id:
+        return int(_write.execute(conn, _FENCE_LAST_INSERT_ID, {"name": name}).lastrowid)
+    if backend.on_conflict and backend.returning:
+        return int(_write.execute(conn, _FENCE_RETURNING, {"name": name}).scalar_one())
+    raise NotSupported(
+        f"fences= needs PostgreSQL, MySQL/MariaDB or SQLite >= 3.35 (upsert with RETURNING); "
+        f"{backend.name} has none: leave fences= out to take fences from Redis"
+    )
+
+
+_FENCE_RETURNING: Final = text(
+    "INSERT INTO stateguard_fences (name, fence) VALUES (:name, 1) "
+    "ON CONFLICT (name) DO UPDATE SET fence = stateguard_fences.fence + 1 RETURNING fence"
+)
+_FENCE_LAST_INSERT_ID: Final = text(
+    "INSERT INTO stateguard_fences (name, fence) VALUES (:name, LAST_INSERT_ID(1)) "
+    "ON DUPLICATE KEY UPDATE fence = LAST_INSERT_ID(fence + 1)"
+)
+
+
 class _RedisLock(_RedisClient):
     """:class:`RedisLock` and :class:`AsyncRedisLock`: everything but blocking or awaiting."""
 
     _lock: Any
+    _fences: Any
 
     def __init__(
         self,
@@ -433,6 +492,7 @@ class _RedisLock(_RedisClient):
         ttl: float | timedelta,
         blocking_timeout: float | timedelta | None = None,
         sleep: float = 0.1,
+        fences: Any = None,
     ) -> None:
         cls = _async_lock_class() if self._asynchronous else _lock_class()
         self._check_client(client)
@@ -441,9 +501,14 @@ class _RedisLock(_RedisClient):
         seconds = _write.required_seconds(ttl, "ttl")
         if seconds < 0.001:
             raise InvalidArgument(f"ttl must be at least 1 millisecond, got {ttl!r}")
+        if fences is not None:
+            self._check_fences(fences)
+            # The name is the primary key of its row in stateguard_fences.
+            _write.check_text(name, "name", MAX_KEY)
         self.name = name
         self.ttl = seconds
         self.blocking_timeout = _write.seconds(blocking_timeout, "blocking_timeout", allow_zero=True)
+        self._fences = fences
         self.key = f"stateguard:lock:{{{name}}}"
         # Everything up to the first "}" after the first "{" is the hash tag;
         # the fence key only appends to the lock key, so both hash alike
@@ -452,6 +517,22 @@ class _RedisLock(_RedisClient):
         self._lock = cls(
             client, self.key, timeout=seconds, sleep=sleep, blocking_timeout=self.blocking_timeout
         )
+        self._lock.fences_from_database = fences is not None
+
+    def _check_fences(self, fences: Any) -> None:
+        """``fences=`` must be the kind of engine this class awaits or not."""
+        if self._asynchronous:
+            from sqlalchemy.ext.asyncio import AsyncEngine
+
+            wanted: type[Any] = AsyncEngine
+        else:
+            wanted = Engine
+        if not isinstance(fences, wanted):
+            other = "RedisLock with an Engine" if self._asynchronous else "AsyncRedisLock with an AsyncEngine"
+            raise InvalidArgument(
+                f"{type(self).__name__}(fences=...) takes a sqlalchemy {wanted.__name__} whose database has "
+                f"the stateguard_fences table, got {fences!r} (or use {other})"
+            )
 
     @property
     def fence(self) -> int | None:
@@ -465,6 +546,18 @@ class _RedisLock(_RedisClient):
         fence: int | None = getattr(self._lock.local, "fence", None)
         return fence
 
+    def _database_fence(self) -> Any:
+        """The next fence from the database, in a transaction of its own (a coroutine for AsyncEngine)."""
+        if self._asynchronous:
+            return self._async_database_fence()
+        with self._fences.begin() as conn:
+            return _take_fence(conn, self.name)
+
+    async def _async_database_fence(self) -> int:
+        async with self._fences.begin() as conn:
+            fence: int = await conn.run_sync(_take_fence, self.name)
+            return fence
+
     def _acquire(self, blocking_timeout: float | timedelta | None) -> _Steps[int]:
         wait = _write.seconds(blocking_timeout, "blocking_timeout", allow_zero=True)
         if wait is None:
@@ -475,6 +568,16 @@ class _RedisLock(_RedisClient):
                 f"{'' if wait is None else f'; gave up after {wait:g}s'}. "
                 f"Retry later (retry_on_conflict() does this)"
             )
+        if self._fences is not None:
+            try:
+                self._lock.local.fence = yield from self._call(self._database_fence)
+            except BaseException:
+                # No holder runs without a fence: give the lock back, then
+                # report the database's error (a failed release only means
+                # the lock stays until its TTL ends).
+                with suppress(Exception):
+                    yield from self._call(self._lock.release)
+                raise
         fence = self.fence
         if fence is None:
             raise LockLost(f"{type(self).__name__} {self.name!r} was acquired but no fencing token came back")
@@ -535,8 +638,8 @@ class RedisLock(_RedisLock):
     must not keep the lock forever.  The price of a TTL is that a holder
     paused longer than it (GC, a stalled VM, a slow call) loses the lock
     while it still believes it holds it.  The fencing token protects its
-    writes: an integer, incremented atomically with each acquisition, that
-    only grows for this name.  Pass it as ``fence=`` to a trigger or
+    writes: an integer, issued atomically with each acquisition, that only
+    grows for this name.  Pass it as ``fence=`` to a trigger or
     :func:`~stateguard.guarded_update` on a model with a
     :func:`~stateguard.fence_column`, and the database refuses (STALE) a
     write carrying an older token than the last one it stored::
@@ -553,12 +656,29 @@ class RedisLock(_RedisLock):
     raises :class:`~stateguard.LockLost` (unless the block already raised)
     and leaves any newer holder's lock alone.  :meth:`extend` adds time.
 
+    Where fences come from (use one mode for every holder of a name):
+
+    * ``fences=engine`` (a SQLAlchemy ``Engine`` whose database has the
+      ``stateguard_fences`` table): from the database, one upsert in its own
+      transaction right after Redis granted the lock; fences 1, 2, 3 ... that
+      never go back whatever Redis loses (restart, failover, eviction).  If
+      the database fails, the lock is released and its error raised.  The
+      only mode that is a guarantee::
+
+          lock = RedisLock(redis_client, "payout:42", ttl=30, fences=engine)
+
+    * no ``fences``: from Redis, ``max(INCR, server TIME in microseconds)``,
+      so a Redis that restarted empty (or a promoted replica) still hands
+      out bigger fences while its clock does not go back.  Fences are about
+      1.8e15: store them in a ``BIGINT`` (:func:`~stateguard.fence_column`).
+
     Keys: ``stateguard:lock:{<name>}`` holds the owner token with the TTL,
-    ``stateguard:lock:{<name>}:fence`` the counter.  The braces are a Redis
-    Cluster hash tag, so both keys live in one slot.  The counter has no TTL
-    and must survive: with an ``allkeys-*`` eviction policy or a manual
-    delete it restarts at 1, and fenced writes then fail STALE (safe, but
-    stuck) until it passes the stored tokens again.
+    ``stateguard:lock:{<name>}:fence`` the Redis counter.  The braces are a
+    Redis Cluster hash tag, so both keys live in one slot.
+
+    :raises InvalidArgument: a bad ``ttl``, ``blocking_timeout`` or name, a
+        ``fences`` that is not an ``Engine``, or (with ``fences``) a name over
+        255 characters.
 
     Like redis-py's lock, the token (and :attr:`fence`) is thread-local:
     share a lock object between threads only if each acquires it itself.
@@ -645,7 +765,11 @@ class AsyncRedisLock(_RedisLock):
 
     The fencing counter and the lock key are the ones :class:`RedisLock`
     uses, so sync and async holders of one name exclude each other and
-    share one growing sequence of fences.
+    share one growing sequence of fences.  ``fences=`` takes an
+    ``AsyncEngine`` (the same ``stateguard_fences`` table and sequence as a
+    :class:`RedisLock` with an ``Engine``)::
+
+        lock = AsyncRedisLock(client, "payout:42", ttl=30, fences=async_engine)
 
     The owner token (and :attr:`fence`) belongs to the asyncio *task* that
     acquired, as the sync lock's belongs to a thread: one lock object may be

@@ -56,6 +56,7 @@ __all__ = [
     "create_tables",
     "drop_tables",
     "exact_string",
+    "fences",
     "idempotency_keys",
     "long_text",
     "metadata",
@@ -267,6 +268,20 @@ worker_leases = Table(
     # The highest timestamp a holder has used: a new holder starts after it,
     # so ids never go backwards across a handover.
     Column("last_ms", BigInteger, nullable=False),
+)
+
+
+# --------------------------------------------------------------------------
+# Fencing tokens of Redis locks, taken from the database (redis.py, ``fences=``)
+# --------------------------------------------------------------------------
+
+fences = Table(
+    "stateguard_fences",
+    metadata,
+    # The lock's name, byte-exact: MariaDB's default collation would make 'Payout' and 'payout ' one lock.
+    Column("name", exact_string(MAX_KEY), primary_key=True),
+    # The last fencing token handed out for the name: it only ever grows, whatever Redis loses.
+    Column("fence", BigInteger, nullable=False),
 )
 
 

@@ -229,7 +229,7 @@ def test_async_tokens_bad_input_is_typed(redis_client: Any, prefix: str) -> None
 def test_50_tasks_contending_hold_the_lock_one_at_a_time_with_growing_fences(
     redis_client: Any, prefix: str
 ) -> None:
-    """50 tasks (half sharing one lock object) never overlap inside the lock, and their fences grow by one."""
+    """50 tasks (half sharing one lock object) never overlap inside the lock, and their fences grow."""
     name = f"{prefix}:contended"
 
     async def main(client: Any) -> tuple[int, list[int]]:
@@ -257,7 +257,8 @@ def test_50_tasks_contending_hold_the_lock_one_at_a_time_with_growing_fences(
 
     most, fences = run(main)
     assert most == 1
-    assert fences == list(range(fences[0], fences[0] + 50))  # strictly increasing, none skipped
+    # Strictly increasing: seeded from the server clock, a fence need not be the last one plus one.
+    assert fences == sorted(set(fences)) and len(fences) == 50
     assert int(redis_client.get(f"stateguard:lock:{{{name}}}:fence")) == fences[-1]
 
 
@@ -398,8 +399,10 @@ def test_sync_and_async_locks_share_the_lock_and_the_fence_counter(redis_client:
                 sync_lock.acquire(blocking_timeout=0)
         return fence
 
-    assert run(main) == held + 1
-    assert sync_lock.acquire(blocking_timeout=0) == held + 2
+    from_async = run(main)
+    assert from_async > held
+    assert sync_lock.acquire(blocking_timeout=0) > from_async
+    assert int(redis_client.get(sync_lock.fence_key)) == sync_lock.fence
     sync_lock.release()
 
 
