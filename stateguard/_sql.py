@@ -31,10 +31,12 @@ from sqlalchemy import (
 )
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Dialect
+from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import Mapper
 from sqlalchemy.schema import Column
 from sqlalchemy.sql import sqltypes
 from sqlalchemy.sql.elements import ClauseElement
+from sqlalchemy.sql.functions import FunctionElement
 from sqlalchemy.types import TypeDecorator
 
 from .exceptions import (
@@ -54,6 +56,7 @@ __all__ = [
     "bindparam",
     "classify_db_error",
     "conflict_error",
+    "db_now_ms",
     "integer_bounds",
     "is_duplicate_key",
     "model_info",
@@ -162,6 +165,59 @@ def backend(dialect: Dialect) -> Backend:
             _backends[dialect] = found
     _last = (dialect, found)
     return found
+
+
+class _DbNowMs(FunctionElement[int]):
+    """The database server's clock as integer epoch milliseconds, compiled per dialect (:func:`db_now_ms`)."""
+
+    type = sqltypes.BigInteger()
+    name = "sg_db_now_ms"
+    inherit_cache = True
+
+
+@compiles(_DbNowMs, "postgresql")
+def _db_now_postgresql(element: Any, compiler: Any, **kw: Any) -> str:
+    # statement_timestamp(), not now(): now() is the start of the transaction,
+    # so inside a long transaction every lease written would end early and
+    # every expiry be judged late.  One value for the whole statement.
+    return "CAST(floor(extract(epoch FROM statement_timestamp()) * 1000) AS BIGINT)"
+
+
+@compiles(_DbNowMs, "mysql")
+@compiles(_DbNowMs, "mariadb")
+def _db_now_mysql(element: Any, compiler: Any, **kw: Any) -> str:
+    # UTC_TIMESTAMP(6) is the statement's start (like NOW(), not SYSDATE()) and
+    # needs no time-zone conversion: UNIX_TIMESTAMP(NOW(3)) converts through the
+    # session's time_zone and is ambiguous in the hour a DST change repeats.
+    return "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)"
+
+
+@compiles(_DbNowMs, "sqlite")
+def _db_now_sqlite(element: Any, compiler: Any, **kw: Any) -> str:
+    # SQLite's 'now' is the same for every use within one sqlite3_step() and
+    # kept in whole milliseconds; round() absorbs the Julian-day float error.
+    return "CAST(round((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)"
+
+
+@compiles(_DbNowMs)
+def _db_now_other(element: Any, compiler: Any, **kw: Any) -> str:
+    raise sa_exc.CompileError(
+        f"stateguard does not know the clock of dialect {compiler.dialect.name!r}; "
+        f"it supports PostgreSQL, MariaDB/MySQL and SQLite"
+    )
+
+
+def db_now_ms() -> ColumnElement[int]:
+    """The database's clock in integer epoch milliseconds, as a SQL expression.
+
+    Every lease and expiry stateguard decides is judged, and stored, on this
+    clock inside the deciding statement, never on the application's: an app
+    server whose clock runs ahead (or behind) must not take over live claims
+    or expire live tokens.  One value per statement on every backend (the
+    statement's start), so a lease written late in a long transaction is not
+    shorter than asked for.
+    """
+    return _DbNowMs()
 
 
 def row_lock_minimums(dialect: Dialect) -> tuple[str, dict[str, tuple[int, ...] | None]] | None:
@@ -330,6 +386,7 @@ class ModelInfo:
         "pk_names",
         "pk_where",
         "table",
+        "text_key",
         "version_attr",
         "version_column",
     )
@@ -353,6 +410,8 @@ class ModelInfo:
             *(c == bindparam(n, type_=c.type) for c, n in zip(self.pk_columns, self.pk_names, strict=True))
         )
         self.pk_checks = tuple(_python_type(c) for c in self.pk_columns)
+        #: Whether a key part may be a str (checked for NUL and lone surrogates before any statement).
+        self.text_key = any(t is str or t is None for t in self.pk_checks)
         #: Per Backend (a handful, interned): the integer range of each key column, or ``()``.
         self.key_limits: dict[Backend, tuple[tuple[int, int] | None, ...]] = {}
         self.column_by_attr: dict[str, Column[Any]] = {}
@@ -517,8 +576,8 @@ def read_statement(info: ModelInfo, columns: Sequence[Column[Any]], backend: Bac
 
 
 def purge_statement(table: Table, backend: Backend, batch: int) -> Any:
-    """The batched DELETE of ``table``'s expired rows (``expires_ms <= :sg_now``) for one backend."""
-    expired = table.c.expires_ms <= bindparam("sg_now")
+    """The batched DELETE of ``table``'s expired rows (``expires_ms`` passed on the database's clock)."""
+    expired = table.c.expires_ms <= db_now_ms()
     cols = list(table.primary_key.columns)
     pk: Any = tuple_(*cols) if len(cols) > 1 else cols[0]
     if backend.row_locks and not backend.delete_limit_literal:

@@ -38,7 +38,8 @@ from sqlalchemy.orm.attributes import set_committed_value
 from sqlalchemy.sql.elements import ClauseElement
 
 from . import _sql
-from .exceptions import InvalidArgument
+from .engine import BEGIN_MARK, PENDING
+from .exceptions import ConfigurationError, InvalidArgument
 
 __all__ = [
     "InsertOnce",
@@ -48,6 +49,8 @@ __all__ = [
     "check_exact",
     "check_fence",
     "check_integer",
+    "check_storable",
+    "check_string",
     "check_text",
     "connection_for",
     "duration_ms",
@@ -56,6 +59,8 @@ __all__ = [
     "identity_instance",
     "key_bounds",
     "memo",
+    "own_bind",
+    "own_connection",
     "now_ms",
     "purge_expired_rows",
     "read_back",
@@ -146,11 +151,13 @@ def connection_for(
     the flush sends pending ORM changes first, as a query would.
 
     ``keys`` (primary keys of the model) and ``integers`` (``(column, value,
-    what)``: a version, a fence, an amount) are checked against the range
-    their column holds on this connection's database before any statement
-    is sent: PostgreSQL refuses an out-of-range parameter with an error that
-    aborts the caller's transaction, the others would answer NOT_FOUND for a
-    row that cannot exist.  Out of range is :class:`InvalidArgument`.
+    what)``: a version, a fence, an amount, a value of ``values=``) are
+    checked against the range their column holds on this connection's
+    database before any statement is sent: PostgreSQL refuses an
+    out-of-range parameter with an error that aborts the caller's
+    transaction, the others would answer NOT_FOUND for a row that cannot
+    exist.  Strings among them (and str key parts) are checked by
+    :func:`check_string`.  Anything refused is :class:`InvalidArgument`.
     """
     if session.autoflush:
         session.flush()
@@ -162,16 +169,82 @@ def connection_for(
                 for value, column, limits in zip(key, info.pk_columns, bounds, strict=True):
                     if limits is not None and type(value) is int and not limits[0] <= value <= limits[1]:
                         raise _out_of_range(info, column, value, limits, "primary key")
+        if info.text_key:
+            for key in keys:
+                for value in key:
+                    if type(value) is str:
+                        check_string(info, None, value, "primary key")
     for column, value, what in integers:
+        if type(value) is str:
+            check_string(info, column, value, what)
+            continue
         check_integer(conn, info, column, value, what)
         if type(value) is not int and isinstance(value, Decimal | float):
             check_exact(info, column, value, what)
+    if conn.info.get(BEGIN_MARK) == PENDING:
+        # sqlite_engine(begin="auto"): a stateguard write starts this
+        # transaction, and may read before it writes; take the write lock now.
+        sqlite_write_lock(conn)
     return conn
 
 
+def own_connection(session: Session, table: Table | None) -> Connection:
+    """The session's connection for ``table``, one of stateguard's own tables (:func:`own_bind`)."""
+    return session.connection(bind_arguments={"bind": own_bind(session, table)})
+
+
+def own_bind(session: Session, table: Table | None) -> Engine | Connection:
+    """Where the session runs statements on ``table``, one of stateguard's own tables (``None``: no
+    table, e.g. an advisory lock).
+
+    ``Session(bind=engine)`` and binds that name the table (``binds={Base:
+    engine, **dict.fromkeys(stateguard.tables.metadata.sorted_tables,
+    engine)}``) are used as SQLAlchemy resolves them.  With per-model binds
+    that say nothing about stateguard's tables (``Session(binds={Base:
+    engine})``) the one engine every bind points to is used: the same
+    transaction as the model's writes.  Binds to several engines must say
+    where stateguard's tables live (ConfigurationError otherwise).
+    """
+    try:
+        return session.get_bind() if table is None else session.get_bind(clause=table)
+    except sa_exc.UnboundExecutionError:
+        pass
+    # SQLAlchemy 2.1 has Session.binds; 2.0 keeps them private (read only on this rare path).
+    binds: Mapping[Any, Any] = getattr(session, "binds", None) or getattr(session, "_Session__binds", None) or {}
+    engines = {b.engine if isinstance(b, Connection) else b for b in binds.values()}
+    if len(engines) == 1:
+        [engine] = engines
+        found: Engine = engine
+        return found
+    raise ConfigurationError(
+        f"this Session binds no engine for {'stateguard' if table is None else table.name} "
+        f"({'no binds' if not engines else f'per-model binds to {len(engines)} engines'}); bind "
+        f"stateguard's tables where they live: Session(binds={{Base: engine, "
+        f"**dict.fromkeys(stateguard.tables.metadata.sorted_tables, engine)}})"
+    )
+
+
 def value_integers(items: Iterable[tuple[str, Column[Any], Any]]) -> list[tuple[Column[Any], Any, str]]:
-    """The int values among ``(attr, column, value)`` items, as :func:`connection_for` checks them."""
-    return [(col, value, f"values[{attr!r}]") for attr, col, value in items if type(value) is int]
+    """The int and str values among ``(attr, column, value)`` items, as :func:`connection_for` checks them."""
+    return [(col, value, f"values[{attr!r}]") for attr, col, value in items if type(value) in (int, str)]
+
+
+def check_string(info: _sql.ModelInfo, column: Column[Any] | None, value: str, what: str) -> None:
+    """Raise InvalidArgument for a str no database would store as given.
+
+    NUL (PostgreSQL refuses it in text; refused everywhere, so a model tested
+    on SQLite refuses what production refuses), a lone surrogate (no UTF-8
+    for it: the driver would raise UnicodeEncodeError), and for a value of a
+    ``String(n)`` column more than ``n`` characters (PostgreSQL aborts the
+    transaction, MariaDB refuses it in strict mode, SQLite would store it).
+    """
+    check_storable(value, f"{info.model.__name__} {what}")
+    length = None if column is None else getattr(column.type, "length", None)
+    if isinstance(length, int) and len(value) > length:
+        raise InvalidArgument(
+            f"{info.model.__name__} {what} is {len(value)} characters long; "
+            f"column {column.name} holds at most {length}"  # type: ignore[union-attr]
+        )
 
 
 def key_bounds(conn: Connection, info: _sql.ModelInfo) -> tuple[tuple[int, int] | None, ...] | None:
@@ -592,8 +665,20 @@ def check_text(value: Any, what: str, limit: int) -> str:
         raise InvalidArgument(f"{what} must not be blank, got {value!r}")
     if len(value) > limit:
         raise InvalidArgument(f"{what} is {len(value)} characters long; the limit is {limit}")
+    check_storable(value, what)
+    return value
+
+
+def check_storable(value: str, what: str) -> str:
+    """``value`` unless it holds a NUL or a lone surrogate (no database stores either: InvalidArgument)."""
     if "\x00" in value:
         raise InvalidArgument(f"{what} must not contain NUL characters")
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            message = f"{what} contains a lone surrogate ({error.reason}): {value!r:.80}"
+            raise InvalidArgument(message) from None
     return value
 
 
@@ -715,15 +800,14 @@ _BEGIN_IMMEDIATE = text("BEGIN IMMEDIATE")
 # --------------------------------------------------------------------------
 
 
-def purge_expired_rows(
-    table: Table, bind: Engine | Connection | Session, batch: Any, clock: Callable[[], int]
-) -> int:
+def purge_expired_rows(table: Table, bind: Engine | Connection | Session, batch: Any) -> int:
     """Delete at most ``batch`` rows of ``table`` whose ``expires_ms`` has passed; return how many.
 
-    With an Engine the batch runs in its own short transaction; with a
-    Connection or Session in the caller's.
+    Expiry is judged on the database's clock (:func:`~stateguard._sql.db_now_ms`),
+    as it was stored.  With an Engine the batch runs in its own short
+    transaction; with a Connection or Session in the caller's.
     """
-    params = {"sg_now": clock(), "sg_batch": check_batch(batch)}
+    params = {"sg_batch": check_batch(batch)}
     if isinstance(bind, Engine):
         with bind.begin() as conn:
             return _purge(table, conn, params)

@@ -154,6 +154,8 @@ def _check_bound(counter: _Counter, bound: Any, role: str) -> None:
 def _check_ref(ref: Any) -> None:
     if ref is not None and (not isinstance(ref, str) or not ref or len(ref) > MAX_REF):
         raise InvalidArgument(f"ref must be a non-empty string of at most {MAX_REF} characters, got {ref!r}")
+    if ref is not None:
+        _write.check_storable(ref, "ref")
 
 
 def _plan(counter: _Counter, backend: _sql.Backend, sign: int, has_bound: bool, lid: bool) -> Any:

@@ -52,8 +52,10 @@ back and releases the key (or marks it failed for good when the exception is
 one of ``non_retryable``); a caller whose lease expired is taken over by the
 next retry, which reads the last checkpoint.
 
-Times are integer epoch milliseconds from the application's clock
-(:mod:`stateguard.tables` explains why).
+Times are integer epoch milliseconds on the database's clock: every lease
+and expiry is computed and judged by the database inside the statement that
+decides it (:func:`stateguard._sql.db_now_ms`), so application servers whose
+clocks disagree never take over a live claim or keep a dead one.
 """
 
 from __future__ import annotations
@@ -128,11 +130,6 @@ _FAILED: Final = "failed"
 _MAX_ROUNDS: Final = 8
 #: Attempts of a separate-mode claim transaction that hit a deadlock or serialization failure.
 _CLAIM_ATTEMPTS: Final = 5
-
-
-def _now_ms() -> int:
-    """The application's clock in integer epoch milliseconds (tests replace it)."""
-    return _write.now_ms()
 
 
 # --------------------------------------------------------------------------
@@ -290,6 +287,12 @@ def _emit(kind: str, scope: str, key: str, attempt: int | None, mode: Mode) -> N
 # --------------------------------------------------------------------------
 
 _t = idempotency_keys
+# Every lease and expiry is judged and stored on the database's clock, inside
+# the deciding statement: an application server whose clock runs ahead must
+# not take over live claims (nor one running behind keep dead ones).
+_NOW: Final = _sql.db_now_ms()
+_LEASE_END: Final = _NOW + bindparam("sg_lease")
+_EXPIRY: Final = _NOW + bindparam("sg_ttl")
 _THIS_KEY: Final = (_t.c.scope == bindparam("sg_scope"), _t.c.idem_key == bindparam("sg_key"))
 _MINE: Final = (*_THIS_KEY, _t.c.owner == bindparam("sg_owner"), _t.c.status == _IN_PROGRESS)
 _FRESH: Final = {
@@ -297,10 +300,10 @@ _FRESH: Final = {
     "fingerprint": bindparam("sg_fp"),
     "owner": bindparam("sg_owner"),
     "attempt": 1,
-    "locked_until_ms": bindparam("sg_locked"),
-    "expires_ms": bindparam("sg_expires"),
-    "created_ms": bindparam("sg_now"),
-    "updated_ms": bindparam("sg_now"),
+    "locked_until_ms": _LEASE_END,
+    "expires_ms": _EXPIRY,
+    "created_ms": _NOW,
+    "updated_ms": _NOW,
 }
 _NEW_ROW: Final = {"scope": bindparam("sg_scope"), "idem_key": bindparam("sg_key"), **_FRESH}
 _CLAIM: Final = _write.InsertOnce(_t, _NEW_ROW, returning=[_t.c.scope])
@@ -315,6 +318,7 @@ _READ: Final = select(
     _t.c.checkpoint_name,
     _t.c.checkpoint_data,
     _t.c.error,
+    _NOW.label("db_now"),
 ).where(*_THIS_KEY)
 # InnoDB at REPEATABLE READ: a plain SELECT reads the transaction's snapshot,
 # which may predate the twin whose row made our INSERT fail; a locking read
@@ -325,7 +329,7 @@ _READ_LOCKING: Final = _READ.with_for_update(read=True)
 # An expired record is a brand-new request: everything is reset.
 _RECLAIM: Final = (
     update(_t)
-    .where(*_THIS_KEY, _t.c.owner == bindparam("sg_old_owner"), _t.c.expires_ms <= bindparam("sg_now"))
+    .where(*_THIS_KEY, _t.c.owner == bindparam("sg_old_owner"), _t.c.expires_ms <= _NOW)
     .values({**_FRESH, "response": None, "checkpoint_name": None, "checkpoint_data": None, "error": None})
 )
 # A dead or released claim is resumed: attempt + 1, checkpoint kept.
@@ -335,38 +339,38 @@ _TAKEOVER: Final = (
         *_THIS_KEY,
         _t.c.owner == bindparam("sg_old_owner"),
         _t.c.status == _IN_PROGRESS,
-        _t.c.locked_until_ms <= bindparam("sg_now"),
-        _t.c.expires_ms > bindparam("sg_now"),
+        _t.c.locked_until_ms <= _NOW,
+        _t.c.expires_ms > _NOW,
     )
     .values(
         owner=bindparam("sg_owner"),
         attempt=_t.c.attempt + 1,
-        locked_until_ms=bindparam("sg_locked"),
-        updated_ms=bindparam("sg_now"),
+        locked_until_ms=_LEASE_END,
+        updated_ms=_NOW,
     )
 )
 
 
 def _owned_update(**values: Any) -> Any:
-    """``UPDATE ... SET values, updated_ms = :now WHERE key AND owner = :me AND status = 'in_progress'``."""
-    return update(_t).where(*_MINE).values(updated_ms=bindparam("sg_now"), **values)
+    """``UPDATE ... SET values, updated_ms = db_now WHERE key AND owner = :me AND status = 'in_progress'``."""
+    return update(_t).where(*_MINE).values(updated_ms=_NOW, **values)
 
 
 _COMPLETE: Final = _owned_update(
-    status=_COMPLETED, response=bindparam("sg_text"), locked_until_ms=None, expires_ms=bindparam("sg_expires")
+    status=_COMPLETED, response=bindparam("sg_text"), locked_until_ms=None, expires_ms=_EXPIRY
 )
 _FAIL: Final = _owned_update(
-    status=_FAILED, error=bindparam("sg_text"), locked_until_ms=None, expires_ms=bindparam("sg_expires")
+    status=_FAILED, error=bindparam("sg_text"), locked_until_ms=None, expires_ms=_EXPIRY
 )
 # Released: still in progress, with a lease that ended now, so the next
 # caller takes it over at once and reads the checkpoint.
 _RELEASE: Final = _owned_update(locked_until_ms=0, error=bindparam("sg_text"))
-_HEARTBEAT: Final = _owned_update(locked_until_ms=bindparam("sg_locked"), expires_ms=bindparam("sg_expires"))
+_HEARTBEAT: Final = _owned_update(locked_until_ms=_LEASE_END, expires_ms=_EXPIRY)
 _CHECKPOINT: Final = _owned_update(
     checkpoint_name=bindparam("sg_name"),
     checkpoint_data=bindparam("sg_text"),
-    locked_until_ms=bindparam("sg_locked"),
-    expires_ms=bindparam("sg_expires"),
+    locked_until_ms=_LEASE_END,
+    expires_ms=_EXPIRY,
 )
 
 
@@ -594,10 +598,10 @@ class _Claim(Generic[S]):
 
     def _enter_same(self) -> IdempotentCall[S]:
         session = self.session
-        _write.ensure_real_transaction(session.connection())
+        _write.ensure_real_transaction(_write.own_connection(session, idempotency_keys))
         nested = session.begin_nested()
         try:
-            conn = session.connection()
+            conn = _write.own_connection(session, idempotency_keys)
             call = self._claim(conn)
         except BaseException:
             _write.abandon_savepoint(nested)
@@ -615,7 +619,7 @@ class _Claim(Generic[S]):
                 "with no transaction open: commit or roll back first, and do not wrap it in "
                 "`with session.begin():`"
             )
-        bind = self.session.get_bind(clause=_t)
+        bind = _write.own_bind(self.session, _t)
         engine = bind if isinstance(bind, Engine) else bind.engine
         self._engine = engine
         for attempt in range(1, _CLAIM_ATTEMPTS + 1):
@@ -630,16 +634,15 @@ class _Claim(Generic[S]):
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _params(self, now: int) -> dict[str, Any]:
+    def _params(self) -> dict[str, Any]:
         options = self.options
         return {
             "sg_scope": options.scope,
             "sg_key": options.key,
             "sg_fp": self.fingerprint,
             "sg_owner": self.owner,
-            "sg_now": now,
-            "sg_locked": now + options.lease_ms,
-            "sg_expires": now + options.ttl_ms,
+            "sg_lease": options.lease_ms,
+            "sg_ttl": options.ttl_ms,
         }
 
     def _claimed(self) -> IdempotentCall[S]:
@@ -648,7 +651,7 @@ class _Claim(Generic[S]):
 
     def _claim(self, conn: Connection) -> IdempotentCall[S]:
         backend = _sql.backend(conn.dialect)
-        params = self._params(_now_ms())
+        params = self._params()
         if _CLAIM(conn, params) is not None:
             return self._claimed()
         read = _READ_LOCKING if backend.locking_read else _READ
@@ -662,14 +665,17 @@ class _Claim(Generic[S]):
             call = self._decide(conn, row, params)
             if call is not None:
                 return call
-            params = self._params(_now_ms())
         raise SerializationConflict(
             f"{self._name} changed {_MAX_ROUNDS} times while it was being claimed; retry the request"
         )
 
     def _decide(self, conn: Connection, row: Any, params: dict[str, Any]) -> IdempotentCall[S] | None:
-        """Act on the record found; None when a conditional UPDATE lost a race (read again)."""
-        now = params["sg_now"]
+        """Act on the record found; None when a conditional UPDATE lost a race (read again).
+
+        ``now`` is the database's clock as the read saw it; the UPDATEs that
+        act on what was read judge the lease again on their own statement's clock.
+        """
+        now = row.db_now
         options = self.options
         if row.expires_ms <= now:
             if _write.execute(conn, _RECLAIM, {**params, "sg_old_owner": row.owner}).rowcount != 1:
@@ -724,13 +730,14 @@ class _Claim(Generic[S]):
 
     def write(self, call: IdempotentCall[S], stmt: Any, extra: dict[str, Any], kind: str | None) -> None:
         """Run one owner-conditional UPDATE of the record (and in separate mode commit the session)."""
-        params = {**self._params(_now_ms()), **extra}
+        params = {**self._params(), **extra}
         if self.options.mode == "same_transaction":
             matched = _write.execute(self._open(self._conn), stmt, params).rowcount
         else:
             session = self.session
             try:
-                matched = _write.execute(session.connection(), stmt, params).rowcount
+                conn = _write.own_connection(session, idempotency_keys)
+                matched = _write.execute(conn, stmt, params).rowcount
                 if matched == 1:
                     session.commit()
             except BaseException:
@@ -746,7 +753,7 @@ class _Claim(Generic[S]):
             self._emit(kind, call.attempt)
 
     def heartbeat(self, call: IdempotentCall[S]) -> None:
-        params = self._params(_now_ms())
+        params = self._params()
         if self.options.mode == "same_transaction":
             matched = _write.execute(self._open(self._conn), _HEARTBEAT, params).rowcount
         else:
@@ -1106,7 +1113,7 @@ def purge_expired(bind: Engine | Connection | Session, *, batch: int = 1000) -> 
 
     :raises InvalidArgument: ``batch`` is not a positive int.
     """
-    return _write.purge_expired_rows(_t, bind, batch, _now_ms)
+    return _write.purge_expired_rows(_t, bind, batch)
 
 
 #: Names this module defined before the 0.2 layout, and where they live now.

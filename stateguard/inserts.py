@@ -47,7 +47,7 @@ def insert_once(session: Session, model: type[Any], values: Mapping[str, Any]) -
         items.append((attr, info.column(attr, role="a values entry"), values[attr]))
     frozen = tuple(items)
     has_sql = any(isinstance(v, _sql.ClauseElement) for _, _, v in frozen)
-    conn = _write.connection_for(session, info)
+    conn = _write.connection_for(session, info, (), _write.value_integers(frozen))
     variant = _sql.variant_key(frozen, has_sql)
     cache_key = ("insert_once", info, variant)
     insert = _write.memo.get(cache_key) if variant is not None else None
@@ -78,9 +78,7 @@ _CONSUME_ROW: Final[dict[str, Any]] = {
     "message_id": bindparam("sg_message"),
     "consumed_ms": bindparam("sg_now"),
 }
-_CONSUME: Final = _write.InsertOnce(
-    consumed_messages, _CONSUME_ROW, returning=[consumed_messages.c.consumer]
-)
+_CONSUME: Final = _write.InsertOnce(consumed_messages, _CONSUME_ROW, returning=[consumed_messages.c.consumer])
 
 
 @dual
@@ -102,7 +100,7 @@ def consume_once(session: Session, consumer: str, message_id: str) -> Result:
     _write.check_text(message_id, "message_id", MAX_KEY)
     if session.autoflush:
         session.flush()
-    conn = session.connection()
+    conn = _write.own_connection(session, consumed_messages)
     params = {"sg_consumer": consumer, "sg_message": message_id, "sg_now": _write.now_ms()}
     inserted = _CONSUME(conn, params) is not None
     return Result(

@@ -82,10 +82,12 @@ def row_lock(
     ``of`` is not supported) and MySQL 8; an option the server cannot honour
     raises :class:`~stateguard.NotSupported` instead of being dropped.
     SQLite has no row locks: the honest equivalent is that the transaction
-    holds the database's write lock from its start, which is what an engine
-    from :func:`~stateguard.sqlite_engine` (``begin="immediate"``, the
-    default) does; on any other SQLite engine ``row_lock`` raises
-    :class:`~stateguard.NotSupported`.  There, ``nowait`` and
+    holds the database's write lock from its start: on an engine from
+    :func:`~stateguard.sqlite_engine` a transaction that ``row_lock`` starts
+    begins with ``BEGIN IMMEDIATE`` (``begin="auto"``, the default; with
+    ``begin="immediate"`` every transaction does); in a transaction that
+    already read (``"auto"``), or on any other SQLite engine, ``row_lock``
+    raises :class:`~stateguard.NotSupported`.  There, ``nowait`` and
     ``skip_locked`` are trivially met (no other writer can hold a row).
     """
     info = _sql.model_info(model)
@@ -143,8 +145,9 @@ def _check_row_lock_support(conn: Connection, *, nowait: bool, skip_locked: bool
             raise NotSupported(
                 "row_lock on SQLite: SQLite has no row locks; the equivalent is a transaction that "
                 "holds the database write lock from its start. Use an engine made by "
-                "stateguard.sqlite_engine(url) (begin='immediate', the default), whose transactions "
-                "begin with BEGIN IMMEDIATE"
+                "stateguard.sqlite_engine(url) and call row_lock before anything else reads in the "
+                "transaction (begin='auto', the default, then begins it with BEGIN IMMEDIATE), or "
+                "sqlite_engine(url, begin='immediate'), whose transactions all hold the write lock"
             )
         if of is not None:
             raise NotSupported("row_lock(of=...) is not supported on SQLite (it locks the whole database)")
@@ -283,7 +286,9 @@ def _advisory_lock(
     if not isinstance(name, str) or not name:
         raise InvalidArgument(f"advisory_lock needs a non-empty str name, got {name!r}")
     wait = _write.seconds(timeout, "timeout", allow_zero=True)
-    conn = session.connection()
+    if wait == float("inf"):
+        wait = None  # wait forever, as timeout=None does (GET_LOCK would refuse 'inf')
+    conn = _write.own_connection(session, None)
     kind = _sql.backend(conn.dialect).named_locks
     if kind == "transaction":
         _pg_advisory_lock(conn, name, wait, shared)
@@ -334,7 +339,7 @@ def _pg_advisory_lock(conn: Connection, name: str, wait: float | None, shared: b
 
 def _mysql_get_lock(conn: Connection, name: str, lock_name: str, wait: float | None) -> None:
     got = _write.execute(
-        conn, _GET_LOCK, {"name": lock_name, "timeout": _FOREVER if wait is None else wait}
+        conn, _GET_LOCK, {"name": lock_name, "timeout": _FOREVER if wait is None else min(wait, _FOREVER)}
     ).scalar()
     if got != 1:
         why = (
@@ -360,9 +365,18 @@ def _mysql_release(conn: Connection, name: str, lock_name: str, raised: bool) ->
     held[lock_name] -= 1
     try:
         released = _write.execute(conn, _RELEASE_LOCK, {"name": lock_name}).scalar()
-    except Exception:
+    except Exception as error:
         if raised:
             return  # keep the block's own error; a broken connection dropped its locks anyway
+        if isinstance(error, sa_exc.DBAPIError) and error.connection_invalidated:
+            # The server dropped the connection (KILL, restart, network): it
+            # released the lock then, so part of the block may have run
+            # without it.
+            raise LockLost(
+                f"advisory lock {name!r} was lost with its connection before the block ended "
+                f"({error.orig!r}); the block's work may have overlapped another holder's: "
+                f"check it, or make it safe to run twice"
+            ) from error
         raise
     if released != 1 and not raised:
         raise LockLost(f"advisory lock {name!r} was no longer held by this connection when the block ended")

@@ -62,11 +62,6 @@ class OneTimeToken:
     """
 
 
-def _now_ms() -> int:
-    """The application's clock in integer epoch milliseconds (tests replace it)."""
-    return _write.now_ms()
-
-
 def token_digest(token: str) -> str:
     """The SHA-256 (hex) of ``token``: what is stored instead of it, and every token Result's ``key``.
 
@@ -91,12 +86,16 @@ def _check_token(token: Any) -> str:
 # --------------------------------------------------------------------------
 
 # Built once; every value is a bound parameter, so SQLAlchemy's compiled cache
-# serves each dialect after the first call.
+# serves each dialect after the first call.  Expiry is stored and judged on the
+# database's clock inside each statement: an application server whose clock
+# runs ahead must not reject live tokens (nor one running behind accept
+# expired ones).
+_NOW: Final = _sql.db_now_ms()
 _ISSUE: Final = insert(tokens).values(
     token_hash=bindparam("sg_hash"),
     scope=bindparam("sg_scope"),
-    expires_ms=bindparam("sg_expires"),
-    created_ms=bindparam("sg_now"),
+    expires_ms=_NOW + bindparam("sg_ttl"),
+    created_ms=_NOW,
 )
 _CONSUME: Final = (
     update(tokens)
@@ -104,11 +103,11 @@ _CONSUME: Final = (
         tokens.c.token_hash == bindparam("sg_hash"),
         tokens.c.scope == bindparam("sg_scope"),
         tokens.c.consumed_ms.is_(None),
-        tokens.c.expires_ms > bindparam("sg_now"),
+        tokens.c.expires_ms > _NOW,
     )
-    .values(consumed_ms=bindparam("sg_now"))
+    .values(consumed_ms=_NOW)
 )
-_FIND: Final = select(tokens.c.consumed_ms, tokens.c.expires_ms).where(
+_FIND: Final = select(tokens.c.consumed_ms, tokens.c.expires_ms, _NOW.label("db_now")).where(
     tokens.c.token_hash == bindparam("sg_hash"), tokens.c.scope == bindparam("sg_scope")
 )
 # InnoDB at REPEATABLE READ: a plain SELECT reads the transaction's snapshot,
@@ -130,15 +129,18 @@ def issue_token(session: Session, *, scope: str, ttl: timedelta) -> str:
         session.commit()
         send_link(user, token)
 
+    The expiry is the database's clock at the INSERT plus ``ttl``, and
+    :func:`consume_token` judges it on the database's clock too, so
+    application servers whose clocks disagree agree on every token.
+
     :raises InvalidArgument: blank, oversize or non-str ``scope``, or a
         ``ttl`` under 1 ms; nothing was written.
     """
     _check_scope(scope)
     ttl_ms = _write.duration_ms(ttl, "ttl")
     token = secrets.token_urlsafe(TOKEN_BYTES)
-    now = _now_ms()
-    conn = session.connection()
-    params = {"sg_hash": token_digest(token), "sg_scope": scope, "sg_expires": now + ttl_ms, "sg_now": now}
+    conn = _write.own_connection(session, tokens)
+    params = {"sg_hash": token_digest(token), "sg_scope": scope, "sg_ttl": ttl_ms}
     _write.execute(conn, _ISSUE, params)
     return token
 
@@ -171,10 +173,10 @@ def consume_token(session: Session, token: str, *, scope: str) -> Result:
     _check_token(token)
     _check_scope(scope)
     digest = token_digest(token)
-    params = {"sg_hash": digest, "sg_scope": scope, "sg_now": _now_ms()}
+    params = {"sg_hash": digest, "sg_scope": scope}
     if session.autoflush:
         session.flush()
-    conn = session.connection()
+    conn = _write.own_connection(session, tokens)
     if _write.execute(conn, _CONSUME, params).rowcount == 1:
         return Result(Outcome.APPLIED, model=OneTimeToken, key=digest, state="consumed", session=session)
     backend = _sql.backend(conn.dialect)
@@ -185,7 +187,7 @@ def consume_token(session: Session, token: str, *, scope: str) -> Result:
         return Result(
             Outcome.REPEATED, model=OneTimeToken, key=digest, state="consumed", value=row.consumed_ms
         )
-    if row.expires_ms <= params["sg_now"]:
+    if row.expires_ms <= row.db_now:
         return Result(
             Outcome.REJECTED,
             model=OneTimeToken,
@@ -218,7 +220,7 @@ def purge_expired_tokens(bind: Engine | Connection | Session, *, batch: int = 10
 
     :raises InvalidArgument: ``batch`` is not a positive int.
     """
-    return _write.purge_expired_rows(tokens, bind, batch, _now_ms)
+    return _write.purge_expired_rows(tokens, bind, batch)
 
 
 #: Names this module defined before the 0.2 layout, and where they live now.

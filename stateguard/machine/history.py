@@ -41,7 +41,15 @@ if TYPE_CHECKING:
     from .declaration import StateMachine
     from .trigger import Trigger
 
-__all__ = ["HistoryEntry", "applied_by_request", "check_request", "entries", "meta_of", "record"]
+__all__ = [
+    "MAX_META_BYTES",
+    "HistoryEntry",
+    "applied_by_request",
+    "check_request",
+    "entries",
+    "meta_of",
+    "record",
+]
 
 
 class HistoryEntry(NamedTuple):
@@ -56,6 +64,10 @@ class HistoryEntry(NamedTuple):
     version: int | None
 
 
+#: Largest ``metadata`` (JSON, UTF-8 bytes) one log row takes: well under MariaDB's default packet limit.
+MAX_META_BYTES = 1 << 20
+
+
 def check_request(request_id: Any, meta: Any) -> None:
     """Raise InvalidArgument unless ``request_id`` fits the log and ``meta`` is JSON-serialisable."""
     if request_id is not None and (
@@ -65,11 +77,27 @@ def check_request(request_id: Any, meta: Any) -> None:
             f"request_id must be a non-empty string of at most {MAX_REQUEST_ID} characters, "
             f"got {request_id!r}"
         )
+    if request_id is not None:
+        _write.check_storable(request_id, "request_id")
     if meta is not None:
         try:
-            json.dumps(meta)
+            # allow_nan=False: NaN and Infinity are not JSON (PostgreSQL's json
+            # and MariaDB's JSON_VALID refuse them, after the UPDATE ran).
+            text = json.dumps(meta, allow_nan=False, ensure_ascii=False)
+        except RecursionError:
+            raise InvalidArgument("metadata is nested too deeply to store as JSON") from None
         except (TypeError, ValueError) as error:
-            raise InvalidArgument(f"metadata must be JSON-serialisable: {error}") from error
+            message = f"metadata must be JSON-serialisable (no NaN or Infinity): {error}"
+            raise InvalidArgument(message) from error
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError as error:
+            # MariaDB's JSON_VALID refuses an escaped lone surrogate.
+            raise InvalidArgument(f"metadata contains a lone surrogate ({error.reason})") from None
+        if size > MAX_META_BYTES:
+            raise InvalidArgument(
+                f"metadata is {size} bytes as JSON; the transition log takes at most {MAX_META_BYTES}"
+            )
 
 
 _lookup = (

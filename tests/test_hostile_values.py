@@ -1,0 +1,169 @@
+"""Hostile strings and values are refused typed before any statement (issue 15, items 9 and 12).
+
+NUL (PostgreSQL refuses it in text), lone surrogates (no UTF-8 for them: the
+driver raised UnicodeEncodeError), strings longer than their ``String(n)``
+column (PostgreSQL aborts the transaction), NaN / Infinity and deeply nested
+or huge metadata (not JSON, or more than the log takes) in keys, values=,
+refs and request ids: each is InvalidArgument, nothing is written and the
+transaction stays usable, on every backend.  advisory_lock(timeout=inf)
+waits forever like timeout=None, and a MariaDB GET_LOCK whose connection is
+killed inside the block ends in LockLost, not a raw driver error.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, Integer, String, func, select, text
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+
+from stateguard import (
+    InvalidArgument,
+    LockLost,
+    Outcome,
+    StateMachine,
+    advisory_lock,
+    consume_once,
+    create_tables,
+    decrement,
+    drop_tables,
+    guarded_update,
+    insert_once,
+    version_column,
+)
+from stateguard.machine.history import MAX_META_BYTES
+from stateguard.tables import transition_log
+
+from .conftest import Backend
+
+
+class _Base(DeclarativeBase):
+    pass
+
+
+class Item(_Base):
+    """A str key, a short text column, a counter, a version and a logged machine."""
+
+    __tablename__ = "hostile_items"
+    code: Mapped[str] = mapped_column(String(40), primary_key=True)
+    note: Mapped[str | None] = mapped_column(String(10))
+    qty: Mapped[int] = mapped_column(Integer, default=10)
+    status: Mapped[str] = mapped_column(String(20), default="new")
+    version: Mapped[int] = version_column()
+
+    flow = StateMachine(
+        "status",
+        states=["new", "done"],
+        transitions=[["finish", "new", "done"]],
+        history=True,
+    )
+
+
+@pytest.fixture
+def engine(backend: Backend) -> Iterator[Engine]:
+    eng = backend.create(_Base.metadata)
+    drop_tables(eng)
+    create_tables(eng)
+    with Session(eng) as s, s.begin():
+        s.add(Item(code="a"))
+    yield eng
+    drop_tables(eng)
+
+
+def _deep(levels: int) -> Any:
+    value: Any = 1
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+NUL = "x\x00y"
+SURROGATE = "x\ud800y"
+
+CALLS: dict[str, Callable[[Session], Any]] = {
+    "key-nul": lambda s: Item.flow.finish(s, NUL),
+    "key-surrogate": lambda s: Item.flow.finish(s, SURROGATE),
+    "values-nul": lambda s: Item.flow.finish(s, "a", values={"note": NUL}),
+    "values-surrogate": lambda s: Item.flow.finish(s, "a", values={"note": SURROGATE}),
+    "values-too-long": lambda s: Item.flow.finish(s, "a", values={"note": "x" * 11}),
+    "many-values-too-long": lambda s: Item.flow.finish.many(s, ["a"], values={"note": "x" * 11}),
+    "guarded-update-nul": lambda s: guarded_update(s, Item, "a", {"note": NUL}, expected_version=1),
+    "guarded-update-too-long": lambda s: guarded_update(s, Item, "a", {"note": "é" * 11}, expected_version=1),
+    "counter-key-surrogate": lambda s: decrement(s, Item.qty, SURROGATE),
+    "ref-nul": lambda s: decrement(s, Item.qty, "a", ref=NUL),
+    "ref-surrogate": lambda s: decrement(s, Item.qty, "a", ref=SURROGATE),
+    "request-id-nul": lambda s: Item.flow.finish(s, "a", request_id=NUL),
+    "request-id-surrogate": lambda s: Item.flow.finish(s, "a", request_id=SURROGATE),
+    "metadata-nan": lambda s: Item.flow.finish(s, "a", metadata={"score": math.nan}),
+    "metadata-inf": lambda s: Item.flow.finish(s, "a", metadata={"score": math.inf}),
+    "metadata-deep": lambda s: Item.flow.finish(s, "a", metadata={"deep": _deep(100_000)}),
+    "metadata-surrogate": lambda s: Item.flow.finish(s, "a", metadata={"note": SURROGATE}),
+    "metadata-huge": lambda s: Item.flow.finish(s, "a", metadata={"blob": "x" * MAX_META_BYTES}),
+    "insert-once-nul": lambda s: insert_once(s, Item, {"code": "b", "note": NUL}),
+    "insert-once-too-long": lambda s: insert_once(s, Item, {"code": "b", "note": "x" * 11}),
+    "insert-once-int-range": lambda s: insert_once(s, Item, {"code": "b", "qty": 2**31}),
+    "consume-once-surrogate": lambda s: consume_once(s, "c", SURROGATE),
+}
+
+
+@pytest.mark.parametrize("call", CALLS.values(), ids=list(CALLS))
+def test_hostile_value_is_invalid_argument_and_the_transaction_goes_on(
+    engine: Engine, call: Callable[[Session], Any]
+) -> None:
+    """The call raises InvalidArgument, nothing was written, and the same transaction still works."""
+    with Session(engine) as s, s.begin():
+        with pytest.raises(InvalidArgument):
+            call(s)
+        assert s.execute(select(func.count()).select_from(Item)).scalar_one() == 1
+        assert Item.flow.finish(s, "a", values={"note": "ok"}).outcome is Outcome.APPLIED
+    with Session(engine) as s:
+        item = s.get(Item, "a")
+        assert item is not None and (item.status, item.note, item.qty, item.version) == ("done", "ok", 10, 2)
+        assert s.execute(select(func.count()).select_from(transition_log)).scalar_one() == 1
+
+
+def test_values_at_the_column_length_and_non_ascii_text_still_apply(engine: Engine) -> None:
+    """Ten characters (CJK too) fit String(10); metadata just under the limit is stored."""
+    with Session(engine) as s, s.begin():
+        r = Item.flow.finish(s, "a", values={"note": "商" * 10}, metadata={"blob": "x" * 1000})
+        assert r.outcome is Outcome.APPLIED
+    with Session(engine) as s:
+        assert s.get(Item, "a").note == "商" * 10  # type: ignore[union-attr]
+
+
+@pytest.fixture
+def server(backend: Backend) -> Backend:
+    if backend.name == "sqlite":
+        pytest.skip("SQLite has no named locks (advisory_lock is NotSupported there, tested elsewhere)")
+    return backend
+
+
+def test_advisory_lock_timeout_inf_waits_like_none(server: Backend) -> None:
+    """timeout=float('inf') takes a free lock (GET_LOCK refused 'inf' as a raw error before)."""
+    with Session(server.engine) as s, s.begin():
+        with advisory_lock(s, "hostile-inf", timeout=math.inf):
+            pass
+
+
+def test_get_lock_holder_whose_connection_is_killed_gets_lock_lost(backend: Backend) -> None:
+    """MariaDB: KILL CONNECTION of the holder inside the block; the block's end raises LockLost."""
+    if backend.name != "mariadb":
+        pytest.skip("GET_LOCK locks live on MariaDB/MySQL connections")
+    with pytest.raises(LockLost, match="lost with its connection"), Session(backend.engine) as s:
+        with advisory_lock(s, "hostile-kill"):
+            conn_id = s.execute(text("SELECT CONNECTION_ID()")).scalar_one()
+            killer = threading.Thread(target=_kill, args=(backend.engine, conn_id))
+            killer.start()
+            killer.join()
+    # The server released the lock with the connection: another session takes it at once.
+    with Session(backend.engine) as s, advisory_lock(s, "hostile-kill", timeout=0):
+        pass
+
+
+def _kill(engine: Engine, conn_id: int) -> None:
+    with engine.connect() as conn:
+        conn.execute(text(f"KILL CONNECTION {int(conn_id)}"))
