@@ -59,6 +59,7 @@ __all__ = [
     "db_now_ms",
     "integer_bounds",
     "is_duplicate_key",
+    "missing_own_table",
     "model_info",
     "numeric_digits",
     "purge_statement",
@@ -292,6 +293,8 @@ _MYSQL_DEADLOCK = 1213
 _MYSQL_RECORD_CHANGED = 1020  # innodb_snapshot_isolation=ON at REPEATABLE READ
 _SQLITE_BUSY = 5  # primary result code; BUSY_SNAPSHOT is 517 (5 | 2 << 8)
 _MYSQL_DUPLICATE_KEY = 1062
+_MYSQL_NO_SUCH_TABLE = 1146
+_PG_UNDEFINED_TABLE = "42P01"
 _MYSQL_DRIVERS = ("pymysql", "MySQLdb", "mysql", "mariadb", "asyncmy", "aiomysql")
 
 
@@ -360,6 +363,35 @@ def conflict_error(error: sa_exc.DBAPIError) -> StateguardError | None:
         f"the database aborted the statement because of {what} ({error.orig!r}); "
         f"roll the transaction back and run the unit of work again "
         f"(retry_on_conflict() does this)"
+    )
+
+
+def missing_own_table(error: sa_exc.DBAPIError) -> StateguardError | None:
+    """A ConfigurationError when ``error`` says one of stateguard's own tables does not exist.
+
+    By code on PostgreSQL (42P01) and MySQL/MariaDB (1146); SQLite has no
+    code for it (SQLITE_ERROR), so there its message ``no such table`` is
+    read.  Only tables named ``stateguard_*`` count: a user's missing table
+    stays the driver's error.
+    """
+    orig = error.orig
+    if orig is None:
+        return None
+    message = str(orig)
+    if "stateguard_" not in message:
+        return None
+    sqlstate = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    missing = (
+        sqlstate == _PG_UNDEFINED_TABLE
+        or _mysql_errno(orig) == _MYSQL_NO_SUCH_TABLE
+        or (type(orig).__module__.startswith("sqlite3") and message.startswith("no such table"))
+    )
+    if not missing:
+        return None
+    return ConfigurationError(
+        f"stateguard's tables are missing from this database ({message.splitlines()[0]}); create them "
+        f"with `alembic upgrade stateguard@head` (see stateguard.migrations_location()) or "
+        f"stateguard.create_tables(engine)"
     )
 
 

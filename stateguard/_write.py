@@ -309,11 +309,12 @@ def _out_of_range(
 
 
 def execute(conn: Connection, stmt: Any, params: Mapping[str, Any] | None = None) -> CursorResult[Any]:
-    """Run ``stmt`` on ``conn``, turning retryable driver conflicts into our errors."""
+    """Run ``stmt`` on ``conn``, turning retryable driver conflicts (and missing stateguard tables)
+    into our errors."""
     try:
         return conn.execute(stmt, params)
     except sa_exc.DBAPIError as error:
-        mapped = _sql.conflict_error(error)
+        mapped = _sql.conflict_error(error) or _sql.missing_own_table(error)
         if mapped is None:
             raise
         raise mapped from error
@@ -748,7 +749,9 @@ def ensure_real_transaction(conn: Connection) -> None:
     Opening the transaction explicitly keeps the savepoint nested in it.
     """
     if _sql.backend(conn.dialect).driver_begins_lazily and not _driver_in_transaction(conn):
-        conn.exec_driver_sql("BEGIN")
+        # Its callers (reserve, idempotent) write next: under sqlite_engine(begin="auto") the
+        # transaction they start takes the write lock here, outside their savepoint.
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.info.get(BEGIN_MARK) == PENDING else "BEGIN")
 
 
 def abandon_savepoint(savepoint: Any) -> None:
