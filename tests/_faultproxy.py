@@ -29,7 +29,12 @@ import socket
 import threading
 from types import TracebackType
 
-__all__ = ["FaultProxy"]
+__all__ = ["COMMIT", "FaultProxy"]
+
+#: What a COMMIT looks like on the wire, per server, for ``cut_after_next_request``: a plain
+#: ``b"COMMIT"`` would also match MariaDB's ``SET AUTOCOMMIT = 0`` sent by every new PyMySQL
+#: connection. PostgreSQL: a simple Query message, NUL-terminated; MariaDB: COM_QUERY (0x03).
+COMMIT = {"postgresql": b"COMMIT\x00", "mariadb": b"\x03COMMIT"}
 
 _CHUNK = 65536
 

@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import create_engine, exc, text
 from sqlalchemy.engine import URL, make_url
 
-from tests._faultproxy import FaultProxy
+from tests._faultproxy import COMMIT, FaultProxy
 from tests.conftest import MYSQL_URL, PG_URL, REDIS_URL, unavailable
 
 redis = pytest.importorskip("redis")
@@ -132,7 +132,7 @@ def test_sql_cut_commit_ran_on_server(server: str) -> None:
             try:
                 with engine.begin() as conn:
                     conn.execute(text(f"INSERT INTO {table} VALUES (1)"))
-                proxy.cut_after_next_request(b"COMMIT")
+                proxy.cut_after_next_request(COMMIT[server])
                 conn2 = engine.connect()
                 conn2.execute(text(f"INSERT INTO {table} VALUES (2)"))
                 with pytest.raises(exc.DBAPIError):

@@ -10,7 +10,9 @@ retry APPLIED instead, so the two cases are told apart.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -21,20 +23,25 @@ from sqlalchemy.orm import Session
 
 from stateguard import (
     Outcome,
+    RequestInProgress,
     Result,
     consume_once,
     create_tables,
     decrement,
     drop_tables,
+    idempotent,
     insert_once,
     release,
     reserve,
 )
 
-from ._faultproxy import FaultProxy
+from ._faultproxy import COMMIT, FaultProxy
 from ._stock_workers import Stock, StockBase
 from .conftest import Backend
 from .models import Base, Invoice, Message
+
+#: A short lease for the separate-mode claim test.
+LEASE = timedelta(seconds=1)
 
 
 @pytest.fixture(params=["postgresql", "mariadb"])
@@ -66,11 +73,16 @@ def proxied(server: Backend) -> Iterator[tuple[Engine, FaultProxy]]:
     drop_tables(direct)
 
 
+def arm_commit_cut(engine: Engine, proxy: FaultProxy) -> None:
+    """Make the proxy lose the reply to the next COMMIT this engine's server receives."""
+    proxy.cut_after_next_request(COMMIT["postgresql" if engine.dialect.name == "postgresql" else "mariadb"])
+
+
 def lose_commit_reply(engine: Engine, proxy: FaultProxy, work: Callable[[Session], Result]) -> Result:
     """Run ``work`` in a transaction whose COMMIT reaches the server but whose reply is cut."""
     with Session(engine) as s:
         first = work(s)
-        proxy.cut_after_next_request(b"COMMIT")
+        arm_commit_cut(engine, proxy)
         with pytest.raises(DBAPIError):
             s.commit()
     assert proxy.wait_cut()
@@ -223,3 +235,54 @@ def test_consume_once_cut_before_commit_retry_applies(proxied: tuple[Engine, Fau
     lose_connection_before_commit(engine, proxy, eat)
     again = retry(engine, eat)
     assert (again.outcome, again.same_request) == (Outcome.APPLIED, False)
+
+
+def test_idempotent_same_transaction_retry_replays_after_lost_commit(
+    proxied: tuple[Engine, FaultProxy],
+) -> None:
+    """An idempotent() block whose COMMIT reply was lost is replayed on retry with its stored response."""
+    engine, proxy = proxied
+    runs = []
+    with Session(engine) as s:
+        with idempotent(s, scope="lost", key="k-1") as call:
+            runs.append(1)
+            call.complete({"charged": 1})
+        arm_commit_cut(engine, proxy)
+        with pytest.raises(DBAPIError):
+            s.commit()
+    assert proxy.wait_cut()
+    with Session(engine) as s, idempotent(s, scope="lost", key="k-1") as call:
+        assert (call.replayed, call.response) == (True, {"charged": 1})
+    assert runs == [1]
+
+
+def test_idempotent_separate_retry_replays_after_lost_completion(proxied: tuple[Engine, FaultProxy]) -> None:
+    """In separate mode, a completion whose COMMIT reply was lost is replayed on retry, not run again."""
+    engine, proxy = proxied
+    runs = []
+    with Session(engine) as s:
+        with pytest.raises(DBAPIError), idempotent(s, scope="lost", key="k-2", mode="separate") as call:
+            runs.append(1)
+            arm_commit_cut(engine, proxy)  # the claim has committed: this is the completion's
+            call.complete({"shipped": 1})
+    assert proxy.wait_cut()
+    with Session(engine) as s, idempotent(s, scope="lost", key="k-2", mode="separate") as call:
+        assert (call.replayed, call.response) == (True, {"shipped": 1})
+    assert runs == [1]
+
+
+def test_idempotent_separate_lost_claim_waits_for_its_lease(proxied: tuple[Engine, FaultProxy]) -> None:
+    """A separate-mode claim whose COMMIT reply was lost holds the key until its lease ends, then is taken."""
+    engine, proxy = proxied
+    with Session(engine) as s:
+        arm_commit_cut(engine, proxy)
+        with pytest.raises(DBAPIError), idempotent(s, scope="lost", key="k-3", mode="separate", lease=LEASE):
+            pytest.fail("the block must not run: the claim's reply was lost")
+    assert proxy.wait_cut()
+    with Session(engine) as s, pytest.raises(RequestInProgress):
+        with idempotent(s, scope="lost", key="k-3", mode="separate", lease=LEASE):
+            pytest.fail("the lost claim still holds its lease")
+    time.sleep(LEASE.total_seconds() + 0.2)
+    with Session(engine) as s, idempotent(s, scope="lost", key="k-3", mode="separate", lease=LEASE) as call:
+        assert (call.attempt, call.taken_over) == (2, True)
+        call.complete("done")
