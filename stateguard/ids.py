@@ -21,9 +21,9 @@ from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import Any, Final
 
-from sqlalchemy import Engine, bindparam, case, select, update
+from sqlalchemy import Engine, bindparam, select, update
 
-from . import _write
+from . import _sql, _write
 from .exceptions import InvalidArgument, WorkerIdsExhausted, WorkerLeaseLost
 from .tables import worker_leases
 
@@ -124,8 +124,24 @@ def _wall_ms() -> int:
 
 
 # Statements built once; every value is bound.
+#
+# Two clocks, kept apart.  Leases are judged and stored on the database's
+# clock inside each statement (lease_expires_ms = db_now + lease), so a host
+# whose clock runs ahead never takes a live worker id.  The ids carry the
+# application's clock, so a holder stores in last_ms, at every claim and
+# renewal, a horizon on its own clock that no id it issues before its next
+# renewal can pass (its clock + lease: it renews, or stops, a third of a lease
+# later); the next holder starts after that, and an orderly close() stores the
+# exact last millisecond instead.
+_NOW: Final = _sql.db_now_ms()
 _LIVE_ROWS: Final = (
-    select(worker_leases.c.worker_id, worker_leases.c.owner, worker_leases.c.lease_expires_ms)
+    select(
+        worker_leases.c.worker_id,
+        worker_leases.c.owner,
+        worker_leases.c.lease_expires_ms,
+        worker_leases.c.last_ms,
+        _NOW.label("db_now"),
+    )
     .where(worker_leases.c.namespace == bindparam("sg_ns"))
     .order_by(worker_leases.c.worker_id)
 )
@@ -133,39 +149,25 @@ _SAME_ROW: Final = (
     worker_leases.c.namespace == bindparam("sg_ns"),
     worker_leases.c.worker_id == bindparam("sg_worker"),
 )
-# last_ms is assigned first: MySQL evaluates single-table UPDATE assignments
-# left to right with the new values, PostgreSQL and SQLite with the old ones;
-# first, it reads the old lease_expires_ms everywhere.  A holder whose lease
-# expired used only milliseconds before that expiry, so a taker starts after
-# max(last_ms, lease_expires_ms - 1).
+# last_ms = :seen in the WHERE: the taker's ids start after the value it read,
+# and the row cannot have moved on (another holder came and went) since.
 _CLAIM: Final = (
     update(worker_leases)
     .where(
         *_SAME_ROW,
-        (worker_leases.c.owner.is_(None)) | (worker_leases.c.lease_expires_ms < bindparam("sg_now")),
+        worker_leases.c.last_ms == bindparam("sg_seen_last"),
+        (worker_leases.c.owner.is_(None)) | (worker_leases.c.lease_expires_ms < _NOW),
     )
-    .ordered_values(
-        (
-            worker_leases.c.last_ms,
-            case(
-                (
-                    worker_leases.c.lease_expires_ms - 1 > worker_leases.c.last_ms,
-                    worker_leases.c.lease_expires_ms - 1,
-                ),
-                else_=worker_leases.c.last_ms,
-            ),
-        ),
-        (worker_leases.c.owner, bindparam("sg_owner")),
-        (worker_leases.c.lease_expires_ms, bindparam("sg_expires")),
+    .values(
+        last_ms=bindparam("sg_last"),
+        owner=bindparam("sg_owner"),
+        lease_expires_ms=_NOW + bindparam("sg_lease"),
     )
-)
-_LAST_MS: Final = select(worker_leases.c.last_ms).where(
-    *_SAME_ROW, worker_leases.c.owner == bindparam("sg_owner")
 )
 _RENEW: Final = (
     update(worker_leases)
     .where(*_SAME_ROW, worker_leases.c.owner == bindparam("sg_owner"))
-    .values(lease_expires_ms=bindparam("sg_expires"), last_ms=bindparam("sg_last"))
+    .values(lease_expires_ms=_NOW + bindparam("sg_lease"), last_ms=bindparam("sg_last"))
 )
 _RELEASE: Final = (
     update(worker_leases)
@@ -176,8 +178,8 @@ _NEW_ROW_VALUES: Final = {
     "namespace": bindparam("sg_ns"),
     "worker_id": bindparam("sg_worker"),
     "owner": bindparam("sg_owner"),
-    "lease_expires_ms": bindparam("sg_expires"),
-    "last_ms": 0,
+    "lease_expires_ms": _NOW + bindparam("sg_lease"),
+    "last_ms": bindparam("sg_last"),
 }
 _INSERT: Final = _write.InsertOnce(worker_leases, _NEW_ROW_VALUES, returning=[worker_leases.c.namespace])
 
@@ -204,13 +206,14 @@ class Snowflake:
     under an expired lease: a generator that cannot renew raises
     :class:`WorkerLeaseLost` instead.  :meth:`close` releases the worker id.
 
-    Ids never go backwards: the highest millisecond used is stored with the
-    lease (``last_ms``), so the next holder of a worker id starts after it
-    (after the lease's expiry, when the holder died); when the clock steps
-    back, or 4096 ids were issued in one millisecond, :meth:`next_id` waits
-    (sleeps) until the clock passes the last millisecond used.  Leases are
-    judged with the hosts' wall clocks, which must agree to well within
-    ``lease`` (NTP does).  One generator is thread-safe; use one per
+    Ids never go backwards: with the lease the generator stores (``last_ms``)
+    a millisecond its ids cannot pass before its next renewal (the exact last
+    one used, on :meth:`close`), so the next holder of a worker id starts
+    after it; when the clock steps back, or 4096 ids were issued in one
+    millisecond, :meth:`next_id` waits (sleeps) until the clock passes the
+    last millisecond used.  Leases are judged and stored on the database's
+    clock, so a host whose clock runs ahead or behind never takes a live
+    worker id; ids carry the host's clock.  One generator is thread-safe; use one per
     process, created after any fork: a forked child's copy shares the
     parent's worker id, so it refuses to issue ids (and its :meth:`close`
     leaves the parent's lease alone).
@@ -281,23 +284,27 @@ class Snowflake:
         self._renew_mono = started_mono + self._lease_ms / 3000
 
     def _claim(self) -> tuple[int, int]:
-        params: dict[str, Any] = {"sg_ns": self.namespace, "sg_owner": self._owner}
+        params: dict[str, Any] = {
+            "sg_ns": self.namespace,
+            "sg_owner": self._owner,
+            "sg_lease": self._lease_ms,
+        }
         for _ in range(4 * MAX_WORKERS):
             started_mono = time.monotonic()
             now = self._clock()
-            params["sg_now"] = now
-            params["sg_expires"] = now + self._lease_ms
             with self.engine.connect() as conn:
                 rows = _write.execute(conn, _LIVE_ROWS, params).all()
             taken = {row.worker_id for row in rows}
-            free = [row.worker_id for row in rows if row.owner is None or row.lease_expires_ms < now]
-            for worker in free:
-                params["sg_worker"] = worker
+            # Live or not is the database's judgement (its clock), as in the UPDATE.
+            free = [row for row in rows if row.owner is None or row.lease_expires_ms < row.db_now]
+            for row in free:
+                params["sg_worker"] = row.worker_id
+                params["sg_seen_last"] = row.last_ms
+                params["sg_last"] = max(row.last_ms, self._horizon(now))
                 with self.engine.begin() as conn:
                     if _write.execute(conn, _CLAIM, params).rowcount == 1:
-                        last = _write.execute(conn, _LAST_MS, params).scalar_one()
                         self._set_deadlines(now, started_mono)
-                        return worker, int(last)
+                        return row.worker_id, int(row.last_ms)
             unused = next((w for w in range(MAX_WORKERS) if w not in taken), None)
             if unused is None:
                 if not free:
@@ -309,6 +316,7 @@ class Snowflake:
                     )
                 continue  # every free row was taken by someone else meanwhile: look again
             params["sg_worker"] = unused
+            params["sg_last"] = self._horizon(now)
             if self._insert(params):
                 self._set_deadlines(now, started_mono)
                 return unused, 0
@@ -322,6 +330,10 @@ class Snowflake:
         """Create the worker row already leased to us; ``False`` if someone created it first."""
         with self.engine.begin() as conn:
             return _INSERT(conn, params) is not None
+
+    def _horizon(self, now: int) -> int:
+        """A millisecond (application clock) that no id issued before the next renewal can reach."""
+        return now + self._lease_ms
 
     def _lease_params(self) -> dict[str, Any]:
         """The parameters naming our lease row, with the last millisecond used so far."""
@@ -346,7 +358,8 @@ class Snowflake:
             if due_only and now < self._renew_ms and started_mono < self._renew_mono:
                 return  # another thread renewed meanwhile
             params = self._lease_params()
-            params["sg_expires"] = now + self._lease_ms
+            params["sg_lease"] = self._lease_ms
+            params["sg_last"] = max(params["sg_last"], self._horizon(now))
             with self.engine.begin() as conn:
                 renewed = _write.execute(conn, _RENEW, params).rowcount == 1
             if not renewed:
@@ -464,4 +477,3 @@ class Snowflake:
             (snowflake_id >> _SEQUENCE_BITS) & (MAX_WORKERS - 1),
             snowflake_id & _MAX_SEQUENCE,
         )
-

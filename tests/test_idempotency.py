@@ -58,17 +58,9 @@ class Payment(_Base):
     __table__ = payments
 
 
-class Clock:
-    """A settable stand-in for the module's millisecond clock."""
-
-    def __init__(self) -> None:
-        self.now = time.time_ns() // 1_000_000
-
-    def __call__(self) -> int:
-        return self.now
-
-    def advance(self, delta: timedelta) -> None:
-        self.now += delta // timedelta(milliseconds=1)
+def _outlive(lease: timedelta) -> None:
+    """Sleep until a lease or ttl of ``lease`` taken before this call has ended on the database's clock."""
+    time.sleep(lease.total_seconds() + 0.05)
 
 
 @pytest.fixture
@@ -83,14 +75,6 @@ def engine(backend: Backend) -> Iterator[Engine]:
 
 
 @pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    """Replace the idempotency module's clock with one the test moves."""
-    c = Clock()
-    monkeypatch.setattr(idem, "_now_ms", c)
-    return c
-
-
-@pytest.fixture
 def events() -> Iterator[Counter[str]]:
     """Count idempotency events by kind while the test runs."""
     counts: Counter[str] = Counter()
@@ -99,9 +83,11 @@ def events() -> Iterator[Counter[str]]:
     remove()
 
 
-def _pay(session: Session, key: str, body: Any, *, scope: str = "payments") -> tuple[bool, Any]:
+def _pay(
+    session: Session, key: str, body: Any, *, scope: str = "payments", **options: Any
+) -> tuple[bool, Any]:
     """The README's create_payment: insert a payment once per key; (replayed, response)."""
-    with idempotent(session, scope=scope, key=key, fingerprint=body) as call:
+    with idempotent(session, scope=scope, key=key, fingerprint=body, **options) as call:
         if call.replayed:
             return True, call.response
         new_id = session.connection().execute(insert(payments).values(ref=key)).inserted_primary_key
@@ -303,25 +289,25 @@ def test_release_in_same_transaction_mode_rolls_back_the_block(engine: Engine) -
     assert _record(engine, "k", "s") is None and _payments(engine, "released") == 0
 
 
-def test_expired_keys_are_claimed_anew_and_purged_in_batches(engine: Engine, clock: Clock) -> None:
+def test_expired_keys_are_claimed_anew_and_purged_in_batches(engine: Engine) -> None:
     """After ttl a key is a new request (attempt 1, any fingerprint); purge deletes at most batch rows."""
+    short = timedelta(milliseconds=300)
     with Session(engine) as session, session.begin():
         for i in range(5):
-            _pay(session, f"k-{i}", {"amount": i})
-    clock.advance(timedelta(hours=1))
+            _pay(session, f"k-{i}", {"amount": i}, lease=short, ttl=short)
     with Session(engine) as session, session.begin():
         assert _pay(session, "k-0", {"amount": 0})[0] is True
-    clock.advance(timedelta(hours=24))
+    _outlive(short)
     with Session(engine) as session, session.begin():
-        replayed, response = _pay(session, "k-0", {"amount": 77})
+        replayed, response = _pay(session, "k-0", {"amount": 77}, lease=short, ttl=short)
     assert replayed is False and response["amount"] == 77
     assert _record(engine, "k-0").attempt == 1
     assert purge_expired(engine, batch=3) == 3
     assert purge_expired(engine, batch=3) == 1
     assert purge_expired(engine, batch=3) == 0
     assert _record(engine, "k-0") is not None
+    _outlive(short)
     with Session(engine) as session:
-        clock.advance(timedelta(days=2))
         assert purge_expired(session) == 1
         session.rollback()
     assert _record(engine, "k-0") is not None
@@ -394,29 +380,30 @@ def test_non_retryable_errors_mark_the_key_failed_for_good(engine: Engine) -> No
     assert isinstance(caught.value, StateguardError)
 
 
-def test_a_dead_workers_lease_is_taken_over_after_it_expires(engine: Engine, clock: Clock) -> None:
+def test_a_dead_workers_lease_is_taken_over_after_it_expires(engine: Engine) -> None:
     """While the lease lives a retry is told to wait; after it, the retry takes over (attempt 2)."""
+    lease = timedelta(milliseconds=800)
     with Session(engine) as dead:
-        manager = idempotent(dead, scope="s", key="k", mode="separate", lease=10 * SECOND)
+        manager = idempotent(dead, scope="s", key="k", mode="separate", lease=lease)
         manager.__enter__()  # the worker dies here: it never exits
-        clock.advance(9 * SECOND)
         with Session(engine) as retry, pytest.raises(RequestInProgress):
             with idempotent(retry, scope="s", key="k", mode="separate"):
                 pass
-        clock.advance(2 * SECOND)
+        _outlive(lease)
         with Session(engine) as retry, idempotent(retry, scope="s", key="k", mode="separate") as call:
             assert call.taken_over and call.attempt == 2
             call.complete("second")
 
 
-def test_a_stale_worker_never_overwrites_or_frees_the_new_owners_record(engine: Engine, clock: Clock) -> None:
+def test_a_stale_worker_never_overwrites_or_frees_the_new_owners_record(engine: Engine) -> None:
     """The Powertools bug: a late exception or completion of a taken-over worker changes nothing."""
     side_effects: list[str] = []
+    lease = timedelta(milliseconds=300)
     with Session(engine) as a_session:
-        a_manager = idempotent(a_session, scope="s", key="k", mode="separate", lease=5 * SECOND)
+        a_manager = idempotent(a_session, scope="s", key="k", mode="separate", lease=lease)
         a_call = a_manager.__enter__()
         side_effects.append("A")
-        clock.advance(6 * SECOND)  # A pauses past its lease
+        _outlive(lease)  # A pauses past its lease
         with (
             Session(engine) as b_session,
             idempotent(b_session, scope="s", key="k", mode="separate") as b_call,
@@ -442,11 +429,12 @@ def test_a_stale_worker_never_overwrites_or_frees_the_new_owners_record(engine: 
     assert row.status == "completed" and row.attempt == 2
 
 
-def test_a_stale_workers_exception_carries_a_note_about_the_takeover(engine: Engine, clock: Clock) -> None:
+def test_a_stale_workers_exception_carries_a_note_about_the_takeover(engine: Engine) -> None:
     """When the release finds the key taken over, the original exception propagates with a note."""
+    lease = timedelta(milliseconds=300)
     with Session(engine) as a_session, pytest.raises(KeyError) as caught:
-        with idempotent(a_session, scope="s", key="k", mode="separate", lease=SECOND):
-            clock.advance(2 * SECOND)
+        with idempotent(a_session, scope="s", key="k", mode="separate", lease=lease):
+            _outlive(lease)
             with (
                 Session(engine) as b_session,
                 idempotent(b_session, scope="s", key="k", mode="separate") as b,
@@ -457,18 +445,19 @@ def test_a_stale_workers_exception_carries_a_note_about_the_takeover(engine: Eng
     assert _record(engine, "k", "s").response == '"B"'
 
 
-def test_heartbeats_keep_a_long_claim_alive(engine: Engine, clock: Clock) -> None:
+def test_heartbeats_keep_a_long_claim_alive(engine: Engine) -> None:
     """heartbeat() extends the lease; once taken over, heartbeat() raises LeaseLost."""
+    lease = timedelta(seconds=1)
     with Session(engine) as session:
-        manager = idempotent(session, scope="s", key="k", mode="separate", lease=10 * SECOND)
+        manager = idempotent(session, scope="s", key="k", mode="separate", lease=lease)
         call = manager.__enter__()
         for _ in range(3):
-            clock.advance(8 * SECOND)
+            time.sleep(0.5)
             call.heartbeat()
         with Session(engine) as twin, pytest.raises(RequestInProgress):
             with idempotent(twin, scope="s", key="k", mode="separate"):
                 pass
-        clock.advance(11 * SECOND)
+        _outlive(lease)
         with Session(engine) as taker, idempotent(taker, scope="s", key="k", mode="separate") as taken:
             taken.complete(1)
         with pytest.raises(LeaseLost):

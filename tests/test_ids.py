@@ -287,19 +287,21 @@ def test_a_new_holder_in_the_same_millisecond_does_not_repeat_the_last_ids(engin
 def test_an_expired_lease_is_taken_over_and_the_old_holder_stops(engine: Engine) -> None:
     """A new generator takes an expired lease and starts after it; the old holder gets WorkerLeaseLost."""
     clock = VirtualClock()
-    old = Snowflake(engine, lease=LEASE, heartbeat=False, _clock=clock)
+    lease = timedelta(seconds=1)
+    old = Snowflake(engine, lease=lease, heartbeat=False, _clock=clock)
     old_ids = [old.next_id() for _ in range(50)]
-    expires = _lease_row(engine, 0).lease_expires_ms
-    clock.offset_ms += 2500  # the old holder "paused" past its lease
+    horizon = _lease_row(engine, 0).last_ms
+    assert horizon >= Snowflake.parse(old_ids[-1])[0] + 500  # the old holder's clock + its lease
+    time.sleep(1.1)  # the old holder "paused" past its lease (the database's clock decides)
     late = VirtualClock(clock.offset_ms)
     with Snowflake(engine, lease=LEASE, heartbeat=False, _clock=late, _sleep=late.sleep) as new:
         assert new.worker_id == old.worker_id == 0
         # The taker's clock then steps back 3 s, before the old holder's ids: it must
-        # still start after the old lease's end, the last millisecond the old holder could use.
+        # still start after the horizon the old holder stored, the last millisecond it could use.
         late.offset_ms -= 3000
         first = new.next_id()
         assert first > old_ids[-1]
-        assert Snowflake.parse(first)[0] >= expires
+        assert Snowflake.parse(first)[0] > horizon
         assert late.slept_ms > 0
         with pytest.raises(WorkerLeaseLost) as lost:
             old.next_id()
@@ -427,10 +429,12 @@ def test_errors_survive_pickling() -> None:
     assert type(full) is WorkerIdsExhausted and str(full) == "full" and full.namespace == "m"
 
 
-def test_claim_assigns_last_ms_before_the_lease_on_mysql() -> None:
-    """MySQL evaluates SET left to right, so the claim's last_ms must read the old lease_expires_ms first."""
+def test_claim_judges_the_lease_on_the_database_clock_and_the_last_ms_it_read() -> None:
+    """The claim judges and sets lease_expires_ms on the server clock and matches only the last_ms it read."""
     sql = str(ids_module._CLAIM.compile(dialect=mysql.dialect()))
-    assert sql.index("last_ms=CASE") < sql.index("lease_expires_ms=%s")
+    assert "lease_expires_ms < (TIMESTAMPDIFF(MICROSECOND" in sql
+    assert "lease_expires_ms=((TIMESTAMPDIFF(MICROSECOND" in sql
+    assert "last_ms = %s" in sql
 
 
 # --------------------------------------------------------------------------

@@ -29,7 +29,6 @@ from stateguard import (
     issue_token,
     purge_expired_tokens,
 )
-from stateguard import tokens as tokens_module
 from stateguard.tables import tokens as tokens_table
 
 from . import _token_workers as w
@@ -38,22 +37,13 @@ from .conftest import REDIS_URL, Backend, count_statements
 MINUTE = timedelta(minutes=1)
 
 
-class Clock:
-    """A settable stand-in for the module's millisecond clock."""
-
-    def __init__(self) -> None:
-        self.now = time.time_ns() // 1_000_000
-
-    def __call__(self) -> int:
-        return self.now
+#: A ttl short enough to wait out: expiry is the database's clock, so tests wait instead of moving a clock.
+SHORT = timedelta(milliseconds=200)
 
 
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    """Replace the tokens module's clock with one the test moves."""
-    c = Clock()
-    monkeypatch.setattr(tokens_module, "_now_ms", c)
-    return c
+def _outlive(ttl: timedelta = SHORT) -> None:
+    """Sleep until tokens issued with ``ttl`` before this call have expired on the database's clock."""
+    time.sleep(ttl.total_seconds() + 0.05)
 
 
 @pytest.fixture
@@ -108,12 +98,11 @@ def test_unknown_tokens_and_other_scopes_are_not_found(engine: Engine) -> None:
     assert _consume(engine, token, "payments:alice").outcome is Outcome.APPLIED
 
 
-def test_expired_tokens_are_rejected(engine: Engine, clock: Clock) -> None:
-    """A token consumed at or after its expiry is REJECTED; one consumed just before is APPLIED."""
-    late, on_time = _issue(engine, ttl=timedelta(seconds=1)), _issue(engine, ttl=timedelta(seconds=1))
-    clock.now += 999
+def test_expired_tokens_are_rejected(engine: Engine) -> None:
+    """A token consumed after its expiry is REJECTED; one consumed before it is APPLIED."""
+    late, on_time = _issue(engine, ttl=SHORT), _issue(engine, ttl=MINUTE)
+    _outlive()
     assert _consume(engine, on_time).outcome is Outcome.APPLIED
-    clock.now += 1
     r = _consume(engine, late)
     assert r.outcome is Outcome.REJECTED and r.state == "expired"
     with pytest.raises(TransitionRejected):
@@ -190,14 +179,14 @@ def test_bad_issue_input_is_typed_and_writes_nothing(engine: Engine, scope: Any,
 # --------------------------------------------------------------------------
 
 
-def test_purge_deletes_expired_tokens_in_batches(engine: Engine, clock: Clock) -> None:
+def test_purge_deletes_expired_tokens_in_batches(engine: Engine) -> None:
     """Expired tokens go in batches of at most ``batch``; live ones (consumed or not) stay."""
     with Session(engine) as s, s.begin():
         for _ in range(25):
-            issue_token(s, scope="old", ttl=timedelta(seconds=1))
+            issue_token(s, scope="old", ttl=SHORT)
         live = [issue_token(s, scope="new", ttl=MINUTE) for _ in range(3)]
     assert _consume(engine, live[0], "new").applied
-    clock.now += 1000
+    _outlive()
     assert [purge_expired_tokens(engine, batch=10) for _ in range(4)] == [10, 10, 5, 0]
     with engine.connect() as conn:
         assert sorted(conn.execute(select(tokens_table.c.scope)).scalars()) == ["new"] * 3
@@ -206,10 +195,10 @@ def test_purge_deletes_expired_tokens_in_batches(engine: Engine, clock: Clock) -
         purge_expired_tokens(engine, batch=0)
 
 
-def test_purge_in_the_callers_transaction(engine: Engine, clock: Clock) -> None:
+def test_purge_in_the_callers_transaction(engine: Engine) -> None:
     """With a Session the purge joins its transaction: a rollback keeps the rows."""
-    _issue(engine, ttl=timedelta(seconds=1))
-    clock.now += 5000
+    _issue(engine, ttl=SHORT)
+    _outlive()
     with Session(engine) as s:
         assert purge_expired_tokens(s) == 1
         s.rollback()
@@ -218,15 +207,15 @@ def test_purge_in_the_callers_transaction(engine: Engine, clock: Clock) -> None:
     assert purge_expired_tokens(engine) == 0
 
 
-def test_purge_skips_rows_a_consumer_holds_on_postgresql(pg: Backend, clock: Clock) -> None:
+def test_purge_skips_rows_a_consumer_holds_on_postgresql(pg: Backend) -> None:
     """On PostgreSQL a purge does not wait behind a locked expired row (SKIP LOCKED)."""
     engine = pg.engine
     drop_tables(engine)
     create_tables(engine)
     try:
-        held = _issue(engine, ttl=timedelta(seconds=1))
-        _issue(engine, ttl=timedelta(seconds=1))
-        clock.now += 2000
+        held = _issue(engine, ttl=SHORT)
+        _issue(engine, ttl=SHORT)
+        _outlive()
         with Session(engine) as holder:
             r = consume_token(holder, held, scope="s")
             assert r.outcome is Outcome.REJECTED
