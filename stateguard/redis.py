@@ -34,7 +34,7 @@ from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager, suppress
 from datetime import timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, Literal, TypeVar, cast
 
 from sqlalchemy import Connection, Engine, text
 
@@ -127,16 +127,32 @@ _USED: Final = "used"
 
 #: Consume in one atomic step.  A live token becomes a tombstone that keeps
 #: the key's remaining TTL (KEEPTTL, Redis >= 6.0), so a second consume is
-#: REPEATED until the token would have expired anyway.
+#: REPEATED until the token would have expired anyway.  The tombstone names
+#: the call that consumed it (``used:<call id>``): when that call's reply is
+#: lost and the call runs again (redis-py retries on a dropped connection),
+#: it finds its own id and is APPLIED again instead of REPEATED, so the only
+#: caller that consumed the token is still told to do the work.
 _CONSUME_SCRIPT: Final = """
 local v = redis.call('get', KEYS[1])
 if not v then return 0 end
+local mine = ARGV[2] .. ':' .. ARGV[3]
 if v == ARGV[1] then
-    redis.call('set', KEYS[1], ARGV[2], 'KEEPTTL')
+    redis.call('set', KEYS[1], mine, 'KEEPTTL')
     return 1
 end
+if v == mine then return 1 end
 return 2
 """
+
+#: How many consumes whose outcome is unknown (the connection failed on the
+#: way back) one RedisTokens object remembers, so that a second explicit
+#: call for the same token recognises the first one's effect.
+_PENDING_LIMIT: Final = 1024
+
+
+def _call_id() -> str:
+    """A fresh identity for one call, stored with its effect so that a retry of it recognises it."""
+    return secrets.token_hex(16)
 
 
 def _token_key(scope: str, digest: str) -> str:
@@ -160,6 +176,8 @@ class _RedisTokens(_RedisClient):
         self._check_client(client)
         self.client = client
         self._consume_script = client.register_script(_CONSUME_SCRIPT)
+        # token key -> the call id of a consume that raised (its reply may have been lost).
+        self._pending: dict[str, str] = {}
 
     @staticmethod
     def key(scope: str, token: str) -> str:
@@ -184,8 +202,20 @@ class _RedisTokens(_RedisClient):
         _write.check_text(token, "token", MAX_KEY)
         _write.check_text(scope, "scope", MAX_SCOPE)
         digest = token_digest(token)
-        keys, args = [_token_key(scope, digest)], [_LIVE, _USED]
-        return _consumed(digest, (yield from self._call(self._consume_script, keys=keys, args=args)))
+        key = _token_key(scope, digest)
+        # A consume of this token through this object that raised may have
+        # run on the server: this call goes on under its identity.  pop() is
+        # atomic, so of two concurrent calls only one inherits it.
+        call = self._pending.pop(key, None) or _call_id()
+        try:
+            found = yield from self._call(self._consume_script, keys=[key], args=[_LIVE, _USED, call])
+        except BaseException:
+            if len(self._pending) >= _PENDING_LIMIT:
+                with suppress(KeyError, RuntimeError, StopIteration):
+                    del self._pending[next(iter(self._pending))]
+            self._pending[key] = call
+            raise
+        return _consumed(digest, found)
 
 
 class RedisTokens(_RedisTokens):
@@ -212,6 +242,11 @@ class RedisTokens(_RedisTokens):
     :func:`~stateguard.consume_token` keeps expired rows until purged and
     says REJECTED.)  Unlike the SQL version, a consumption is not part of any
     database transaction: if the work after it fails, issue a new token.
+
+    Lost replies: the tombstone names the consuming call, so a consume that
+    redis-py retries after its reply was lost is still APPLIED.  With
+    retries off it raises redis-py's ``ConnectionError``; call ``consume``
+    again on the same object: it goes on under the failed call's identity.
 
     :raises InvalidArgument: ``client`` is not a synchronous redis client.
     """
@@ -283,8 +318,14 @@ class AsyncRedisTokens(_RedisTokens):
 #: Acquire and issue the fencing token in one step: a fence only when SET NX
 #: won, so a failed attempt never consumes one and no holder ever runs
 #: without one.  KEYS share a hash slot (see RedisLock), as Lua requires on
-#: Redis Cluster.  ARGV[3] is "1" when Redis issues the fence, "0" when the
-#: database does (``fences=``: only the lock is taken here).
+#: Redis Cluster.  ARGV[1] is the owner token (new for each acquisition),
+#: ARGV[2] the TTL in ms, ARGV[3] "1" when Redis issues the fence, "0" when
+#: the database does (``fences=``: only the lock is taken here).
+#:
+#: A lock already held by ARGV[1] was taken by this very acquisition, whose
+#: reply was lost (redis-py sends the script again on a new connection): it
+#: is acquired, with the fence it got then (the counter has not moved since:
+#: only acquisitions move it, and nobody else acquired while we held it).
 #:
 #: The counter is seeded from the server's clock: the fence is
 #: max(INCR, TIME in microseconds), so a Redis that restarted without its
@@ -294,11 +335,17 @@ class AsyncRedisTokens(_RedisTokens):
 #: be printed as 1.7e+15).  Lua numbers are doubles: exact up to 2**53,
 #: centuries of microseconds away.
 _ACQUIRE_SCRIPT: Final = """
-if not redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+local holder = redis.call('get', KEYS[1])
+if holder == ARGV[1] then
+    redis.call('pexpire', KEYS[1], ARGV[2])
+    if ARGV[3] ~= '1' then return 0 end
+    local issued = tonumber(redis.call('get', KEYS[2]))
+    if issued then return issued end
+elseif holder then
     return false
-end
-if ARGV[3] ~= '1' then
-    return 0
+else
+    redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
+    if ARGV[3] ~= '1' then return 0 end
 end
 local fence = redis.call('incr', KEYS[2])
 local now = redis.call('time')
@@ -310,23 +357,89 @@ end
 return fence
 """
 
+#: Release: compare-and-delete, leaving KEYS[2] (``<lock>:released:<token>``)
+#: for ARGV[2] ms, so that a release whose reply was lost and that runs again
+#: finds its own marker and succeeds instead of reporting the lock lost.  A
+#: missing lock without the marker really expired.  Acquirers never look at
+#: the marker: the lock key is gone, the lock is free.
+_RELEASE_SCRIPT: Final = """
+if redis.call('get', KEYS[1]) == ARGV[1] then
+    redis.call('del', KEYS[1], KEYS[3])
+    redis.call('set', KEYS[2], '1', 'PX', ARGV[2])
+    return 1
+end
+return redis.call('exists', KEYS[2])
+"""
+
+#: Extend: add ARGV[2] ms to the remaining TTL (or set it, ARGV[3] == "1")
+#: while ARGV[1] holds the lock, recording the call's id ARGV[4] in KEYS[2]
+#: (``<lock>:extended:<token>``, with the lock's new TTL): an extension that
+#: runs again because its reply was lost finds its id and adds nothing twice.
+_EXTEND_SCRIPT: Final = """
+if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end
+if redis.call('get', KEYS[2]) == ARGV[4] then return 1 end
+local ttl = tonumber(ARGV[2])
+if ARGV[3] ~= '1' then
+    local left = redis.call('pttl', KEYS[1])
+    if left < 0 then return 0 end
+    ttl = ttl + left
+end
+redis.call('pexpire', KEYS[1], ttl)
+redis.call('set', KEYS[2], ARGV[4], 'PX', ttl)
+return 1
+"""
+
+#: How long a release marker lives at least (ms): longer than redis-py's
+#: default retries take (10 tries, at most 1 s apart) and a caller's own
+#: second call after a ConnectionError.
+_RELEASED_MARKER_MS: Final = 60_000
+
 # The fencing subclasses of redis-py's two Lock classes differ only in
-# awaiting the script; these three helpers are the rest of them.
+# awaiting the scripts; these helpers are the rest of them.
 
 
-def _register_acquire(lock: Any) -> None:
+def _register_scripts(lock: Any) -> None:
     cls = type(lock)
     if cls.lua_acquire is None:
         cls.lua_acquire = lock.redis.register_script(_ACQUIRE_SCRIPT)
+        cls.lua_fenced_release = lock.redis.register_script(_RELEASE_SCRIPT)
+        cls.lua_fenced_extend = lock.redis.register_script(_EXTEND_SCRIPT)
+
+
+def _text(token: Any) -> str:
+    return token.decode() if isinstance(token, bytes) else str(token)
+
+
+def _ttl_ms(lock: Any) -> int:
+    if lock.timeout is None:  # RedisLock and AsyncRedisLock always set a ttl
+        raise InvalidArgument("a fenced Redis lock needs a ttl")
+    return max(1, int(lock.timeout * 1000))
 
 
 def _acquire_call(lock: Any, token: Any) -> dict[str, Any]:
     """The keys and args of :data:`_ACQUIRE_SCRIPT` for ``lock`` (a redis-py Lock) and owner ``token``."""
-    if lock.timeout is None:  # RedisLock and AsyncRedisLock always set a ttl
-        raise InvalidArgument("a fenced Redis lock needs a ttl")
     return {
         "keys": [lock.name, f"{lock.name}:fence"],
-        "args": [token, max(1, int(lock.timeout * 1000)), "0" if lock.fences_from_database else "1"],
+        "args": [token, _ttl_ms(lock), "0" if lock.fences_from_database else "1"],
+        "client": lock.redis,
+    }
+
+
+def _release_call(lock: Any, token: Any) -> dict[str, Any]:
+    """The keys and args of :data:`_RELEASE_SCRIPT` (the markers are named after the owner token)."""
+    return {
+        "keys": [lock.name, f"{lock.name}:released:{_text(token)}", f"{lock.name}:extended:{_text(token)}"],
+        "args": [token, max(_RELEASED_MARKER_MS, _ttl_ms(lock))],
+        "client": lock.redis,
+    }
+
+
+def _extend_call(lock: Any, additional: float, replace_ttl: bool) -> dict[str, Any]:
+    """The keys and args of :data:`_EXTEND_SCRIPT`; the call id was set by :meth:`_RedisLock._extend`."""
+    token = lock.local.token
+    return {
+        "keys": [lock.name, f"{lock.name}:extended:{_text(token)}"],
+        "args": [token, max(1, int(additional * 1000)), "1" if replace_ttl else "0", lock.local.extend_call],
         "client": lock.redis,
     }
 
@@ -340,6 +453,15 @@ def _took(lock: Any, fence: Any) -> bool:
     if fence is None:
         return False
     lock.local.fence = None if lock.fences_from_database else int(fence)
+    return True
+
+
+def _done(lock: Any, done: Any, verb: str) -> Literal[True]:
+    """A release or extend script's reply: 0 means the lock is no longer this owner's."""
+    from redis.exceptions import LockNotOwnedError
+
+    if not done:
+        raise LockNotOwnedError(f"Cannot {verb} a lock that's no longer owned", lock_name=lock.name)
     return True
 
 
@@ -363,14 +485,24 @@ def _lock_class() -> type[Lock]:
             """redis-py's lock, acquiring with :data:`_ACQUIRE_SCRIPT` to get a fencing token."""
 
             lua_acquire: Any = None
+            lua_fenced_release: Any = None
+            lua_fenced_extend: Any = None
             fences_from_database = False
 
             def register_scripts(self) -> None:
                 super().register_scripts()
-                _register_acquire(self)
+                _register_scripts(self)
 
             def do_acquire(self, token: str) -> bool:
                 return _took(self, self.lua_acquire(**_acquire_call(self, token)))
+
+            def do_release(self, expected_token: str) -> None:
+                _done(self, self.lua_fenced_release(**_release_call(self, expected_token)), "release")
+
+            def do_extend(self, additional_time: float, replace_ttl: bool) -> Literal[True]:
+                return _done(
+                    self, self.lua_fenced_extend(**_extend_call(self, additional_time, replace_ttl)), "extend"
+                )
 
         _fenced_classes["sync"] = _FencedLock
     cls: type[Lock] = _fenced_classes["sync"]
@@ -386,6 +518,8 @@ def _async_lock_class() -> type[AsyncLock]:
             """redis-py's asyncio lock, acquiring with :data:`_ACQUIRE_SCRIPT`; its token is per task."""
 
             lua_acquire: Any = None
+            lua_fenced_release: Any = None
+            lua_fenced_extend: Any = None
             fences_from_database = False
 
             def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -396,10 +530,17 @@ def _async_lock_class() -> type[AsyncLock]:
 
             def register_scripts(self) -> None:
                 super().register_scripts()  # type: ignore[no-untyped-call]  # untyped in redis-py
-                _register_acquire(self)
+                _register_scripts(self)
 
             async def do_acquire(self, token: str | bytes) -> bool:
                 return _took(self, await self.lua_acquire(**_acquire_call(self, token)))
+
+            async def do_release(self, expected_token: bytes) -> None:
+                _done(self, await self.lua_fenced_release(**_release_call(self, expected_token)), "release")
+
+            async def do_extend(self, additional_time: float, replace_ttl: bool) -> Literal[True]:
+                script = self.lua_fenced_extend
+                return _done(self, await script(**_extend_call(self, additional_time, replace_ttl)), "extend")
 
         _fenced_classes["async"] = _AsyncFencedLock
     cls: type[AsyncLock] = _fenced_classes["async"]
@@ -562,7 +703,17 @@ class _RedisLock(_RedisClient):
         wait = _write.seconds(blocking_timeout, "blocking_timeout", allow_zero=True)
         if wait is None:
             wait = self.blocking_timeout
-        if not (yield from self._call(self._lock.acquire, blocking_timeout=wait)):
+        local = self._lock.local
+        # The owner token is this acquisition's identity: the script
+        # recognises a lock already held by it (a retry after a lost reply).
+        # If the call raises, the next acquire() of this thread (task) goes
+        # on under the same token, so a lock the failed call did take is
+        # recognised instead of staying held by nobody until its TTL.
+        token = getattr(local, "pending_token", None) or _call_id()
+        local.pending_token = token
+        acquired = yield from self._call(self._lock.acquire, blocking_timeout=wait, token=token)
+        local.pending_token = None
+        if not acquired:
             raise LockNotAcquired(
                 f"{type(self).__name__} {self.name!r} is held by someone else"
                 f"{'' if wait is None else f'; gave up after {wait:g}s'}. "
@@ -584,13 +735,33 @@ class _RedisLock(_RedisClient):
         return fence
 
     def _release(self) -> _Steps[None]:
+        local = self._lock.local
+        token = local.token
         with self._owner_errors("was released"):
-            yield from self._call(self._lock.release)
+            try:
+                yield from self._call(self._lock.release)
+            except Exception as error:
+                from redis.exceptions import LockError
+
+                if not isinstance(error, LockError):
+                    # The outcome is unknown (the reply may be lost): keep the
+                    # token (redis-py's sync lock drops it first), so that a
+                    # second release() finds its own marker if the first one ran.
+                    local.token = token
+                raise
 
     def _extend(self, additional: float | timedelta, replace_ttl: bool) -> _Steps[None]:
         seconds = _write.required_seconds(additional, "additional")
+        local = self._lock.local
+        # The call's identity, kept after an error for a second extend() with
+        # the same arguments: an extension that did run is not added twice.
+        pending = getattr(local, "pending_extend", None)
+        call = pending[0] if pending is not None and pending[1:] == (seconds, replace_ttl) else _call_id()
+        local.extend_call = call
+        local.pending_extend = (call, seconds, replace_ttl)
         with self._owner_errors("was extended"):
             yield from self._call(self._lock.extend, seconds, replace_ttl=replace_ttl)
+        local.pending_extend = None
 
     def _owned(self) -> _Steps[bool]:
         return bool((yield from self._call(self._lock.owned)))
@@ -679,6 +850,12 @@ class RedisLock(_RedisLock):
     :raises InvalidArgument: a bad ``ttl``, ``blocking_timeout`` or name, a
         ``fences`` that is not an ``Engine``, or (with ``fences``) a name over
         255 characters.
+
+    Lost replies: an acquisition, release or extension that ran but whose
+    reply was lost is recognised when it runs again (redis-py retries on a
+    dropped connection): acquired with its fence, released, extended once.
+    With retries off it raises redis-py's ``ConnectionError``; call the same
+    method again from the same thread to learn what the first call did.
 
     Like redis-py's lock, the token (and :attr:`fence`) is thread-local:
     share a lock object between threads only if each acquires it itself.
