@@ -226,7 +226,8 @@ def test_row_lock_of_a_list_is_one_ordered_statement(backend: Backend, engine: E
     """A list is locked by one SELECT ... ORDER BY pk FOR UPDATE, returned in key order minus missing rows."""
     _tallies(engine, [1, 2, 3])
     with Session(engine) as s, s.begin():
-        s.connection()  # BEGIN first, so only row_lock's statement is counted
+        # Begin first (sqlite_engine: BEGIN IMMEDIATE at the first row_lock): one statement is counted.
+        row_lock(s, Tally, 1)
         with count_statements(engine) as stmts:
             rows = row_lock(s, Tally, [3, 99, 1, 2, 3])
         assert [r.id for r in rows] == [1, 2, 3]
