@@ -21,9 +21,12 @@ For each POST or PATCH request carrying ``Idempotency-Key``:
 the key is ...                             the middleware answers
 =========================================  ====================================================
 new                                        runs the app; stores 2xx, 3xx and 4xx responses
-                                           (status, headers, body); 5xx, 408, 425, 429 and
-                                           streaming responses release the key (a retry runs
-                                           the app again)
+                                           (status, headers, body), except the 4xx of a
+                                           request refused before it ran (400, 401, 403, 404,
+                                           405, 408, 409, 413, 415, 422, 425, 429), which
+                                           forget the key (a corrected request may use it);
+                                           5xx and streaming responses release it (the same
+                                           request runs the app again)
 completed with the same request            the stored response, plus ``Idempotency-Replayed:
                                            true``; the app does not run
 being worked on (live lease)               409 with ``Retry-After``
@@ -35,8 +38,11 @@ blank, too long, not printable ASCII       400
 request body above ``max_body``            413
 =========================================  ====================================================
 
-"The same request" means the same method, path, query string and body bytes
-(their SHA-256 is the fingerprint; the body is never stored).
+"The same request" means the same method, path, query string and body: a
+JSON body (``application/json`` or ``+json``) by its canonical form, the way
+:func:`stateguard.idempotent` compares fingerprints (keys in any order, any
+whitespace), any other body (and JSON that does not parse) by its bytes.
+Only a SHA-256 is stored, never the body.
 
 The claim uses ``mode="separate"``: it is committed in its own transaction
 *before* the app runs, because the route handler works with its own sessions
@@ -57,12 +63,14 @@ import json
 import logging
 import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from datetime import timedelta
 from typing import Any, TypeAlias, TypeVar
 
+from sqlalchemy import Engine, bindparam, delete
 from sqlalchemy.orm import Session
 
+from . import _sql
 from .exceptions import (
     IdempotencyKeyReused,
     InvalidArgument,
@@ -70,10 +78,10 @@ from .exceptions import (
     RequestInProgress,
     SerializationConflict,
 )
-from .idempotency import IdempotentCall, idempotent
-from .tables import MAX_KEY, MAX_SCOPE
+from .idempotency import IdempotentCall, fingerprint_of, idempotent
+from .tables import MAX_KEY, MAX_SCOPE, idempotency_keys
 
-__all__ = ["IdempotencyMiddleware", "RouteOptions", "default_store_status"]
+__all__ = ["REFUSED_BEFORE_EXECUTION", "IdempotencyMiddleware", "RouteOptions", "default_store_status"]
 
 log = logging.getLogger("stateguard.asgi")
 
@@ -106,19 +114,34 @@ _HOP_BY_HOP = frozenset(
     }
 )
 
-#: 4xx answers that say "try again later": storing them would make the retry they ask for useless.
-_RETRY_LATER = frozenset({408, 425, 429})
+#: 4xx answers that mean the request was refused before it ran: not stored by default (Stripe saves
+#: no result "if incoming parameters failed validation, or the request conflicted with another that
+#: was executing concurrently").  Malformed or invalid (400, 422), not authenticated or not allowed
+#: (401, 403), no such route or method (404, 405), a conflict with the resource's current state
+#: (409), a body the app does not take (413, 415), and "try again later" (408, 425, 429): storing
+#: them would turn the retry they ask for (or a corrected request) into a replay of the refusal.
+REFUSED_BEFORE_EXECUTION = frozenset({400, 401, 403, 404, 405, 408, 409, 413, 415, 422, 425, 429})
 
 _TOKEN_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
 
 
 def default_store_status(status: int) -> bool:
-    """The default policy: store 2xx, 3xx and 4xx responses except 408, 425 and 429.
+    """The default policy: store 2xx, 3xx and the 4xx answers of requests that ran.
 
-    5xx means the server failed (the client should retry and the app run
-    again); 408, 425 and 429 ask the client to retry later.
+    Not stored: 5xx (the server failed: the client retries and the app runs
+    again) and :data:`REFUSED_BEFORE_EXECUTION` (400, 401, 403, 404, 405,
+    408, 409, 413, 415, 422, 425, 429: the request was refused before it
+    ran, so its key is forgotten and a corrected request may use it).
+    Other 4xx (402 "card declined", 410, 412 ...) are outcomes of a request
+    that ran: stored and replayed.  A handler that answers one of the
+    refusal codes *after* acting must be covered by its own policy::
+
+        def store(status: int) -> bool:
+            return status == 409 or default_store_status(status)   # our 409 comes after the charge
+
+        app.add_middleware(IdempotencyMiddleware, session_factory=SessionLocal, store_status=store)
     """
-    return 200 <= status < 500 and status not in _RETRY_LATER
+    return 200 <= status < 500 and status not in REFUSED_BEFORE_EXECUTION
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +171,7 @@ class RouteOptions:
     ttl: timedelta | None = None
     max_body: int | None = None
     heartbeat_every: timedelta | None = None
+    store_status: Callable[[int], bool] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -164,6 +188,8 @@ class RouteOptions:
                 _check_duration(name, value)
         if self.max_body is not None:
             _check_max_body(self.max_body)
+        if self.store_status is not None:
+            _check_store_status(self.store_status)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +203,7 @@ class _Settings:
     ttl: timedelta
     max_body: int
     heartbeat_every: timedelta | None
+    store_status: Callable[[int], bool]
 
 
 def _check_scope(scope: Any) -> None:
@@ -208,6 +235,11 @@ def _check_methods(methods: Iterable[str]) -> frozenset[str]:
 def _check_duration(name: str, value: Any) -> None:
     if not isinstance(value, timedelta) or value <= timedelta(0):
         raise InvalidArgument(f"{name} must be a positive datetime.timedelta, got {value!r}")
+
+
+def _check_store_status(value: Any) -> None:
+    if not callable(value):
+        raise InvalidArgument(f"store_status must be a callable of the status code, got {value!r}")
 
 
 def _check_max_body(value: Any) -> None:
@@ -363,14 +395,61 @@ def _replaying_receive(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
+def _is_json(scope: Scope) -> bool:
+    """``Content-Type: application/json`` or any ``+json`` type (RFC 6839), parameters ignored."""
+    values = _header_values(scope, b"content-type")
+    if len(values) != 1:
+        return False
+    media = values[0].split(b";", 1)[0].strip().lower()
+    return media == b"application/json" or (b"/" in media and media.endswith(b"+json"))
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # Parsers disagree on which of two equal keys wins, so such a body has no
+    # single meaning to compare: it keeps its raw bytes' fingerprint.
+    out: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in out:
+            raise ValueError(f"duplicate key {name!r}")
+        out[name] = value
+    return out
+
+
+def _json_digest(body: bytes) -> str | None:
+    """The body's canonical JSON fingerprint (:func:`stateguard.fingerprint_of`), or ``None`` if not JSON."""
+    try:
+        value = json.loads(body, parse_constant=_no_constant, object_pairs_hook=_unique_keys)
+        return fingerprint_of({"json": value})
+    except (ValueError, RecursionError):
+        # Not UTF-8 or not JSON, NaN/Infinity, a number too large, a lone
+        # surrogate, duplicate keys, nesting deeper than Python recurses.
+        return None
+
+
 def _fingerprint_of(scope: Scope, body: bytes) -> dict[str, str]:
-    """What makes two requests "the same": method, path, query string and the body's SHA-256."""
-    return {
+    """What makes two requests "the same": method, path, query string and the body.
+
+    A JSON body (``application/json`` or ``+json``) counts by its canonical
+    form, as :func:`stateguard.idempotent` compares fingerprints: the same
+    object with its keys in another order or other whitespace is the same
+    request.  Any other body, and a JSON body that does not parse, counts
+    by its bytes.
+    """
+    request = {
         "method": str(scope["method"]).upper(),
         "path": str(scope.get("path", "")),
         "query": bytes(scope.get("query_string", b"")).decode("latin-1"),
-        "body_sha256": hashlib.sha256(body).hexdigest(),
     }
+    digest = _json_digest(body) if _is_json(scope) else None
+    if digest is not None:
+        request["json_sha256"] = digest
+    else:
+        request["body_sha256"] = hashlib.sha256(body).hexdigest()
+    return request
 
 
 # --------------------------------------------------------------------------
@@ -431,6 +510,45 @@ def _stored_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[list[str]]:
     ]
 
 
+_t = idempotency_keys
+# The record this request released, and only it: a takeover since the release
+# raised the attempt and set a live lease, a reclaim of an expired key set a
+# live lease, and another request's claim has another fingerprint or attempt.
+_FORGET = delete(_t).where(
+    _t.c.scope == bindparam("scope"),
+    _t.c.idem_key == bindparam("key"),
+    _t.c.status == "in_progress",
+    _t.c.attempt == bindparam("attempt"),
+    _t.c.fingerprint == bindparam("fingerprint"),
+    _t.c.locked_until_ms <= _sql.db_now_ms(),
+)
+
+
+def _forget(session: Session, call: IdempotentCall[Session], fingerprint: str | None) -> None:
+    """Delete the record ``call`` has just released: the key is unused again, for any request.
+
+    Runs in its own short transaction.  When it fails the key simply stays
+    released (a retry of the same request runs again), so the failure is
+    logged, never raised over the response.
+    """
+    bind = session.get_bind(clause=_t)
+    engine = bind if isinstance(bind, Engine) else bind.engine
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                _FORGET,
+                {"scope": call.scope, "key": call.key, "attempt": call.attempt, "fingerprint": fingerprint},
+            )
+    except Exception:
+        log.warning(
+            "could not forget idempotency key %r in scope %r; it stays released (the same request may "
+            "retry, another one gets 422 until the key expires)",
+            call.key,
+            call.scope,
+            exc_info=True,
+        )
+
+
 async def _send_response(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
@@ -463,7 +581,11 @@ class IdempotencyMiddleware:
         (the longest matching pattern wins), or a callable of the ASGI scope
         returning a :class:`RouteOptions` or ``None``.
     :param store_status: which final statuses are stored (default:
-        :func:`default_store_status`); the others release the key.
+        :func:`default_store_status`: 2xx, 3xx and 4xx but
+        :data:`REFUSED_BEFORE_EXECUTION`).  A 4xx that is not stored forgets
+        the key (the request was refused before it ran, so any request may
+        use the key again); any other status that is not stored releases it
+        (only the same request may retry).
     :param heartbeat_every: extend the lease in the background this often
         while the app runs (for handlers that may outlive ``lease``).
     :param documentation: a URL about your idempotency rules; error answers
@@ -509,8 +631,7 @@ class IdempotencyMiddleware:
         if heartbeat_every is not None:
             _check_duration("heartbeat_every", heartbeat_every)
         _check_max_body(max_body)
-        if not callable(store_status):
-            raise InvalidArgument(f"store_status must be a callable of the status code, got {store_status!r}")
+        _check_store_status(store_status)
         if documentation is not None and not isinstance(documentation, str):
             raise InvalidArgument(f"documentation must be a URL string, got {documentation!r}")
         self.app = app
@@ -526,6 +647,7 @@ class IdempotencyMiddleware:
             ttl=ttl,
             max_body=max_body,
             heartbeat_every=heartbeat_every,
+            store_status=store_status,
         )
         self._routes_fn: RoutesFn | None = None
         self._routes: list[tuple[str, RouteOptions]] = []
@@ -558,8 +680,7 @@ class IdempotencyMiddleware:
         required = any(_matches(p, path) for p in self.required_paths)
         if route is None:
             base = self._defaults
-            return _Settings(required, base.scope, base.methods, base.lease, base.ttl, base.max_body,
-                             base.heartbeat_every)  # fmt: skip
+            return replace(base, required=required)
         return self._merge(route, required=required)
 
     def _merge(self, route: RouteOptions, *, required: bool) -> _Settings | None:
@@ -575,6 +696,7 @@ class IdempotencyMiddleware:
             ttl=route.ttl or base.ttl,
             max_body=base.max_body if route.max_body is None else route.max_body,
             heartbeat_every=route.heartbeat_every or base.heartbeat_every,
+            store_status=route.store_status or base.store_status,
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -628,11 +750,12 @@ class IdempotencyMiddleware:
         key: str,
         body: bytes,
     ) -> None:
+        fingerprint = _fingerprint_of(scope, body)
         manager = idempotent(
             session,
             scope=idem_scope,
             key=key,
-            fingerprint=_fingerprint_of(scope, body),
+            fingerprint=fingerprint,
             lease=settings.lease,
             ttl=settings.ttl,
             mode="separate",
@@ -675,21 +798,24 @@ class IdempotencyMiddleware:
             manager.__exit__(type(error), error, error.__traceback__)
             raise
         start, stored_body = recorder.start, recorder.body
+        status = None if start is None else int(start["status"])
         try:
-            if (
-                not recorder.streaming
-                and start is not None
-                and stored_body is not None
-                and self.store_status(int(start["status"]))
-            ):
+            if recorder.streaming or status is None or stored_body is None:
+                await _in_thread(self._finish, call, None, "the response was streamed or incomplete")
+            elif settings.store_status(status):
                 response = {
-                    "status": int(start["status"]),
-                    "headers": _stored_headers(start.get("headers", ())),
+                    "status": status,
+                    "headers": _stored_headers(start.get("headers", ()) if start else ()),
                     "body": base64.b64encode(stored_body).decode("ascii"),
                 }
                 await _in_thread(self._finish, call, response)
+            elif 400 <= status < 500:
+                # Refused before it ran: forget the key, so that the corrected
+                # request may use it (not only a byte-identical retry).
+                await _in_thread(self._finish, call, None, f"HTTP {status}, not stored", session,
+                                 fingerprint_of(fingerprint))  # fmt: skip
             else:
-                await _in_thread(self._finish, call, None)
+                await _in_thread(self._finish, call, None, f"HTTP {status}, not stored")
         except BaseException as error:
             await _in_thread(manager.__exit__, type(error), error, error.__traceback__)
             raise
@@ -699,10 +825,17 @@ class IdempotencyMiddleware:
             await send({"type": "http.response.body", "body": stored_body or b"", "more_body": False})
 
     @staticmethod
-    def _finish(call: IdempotentCall[Session], response: dict[str, Any] | None) -> None:
+    def _finish(
+        call: IdempotentCall[Session],
+        response: dict[str, Any] | None,
+        reason: str | None = None,
+        forget_in: Session | None = None,
+        fingerprint: str | None = None,
+    ) -> None:
+        """Store ``response`` or release the key; with ``forget_in``, then delete the released record."""
         try:
             if response is None:
-                call.release()
+                call.release(reason)
             else:
                 call.complete(response)
         except LeaseLost:
@@ -714,6 +847,9 @@ class IdempotencyMiddleware:
                 call.key,
                 call.scope,
             )
+            return
+        if forget_in is not None:
+            _forget(forget_in, call, fingerprint)
 
     async def _replay(self, send: Send, response: Any) -> None:
         status = int(response["status"])

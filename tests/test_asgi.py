@@ -32,8 +32,16 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from stateguard import InvalidArgument
-from stateguard.asgi import IdempotencyMiddleware, RouteOptions, _stored_headers, default_store_status
+from stateguard import InvalidArgument, idempotent
+from stateguard.asgi import (
+    REFUSED_BEFORE_EXECUTION,
+    IdempotencyMiddleware,
+    RouteOptions,
+    _forget,
+    _stored_headers,
+    default_store_status,
+)
+from stateguard.idempotency import fingerprint_of
 from stateguard.tables import idempotency_keys
 from stateguard.tables import metadata as stateguard_metadata
 
@@ -61,6 +69,7 @@ class PaymentIn(BaseModel):
     amount: int
     block: bool = False
     crash: bool = False
+    answer: int | None = None
 
 
 # --------------------------------------------------------------------------
@@ -94,9 +103,15 @@ class Shop:
             self.failures_left -= fail
         if fail:
             return JSONResponse({"error": "upstream down"}, status_code=503)
+        if body.get("answer") is not None:
+            # The handler refuses the request with this status, before doing anything.
+            return JSONResponse({"refused": body["answer"]}, status_code=int(body["answer"]))
         amount = int(body["amount"])
         if amount < 0:
             return JSONResponse({"error": "amount must be positive"}, status_code=400)
+        if amount > 1000:
+            # Ran (asked the bank) and was declined: an outcome, not a refusal.
+            return JSONResponse({"error": "insufficient funds"}, status_code=402)
         with self.session_factory() as s, s.begin():
             payment = Payment(amount=amount)
             s.add(payment)
@@ -309,15 +324,85 @@ def test_keys_are_case_sensitive(client: Client, shop: Shop) -> None:
 # --------------------------------------------------------------------------
 
 
-def test_4xx_is_stored_and_replayed(client: Client, shop: Shop) -> None:
-    """A 400 from the handler is stored: the retry gets the same 400 without running the handler."""
+def test_4xx_of_a_request_that_ran_is_stored_and_replayed(client: Client, shop: Shop) -> None:
+    """A 402 (the request ran and was declined) is stored: the retry gets it without running the handler."""
     tc = client()
-    first = post(tc, "neg", {"amount": -5})
-    again = post(tc, "neg", {"amount": -5})
-    assert first.status_code == again.status_code == 400
-    assert again.json() == {"error": "amount must be positive"}
+    first = post(tc, "big", {"amount": 5000})
+    again = post(tc, "big", {"amount": 5000})
+    assert first.status_code == again.status_code == 402
+    assert again.json() == {"error": "insufficient funds"}
     assert again.headers["idempotency-replayed"] == "true"
     assert shop.calls["pay"] == 1 and payments_rows(shop) == 0
+
+
+def test_a_validation_400_is_not_stored_and_the_corrected_request_uses_the_key(
+    client: Client, shop: Shop
+) -> None:
+    """A 400 (refused before it ran) stores nothing: the corrected request with the same key runs once."""
+    tc = client()
+    refused = post(tc, "fix-me", {"amount": -5})
+    assert refused.status_code == 400 and "idempotency-replayed" not in refused.headers
+    assert key_rows(shop) == []  # forgotten, not merely released
+    fixed = post(tc, "fix-me", {"amount": 5})
+    assert fixed.status_code == 201 and "idempotency-replayed" not in fixed.headers
+    replay = post(tc, "fix-me", {"amount": 5})
+    assert replay.headers["idempotency-replayed"] == "true" and replay.json() == fixed.json()
+    assert post(tc, "fix-me", {"amount": -5}).status_code == 422  # the key now belongs to the payment
+    assert shop.calls["pay"] == 2 and payments_rows(shop) == 1
+
+
+@pytest.mark.parametrize("framework", ["fastapi"])
+def test_fastapis_own_422_is_not_stored(client: Client, shop: Shop) -> None:
+    """FastAPI's request validation answers 422 before the route runs; the corrected request uses the key."""
+    tc = client()
+    refused = post(tc, "v", {"amount": "not a number"})
+    assert refused.status_code == 422 and refused.json()["detail"][0]["loc"] == ["body", "amount"]
+    fixed = post(tc, "v", {"amount": 3})
+    assert fixed.status_code == 201 and "idempotency-replayed" not in fixed.headers
+    assert shop.calls["pay"] == 1 and [r.status for r in key_rows(shop)] == ["completed"]
+
+
+@pytest.mark.parametrize("status", sorted(REFUSED_BEFORE_EXECUTION))
+def test_every_refusal_status_forgets_the_key(sqlite_client: Client, sqlite_shop: Shop, status: int) -> None:
+    """Each REFUSED_BEFORE_EXECUTION status from the handler leaves no record: any request may use the key."""
+    tc = sqlite_client()
+    refused = post(tc, "r", {"amount": 1, "answer": status})
+    assert refused.status_code == status and refused.json() == {"refused": status}
+    assert key_rows(sqlite_shop) == []
+    assert post(tc, "r", {"amount": 1}).status_code == 201
+    assert post(tc, "r", {"amount": 1}).headers["idempotency-replayed"] == "true"
+    assert sqlite_shop.calls["pay"] == 2
+
+
+def test_forgetting_never_deletes_a_record_taken_over_since(shop: Shop) -> None:
+    """The forget step deletes only the record its own call released, never one another request took over."""
+    request = {"method": "POST", "path": "/payments", "query": "", "body_sha256": "0" * 64}
+    with shop.session_factory() as first_session, shop.session_factory() as second_session:
+        first = idempotent(first_session, scope="http", key="f", fingerprint=request, mode="separate")
+        call = first.__enter__()
+        call.release("HTTP 400, not stored")
+        with idempotent(
+            second_session, scope="http", key="f", fingerprint=request, mode="separate"
+        ) as second:
+            assert second.taken_over and second.attempt == 2
+            _forget(first_session, call, fingerprint_of(request))  # too late: the record is the retry's now
+            assert [r.attempt for r in key_rows(shop)] == [2]
+            second.complete({"ok": True})
+        first.__exit__(None, None, None)
+        _forget(first_session, call, fingerprint_of(request))
+    assert [(r.status, r.attempt) for r in key_rows(shop)] == [("completed", 2)]
+
+
+def test_a_route_may_store_a_refusal_status(client: Client, shop: Shop) -> None:
+    """RouteOptions(store_status=...) sets the policy of its route: there a 409 is stored and replayed."""
+    tc = client(routes={"/payments": RouteOptions(store_status=lambda status: status == 409 or status < 300)})
+    first = post(tc, "c", {"amount": 1, "answer": 409})
+    again = post(tc, "c", {"amount": 1, "answer": 409})
+    assert first.status_code == again.status_code == 409
+    assert again.headers["idempotency-replayed"] == "true" and shop.calls["pay"] == 1
+    # 402 is not stored by this route's policy, and a 4xx that is not stored forgets the key.
+    assert post(tc, "d", {"amount": 5000}).status_code == 402
+    assert post(tc, "d", {"amount": 5}).status_code == 201
 
 
 def test_5xx_releases_the_key_so_a_retry_runs_again(client: Client, shop: Shop) -> None:
@@ -333,6 +418,16 @@ def test_5xx_releases_the_key_so_a_retry_runs_again(client: Client, shop: Shop) 
     assert replay.status_code == 201 and replay.headers["idempotency-replayed"] == "true"
     assert replay.json() == retried.json()
     assert shop.calls["pay"] == 2 and payments_rows(shop) == 1
+
+
+def test_5xx_releases_but_keeps_the_key_bound_to_its_request(client: Client, shop: Shop) -> None:
+    """After a 503 the key is released, not forgotten: the handler may have acted, so another body is 422."""
+    tc = client()
+    shop.failures_left = 1
+    assert post(tc, "flaky", {"amount": 7}).status_code == 503
+    assert post(tc, "flaky", {"amount": 8}).status_code == 422
+    assert post(tc, "flaky", {"amount": 7}).status_code == 201
+    assert shop.calls["pay"] == 2
 
 
 def test_an_exception_in_the_app_releases_the_key(client: Client, shop: Shop) -> None:
@@ -391,6 +486,70 @@ def test_in_progress_409_with_retry_after_and_reused_key_422_while_in_flight(
     assert replay.status_code == 201 and replay.json() == done.json()
     assert replay.headers["idempotency-replayed"] == "true"
     assert shop.calls["pay"] == 1 and payments_rows(shop) == 1
+
+
+def test_the_same_json_with_keys_in_another_order_is_the_same_request(client: Client, shop: Shop) -> None:
+    """A JSON body is compared by its canonical form: reordered keys and other whitespace replay, not 422."""
+    tc = client()
+    headers = {"Idempotency-Key": "j", "Content-Type": "application/json"}
+    first = tc.post("/payments", content=b'{"amount": 4, "block": false}', headers=headers)
+    again = tc.post("/payments", content=b'{\n  "block":false,"amount":4}', headers=headers)
+    assert first.status_code == again.status_code == 201
+    assert again.headers["idempotency-replayed"] == "true" and again.json() == first.json()
+    other = tc.post("/payments", content=b'{"block": false, "amount": 5}', headers=headers)
+    assert other.status_code == 422  # another value is still another request
+    assert shop.calls["pay"] == 1 and payments_rows(shop) == 1
+
+
+@pytest.mark.parametrize(
+    ("content_type", "canonical"),
+    [
+        ("application/json", True),
+        ("Application/JSON; charset=utf-8", True),
+        ("application/vnd.api+json", True),
+        ("application/problem+json; charset=UTF-8", True),
+        ("text/plain", False),
+        ("application/x-www-form-urlencoded", False),
+        ("application/jsonl", False),
+        (None, False),
+    ],
+)
+def test_which_bodies_are_compared_as_json(
+    sqlite_client: Client, sqlite_shop: Shop, content_type: str | None, canonical: bool
+) -> None:
+    """Only application/json and +json bodies are canonicalised; any other body is compared byte for byte."""
+    tc = sqlite_client()
+    headers = {"Idempotency-Key": "ct"} | ({"Content-Type": content_type} if content_type else {})
+    assert tc.post("/other", content=b'{"a": 1, "b": [1, 2]}', headers=headers).status_code == 201
+    again = tc.post("/other", content=b'{"b":[1,2],"a":1}', headers=headers)
+    assert again.status_code == (201 if canonical else 422)
+    assert sqlite_shop.calls["other"] == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "same_bytes_differently"),
+    [
+        (b'{"a": 1', b'{"a":1'),  # does not parse
+        (b'{"a": NaN}', b'{"a":NaN}'),  # Python's json reads NaN, JSON has none
+        (b'{"a": 1e999}', b'{"a":1e999}'),  # a float that overflows to inf
+        (b'{"a": 1, "a": 2}', b'{"a": 2}'),  # duplicate keys: parsers disagree on which wins
+        (b'{"a": "\\ud800"}', b'{"a":"\\ud800"}'),  # a lone surrogate: not UTF-8 encodable
+        (b"[" * 100_000 + b"]" * 100_000, b"[ " * 100_000 + b"]" * 100_000),  # deeper than Python recurses
+        (b"\xff\xfe", b"\xff\xfe "),  # not UTF-8
+        (b"", b" "),
+    ],
+    ids=["truncated", "nan", "overflow", "duplicate-keys", "surrogate", "deep", "not-utf8", "empty"],
+)
+def test_json_that_does_not_parse_falls_back_to_its_bytes(
+    sqlite_client: Client, sqlite_shop: Shop, body: bytes, same_bytes_differently: bytes
+) -> None:
+    """A JSON body without one canonical form is compared by its bytes: same bytes replay, others are 422."""
+    tc = sqlite_client(max_body=1_000_000)
+    headers = {"Idempotency-Key": "bad-json", "Content-Type": "application/json"}
+    assert tc.post("/other", content=body, headers=headers).status_code == 201
+    assert tc.post("/other", content=body, headers=headers).headers["idempotency-replayed"] == "true"
+    assert tc.post("/other", content=same_bytes_differently, headers=headers).status_code == 422
+    assert sqlite_shop.calls["other"] == 1
 
 
 def test_reused_key_with_a_different_request_is_422(client: Client, shop: Shop) -> None:
@@ -599,10 +758,12 @@ def test_stored_headers_drop_hop_by_hop_and_connection_named_headers() -> None:
 
 
 def test_default_store_policy() -> None:
-    """2xx-4xx are stored except the retry-later answers 408, 425, 429; 5xx never."""
-    stored = [s for s in (200, 201, 204, 301, 400, 404, 409, 422) if default_store_status(s)]
-    assert stored == [200, 201, 204, 301, 400, 404, 409, 422]
-    assert not any(default_store_status(s) for s in (408, 425, 429, 500, 502, 503))
+    """2xx, 3xx and 4xx outcomes are stored; refusals before execution and 5xx never."""
+    stored = [s for s in (200, 201, 204, 301, 303, 402, 410, 412, 418) if default_store_status(s)]
+    assert stored == [200, 201, 204, 301, 303, 402, 410, 412, 418]
+    refused = (400, 401, 403, 404, 405, 408, 409, 413, 415, 422, 425, 429)
+    assert frozenset(refused) == REFUSED_BEFORE_EXECUTION
+    assert not any(default_store_status(s) for s in (*refused, 100, 500, 502, 503, 504))
 
 
 # --------------------------------------------------------------------------
