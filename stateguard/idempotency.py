@@ -365,7 +365,13 @@ _FAIL: Final = _owned_update(
 # Released: still in progress, with a lease that ended now, so the next
 # caller takes it over at once and reads the checkpoint.
 _RELEASE: Final = _owned_update(locked_until_ms=0, error=bindparam("sg_text"))
-_HEARTBEAT: Final = _owned_update(locked_until_ms=_LEASE_END, expires_ms=_EXPIRY)
+# Not a released claim (locked_until_ms = 0): a heartbeat racing its own
+# release() must not lease the key again, or the next retry waits a whole lease.
+_HEARTBEAT: Final = (
+    update(_t)
+    .where(*_MINE, _t.c.locked_until_ms > 0)
+    .values(updated_ms=_NOW, locked_until_ms=_LEASE_END, expires_ms=_EXPIRY)
+)
 _CHECKPOINT: Final = _owned_update(
     checkpoint_name=bindparam("sg_name"),
     checkpoint_data=bindparam("sg_text"),
@@ -568,6 +574,10 @@ class _Claim(Generic[S]):
         self._engine: Engine | None = None
         self._stop: threading.Event | None = None
         self._beater: threading.Thread | None = None
+        #: Set before the write that ends the claim (complete, fail, release) is sent: a
+        #: heartbeat that then finds no claim of ours in progress lost nothing.  No lock:
+        #: with an AsyncSession both run on the event loop's thread.
+        self._finishing = False
 
     def _emit(self, kind: str, attempt: int | None) -> None:
         _emit(kind, self.options.scope, self.options.key, attempt, self.options.mode)
@@ -731,20 +741,26 @@ class _Claim(Generic[S]):
     def write(self, call: IdempotentCall[S], stmt: Any, extra: dict[str, Any], kind: str | None) -> None:
         """Run one owner-conditional UPDATE of the record (and in separate mode commit the session)."""
         params = {**self._params(), **extra}
-        if self.options.mode == "same_transaction":
-            matched = _write.execute(self._open(self._conn), stmt, params).rowcount
-        else:
-            session = self.session
-            try:
-                conn = _write.own_connection(session, idempotency_keys)
-                matched = _write.execute(conn, stmt, params).rowcount
-                if matched == 1:
-                    session.commit()
-            except BaseException:
-                session.rollback()
-                raise
-            if matched != 1:
-                session.rollback()
+        if kind is not None:
+            self._finishing = True
+        try:
+            if self.options.mode == "same_transaction":
+                matched = _write.execute(self._open(self._conn), stmt, params).rowcount
+            else:
+                session = self.session
+                try:
+                    conn = _write.own_connection(session, idempotency_keys)
+                    matched = _write.execute(conn, stmt, params).rowcount
+                    if matched == 1:
+                        session.commit()
+                except BaseException:
+                    session.rollback()
+                    raise
+                if matched != 1:
+                    session.rollback()
+        except BaseException:
+            self._finishing = False  # nothing ended: the call is still open and may be finished again
+            raise
         if matched != 1:
             self._lost(call)
         if kind is not None:
@@ -753,6 +769,9 @@ class _Claim(Generic[S]):
             self._emit(kind, call.attempt)
 
     def heartbeat(self, call: IdempotentCall[S]) -> None:
+        """Extend the lease; LeaseLost when another owner took the key (not when this owner finished it)."""
+        if self._finishing or call._state != "open":
+            return  # this owner is completing, failing or releasing the claim: nothing to keep alive
         params = self._params()
         if self.options.mode == "same_transaction":
             matched = _write.execute(self._open(self._conn), _HEARTBEAT, params).rowcount
@@ -760,6 +779,10 @@ class _Claim(Generic[S]):
             with self._open(self._engine).begin() as conn:
                 matched = _write.execute(conn, _HEARTBEAT, params).rowcount
         if matched != 1:
+            if self._finishing or call._state != "open":
+                # Its own complete()/fail/release() ended the claim between the check
+                # above and this UPDATE: that write reports a real loss itself.
+                return
             self._lost(call)
 
     def release(self, call: IdempotentCall[S], reason: str | None) -> None:
