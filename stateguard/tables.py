@@ -51,6 +51,7 @@ __all__ = [
     "MAX_SCOPE",
     "ROW_KEY_LENGTH",
     "ExactString",
+    "Utf8Text",
     "consumed_messages",
     "counter_ledger",
     "create_tables",
@@ -115,9 +116,34 @@ def exact_string(length: int) -> ExactString:
     return ExactString(length)
 
 
-def long_text() -> Any:
-    """TEXT that holds more than MariaDB's 64 KiB ``TEXT``."""
-    return Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")
+class Utf8Text(TypeDecorator[str]):
+    """TEXT that stores any Unicode on every backend (``long=True``: more than MariaDB's 64 KiB TEXT).
+
+    On MariaDB/MySQL a column without a charset takes the database's
+    default, and a latin1 database refuses emoji and CJK (error 1366), so
+    this declares ``utf8mb4`` (binary collation: stored text is compared as
+    written).  Like :class:`ExactString`, stateguard's migrations use this
+    type, so its DDL must never change.
+    """
+
+    impl = Text
+    cache_ok = True
+
+    def __init__(self, long: bool = False) -> None:
+        super().__init__()
+        self.long = long
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name in ("mysql", "mariadb"):
+            kind = mysql.LONGTEXT if self.long else mysql.TEXT
+            return kind(charset="utf8mb4", collation="utf8mb4_bin")
+        # Not dialect.type_descriptor(Text()): that adapts TEXT to the dialect's String (VARCHAR).
+        return Text()
+
+
+def long_text() -> Utf8Text:
+    """TEXT that holds more than MariaDB's 64 KiB ``TEXT``, in utf8mb4 there (:class:`Utf8Text`)."""
+    return Utf8Text(long=True)
 
 
 #: Length of the ``row_key`` columns of the transition log and the counter ledger (characters).
@@ -169,15 +195,15 @@ transition_log = Table(
     "stateguard_transition_log",
     metadata,
     Column("id", _serial(), primary_key=True, autoincrement=True),
-    Column("model", String(200), nullable=False),
-    Column("machine", String(100), nullable=False),
-    Column("row_key", String(255), nullable=False),
-    Column("trigger", String(100), nullable=False),
-    Column("source", String(100), nullable=False),
-    Column("dest", String(100), nullable=False),
+    Column("model", exact_string(200), nullable=False),
+    Column("machine", exact_string(100), nullable=False),
+    Column("row_key", exact_string(255), nullable=False),
+    Column("trigger", exact_string(100), nullable=False),
+    Column("source", exact_string(100), nullable=False),
+    Column("dest", exact_string(100), nullable=False),
     Column("version", Integer, nullable=True),
     Column("at", DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()),
-    Column("request_id", String(MAX_REQUEST_ID), nullable=True),
+    Column("request_id", exact_string(MAX_REQUEST_ID), nullable=True),
     Column("meta", JSON, nullable=True),
     Index("ix_stateguard_transition_log_row", "model", "machine", "row_key", "id"),
     Index(
@@ -201,11 +227,11 @@ counter_ledger = Table(
     Column("id", _serial(), primary_key=True, autoincrement=True),
     # Byte-exact on MariaDB too: its default collation would make 'order-A' and 'order-a ' one ref.
     Column("ref", exact_string(MAX_REF), nullable=False),
-    Column("table_name", String(200), nullable=False),
+    Column("table_name", exact_string(200), nullable=False),
     Column("row_key", exact_string(255), nullable=False),
-    Column("column_name", String(100), nullable=False),
+    Column("column_name", exact_string(100), nullable=False),
     # The delta as exact decimal text: no float rounding on any backend.
-    Column("delta", String(60), nullable=False),
+    Column("delta", exact_string(60), nullable=False),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()),
     Column("released_at", DateTime(timezone=True), nullable=True),
     UniqueConstraint("ref", "table_name", "row_key", "column_name", name="uq_stateguard_counter_ledger_ref"),
@@ -221,18 +247,18 @@ idempotency_keys = Table(
     Column("scope", exact_string(MAX_SCOPE), primary_key=True),
     Column("idem_key", exact_string(MAX_KEY), primary_key=True),
     # 'in_progress', 'completed' or 'failed'.
-    Column("status", String(16), nullable=False),
+    Column("status", exact_string(16), nullable=False),
     # SHA-256 (hex) of the canonical request fingerprint; NULL when none was given.
-    Column("fingerprint", String(64), nullable=True),
+    Column("fingerprint", exact_string(64), nullable=True),
     # The current claimant; every later write is conditional on it.
-    Column("owner", String(32), nullable=False),
+    Column("owner", exact_string(32), nullable=False),
     Column("attempt", Integer, nullable=False),
     Column("locked_until_ms", BigInteger, nullable=True),
     Column("expires_ms", BigInteger, nullable=False),
     Column("response", long_text(), nullable=True),
-    Column("checkpoint_name", String(100), nullable=True),
+    Column("checkpoint_name", exact_string(100), nullable=True),
     Column("checkpoint_data", long_text(), nullable=True),
-    Column("error", Text, nullable=True),
+    Column("error", Utf8Text(), nullable=True),
     Column("created_ms", BigInteger, nullable=False),
     Column("updated_ms", BigInteger, nullable=False),
     Index("ix_stateguard_idempotency_keys_expires", "expires_ms"),
@@ -250,7 +276,7 @@ tokens = Table(
     "stateguard_tokens",
     metadata,
     # SHA-256 (hex) of the token: a leaked table does not leak usable tokens.
-    Column("token_hash", String(64), primary_key=True),
+    Column("token_hash", exact_string(64), primary_key=True),
     Column("scope", exact_string(MAX_SCOPE), nullable=False),
     Column("expires_ms", BigInteger, nullable=False),
     Column("consumed_ms", BigInteger, nullable=True),
@@ -263,7 +289,7 @@ worker_leases = Table(
     metadata,
     Column("namespace", exact_string(100), primary_key=True),
     Column("worker_id", Integer, primary_key=True, autoincrement=False),
-    Column("owner", String(64), nullable=True),
+    Column("owner", exact_string(64), nullable=True),
     Column("lease_expires_ms", BigInteger, nullable=False),
     # The highest timestamp a holder has used: a new holder starts after it,
     # so ids never go backwards across a handover.
