@@ -27,6 +27,7 @@ block or await.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import secrets
 import weakref
@@ -398,6 +399,24 @@ _RELEASED_MARKER_MS: Final = 60_000
 # awaiting the scripts; these helpers are the rest of them.
 
 
+def _lock_key(name: str) -> str:
+    """The Redis key of lock ``name``; every other key of the lock appends to it.
+
+    Redis Cluster hashes only the hash tag, the text between the first
+    ``{`` and the first ``}`` after it, when that text is not empty.  The
+    first ``{`` of ``stateguard:lock:{<name>}`` is always ours, so the tag is
+    the name up to its first ``}`` and every key that appends to this one
+    (fence, markers) lands in the same slot, whatever braces the name holds
+    (``a}b{``, ``{}``, ``{a}{b}``).  Except when the name *starts* with
+    ``}``: the tag would be empty, Redis would hash each whole key, and the
+    script's keys would straddle slots (CROSSSLOT).  Those names get a tag
+    made of their SHA-256 under a prefix no other name's key has.
+    """
+    if not name.startswith("}"):
+        return f"stateguard:lock:{{{name}}}"
+    return f"stateguard:lock:#{{{hashlib.sha256(name.encode()).hexdigest()}}}"
+
+
 def _register_scripts(lock: Any) -> None:
     cls = type(lock)
     if cls.lua_acquire is None:
@@ -639,6 +658,13 @@ class _RedisLock(_RedisClient):
         self._check_client(client)
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"{type(self).__name__} needs a non-empty str name, got {name!r}")
+        try:
+            name.encode()
+        except UnicodeEncodeError:
+            raise InvalidArgument(
+                f"{type(self).__name__} name {name!r} holds a lone surrogate, which no Redis key can store; "
+                f"pass valid text"
+            ) from None
         seconds = _write.required_seconds(ttl, "ttl")
         if seconds < 0.001:
             raise InvalidArgument(f"ttl must be at least 1 millisecond, got {ttl!r}")
@@ -650,10 +676,7 @@ class _RedisLock(_RedisClient):
         self.ttl = seconds
         self.blocking_timeout = _write.seconds(blocking_timeout, "blocking_timeout", allow_zero=True)
         self._fences = fences
-        self.key = f"stateguard:lock:{{{name}}}"
-        # Everything up to the first "}" after the first "{" is the hash tag;
-        # the fence key only appends to the lock key, so both hash alike
-        # whatever braces the name itself contains.
+        self.key = _lock_key(name)
         self.fence_key = f"{self.key}:fence"
         self._lock = cls(
             client, self.key, timeout=seconds, sleep=sleep, blocking_timeout=self.blocking_timeout
@@ -844,8 +867,11 @@ class RedisLock(_RedisLock):
       1.8e15: store them in a ``BIGINT`` (:func:`~stateguard.fence_column`).
 
     Keys: ``stateguard:lock:{<name>}`` holds the owner token with the TTL,
-    ``stateguard:lock:{<name>}:fence`` the Redis counter.  The braces are a
-    Redis Cluster hash tag, so both keys live in one slot.
+    ``stateguard:lock:{<name>}:fence`` the Redis counter, and short-lived
+    ``...:released:<token>`` / ``...:extended:<token>`` markers.  The braces
+    are a Redis Cluster hash tag, so all of them live in one slot whatever
+    braces the name holds; a name starting with ``}`` (which would make the
+    tag empty) uses ``stateguard:lock:#{<sha256 of the name>}`` instead.
 
     :raises InvalidArgument: a bad ``ttl``, ``blocking_timeout`` or name, a
         ``fences`` that is not an ``Engine``, or (with ``fences``) a name over

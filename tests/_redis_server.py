@@ -17,6 +17,7 @@ or skips the test loudly (fails under ``CI=true``, like every missing server).
 from __future__ import annotations
 
 import contextlib
+import random
 import shutil
 import signal
 import socket
@@ -45,12 +46,31 @@ def redis_server_binary() -> str:
     return path
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(*, cluster: bool = False) -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now.
+
+    ``cluster``: also the cluster bus port (``port + 10000``) is free, and the
+    port is at most 55535 (redis-server refuses a higher one in cluster mode).
+    """
+    if not cluster:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port: int = sock.getsockname()[1]
+            return port
+    for _ in range(200):
+        port = random.randint(20000, 55535)
+        if _bindable(port) and _bindable(port + 10000):
+            return port
+    raise RuntimeError("no free port pair (port, port + 10000) for a cluster node")
 
 
 class RedisServer:
@@ -68,7 +88,7 @@ class RedisServer:
         self, port: int | None = None, *, args: Sequence[str] = (), directory: str | None = None
     ) -> None:
         self.binary = redis_server_binary()
-        self.port = port or free_port()
+        self.port = port or free_port(cluster="--cluster-enabled" in args)
         self.args = list(args)
         self._own_dir = directory is None
         self.directory = directory or tempfile.mkdtemp(prefix=f"sg-redis-{self.port}-")
