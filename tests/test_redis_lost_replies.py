@@ -279,3 +279,30 @@ def test_async_consume_acquire_extend_release_with_lost_replies(proxy: FaultProx
 
     asyncio.run(main())
     assert proxy.cuts == 4
+
+
+def test_after_a_lost_consume_16_racing_retries_get_exactly_one_applied(proxy: FaultProxy, name: str) -> None:
+    """Retries off: after a lost consume, 16 threads retrying on one object get one APPLIED, 15 REPEATED."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import redis
+
+    client = through(proxy, retries=False)
+    warm(client, name)
+    tokens = RedisTokens(client)
+    token = tokens.issue(scope=name, ttl=MINUTE)
+    cut_next_script(proxy)
+    with pytest.raises(redis.ConnectionError):
+        tokens.consume(token, scope=name)
+    start = threading.Barrier(16, timeout=30)
+
+    def retry() -> Outcome:
+        start.wait()
+        return tokens.consume(token, scope=name).outcome
+
+    with ThreadPoolExecutor(16) as pool:
+        outcomes = list(pool.map(lambda _: retry(), range(16)))
+    assert outcomes.count(Outcome.APPLIED) == 1, outcomes
+    assert outcomes.count(Outcome.REPEATED) == 15
+    client.close()
