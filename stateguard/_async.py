@@ -15,9 +15,12 @@ and async cannot drift apart; the cost is one greenlet switch per call.
     r = decrement(session, Stock.amount, sku, by=1)          # Session: a Result
     r = await decrement(session, Stock.amount, sku, by=1)    # AsyncSession: awaited
 
-Four shapes of call get their async face here, and nowhere else:
+Five shapes of call get their async face here, and nowhere else:
 
 - :func:`dual`: module functions whose first parameter is the session;
+- :func:`dual_connectable`: module functions whose first parameter is an
+  Engine or a Connection (``create_tables``), awaited on an AsyncEngine or
+  AsyncConnection through :meth:`AsyncConnection.run_sync`;
 - :class:`dual_method`: methods whose first parameter after ``self`` is the session;
 - :class:`DualContext`: context managers, ``with`` on a Session and ``async with`` on an AsyncSession;
 - :class:`dual_member` on a :class:`DualObject`: methods of an object made for
@@ -38,14 +41,20 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session, scoped_session
 
 if TYPE_CHECKING:
-    from sqlalchemy.ext.asyncio import AsyncSession
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 else:
     try:
-        from sqlalchemy.ext.asyncio import AsyncSession
+        from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
     except ImportError:  # SQLAlchemy 2.1 needs greenlet for it: `pip install 'stateguard[async]'`
 
         class AsyncSession:
             """Stand-in when SQLAlchemy's asyncio extension cannot load: no AsyncSession can exist then."""
+
+        class AsyncEngine:
+            """Stand-in when SQLAlchemy's asyncio extension cannot load: no AsyncEngine can exist then."""
+
+        class AsyncConnection:
+            """Stand-in when SQLAlchemy's asyncio extension cannot load: no AsyncConnection can exist then."""
 
 
 from .exceptions import InvalidArgument
@@ -53,11 +62,13 @@ from .exceptions import InvalidArgument
 __all__ = [
     "AsyncSession",
     "Dual",
+    "DualConnectable",
     "DualContext",
     "DualObject",
     "as_session",
     "dual",
     "dual_bind",
+    "dual_connectable",
     "dual_member",
     "dual_method",
     "sync_session_of",
@@ -150,6 +161,55 @@ def dual_bind(fn: Callable[Concatenate[S, P], R]) -> Dual[S, P, R]:
         return fn(bind, *args, **kwargs)
 
     return call
+
+
+class DualConnectable(Protocol[P, R_co]):
+    """A public call that takes an Engine or a Connection (returns the result), or an AsyncEngine or
+    AsyncConnection (returns a coroutine)."""
+
+    @overload
+    def __call__(self, bind: Engine | Connection, /, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
+
+    @overload
+    def __call__(
+        self, bind: AsyncEngine | AsyncConnection, /, *args: P.args, **kwargs: P.kwargs
+    ) -> Coroutine[Any, Any, R_co]: ...
+
+
+def dual_connectable(fn: Callable[Concatenate[Engine | Connection, P], R]) -> DualConnectable[P, R]:
+    """Make ``fn(bind, ...)`` (an Engine or a Connection) also accept an AsyncEngine or AsyncConnection.
+
+    ::
+
+        create_tables(engine)                  # Engine or Connection: runs now
+        await create_tables(async_engine)      # AsyncEngine: in one transaction of its own
+        await create_tables(async_connection)  # AsyncConnection: in that connection's transaction
+
+    The synchronous ``fn`` runs through :meth:`AsyncConnection.run_sync`;
+    anything else where the bind belongs is an :class:`~stateguard.InvalidArgument`.
+    """
+    what = f"{fn.__name__.lstrip('_')}()"
+
+    @functools.wraps(fn)
+    def call(bind: Any, /, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(bind, AsyncConnection):
+            return bind.run_sync(fn, *args, **kwargs)
+        if isinstance(bind, AsyncEngine):
+            return _on_async_engine(bind, fn, *args, **kwargs)
+        if not isinstance(bind, Engine | Connection):
+            raise InvalidArgument(
+                f"{what} needs an Engine or a Connection (or an AsyncEngine or AsyncConnection, "
+                f"awaited), got {type(bind).__name__}"
+                + (": pass the session's bind, session.get_bind()" if isinstance(bind, Session) else "")
+            )
+        return fn(bind, *args, **kwargs)
+
+    return call
+
+
+async def _on_async_engine(engine: AsyncEngine, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> R:
+    async with engine.begin() as conn:
+        return await conn.run_sync(fn, *args, **kwargs)
 
 
 def _call_method(session: Session, fn: Callable[..., Any], obj: Any, /, *args: Any, **kwargs: Any) -> Any:

@@ -43,6 +43,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects import mysql
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
+from ._async import dual_connectable
+
 __all__ = [
     "DIGEST_PREFIX",
     "MAX_KEY",
@@ -331,6 +333,7 @@ def migrations_location() -> str:
     return str(files("stateguard.migrations").joinpath("versions"))
 
 
+@dual_connectable
 def create_tables(bind: Engine | Connection) -> None:
     """Create every stateguard table that does not exist yet (no alembic needed)::
 
@@ -340,6 +343,7 @@ def create_tables(bind: Engine | Connection) -> None:
 
 
 def drop_tables(bind: Engine | Connection) -> None:
+@dual_connectable
     """Drop every stateguard table (for tests and teardown)::
 
     stateguard.drop_tables(engine)
