@@ -337,15 +337,17 @@ def migrations_location() -> str:
 def create_tables(bind: Engine | Connection) -> None:
     """Create every stateguard table that does not exist yet (no alembic needed)::
 
-    stateguard.create_tables(engine)
+    stateguard.create_tables(engine)              # an Engine or a Connection
+    await stateguard.create_tables(async_engine)  # an AsyncEngine or AsyncConnection: awaited
     """
     metadata.create_all(bind, checkfirst=True)
 
 
-def drop_tables(bind: Engine | Connection) -> None:
 @dual_connectable
+def drop_tables(bind: Engine | Connection) -> None:
     """Drop every stateguard table (for tests and teardown)::
 
-    stateguard.drop_tables(engine)
+    stateguard.drop_tables(engine)              # an Engine or a Connection
+    await stateguard.drop_tables(async_engine)  # an AsyncEngine or AsyncConnection: awaited
     """
     metadata.drop_all(bind, checkfirst=True)
