@@ -168,7 +168,11 @@ class RedisServer:
             shutil.rmtree(self.directory, ignore_errors=True)
 
     def __enter__(self) -> RedisServer:
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def __exit__(

@@ -150,8 +150,8 @@ def cluster() -> Iterator[list[RedisServer]]:
                     "5000",
                 ]
             )
+            servers.append(server)  # stopped (and its directory removed) even if it fails to start
             server.start()
-            servers.append(server)
         subprocess.run(
             [
                 "redis-cli",
