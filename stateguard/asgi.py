@@ -12,8 +12,14 @@ Idempotency-Key HTTP Header Field"::
         IdempotencyMiddleware,
         session_factory=SessionLocal,           # your sessionmaker
         required_paths=["/payments"],           # 400 without a key there
-        scope=lambda s: f"api:{s['state']['account_id']}",   # keys are per client
+        scope=lambda s: f"api:{s['state']['account_id']}",   # optional: see below
     )
+
+Keys are per client: the default scope (:func:`default_scope`) is derived
+from the request's principal (:func:`principal_of`: an authenticated
+``scope["user"]``, else a SHA-256 of the ``Authorization`` or ``Cookie``
+header; ``"http"`` for requests without credentials).  Stored responses
+never carry :data:`CREDENTIAL_HEADERS` (``Set-Cookie`` ...).
 
 For each POST or PATCH request carrying ``Idempotency-Key``:
 
@@ -72,6 +78,7 @@ from sqlalchemy.orm import Session
 
 from . import _sql
 from .exceptions import (
+    ConfigurationError,
     IdempotencyKeyReused,
     InvalidArgument,
     LeaseLost,
@@ -81,7 +88,15 @@ from .exceptions import (
 from .idempotency import IdempotentCall, fingerprint_of, idempotent
 from .tables import MAX_KEY, MAX_SCOPE, idempotency_keys
 
-__all__ = ["REFUSED_BEFORE_EXECUTION", "IdempotencyMiddleware", "RouteOptions", "default_store_status"]
+__all__ = [
+    "CREDENTIAL_HEADERS",
+    "REFUSED_BEFORE_EXECUTION",
+    "IdempotencyMiddleware",
+    "RouteOptions",
+    "default_scope",
+    "default_store_status",
+    "principal_of",
+]
 
 log = logging.getLogger("stateguard.asgi")
 
@@ -114,6 +129,22 @@ _HOP_BY_HOP = frozenset(
     }
 )
 
+#: Response headers that carry credentials or set a client's state: never stored, so a replay cannot
+#: hand one client's session or token to whoever sends the key.  The live response keeps them; a
+#: replay goes without (a client that lost a response with a cookie does not get the cookie again).
+#: ``WWW-Authenticate`` stays: a challenge is the same for everyone and holds no secret.
+CREDENTIAL_HEADERS = frozenset(
+    {
+        b"set-cookie",
+        b"set-cookie2",
+        b"authorization",
+        b"proxy-authorization",
+        b"cookie",
+        b"authentication-info",
+        b"proxy-authentication-info",
+    }
+)
+
 #: 4xx answers that mean the request was refused before it ran: not stored by default (Stripe saves
 #: no result "if incoming parameters failed validation, or the request conflicted with another that
 #: was executing concurrently").  Malformed or invalid (400, 422), not authenticated or not allowed
@@ -142,6 +173,76 @@ def default_store_status(status: int) -> bool:
         app.add_middleware(IdempotencyMiddleware, session_factory=SessionLocal, store_status=store)
     """
     return 200 <= status < 500 and status not in REFUSED_BEFORE_EXECUTION
+
+
+def _digest(*parts: bytes) -> str:
+    return hashlib.sha256(b"\n".join(parts)).hexdigest()
+
+
+def _user_identity(user: Any) -> str | None:
+    """``scope["user"]``'s identity when an auth middleware authenticated it, else ``None``."""
+    try:
+        if getattr(user, "is_authenticated", False) is not True:
+            return None
+    except NotImplementedError:
+        return None
+    for attribute in ("identity", "display_name", "username", "id"):
+        try:
+            value = getattr(user, attribute, None)
+        except NotImplementedError:
+            continue
+        if isinstance(value, str | int) and not isinstance(value, bool) and str(value):
+            return str(value)
+    raise ConfigurationError(
+        f"scope['user'] ({type(user).__name__}) is authenticated but has no identity, display_name, "
+        "username or id to keep its idempotency keys apart from other clients'; give it one, or pass "
+        "IdempotencyMiddleware(scope=...) a callable that returns the client's identity"
+    )
+
+
+def principal_of(scope: Scope) -> str | None:
+    """Who sent the request, as an opaque string, or ``None`` when it carries no credentials.
+
+    In this order:
+
+    1. ``scope["user"]`` when an auth middleware that runs before this one
+       authenticated it (Starlette's ``AuthenticationMiddleware`` and the
+       like): ``"user:"`` + SHA-256 of its ``identity`` (or ``display_name``,
+       ``username``, ``id``).  Stable across token refreshes.
+    2. the ``Authorization`` header: ``"authorization:"`` + SHA-256 of its
+       value.  This middleware runs before the app checks the credential, so
+       the whole credential must match, not only the user it names.
+    3. the ``Cookie`` header: ``"cookie:"`` + SHA-256 of its value.
+
+    Only digests, never a credential, reach the database::
+
+        IdempotencyMiddleware(app, session_factory=SessionLocal,
+                              scope=lambda s: f"payments:{principal_of(s) or 'anonymous'}")
+
+    :raises ConfigurationError: ``scope["user"]`` is authenticated but has no identity.
+    """
+    user = scope.get("user")
+    if user is not None:
+        identity = _user_identity(user)
+        if identity is not None:
+            return f"user:{_digest(identity.encode('utf-8'))}"
+    for name in (b"authorization", b"cookie"):
+        values = _header_values(scope, name)
+        if values:
+            return f"{name.decode('ascii')}:{_digest(*values)}"
+    return None
+
+
+def default_scope(scope: Scope) -> str:
+    """The default idempotency scope: ``"http:"`` + :func:`principal_of`, or ``"http"`` without credentials.
+
+    Keys are chosen by clients, so each client gets its own namespace: a
+    client that sends another's key gets its own execution, never the other's
+    response, and never a 422 for the other's request.  Requests without
+    credentials share the namespace ``"http"``.
+    """
+    principal = principal_of(scope)
+    return "http" if principal is None else f"http:{principal}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -506,7 +607,7 @@ def _stored_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[list[str]]:
     return [
         [k.decode("latin-1"), v.decode("latin-1")]
         for k, v in pairs
-        if k not in _HOP_BY_HOP and k not in named and k != REPLAYED_HEADER
+        if k not in _HOP_BY_HOP and k not in CREDENTIAL_HEADERS and k not in named and k != REPLAYED_HEADER
     ]
 
 
@@ -567,9 +668,14 @@ class IdempotencyMiddleware:
         (your ``sessionmaker``); the middleware opens one per keyed request
         for the key record only and closes it afterwards.
     :param scope: the idempotency scope: a string, or a callable of the ASGI
-        scope returning one.  Keys are chosen by clients, so put the client's
-        identity in it (``lambda s: f"api:{s['state']['account_id']}"``);
-        otherwise two clients that pick the same key share one response.
+        scope returning one.  Keys are chosen by clients, so it must tell
+        clients apart.  The default, :func:`default_scope`, derives it from
+        the request's principal (an authenticated ``scope["user"]``, else a
+        digest of the ``Authorization`` or ``Cookie`` header; ``"http"``
+        without credentials).  Pass your own where the client is known
+        otherwise (``lambda s: f"api:{s['state']['account_id']}"``).  A fixed
+        string puts every client in one namespace: one client then receives
+        another's stored response when it sends the other's key and body.
     :param required_paths: paths (``/payments``, or prefixes ``/payments/*``)
         where a request without a key is answered 400.
     :param methods: the methods the header is honoured on (default POST, PATCH).
@@ -605,7 +711,7 @@ class IdempotencyMiddleware:
         app: ASGIApp,
         *,
         session_factory: Callable[[], Session],
-        scope: str | ScopeFn = "http",
+        scope: str | ScopeFn | None = None,
         required_paths: Iterable[str] = (),
         methods: Iterable[str] = ("POST", "PATCH"),
         lease: timedelta = timedelta(seconds=60),
@@ -621,6 +727,8 @@ class IdempotencyMiddleware:
                 "session_factory must be a callable returning a Session (a sessionmaker), "
                 f"got {session_factory!r}"
             )
+        if scope is None:
+            scope = default_scope
         _check_scope(scope)
         if isinstance(required_paths, str):
             raise InvalidArgument(

@@ -27,19 +27,30 @@ from pydantic import BaseModel
 from sqlalchemy import String, func, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.authentication import (
+    AuthCredentials,
+    AuthenticationBackend,
+    BaseUser,
+    SimpleUser,
+    UnauthenticatedUser,
+)
+from starlette.middleware.authentication import AuthenticationMiddleware
+from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from stateguard import InvalidArgument, idempotent
+from stateguard import ConfigurationError, InvalidArgument, idempotent
 from stateguard.asgi import (
+    CREDENTIAL_HEADERS,
     REFUSED_BEFORE_EXECUTION,
     IdempotencyMiddleware,
     RouteOptions,
     _forget,
     _stored_headers,
+    default_scope,
     default_store_status,
+    principal_of,
 )
 from stateguard.idempotency import fingerprint_of
 from stateguard.tables import idempotency_keys
@@ -70,6 +81,7 @@ class PaymentIn(BaseModel):
     block: bool = False
     crash: bool = False
     answer: int | None = None
+    session: bool = False
 
 
 # --------------------------------------------------------------------------
@@ -117,11 +129,17 @@ class Shop:
             s.add(payment)
             s.flush()
             payment_id = payment.id
-        return JSONResponse(
+        response = JSONResponse(
             {"payment_id": payment_id, "amount": amount},
             status_code=201,
             headers={"X-Payment-Id": str(payment_id), "Location": f"/payments/{payment_id}"},
         )
+        if body.get("session"):
+            # Credentials for this client only: they must never be stored and replayed to another.
+            response.set_cookie("session", f"secret-session-{payment_id}")
+            response.set_cookie("csrf", "secret-csrf")
+            response.headers["Authentication-Info"] = 'nextnonce="secret-nonce"'
+        return response
 
     def stream(self) -> Response:
         with self.lock:
@@ -195,6 +213,16 @@ def fastapi_app(shop: Shop) -> FastAPI:
     return app
 
 
+class BearerUsers(AuthenticationBackend):
+    """``Authorization: Bearer <user>.<version>``: the user stays the same when the token is refreshed."""
+
+    async def authenticate(self, conn: HTTPConnection) -> tuple[AuthCredentials, BaseUser] | None:
+        scheme, _, token = conn.headers.get("authorization", "").partition(" ")
+        if scheme != "Bearer" or "." not in token:
+            return None
+        return AuthCredentials(["authenticated"]), SimpleUser(token.split(".")[0])
+
+
 @pytest.fixture(params=FRAMEWORKS)
 def framework(request: pytest.FixtureRequest) -> str:
     """Starlette and FastAPI in turn."""
@@ -221,11 +249,14 @@ Client = Callable[..., TestClient]
 def _clients(framework: str, shop: Shop) -> Iterator[Client]:
     opened: list[TestClient] = []
 
-    def make(*, raise_server_exceptions: bool = True, **options: Any) -> TestClient:
+    def make(*, raise_server_exceptions: bool = True, auth: bool = False, **options: Any) -> TestClient:
         app = starlette_app(shop) if framework == "starlette" else fastapi_app(shop)
         options.setdefault("session_factory", shop.session_factory)
         options.setdefault("required_paths", ["/payments"])
         app.add_middleware(IdempotencyMiddleware, **options)
+        if auth:
+            # Added last, so it runs first: scope["user"] is set when the idempotency middleware runs.
+            app.add_middleware(AuthenticationMiddleware, backend=BearerUsers())
         tc = TestClient(app, raise_server_exceptions=raise_server_exceptions)
         tc.__enter__()
         opened.append(tc)
@@ -259,9 +290,16 @@ def key_rows(shop: Shop) -> list[Any]:
         return list(s.execute(select(idempotency_keys)).all())
 
 
-def post(tc: TestClient, key: str | None, body: dict[str, Any], path: str = "/payments", **kw: Any) -> Any:
-    headers = {"Idempotency-Key": key} if key is not None else {}
-    return tc.post(path, json=body, headers=headers, **kw)
+def post(
+    tc: TestClient,
+    key: str | None,
+    body: dict[str, Any],
+    path: str = "/payments",
+    headers: dict[str, str] | None = None,
+    **kw: Any,
+) -> Any:
+    sent = ({"Idempotency-Key": key} if key is not None else {}) | (headers or {})
+    return tc.post(path, json=body, headers=sent, **kw)
 
 
 # --------------------------------------------------------------------------
@@ -667,6 +705,112 @@ def test_scope_callable_keeps_clients_apart(client: Client, shop: Shop) -> None:
     assert shop.calls["pay"] == 2
 
 
+def test_two_clients_with_the_same_key_and_body_each_get_their_own_response(
+    client: Client, shop: Shop
+) -> None:
+    """By default keys are per principal: same key and body from two clients run twice, never cross-replay."""
+    tc = client()
+
+    def send(token: str | None, body: dict[str, Any]) -> Any:
+        headers = {"Idempotency-Key": "order-1"} | ({"Authorization": f"Bearer {token}"} if token else {})
+        return tc.post("/payments", json=body, headers=headers)
+
+    alice, bob = send("alice-secret", {"amount": 9}), send("bob-secret", {"amount": 9})
+    assert alice.status_code == bob.status_code == 201
+    assert "idempotency-replayed" not in bob.headers and bob.json() != alice.json()
+    carol = send("carol-secret", {"amount": 10})  # another body under the same key: her own, not 422
+    anonymous = send(None, {"amount": 9})
+    assert carol.status_code == anonymous.status_code == 201
+    for token, first in (("alice-secret", alice), ("bob-secret", bob), ("carol-secret", carol)):
+        again = send(token, {"amount": 10 if token == "carol-secret" else 9})
+        assert again.headers["idempotency-replayed"] == "true" and again.json() == first.json()
+    assert shop.calls["pay"] == 4 and payments_rows(shop) == 4
+    scopes = sorted(r.scope for r in key_rows(shop))
+    assert len(set(scopes)) == 4 and scopes[0] == "http"
+    assert all(s.startswith("http:authorization:") for s in scopes[1:])
+    assert not any("secret" in str(value) for row in key_rows(shop) for value in row)  # only digests
+
+
+def test_an_authenticated_user_keeps_one_scope_across_token_refresh(client: Client, shop: Shop) -> None:
+    """With scope["user"] set by an auth middleware, the user (not the token) is the scope."""
+    tc = client(auth=True)
+
+    def send(token: str) -> Any:
+        return post(tc, "k", {"amount": 2}, headers={"Authorization": f"Bearer {token}"})
+
+    first = send("alice.v1")
+    refreshed = send("alice.v2")  # the same user with a new token: a retry, so a replay
+    bob = send("bob.v1")
+    assert refreshed.headers["idempotency-replayed"] == "true" and refreshed.json() == first.json()
+    assert bob.status_code == 201 and "idempotency-replayed" not in bob.headers
+    scopes = {r.scope for r in key_rows(shop)}
+    assert len(scopes) == 2 and all(s.startswith("http:user:") and "alice" not in s for s in scopes)
+    assert shop.calls["pay"] == 2
+
+
+def test_cookie_clients_are_kept_apart(sqlite_client: Client, sqlite_shop: Shop) -> None:
+    """Without Authorization, a Cookie header is the principal: two sessions are two namespaces."""
+    tc = sqlite_client()
+    a = post(tc, "c", {"amount": 1}, headers={"Cookie": "session=a"})
+    b = post(tc, "c", {"amount": 1}, headers={"Cookie": "session=b"})
+    assert a.status_code == b.status_code == 201 and "idempotency-replayed" not in b.headers
+    assert post(tc, "c", {"amount": 1}, headers={"Cookie": "session=a"}).json() == a.json()
+    assert sqlite_shop.calls["pay"] == 2
+
+
+def test_an_explicit_string_scope_is_one_namespace_for_everyone(
+    sqlite_client: Client, sqlite_shop: Shop
+) -> None:
+    """scope="shop" is taken literally: every client shares it (which is why it is not the default)."""
+    tc = sqlite_client(scope="shop")
+    alice = post(tc, "s", {"amount": 1}, headers={"Authorization": "Bearer alice"})
+    bob = post(tc, "s", {"amount": 1}, headers={"Authorization": "Bearer bob"})
+    assert bob.headers["idempotency-replayed"] == "true" and bob.json() == alice.json()
+    assert [r.scope for r in key_rows(sqlite_shop)] == ["shop"]
+
+
+def test_principal_of_reads_user_then_authorization_then_cookie() -> None:
+    """The principal is an authenticated scope["user"], else Authorization, else Cookie, as digests."""
+    auth = [(b"authorization", b"Bearer t"), (b"cookie", b"s=1")]
+    assert principal_of({"headers": []}) is None and default_scope({"headers": []}) == "http"
+    assert str(principal_of({"headers": [(b"cookie", b"s=1")]})).startswith("cookie:")
+    by_header = principal_of({"headers": auth})
+    assert str(by_header).startswith("authorization:") and "Bearer" not in str(by_header)
+    assert principal_of({"headers": auth, "user": UnauthenticatedUser()}) == by_header
+    by_user = principal_of({"headers": auth, "user": SimpleUser("alice")})
+    assert by_user == principal_of({"headers": [], "user": SimpleUser("alice")}) != by_header
+    assert default_scope({"headers": [], "user": SimpleUser("alice")}) == f"http:{by_user}"
+    assert len(default_scope({"headers": [(b"authorization", b"x" * 10_000)]})) <= 200
+
+
+def test_an_authenticated_user_without_identity_is_a_configuration_error() -> None:
+    """An authenticated scope["user"] with nothing to identify it fails loudly instead of mixing clients."""
+
+    class Nameless(BaseUser):
+        @property
+        def is_authenticated(self) -> bool:
+            return True
+
+    with pytest.raises(ConfigurationError, match="has no identity"):
+        principal_of({"headers": [], "user": Nameless()})
+
+
+def test_stored_responses_never_carry_cookies_or_credentials(client: Client, shop: Shop) -> None:
+    """The first response sets its cookies; the stored copy and every replay carry none of them."""
+    tc = client()
+    headers = {"Authorization": "Bearer alice"}
+    first = post(tc, "login", {"amount": 1, "session": True}, headers=headers)
+    assert first.status_code == 201 and "secret-session" in first.headers["set-cookie"]
+    assert first.headers["authentication-info"] == 'nextnonce="secret-nonce"'
+    tc.cookies.clear()
+    replay = post(tc, "login", {"amount": 1, "session": True}, headers=headers)
+    assert replay.headers["idempotency-replayed"] == "true" and replay.json() == first.json()
+    assert "set-cookie" not in replay.headers and "authentication-info" not in replay.headers
+    assert replay.headers["location"] == first.headers["location"]
+    [row] = key_rows(shop)
+    assert "secret" not in row.response and "cookie" not in row.response.lower()
+
+
 def test_route_overrides_from_a_dict(client: Client, shop: Shop) -> None:
     """routes= requires a key on one path, disables another, and overrides scope and methods."""
     tc = client(
@@ -739,22 +883,32 @@ def test_bad_configuration_is_refused(options: dict[str, Any], message: str) -> 
         IdempotencyMiddleware(app, **kwargs)
 
 
-def test_stored_headers_drop_hop_by_hop_and_connection_named_headers() -> None:
-    """Connection-scoped headers (and those the Connection header names) are never stored."""
+def test_stored_headers_drop_hop_by_hop_connection_named_and_credential_headers() -> None:
+    """Connection-scoped headers, those the Connection header names, and credential headers are dropped."""
     headers = [
         (b"content-type", b"application/json"),
         (b"Connection", b"close, X-Private"),
         (b"x-private", b"1"),
         (b"transfer-encoding", b"chunked"),
         (b"keep-alive", b"timeout=5"),
-        (b"set-cookie", b"a=1"),
+        (b"Set-Cookie", b"a=1"),
         (b"set-cookie", b"b=2"),
+        (b"set-cookie2", b"c=3"),
+        (b"Authorization", b"Bearer t"),
+        (b"proxy-authorization", b"Basic eDp5"),
+        (b"cookie", b"d=4"),
+        (b"authentication-info", b'nextnonce="n"'),
+        (b"proxy-authentication-info", b'nextnonce="p"'),
+        (b"proxy-authenticate", b"Basic"),
+        (b"www-authenticate", b'Bearer realm="api"'),
+        (b"location", b"/payments/1"),
     ]
     assert _stored_headers(headers) == [
         ["content-type", "application/json"],
-        ["set-cookie", "a=1"],
-        ["set-cookie", "b=2"],
+        ["www-authenticate", 'Bearer realm="api"'],
+        ["location", "/payments/1"],
     ]
+    assert frozenset({b"set-cookie", b"authorization", b"authentication-info"}) <= CREDENTIAL_HEADERS
 
 
 def test_default_store_policy() -> None:
