@@ -38,7 +38,7 @@ from stateguard import (
 from stateguard.machine.history import MAX_META_BYTES
 from stateguard.tables import transition_log
 
-from .conftest import Backend
+from .conftest import Backend, _Namespaces, _only
 
 
 class _Base(DeclarativeBase):
@@ -135,11 +135,10 @@ def test_values_at_the_column_length_and_non_ascii_text_still_apply(engine: Engi
         assert s.get(Item, "a").note == "商" * 10  # type: ignore[union-attr]
 
 
-@pytest.fixture
-def server(backend: Backend) -> Backend:
-    if backend.name == "sqlite":
-        pytest.skip("SQLite has no named locks (advisory_lock is NotSupported there, tested elsewhere)")
-    return backend
+@pytest.fixture(params=["postgresql", "mariadb"])
+def server(request: pytest.FixtureRequest, namespaces: _Namespaces) -> Iterator[Backend]:
+    """PostgreSQL, then MariaDB: the backends with named locks."""
+    yield from _only(request.param, namespaces)
 
 
 def test_advisory_lock_timeout_inf_waits_like_none(server: Backend) -> None:
@@ -149,10 +148,9 @@ def test_advisory_lock_timeout_inf_waits_like_none(server: Backend) -> None:
             pass
 
 
-def test_get_lock_holder_whose_connection_is_killed_gets_lock_lost(backend: Backend) -> None:
+def test_get_lock_holder_whose_connection_is_killed_gets_lock_lost(mariadb: Backend) -> None:
     """MariaDB: KILL CONNECTION of the holder inside the block; the block's end raises LockLost."""
-    if backend.name != "mariadb":
-        pytest.skip("GET_LOCK locks live on MariaDB/MySQL connections")
+    backend = mariadb
     with pytest.raises(LockLost, match="lost with its connection"), Session(backend.engine) as s:
         with advisory_lock(s, "hostile-kill"):
             conn_id = s.execute(text("SELECT CONNECTION_ID()")).scalar_one()

@@ -340,6 +340,12 @@ def fire_where(
             if backend.row_locks:
                 # Concurrent sweepers share the work instead of queueing on each other's rows.
                 pick = pick.with_for_update(skip_locked=True)
+                # A MATERIALIZED CTE is evaluated exactly once per statement: a
+                # LIMIT .. SKIP LOCKED subquery inside IN (...) may be run again
+                # (a rescan, an EvalPlanQual recheck after a concurrent update)
+                # and pick other rows, so the UPDATE could move more than ``limit``.
+                picked = pick.cte("sg_picked").prefix_with("MATERIALIZED")
+                pick = select(*picked.c)
             if npk == 1:
                 where = info.pk_columns[0].in_(pick.scalar_subquery()) & state_cond
             else:

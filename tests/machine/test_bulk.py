@@ -7,10 +7,10 @@ import threading
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from stateguard import InvalidArgument, Outcome
+from stateguard import InvalidArgument, Outcome, retry_on_conflict
 
 from ..conftest import Backend, count_statements
 from ..models import Base, Order, Shipment, SideEffect, Ticket
@@ -194,3 +194,72 @@ def test_many_is_exact_while_other_workers_move_the_same_rows(backend: Backend) 
         )
         assert per_order == {i: 1 for i in range(1, n_orders + 1)}
         assert set(s.scalars(select(Order.status))) == {"paid"}
+
+
+def test_where_limit_picks_rows_once_on_postgresql(pg: Backend) -> None:
+    """On PostgreSQL the LIMIT .. SKIP LOCKED pick is a MATERIALIZED CTE, evaluated once per statement."""
+    engine = pg.create(Base.metadata)
+    _orders(engine, {i: "pending" for i in range(1, 6)})
+    with Session(engine) as s, s.begin(), count_statements(engine) as sent:
+        assert Order.flow.pay.where(s, Order.id > 0, limit=2) == [1, 2]
+    [update] = [st for st in sent.statements if st.lstrip().upper().startswith("WITH")]
+    assert "AS MATERIALIZED" in update and "FOR UPDATE SKIP LOCKED" in update
+
+
+def test_where_limit_is_never_exceeded_by_concurrent_sweepers(backend: Backend) -> None:
+    """Sweepers with limit=2 race each other and writers of the same rows: no sweep moves more than 2."""
+    engine = backend.create(Base.metadata)
+    n_orders, n_sweepers, n_touchers, limit = 300, 6, 3, 2
+    _orders(engine, {i: "pending" for i in range(1, n_orders + 1)})
+    barrier = threading.Barrier(n_sweepers + n_touchers)
+    done = threading.Event()
+    sizes: list[int] = []
+    swept: list[int] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def sweep() -> list[int]:
+        with Session(engine) as s, s.begin():
+            keys: list[int] = Order.flow.pay.where(s, Order.id > 0, limit=limit)
+            return keys
+
+    def touch(rnd: random.Random, worker: int) -> bool:
+        with Session(engine) as s, s.begin():
+            low = s.scalar(select(func.min(Order.id)).where(Order.status == "pending"))
+            if low is None:
+                return False
+            # Core, not the ORM: no version check, just a concurrent write of the row.
+            s.execute(update(Order).where(Order.id == low + rnd.randint(0, 3)).values(note=f"t-{worker}"))
+            return True
+
+    def sweeper() -> None:
+        try:
+            barrier.wait()
+            while keys := retry_on_conflict(sweep):
+                with lock:
+                    sizes.append(len(keys))
+                    swept.extend(keys)
+        except BaseException as error:  # pragma: no cover - reported below
+            errors.append(error)
+        finally:
+            done.set()
+
+    def toucher(worker: int) -> None:
+        # Concurrent writers of another column of the rows the sweepers pick next.
+        rnd = random.Random(worker)
+        try:
+            barrier.wait()
+            while not done.is_set() and retry_on_conflict(lambda: touch(rnd, worker)):
+                pass
+        except BaseException as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=sweeper) for _ in range(n_sweepers)]
+    threads += [threading.Thread(target=toucher, args=(i,)) for i in range(n_touchers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors, errors[:3]
+    assert max(sizes) <= limit, sorted(sizes)[-5:]
+    assert sorted(swept) == list(range(1, n_orders + 1))  # each row by exactly one sweep
