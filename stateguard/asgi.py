@@ -35,7 +35,8 @@ new                                        runs the app; stores 2xx, 3xx and 4xx
                                            request runs the app again)
 completed with the same request            the stored response, plus ``Idempotency-Replayed:
                                            true``; the app does not run
-being worked on (live lease)               409 with ``Retry-After``
+being worked on (live lease)               409 with ``Retry-After``: the seconds left on
+                                           that lease, rounded up
 claimed, but its lease ended (the worker   runs the app again (a takeover); the first
 died or outlived ``lease``)                request, if still alive, cannot store its response
 reused with a different request            422 (also while the first request is in flight)
