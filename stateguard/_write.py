@@ -49,6 +49,7 @@ __all__ = [
     "check_exact",
     "check_fence",
     "check_integer",
+    "check_statement_size",
     "check_storable",
     "check_string",
     "check_text",
@@ -59,9 +60,9 @@ __all__ = [
     "identity_instance",
     "key_bounds",
     "memo",
+    "now_ms",
     "own_bind",
     "own_connection",
-    "now_ms",
     "purge_expired_rows",
     "read_back",
     "required_seconds",
@@ -681,6 +682,38 @@ def check_storable(value: str, what: str) -> str:
             message = f"{what} contains a lone surrogate ({error.reason}): {value!r:.80}"
             raise InvalidArgument(message) from None
     return value
+
+
+#: Texts shorter than this (in characters, 4 UTF-8 bytes each at most) are not checked against
+#: the server's statement size; no server stateguard supports accepts less.
+_SIZE_CHECK_FROM: Final = 16 * 1024
+#: What a statement needs besides the checked text (keys, other values, SQL).
+_STATEMENT_OVERHEAD: Final = 16 * 1024
+_PACKET_INFO: Final = "stateguard.max_allowed_packet"
+_MAX_PACKET: Final = text("SELECT @@max_allowed_packet")
+
+
+def check_statement_size(conn: Connection, value: str, what: str) -> None:
+    """Raise InvalidArgument when ``value`` cannot travel in one statement to ``conn``'s server.
+
+    MySQL/MariaDB refuse a statement longer than ``max_allowed_packet`` with
+    error 1153 and drop the connection (the transaction is gone).  The limit
+    is read once per DBAPI connection, only for large texts; the MySQL
+    drivers escape ``\\ ' " NUL \\n \\r ^Z`` client-side, so those count twice.
+    PostgreSQL (1 GB per value) and SQLite (1e9 bytes) need no check here.
+    """
+    if len(value) < _SIZE_CHECK_FROM or conn.dialect.name not in ("mysql", "mariadb"):
+        return
+    info = conn.info
+    packet = info.get(_PACKET_INFO)
+    if packet is None:
+        packet = info[_PACKET_INFO] = int(execute(conn, _MAX_PACKET).scalar_one())
+    size = len(value.encode("utf-8")) + sum(value.count(c) for c in "\\'\"\x00\n\r\x1a")
+    if size + _STATEMENT_OVERHEAD > packet:
+        raise InvalidArgument(
+            f"{what} is {size} bytes as sent; this server accepts statements of at most {packet} bytes "
+            f"(max_allowed_packet): store less, or raise max_allowed_packet; nothing was sent"
+        )
 
 
 def duration_ms(value: Any, what: str) -> int:

@@ -193,19 +193,29 @@ def fingerprint_of(value: Any) -> str | None:
             canonical = json.dumps(
                 value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
             )
+        except RecursionError:
+            raise InvalidArgument("fingerprint is nested too deeply to serialise as JSON") from None
         except (TypeError, ValueError) as error:
             raise InvalidArgument(
                 f"fingerprint must be bytes or JSON-serialisable (dicts with str keys, lists, str, "
                 f"numbers without NaN, bools, None): {error}"
             ) from error
-        data = b"json:" + canonical.encode("utf-8")
+        # Only the hash is stored, so a lone surrogate (a JSON body may carry
+        # "\udc80") is hashed as it is instead of failing to encode.
+        data = b"json:" + canonical.encode("utf-8", "surrogatepass")
     return hashlib.sha256(data).hexdigest()
 
 
 def _dump(serializer: Serializer, value: Any, what: str) -> str:
+    """``value`` as the text to store; InvalidArgument (nothing sent) for what no database can take."""
     try:
         text = serializer.dumps(value)
+    except RecursionError:
+        raise InvalidArgument(
+            f"the {what} is nested too deeply for {type(serializer).__name__} to store; flatten it"
+        ) from None
     except (TypeError, ValueError) as error:
+        # Strict JSON: NaN and Infinity are ValueError.
         raise InvalidArgument(
             f"the {what} cannot be stored by {type(serializer).__name__}: {error}; "
             f"return a serialisable value or pass serializer="
@@ -214,7 +224,30 @@ def _dump(serializer: Serializer, value: Any, what: str) -> str:
         raise InvalidArgument(
             f"{type(serializer).__name__}.dumps() must return str, got {type(text).__name__}"
         )
+    # PostgreSQL refuses NUL in text and no driver encodes a lone surrogate
+    # (JSON with ensure_ascii=False passes one through).
+    return _write.check_storable(text, f"the serialised {what}")
+
+
+#: Characters of a stored error description (release reasons, exception messages).
+_MAX_ERROR: Final = 2000
+
+
+def _storable_error(text: str) -> str:
+    """An error description any database stores: NUL and lone surrogates escaped, at most _MAX_ERROR long."""
+    text = text[:_MAX_ERROR].replace("\x00", "\\x00")
+    if not text.isascii():
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
     return text
+
+
+def _exception_text(exc: BaseException) -> str:
+    """``"Type: message"`` of ``exc``, storable; never raises (a broken ``__str__`` is not the error)."""
+    try:
+        message = str(exc)
+    except Exception:
+        message = "<str() of the exception failed>"
+    return _storable_error(f"{type(exc).__name__}: {message}")
 
 
 def _load(serializer: Serializer, text: str | None) -> Any:
@@ -448,8 +481,10 @@ class IdempotentCall(DualObject[S]):
 
             return call.complete({"payment_id": payment.id})
 
-        :raises InvalidArgument: the response cannot be serialised (nothing
-            was written), or the call is a replay or already finished.
+        :raises InvalidArgument: the response cannot be stored (not
+            serialisable, NaN, nested too deeply, a NUL or lone surrogate in
+            its text, larger than the server accepts): nothing was sent and
+            the call stays open; or the call is a replay or already finished.
         :raises LeaseLost: the lease expired and another worker took the key
             over; its record was left as it was.
         """
@@ -471,7 +506,8 @@ class IdempotentCall(DualObject[S]):
                 charge_id = psp.charge(...)                # outside system
                 call.checkpoint("charged", {"charge_id": charge_id})
 
-        :raises InvalidArgument: bad ``name`` or unserialisable ``data``.
+        :raises InvalidArgument: bad ``name``, or ``data`` that cannot be
+            stored (as for :meth:`complete`); nothing was sent.
         :raises LeaseLost: the key was taken over.
         """
         self._check_open("checkpoint")
@@ -510,9 +546,19 @@ class IdempotentCall(DualObject[S]):
             if response.status_code >= 500:
                 call.release("upstream failed")
 
+        :raises InvalidArgument: ``reason`` is not a str, longer than 2,000
+            characters, or holds a NUL or lone surrogate; nothing was sent.
         :raises LeaseLost: the key was taken over meanwhile.
         """
         self._check_open("release")
+        if reason is not None:
+            if not isinstance(reason, str):
+                raise InvalidArgument(f"release reason must be a str or None, got {type(reason).__name__}")
+            if len(reason) > _MAX_ERROR:
+                raise InvalidArgument(
+                    f"release reason is {len(reason)} characters long; the limit is {_MAX_ERROR}"
+                )
+            _write.check_storable(reason, "release reason")
         self._claim.release(self, reason)
 
     complete = dual_member(_complete)
@@ -743,16 +789,24 @@ class _Claim(Generic[S]):
         params = {**self._params(), **extra}
         if kind is not None:
             self._finishing = True
+        text = extra.get("sg_text")
         try:
             if self.options.mode == "same_transaction":
-                matched = _write.execute(self._open(self._conn), stmt, params).rowcount
+                conn = self._open(self._conn)
+                if text is not None:
+                    _write.check_statement_size(conn, text, f"the stored value of {self._name}")
+                matched = _write.execute(conn, stmt, params).rowcount
             else:
                 session = self.session
                 try:
                     conn = _write.own_connection(session, idempotency_keys)
+                    if text is not None:
+                        _write.check_statement_size(conn, text, f"the stored value of {self._name}")
                     matched = _write.execute(conn, stmt, params).rowcount
                     if matched == 1:
                         session.commit()
+                except InvalidArgument:
+                    raise  # refused before sending: the phase's work is not rolled back
                 except BaseException:
                     session.rollback()
                     raise
@@ -887,7 +941,9 @@ class _Claim(Generic[S]):
         unreachable, the claim stays in progress and the next retry takes it
         over once the lease ends.
         """
-        text = f"{type(exc).__name__}: {exc}"[:2000]
+        # Sanitised: a NUL (PostgreSQL) or lone surrogate in the message must not
+        # make this write fail and leave the key in progress for a whole lease.
+        text = _exception_text(exc)
         options = self.options
         try:
             self.session.rollback()

@@ -1,0 +1,269 @@
+"""Hostile values at idempotent() (issue 15, item 9), on every SQL backend and in both modes.
+
+NUL characters (PostgreSQL refuses them in text), lone surrogates (no UTF-8
+for them), NaN and infinity, nesting too deep for JSON, over-long release
+reasons and responses larger than the server accepts (MariaDB's
+``max_allowed_packet``): each is InvalidArgument before any statement, the
+database keeps what it had, the transaction stays usable and the key is not
+stuck in progress.  Exception messages are stored sanitised, so a block that
+raises one never leaves its key in progress for a whole lease.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, select, text
+from sqlalchemy.orm import Session
+
+from stateguard import InvalidArgument, RequestFailed, idempotent
+from stateguard.idempotency import fingerprint_of
+from stateguard.tables import idempotency_keys
+
+from .conftest import Backend
+
+MODES = pytest.mark.parametrize("mode", ["same_transaction", "separate"])
+
+
+def _deep(depth: int = 100_000) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+class NulSerializer:
+    """A serializer whose text holds a NUL (JSON never does: it escapes it)."""
+
+    def dumps(self, value: Any) -> str:
+        """The value's repr with a NUL in it."""
+        return f"{value!r}\x00"
+
+    def loads(self, text: str) -> Any:
+        """The text itself."""
+        return text
+
+
+#: name -> (value to store, serializer or None for JSON)
+HOSTILE: dict[str, tuple[Any, Any]] = {
+    "nan": ({"amount": float("nan")}, None),
+    "infinity": ([float("-inf")], None),
+    "too-deep": (_deep(), None),
+    "lone-surrogate": ({"name": "a\udc80b"}, None),
+    "lone-surrogate-key": ({"\ud800": 1}, None),
+    "nul-from-serializer": ("x", NulSerializer()),
+}
+
+
+def _row(engine: Engine, key: str) -> Any:
+    with engine.connect() as conn:
+        return conn.execute(select(idempotency_keys).where(idempotency_keys.c.idem_key == key)).first()
+
+
+def _free(engine: Engine, key: str, mode: str) -> None:
+    """The key was left free: a retry runs at once (a new claim, or a takeover of a released one)."""
+    row = _row(engine, key)
+    if mode == "same_transaction":
+        assert row is None, "the savepoint with the claim must be rolled back"
+    else:
+        assert row is not None and row.status == "in_progress" and row.locked_until_ms == 0
+    with Session(engine) as session:
+        with idempotent(session, scope="hostile", key=key, mode=mode) as call:
+            assert not call.replayed
+            call.complete("retried")
+        session.commit()
+    assert _row(engine, key).response == '"retried"'
+
+
+def _usable(session: Session) -> None:
+    """The session's transaction still runs statements and commits."""
+    assert session.execute(text("SELECT 1")).scalar_one() == 1
+    session.commit()
+
+
+def _refused(
+    engine: Engine, key: str, mode: str, work: Callable[[Any], object], serializer: Any = None
+) -> None:
+    """Run ``work(call)`` in a claim of ``key``; it must raise InvalidArgument, leaving things as promised."""
+    with Session(engine) as session:
+        with pytest.raises(InvalidArgument):
+            with idempotent(session, scope="hostile", key=key, mode=mode, serializer=serializer) as call:
+                work(call)
+        _usable(session)
+    _free(engine, key, mode)
+
+
+@MODES
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_hostile_response_is_refused_and_the_key_is_free(engine: Engine, mode: str, case: str) -> None:
+    """complete() with a value no database stores is InvalidArgument; nothing stored, the key free."""
+    value, serializer = HOSTILE[case]
+    _refused(engine, case, mode, lambda call: call.complete(value), serializer)
+
+
+@MODES
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_checkpoint_data_is_refused_and_the_key_is_free(engine: Engine, mode: str, case: str) -> None:
+    """checkpoint() with data no database stores is InvalidArgument; nothing stored, the key free."""
+    value, serializer = HOSTILE[case]
+    _refused(engine, case, mode, lambda call: call.checkpoint("phase", value), serializer)
+
+
+@MODES
+def test_a_refused_response_leaves_the_call_open_for_a_good_one(engine: Engine, mode: str) -> None:
+    """After complete() refused a value, the same call completes with another and it is replayed."""
+    with Session(engine) as session:
+        with idempotent(session, scope="hostile", key="again", mode=mode) as call:
+            with pytest.raises(InvalidArgument):
+                call.complete({"x": float("nan")})
+            call.complete({"x": None})
+        session.commit()
+    with Session(engine) as session, idempotent(session, scope="hostile", key="again", mode=mode) as call:
+        assert call.replayed and call.response == {"x": None}
+
+
+@MODES
+@pytest.mark.parametrize(
+    "reason",
+    ["nul\x00inside", "lone \udc80 surrogate", "x" * 70_000, 42],
+    ids=["nul", "surrogate", "long", "int"],
+)
+def test_a_hostile_release_reason_is_refused_and_the_key_is_free(
+    engine: Engine, mode: str, reason: Any
+) -> None:
+    """release() with a reason no database stores (or 70,000 characters, or not a str) is InvalidArgument."""
+    _refused(engine, "release", mode, lambda call: call.release(reason))
+
+
+@pytest.mark.parametrize(
+    ("where", "value"),
+    [
+        ("key", "k\x00"),
+        ("key", "k\udc80"),
+        ("scope", "s\x00"),
+        ("scope", "s\ud800"),
+        ("fingerprint", _deep()),
+        ("fingerprint", {"amount": float("nan")}),
+    ],
+)
+@MODES
+def test_hostile_keys_scopes_and_fingerprints_are_refused_before_any_statement(
+    engine: Engine, mode: str, where: str, value: Any
+) -> None:
+    """A key or scope with NUL or a lone surrogate, or an unusable fingerprint, is refused by idempotent()."""
+    options = {"scope": "hostile", "key": "k", "fingerprint": None, **{where: value}}
+    with Session(engine) as session:
+        with pytest.raises(InvalidArgument):
+            idempotent(session, mode=mode, **options)
+        assert not session.in_transaction()
+    with engine.connect() as conn:
+        assert conn.execute(select(idempotency_keys)).first() is None
+
+
+@MODES
+def test_a_fingerprint_with_a_lone_surrogate_is_only_hashed(engine: Engine, mode: str) -> None:
+    """A JSON body carrying a lone surrogate fingerprints (only its hash is stored) and replays."""
+    body = {"name": "\udc80"}
+    assert fingerprint_of(body) != fingerprint_of({"name": "\ufffd"})
+    for replay in (False, True):
+        with Session(engine) as session:
+            with idempotent(session, scope="hostile", key="fp", mode=mode, fingerprint=body) as call:
+                assert call.replayed is replay
+                if not replay:
+                    call.complete("done")
+            session.commit()
+
+
+class BrokenStr(Exception):
+    """An exception whose message cannot even be read."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no message")
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("nul\x00inside"),
+        RuntimeError("lone \udc80 surrogate"),
+        RuntimeError("x" * 100_000),
+        BrokenStr(),
+    ],
+    ids=["nul", "surrogate", "long", "broken-str"],
+)
+def test_an_exception_message_no_database_stores_still_releases_the_key(
+    engine: Engine, error: Exception
+) -> None:
+    """Separate mode: the block's exception propagates as it was and the key is released, not stuck."""
+    with Session(engine) as session:
+        with pytest.raises(type(error)) as caught:
+            with idempotent(session, scope="hostile", key="raised", mode="separate"):
+                raise error
+        assert caught.value is error
+    row = _row(engine, "raised")
+    assert row.status == "in_progress" and row.locked_until_ms == 0
+    assert row.error.startswith(type(error).__name__) and "\x00" not in row.error and len(row.error) <= 2000
+    with (
+        Session(engine) as session,
+        idempotent(session, scope="hostile", key="raised", mode="separate") as call,
+    ):
+        assert call.taken_over and call.attempt == 2
+        call.complete("second try")
+
+
+def test_a_non_retryable_exception_with_a_nul_is_stored_readable(engine: Engine) -> None:
+    """Failed for good with a NUL in its message: the retry gets RequestFailed with the escaped text."""
+    with Session(engine) as session, pytest.raises(ValueError):
+        with idempotent(session, scope="hostile", key="failed", mode="separate", non_retryable=(ValueError,)):
+            raise ValueError("card\x00declined \udc80")
+    with Session(engine) as session, pytest.raises(RequestFailed) as caught:
+        with idempotent(session, scope="hostile", key="failed", mode="separate"):
+            pytest.fail("a failed key must not run again")
+    assert caught.value.error == "ValueError: card\\x00declined \\udc80"
+
+
+# --------------------------------------------------------------------------
+# Responses larger than the server accepts (MariaDB's max_allowed_packet)
+# --------------------------------------------------------------------------
+
+
+def _packet(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text("SELECT @@max_allowed_packet")).scalar_one())
+
+
+@MODES
+@pytest.mark.parametrize("shape", ["plain", "escaped"])
+def test_a_response_over_the_packet_limit_is_refused_on_mariadb(
+    backend: Backend, engine: Engine, mode: str, shape: str
+) -> None:
+    """A response the server would refuse (raw 1153, dropped connection) is InvalidArgument; key free."""
+    if backend.name != "mariadb":
+        pytest.skip("only MySQL/MariaDB limit a statement's size below a stored value's own limit")
+    packet = _packet(engine)
+    if packet > 64 * 1024 * 1024:
+        pytest.skip(f"max_allowed_packet is {packet}: too large to exceed in a test")
+    # "escaped": JSON writes each quote as \" and the driver escapes both characters again,
+    # so the text fits the packet as counted by len() but not as sent.
+    big = "x" * packet if shape == "plain" else '"' * (packet // 3)
+    _refused(engine, f"big-{shape}", mode, lambda call: call.complete(big))
+
+
+@MODES
+def test_a_large_response_under_the_limit_is_stored_and_replayed(
+    backend: Backend, engine: Engine, mode: str
+) -> None:
+    """A response just under the server's limit (8 MiB elsewhere) is stored and replayed whole."""
+    size = _packet(engine) - 64 * 1024 if backend.name == "mariadb" else 8 * 1024 * 1024
+    big = "y" * size
+    for replay in (False, True):
+        with Session(engine) as session:
+            with idempotent(session, scope="hostile", key="large", mode=mode) as call:
+                assert call.replayed is replay
+                if replay:
+                    assert call.response == big
+                else:
+                    call.complete(big)
+            session.commit()
