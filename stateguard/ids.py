@@ -236,12 +236,8 @@ class Snowflake:
     ) -> None:
         if not isinstance(engine, Engine):
             raise InvalidArgument(f"Snowflake needs a SQLAlchemy Engine, got {type(engine).__name__}")
-        if not isinstance(namespace, str) or not namespace.strip() or "\x00" in namespace:
-            raise InvalidArgument(f"namespace must be a non-blank str without NUL, got {namespace!r}")
-        if len(namespace) > _MAX_NAMESPACE:
-            raise InvalidArgument(
-                f"namespace is {len(namespace)} characters long; the limit is {_MAX_NAMESPACE}"
-            )
+        # Non-blank, at most 100 characters, no NUL (PostgreSQL) or lone surrogate (no UTF-8).
+        _write.check_text(namespace, "namespace", _MAX_NAMESPACE)
         if not isinstance(lease, timedelta) or lease < timedelta(seconds=1):
             raise InvalidArgument(f"lease must be a timedelta of at least 1 second, got {lease!r}")
         clock = _clock or _wall_ms

@@ -368,6 +368,8 @@ def test_all_1024_worker_ids_live_is_a_typed_error(engine: Engine) -> None:
         {"namespace": ""},
         {"namespace": "x" * 101},
         {"namespace": 5},
+        {"namespace": "orders\x00"},
+        {"namespace": "orders\udc80"},
         {"lease": timedelta(milliseconds=500)},
         {"lease": 60},
         {"epoch_ms": _now_ms() + 10**9},
