@@ -283,6 +283,8 @@ tokens = Table(
     Column("expires_ms", BigInteger, nullable=False),
     Column("consumed_ms", BigInteger, nullable=True),
     Column("created_ms", BigInteger, nullable=False),
+    # The consuming call's request_id: its retry after a lost COMMIT learns it consumed the token.
+    Column("consumed_by", exact_string(MAX_REQUEST_ID), nullable=True),
     Index("ix_stateguard_tokens_expires", "expires_ms"),
 )
 

@@ -38,7 +38,7 @@ from . import _compat, _sql, _write
 from ._async import dual, dual_bind
 from .exceptions import SerializationConflict
 from .result import Outcome, Result
-from .tables import MAX_KEY, MAX_SCOPE, tokens
+from .tables import MAX_KEY, MAX_REQUEST_ID, MAX_SCOPE, tokens
 
 __all__ = [
     "TOKEN_BYTES",
@@ -105,9 +105,11 @@ _CONSUME: Final = (
         tokens.c.consumed_ms.is_(None),
         tokens.c.expires_ms > _NOW,
     )
-    .values(consumed_ms=_NOW)
+    .values(consumed_ms=_NOW, consumed_by=bindparam("sg_by"))
 )
-_FIND: Final = select(tokens.c.consumed_ms, tokens.c.expires_ms, _NOW.label("db_now")).where(
+_FIND: Final = select(
+    tokens.c.consumed_ms, tokens.c.expires_ms, tokens.c.consumed_by, _NOW.label("db_now")
+).where(
     tokens.c.token_hash == bindparam("sg_hash"), tokens.c.scope == bindparam("sg_scope")
 )
 # InnoDB at REPEATABLE READ: a plain SELECT reads the transaction's snapshot,
@@ -146,12 +148,15 @@ def issue_token(session: Session, *, scope: str, ttl: timedelta) -> str:
 
 
 @dual
-def consume_token(session: Session, token: str, *, scope: str) -> Result:
+def consume_token(session: Session, token: str, *, scope: str, request_id: str | None = None) -> Result:
     """Consume ``token`` once: one conditional UPDATE in the session's transaction.
 
     - APPLIED: this call consumed it (do the work; ``on_commit`` callbacks run
       only for this outcome);
     - REPEATED: it was consumed before (a retry or a double submit);
+      ``same_request`` is ``True`` when it was consumed by a call with this
+      ``request_id`` (a retry after a lost COMMIT: the first attempt
+      committed, its work is done);
     - REJECTED: it expired unused;
     - NOT_FOUND: no such token in ``scope`` (unknown, forged, purged, or
       issued for another scope).
@@ -168,12 +173,14 @@ def consume_token(session: Session, token: str, *, scope: str) -> Result:
         charge(...)
 
     :raises InvalidArgument: non-str, blank, oversize or NUL-containing
-        ``token`` or ``scope``; nothing was sent to the database.
+        ``token``, ``scope`` or ``request_id``; nothing was sent to the database.
     """
     _check_token(token)
     _check_scope(scope)
+    if request_id is not None:
+        _write.check_text(request_id, "request_id", MAX_REQUEST_ID)
     digest = token_digest(token)
-    params = {"sg_hash": digest, "sg_scope": scope}
+    params = {"sg_hash": digest, "sg_scope": scope, "sg_by": request_id}
     if session.autoflush:
         session.flush()
     conn = _write.own_connection(session, tokens)
@@ -185,7 +192,12 @@ def consume_token(session: Session, token: str, *, scope: str) -> Result:
         return Result(Outcome.NOT_FOUND, model=OneTimeToken, key=digest, trigger="consume", session=session)
     if row.consumed_ms is not None:
         return Result(
-            Outcome.REPEATED, model=OneTimeToken, key=digest, state="consumed", value=row.consumed_ms
+            Outcome.REPEATED,
+            model=OneTimeToken,
+            key=digest,
+            state="consumed",
+            value=row.consumed_ms,
+            same_request=request_id is not None and row.consumed_by == request_id,
         )
     if row.expires_ms <= row.db_now:
         return Result(

@@ -26,11 +26,13 @@ from stateguard import (
     RequestInProgress,
     Result,
     consume_once,
+    consume_token,
     create_tables,
     decrement,
     drop_tables,
     idempotent,
     insert_once,
+    issue_token,
     release,
     reserve,
 )
@@ -232,6 +234,33 @@ def test_consume_once_cut_before_commit_retry_applies(proxied: tuple[Engine, Fau
     """consume_once whose connection was lost before the COMMIT is APPLIED on retry."""
     engine, proxy = proxied
     eat = lambda s: consume_once(s, "billing", "msg-1")  # noqa: E731
+    lose_connection_before_commit(engine, proxy, eat)
+    again = retry(engine, eat)
+    assert (again.outcome, again.same_request) == (Outcome.APPLIED, False)
+
+
+def test_consume_token_retry_learns_its_lost_commit_applied(proxied: tuple[Engine, FaultProxy]) -> None:
+    """consume_token with a request_id whose COMMIT reply was lost is REPEATED with same_request on retry;
+    another request consuming it after is REPEATED without."""
+    engine, proxy = proxied
+    with Session(engine) as s, s.begin():
+        token = issue_token(s, scope="reset", ttl=timedelta(minutes=5))
+    eat = lambda s: consume_token(s, token, scope="reset", request_id="req-1")  # noqa: E731
+    assert lose_commit_reply(engine, proxy, eat).applied
+    again = retry(engine, eat)
+    assert (again.outcome, again.same_request) == (Outcome.REPEATED, True)
+    other = retry(engine, lambda s: consume_token(s, token, scope="reset", request_id="req-2"))
+    assert (other.outcome, other.same_request) == (Outcome.REPEATED, False)
+    anonymous = retry(engine, lambda s: consume_token(s, token, scope="reset"))
+    assert (anonymous.outcome, anonymous.same_request) == (Outcome.REPEATED, False)
+
+
+def test_consume_token_cut_before_commit_retry_applies(proxied: tuple[Engine, FaultProxy]) -> None:
+    """consume_token whose connection was lost before the COMMIT is APPLIED on retry."""
+    engine, proxy = proxied
+    with Session(engine) as s, s.begin():
+        token = issue_token(s, scope="reset", ttl=timedelta(minutes=5))
+    eat = lambda s: consume_token(s, token, scope="reset", request_id="req-1")  # noqa: E731
     lose_connection_before_commit(engine, proxy, eat)
     again = retry(engine, eat)
     assert (again.outcome, again.same_request) == (Outcome.APPLIED, False)
