@@ -1,6 +1,8 @@
 """A shop API on FastAPI and AsyncSession: each payment runs once, whatever the client retries."""
 
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Header, HTTPException, Request
@@ -14,6 +16,7 @@ from stateguard import (
     StateguardError,
     StateMachine,
     async_sqlite_engine,
+    create_tables,
     decrement,
     idempotent,
     release,
@@ -51,7 +54,18 @@ class Stock(Base):
 url = os.environ.get("DATABASE_URL", "sqlite+aiosqlite:///shop.db")  # or postgresql+asyncpg://...
 engine = async_sqlite_engine(url) if url.startswith("sqlite") else create_async_engine(url, pool_size=20)
 Session = async_sessionmaker(engine, expire_on_commit=False)
-app = FastAPI()
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async with engine.begin() as conn:  # or your alembic migrations
+        await conn.run_sync(Base.metadata.create_all)
+    await create_tables(engine)  # stateguard's own tables (or `alembic upgrade stateguard@head`)
+    yield
+    await engine.dispose()
+
+
+app = FastAPI(lifespan=lifespan)
 
 
 @app.exception_handler(StateguardError)
