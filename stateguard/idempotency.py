@@ -200,9 +200,11 @@ def fingerprint_of(value: Any) -> str | None:
                 f"fingerprint must be bytes or JSON-serialisable (dicts with str keys, lists, str, "
                 f"numbers without NaN, bools, None): {error}"
             ) from error
-        # Only the hash is stored, so a lone surrogate (a JSON body may carry
-        # "\udc80") is hashed as it is instead of failing to encode.
-        data = b"json:" + canonical.encode("utf-8", "surrogatepass")
+        try:
+            data = b"json:" + canonical.encode("utf-8")
+        except UnicodeEncodeError as error:
+            # json.loads accepts "\udc80"; there is no UTF-8 (hence no canonical form) for it.
+            raise InvalidArgument(f"fingerprint holds a lone surrogate ({error.reason})") from None
     return hashlib.sha256(data).hexdigest()
 
 
