@@ -30,6 +30,7 @@ import hashlib
 import secrets
 from datetime import timedelta
 from typing import Any, Final
+from uuid import UUID
 
 from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 from sqlalchemy.orm import Session
@@ -148,7 +149,9 @@ def issue_token(session: Session, *, scope: str, ttl: timedelta) -> str:
 
 
 @dual
-def consume_token(session: Session, token: str, *, scope: str, request_id: str | None = None) -> Result:
+def consume_token(
+    session: Session, token: str, *, scope: str, request_id: str | UUID | None = None
+) -> Result:
     """Consume ``token`` once: one conditional UPDATE in the session's transaction.
 
     - APPLIED: this call consumed it (do the work; ``on_commit`` callbacks run
@@ -177,6 +180,8 @@ def consume_token(session: Session, token: str, *, scope: str, request_id: str |
     """
     _check_token(token)
     _check_scope(scope)
+    if type(request_id) is UUID:
+        request_id = str(request_id)  # new_request_id()'s UUID, stored as its canonical text
     if request_id is not None:
         _write.check_text(request_id, "request_id", MAX_REQUEST_ID)
     digest = token_digest(token)

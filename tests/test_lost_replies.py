@@ -33,6 +33,7 @@ from stateguard import (
     idempotent,
     insert_once,
     issue_token,
+    new_request_id,
     release,
     reserve,
 )
@@ -315,3 +316,18 @@ def test_idempotent_separate_lost_claim_waits_for_its_lease(proxied: tuple[Engin
     with Session(engine) as s, idempotent(s, scope="lost", key="k-3", mode="separate", lease=LEASE) as call:
         assert (call.attempt, call.taken_over) == (2, True)
         call.complete("done")
+
+
+def test_new_request_id_is_accepted_as_a_request_id(proxied: tuple[Engine, FaultProxy]) -> None:
+    """new_request_id()'s UUID is a request_id as it is (stored as its text), for triggers and tokens."""
+    engine, _ = proxied
+    _seed(engine, Invoice(id=11))
+    rid = new_request_id()
+    with Session(engine) as s, s.begin():
+        assert Invoice.flow.send(s, 11, request_id=rid).applied
+        token = issue_token(s, scope="uuid", ttl=timedelta(minutes=1))
+        assert consume_token(s, token, scope="uuid", request_id=rid).applied
+    again = retry(engine, lambda s: Invoice.flow.send(s, 11, request_id=str(rid)))
+    assert (again.outcome, again.same_request) == (Outcome.REPEATED, True)
+    again = retry(engine, lambda s: consume_token(s, token, scope="uuid", request_id=rid))
+    assert (again.outcome, again.same_request) == (Outcome.REPEATED, True)

@@ -6,6 +6,7 @@ HTML comment directly above it says otherwise::
     <!-- readme-test: name "model" -->            later blocks can continue this one
     <!-- readme-test: continues "model" -->       run after "model" (and what it continues), in its namespace
     <!-- readme-test: needs postgresql, redis --> DATABASE_URL / REDIS_URL point at the test servers
+    <!-- readme-test: module myapp.models -->     ``import myapp.models`` gets the tests' models
     <!-- readme-test: skip (why) -->              cannot run here (say why)
 
 Directives combine with ``;``.  A block with top-level ``await`` runs through ``asyncio.run``.
@@ -21,6 +22,8 @@ import asyncio
 import contextlib
 import inspect
 import re
+import sys
+import types
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,6 +35,7 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session as OrmSession
 
+from . import models
 from .conftest import MYSQL_URL, PG_URL, REDIS_URL, unavailable
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,6 +57,7 @@ class Block:
     continues: str | None = None
     needs: set[str] = field(default_factory=set)
     skip: str | None = None
+    modules: set[str] = field(default_factory=set)
 
     @property
     def id(self) -> str:
@@ -72,6 +77,8 @@ def _parse_directives(block: Block, body: str) -> None:
             if unknown:
                 raise ValueError(f"README.md:{block.line}: unknown server(s) {sorted(unknown)}")
             block.needs |= needs
+        elif word == "module" and re.fullmatch(r"[\w.]+", rest):
+            block.modules.add(rest)
         elif word == "skip" and re.fullmatch(r"\(.+\)", rest):
             block.skip = rest[1:-1]
         else:
@@ -203,6 +210,12 @@ def test_readme_block_runs_as_written(block: Block, tmp_path: Path, monkeypatch:
     needs = set().union(*(b.needs for b in chain))
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("DATABASE_URL", raising=False)
+    for name in set().union(*(b.modules for b in chain)):
+        # The reader's own models module (``from myapp.models import Base``): the tests' models.
+        parent, _, _ = name.rpartition(".")
+        if parent:
+            monkeypatch.setitem(sys.modules, parent, types.ModuleType(parent))
+        monkeypatch.setitem(sys.modules, name, models)
     if "redis" in needs:
         _check_redis()
         monkeypatch.setenv("REDIS_URL", REDIS_URL)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final, TypedDict
+from uuid import UUID
 
 from sqlalchemy import Connection, Update
 from sqlalchemy.engine import Dialect
@@ -37,7 +38,7 @@ class FireOptions(TypedDict, total=False):
     values: Mapping[str, Any] | None
     expected_version: int | None
     fence: int | None
-    request_id: str | None
+    request_id: str | UUID | None
     metadata: Mapping[str, Any] | None
 
 
@@ -132,7 +133,7 @@ class Trigger:
         values: Mapping[str, Any] | None = None,
         expected_version: int | None = None,
         fence: int | None = None,
-        request_id: str | None = None,
+        request_id: str | UUID | None = None,
         metadata: Mapping[str, Any] | None = None,
     ) -> Result:
         """Fire the trigger on ``target`` (a primary key or a loaded instance).
@@ -160,7 +161,9 @@ class Trigger:
         Given an :class:`~sqlalchemy.ext.asyncio.AsyncSession`, returns a
         coroutine: ``r = await Order.flow.pay(session, 42)``.
         """
-        result = self._attempt(session, target, values, expected_version, fence, request_id, metadata)
+        # new_request_id()'s UUID is stored as its canonical text.
+        rid = str(request_id) if isinstance(request_id, UUID) else request_id
+        result = self._attempt(session, target, values, expected_version, fence, rid, metadata)
         raced = 0
         while result.outcome is Outcome.REJECTED and raced < _RACE_RETRIES and self._allows(result.state):
             # At READ COMMITTED (PostgreSQL) the follow-up read takes a newer
@@ -168,7 +171,7 @@ class Trigger:
             # between moved the row into a state this trigger leaves from, so
             # "rejected" would be false news.  Run the UPDATE again.
             raced += 1
-            result = self._attempt(session, target, values, expected_version, fence, request_id, metadata)
+            result = self._attempt(session, target, values, expected_version, fence, rid, metadata)
         return result
 
     __call__ = dual_method(_fire)
