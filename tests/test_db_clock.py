@@ -259,3 +259,17 @@ def test_an_expired_worker_id_is_taken_whatever_the_clocks_say(
     generators.append(taker)
     assert taker.worker_id == dead.worker_id == 0
     assert taker.next_id() > last
+
+
+# --------------------------------------------------------------------------
+# Long transactions: the statement's time, not the transaction's start
+# --------------------------------------------------------------------------
+
+
+def test_a_token_issued_late_in_a_long_transaction_gets_its_whole_ttl(engine: Engine) -> None:
+    """A token issued 1.2 s into a transaction with ttl=1 s is live right after it (not so with now())."""
+    with Session(engine) as session, session.begin():
+        session.execute(select(tokens.c.token_hash)).all()  # the transaction has begun
+        time.sleep(1.2)
+        token = issue_token(session, scope="clock", ttl=timedelta(seconds=1))
+    assert _consume(engine, token) is Outcome.APPLIED
