@@ -21,11 +21,12 @@ one conditional statement, so the database settles every race:
   :class:`~stateguard.RequestInProgress`; failed for good →
   :class:`~stateguard.RequestFailed`; lease expired (the worker died) or
   released → **take over** with ``UPDATE ... WHERE owner = :old AND
-  locked_until_ms <= :now``; expired (older than ``ttl``) → **reclaim** as a
+  locked_until_ms <= db_now``; expired (older than ``ttl``) → **reclaim** as a
   brand-new request with ``UPDATE ... WHERE owner = :old AND expires_ms <=
-  :now``.  Of several takers exactly one UPDATE matches: PostgreSQL re-checks a
-  waiting UPDATE's WHERE against the committed row at READ COMMITTED, InnoDB
-  updates the latest committed row, SQLite has one writer.
+  db_now`` (``db_now``: the database's clock, see below).  Of several takers
+  exactly one UPDATE matches: PostgreSQL re-checks a waiting UPDATE's WHERE
+  against the committed row at READ COMMITTED, InnoDB updates the latest
+  committed row, SQLite has one writer.
 - every later write (complete, checkpoint, heartbeat, release, fail) is
   ``UPDATE ... WHERE owner = :me AND status = 'in_progress'``: a worker whose
   lease was taken over learns it (:class:`~stateguard.LeaseLost`) and never

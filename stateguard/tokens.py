@@ -4,8 +4,11 @@ The server hands out an unguessable token (a form's hidden field, an e-mail
 link, a payment confirmation step); the client sends it back; one
 conditional statement consumes it::
 
-    UPDATE stateguard_tokens SET consumed_ms = :now
-    WHERE token_hash = :h AND scope = :scope AND consumed_ms IS NULL AND expires_ms > :now
+    UPDATE stateguard_tokens SET consumed_ms = db_now
+    WHERE token_hash = :h AND scope = :scope AND consumed_ms IS NULL AND expires_ms > db_now
+
+``db_now`` is the database's clock (:func:`stateguard._sql.db_now_ms`): expiries
+are stored and judged by the server, never by the application's clock.
 
 One row: APPLIED.  No row: one read says why: consumed already → REPEATED,
 expired → REJECTED, unknown or of another scope → NOT_FOUND.  Concurrent
