@@ -295,8 +295,9 @@ worker_leases = Table(
     Column("worker_id", Integer, primary_key=True, autoincrement=False),
     Column("owner", exact_string(64), nullable=True),
     Column("lease_expires_ms", BigInteger, nullable=False),
-    # The highest timestamp a holder has used: a new holder starts after it,
-    # so ids never go backwards across a handover.
+    # At least the highest timestamp (the holder's clock) its ids have used or
+    # can use before its next renewal (the exact one after close()): a new
+    # holder starts after it, so ids never go backwards across a handover.
     Column("last_ms", BigInteger, nullable=False),
 )
 
