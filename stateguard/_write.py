@@ -685,7 +685,8 @@ def check_storable(value: str, what: str) -> str:
 
 
 #: Texts shorter than this (in characters, 4 UTF-8 bytes each at most) are not checked against
-#: the server's statement size; no server stateguard supports accepts less.
+#: the server's statement size: a max_allowed_packet under 256 KiB is not supported (MariaDB's
+#: default is 16 MiB, MySQL's 64 MiB).
 _SIZE_CHECK_FROM: Final = 16 * 1024
 #: What a statement needs besides the checked text (keys, other values, SQL).
 _STATEMENT_OVERHEAD: Final = 16 * 1024
