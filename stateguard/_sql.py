@@ -9,10 +9,14 @@ dialect difference is a :class:`Backend` flag computed here.
 
 from __future__ import annotations
 
+import datetime
+import enum
 import threading
+import uuid
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 from typing import Any, Final
 
 from sqlalchemy import (
@@ -54,11 +58,14 @@ __all__ = [
     "ModelInfo",
     "backend",
     "bindparam",
+    "canonical_key",
     "classify_db_error",
     "conflict_error",
     "db_now_ms",
+    "decode_key",
     "integer_bounds",
     "is_duplicate_key",
+    "key_order",
     "missing_own_table",
     "model_info",
     "numeric_digits",
@@ -410,6 +417,7 @@ class ModelInfo:
         "fence_attr",
         "fence_column",
         "identity_class",
+        "key_kinds",
         "key_limits",
         "mapper",
         "model",
@@ -442,6 +450,8 @@ class ModelInfo:
             *(c == bindparam(n, type_=c.type) for c, n in zip(self.pk_columns, self.pk_names, strict=True))
         )
         self.pk_checks = tuple(_python_type(c) for c in self.pk_columns)
+        #: Per key column (type, Numeric scale) for canonical_key/decode_key; False until computed.
+        self.key_kinds: Any = False
         #: Whether a key part may be a str (checked for NUL and lone surrogates before any statement).
         self.text_key = any(t is str or t is None for t in self.pk_checks)
         #: Per Backend (a handful, interned): the integer range of each key column, or ``()``.
@@ -511,6 +521,88 @@ def model_info(model: type[Any]) -> ModelInfo:
 
 def public_key(key: tuple[Any, ...]) -> Any:
     return key[0] if len(key) == 1 else key
+
+
+def _key_kinds(info: ModelInfo) -> tuple[tuple[type | None, int | None], ...] | None:
+    """Per key column, the Python type and Numeric scale :func:`canonical_key` needs; ``None`` when
+    every key column is an int or a str (nothing to canonicalise or decode)."""
+    kinds = info.key_kinds
+    if kinds is False:
+        found = tuple(
+            (_python_type(c), getattr(c.type, "scale", None) if _python_type(c) is Decimal else None)
+            for c in info.pk_columns
+        )
+        kinds = info.key_kinds = None if all(t in (int, str) for t, _ in found) else found
+    result: tuple[tuple[type | None, int | None], ...] | None = kinds
+    return result
+
+
+def canonical_key(info: ModelInfo, key: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``key`` spelled one way for the transition log and the counter ledger.
+
+    The database matches ``1.5``, ``1.50`` and ``Decimal("1.500")`` to the
+    same ``NUMERIC(10, 2)`` row; their JSON would differ, and a ref or
+    request id would then apply twice.  Decimals, ints and floats of a
+    Numeric key with a scale are quantized to it when that is exact.
+    """
+    kinds = _key_kinds(info)
+    if kinds is None:
+        return key
+    out = []
+    for value, (kind, scale) in zip(key, kinds, strict=True):
+        if kind is Decimal and scale is not None and type(value) in (int, float, Decimal):
+            # A float by its shortest repr (1.5, not 1.5000000000000000), as check_exact reads it.
+            given = Decimal(repr(value)) if type(value) is float else Decimal(value)
+            try:
+                exact = given.quantize(Decimal(1).scaleb(-scale))
+            except InvalidOperation:  # NaN, infinity, more digits than the context holds
+                exact = None
+            if exact is not None and exact == given:
+                value = exact
+        out.append(value)
+    return tuple(out)
+
+
+def key_order(key: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A sort key for primary keys (Enum members, which do not order, sort by value): rows are
+    changed in this order by reserve() and release(), so the two cannot deadlock."""
+    return tuple(v.value if isinstance(v, enum.Enum) else v for v in key)
+
+
+def decode_key(info: ModelInfo, stored: Any) -> tuple[Any, ...]:
+    """The key a ``row_key`` JSON (already parsed) stands for, as the key columns take it.
+
+    JSON keeps ints and strs; the rest was written with ``str()`` (UUIDs,
+    dates, Decimals, Enum members): turned back by the column's Python type,
+    so ``release()`` finds the row it changed on every backend (SQLite's Uuid
+    and Date types take only their own Python objects).
+    """
+    parts = tuple(stored) if isinstance(stored, list) else (stored,)
+    kinds = _key_kinds(info)
+    if kinds is None:
+        return parts
+    return tuple(_decode_part(value, kind) for value, (kind, _) in zip(parts, kinds, strict=True))
+
+
+def _decode_part(value: Any, kind: type | None) -> Any:
+    if kind is None or not isinstance(value, str) or kind is str:
+        return value
+    if issubclass(kind, enum.Enum):
+        for member in kind:
+            if str(member) == value or member.value == value or member.name == value:
+                return member
+        return value
+    if kind is uuid.UUID:
+        return uuid.UUID(value)
+    if kind is datetime.datetime:
+        return datetime.datetime.fromisoformat(value)
+    if kind is datetime.date:
+        return datetime.date.fromisoformat(value)
+    if kind is datetime.time:
+        return datetime.time.fromisoformat(value)
+    if kind is Decimal:
+        return Decimal(value)
+    return value
 
 
 # --------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from datetime import timedelta
 from decimal import Decimal
 from typing import Any, Final, TypeVar
 
-from sqlalchemy import Column, Connection, CursorResult, Engine, Table, event, insert, text
+from sqlalchemy import Column, Connection, CursorResult, Engine, Enum, String, Table, event, insert, text
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
@@ -211,7 +211,9 @@ def own_bind(session: Session, table: Table | None) -> Engine | Connection:
     except sa_exc.UnboundExecutionError:
         pass
     # SQLAlchemy 2.1 has Session.binds; 2.0 keeps them private (read only on this rare path).
-    binds: Mapping[Any, Any] = getattr(session, "binds", None) or getattr(session, "_Session__binds", None) or {}
+    binds: Mapping[Any, Any] = (
+        getattr(session, "binds", None) or getattr(session, "_Session__binds", None) or {}
+    )
     engines = {b.engine if isinstance(b, Connection) else b for b in binds.values()}
     if len(engines) == 1:
         [engine] = engines
@@ -226,8 +228,30 @@ def own_bind(session: Session, table: Table | None) -> Engine | Connection:
 
 
 def value_integers(items: Iterable[tuple[str, Column[Any], Any]]) -> list[tuple[Column[Any], Any, str]]:
-    """The int and str values among ``(attr, column, value)`` items, as :func:`connection_for` checks them."""
-    return [(col, value, f"values[{attr!r}]") for attr, col, value in items if type(value) in (int, str)]
+    """The int and str values among ``(attr, column, value)`` items, as :func:`connection_for` checks them.
+
+    A value of a plain ``String`` column that is not a str (bytes, an int, a
+    UUID) is InvalidArgument here: drivers store it as they please (psycopg
+    bytes as ``\\x..`` text, an int as its digits, asyncpg refuses it) or fail
+    with an error that aborts a PostgreSQL transaction.
+    """
+    found = []
+    for attr, col, value in items:
+        kind = type(value)
+        if (
+            kind is not str
+            and value is not None
+            and not isinstance(value, str | ClauseElement)
+            and isinstance(col.type, String)
+            and not isinstance(col.type, Enum)
+        ):
+            raise InvalidArgument(
+                f"values[{attr!r}] is for the text column {col.name}, so it must be a str, "
+                f"got {kind.__name__} {value!r:.60}"
+            )
+        if kind is int or kind is str:
+            found.append((col, value, f"values[{attr!r}]"))
+    return found
 
 
 def check_string(info: _sql.ModelInfo, column: Column[Any] | None, value: str, what: str) -> None:
@@ -269,9 +293,12 @@ def check_integer(conn: Connection, info: _sql.ModelInfo, column: Column[Any], v
         limits = memo.put(memo_key, _sql.integer_bounds(column, conn.dialect) or ())
     if limits and not limits[0] <= value <= limits[1]:
         raise _out_of_range(info, column, value, limits, what)
+    if not limits:
+        # Not an integer column: an int for a NUMERIC(p, s) one must fit its p - s digits.
+        check_exact(info, column, value, what)
 
 
-def check_exact(info: _sql.ModelInfo, column: Column[Any], value: Decimal | float, what: str) -> None:
+def check_exact(info: _sql.ModelInfo, column: Column[Any], value: Decimal | float | int, what: str) -> None:
     """Raise InvalidArgument when ``value`` has more decimal places (or digits) than ``column`` stores.
 
     A ``Numeric(10, 2)`` column rounds ``0.004`` to ``0.00`` on assignment:
@@ -283,7 +310,7 @@ def check_exact(info: _sql.ModelInfo, column: Column[Any], value: Decimal | floa
     if digits is None:
         return
     precision, scale = digits
-    exact = value if isinstance(value, Decimal) else Decimal(repr(value))
+    exact = value if isinstance(value, Decimal) else Decimal(value if isinstance(value, int) else repr(value))
     if not exact.is_finite():
         raise InvalidArgument(f"{what} must be a finite number, got {value!r}")
     exponent = exact.as_tuple().exponent

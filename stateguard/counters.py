@@ -208,7 +208,7 @@ def _ledger_stmt(kind: str, backend: _sql.Backend) -> Any:
     elif kind == "forget":
         stmt = delete(ledger).where(ledger.c.id == bindparam("sg_id"))
     elif kind == "entries":
-        stmt = select(ledger.c.id, ledger.c.row_key, ledger.c.delta).where(*same_ref)
+        stmt = select(ledger.c.id, ledger.c.row_key, ledger.c.delta, ledger.c.released_at).where(*same_ref)
     else:
         stmt = (
             update(ledger)
@@ -224,7 +224,7 @@ def _ledger_key(counter: _Counter, key: tuple[Any, ...]) -> str:
     ``release`` reads the keys of a ref back from the ledger, which a digest
     cannot give; refused before any statement.
     """
-    stored = row_key(key)
+    stored = row_key(_sql.canonical_key(counter.info, key))
     if stored.startswith(DIGEST_PREFIX):
         raise InvalidArgument(
             f"{counter.model.__name__} key {_sql.public_key(key)!r} is too long for a ref'd counter "
@@ -452,7 +452,7 @@ def reserve(session: Session, column: Any, amounts: Mapping[Any, Any], *, ref: s
     values: dict[Any, Any] = {}
     outcomes: set[Outcome] = set()
     try:
-        for key in sorted(resolved):
+        for key in sorted(resolved, key=_sql.key_order):
             by, instance = resolved[key]
             r = _apply(session, conn, backend, counter, key, instance, by, -1, 0, ref)
             if r.outcome in (Outcome.INSUFFICIENT, Outcome.NOT_FOUND):
@@ -510,9 +510,14 @@ def release(session: Session, column: Any, ref: str) -> Result:
     # index range, blocking unrelated refs' ledger inserts and risking
     # deadlocks with concurrent reservations.
     _write.sqlite_write_lock(conn)
-    rows = _write.execute(conn, _ledger_stmt("entries", backend), params).all()
-    if not rows:
+    entries = _write.execute(conn, _ledger_stmt("entries", backend), params).all()
+    if not entries:
         return Result(Outcome.NOT_FOUND, model=counter.model, key=ref, session=session)
+    # Entries released before stay released: a ref reused after its release
+    # (on another row) releases only what it took since.
+    rows = [row for row in entries if row.released_at is None]
+    if not rows:
+        return Result(Outcome.REPEATED, model=counter.model, key=ref, session=session, same_request=True)
     mark = _ledger_stmt("mark", backend)
     marked = _write.execute(conn, mark, {"sg_ids": [row.id for row in rows]}).rowcount
     if not marked:
@@ -524,17 +529,12 @@ def release(session: Session, column: Any, ref: str) -> Result:
         )
     undo: list[tuple[tuple[Any, ...], Any]] = []
     for row in rows:
-        raw_key = json.loads(row.row_key)
         delta = -Decimal(row.delta)
-        undo.append(
-            (
-                tuple(raw_key) if isinstance(raw_key, list) else (raw_key,),
-                int(delta) if counter.integer else delta,
-            )
-        )
+        key = _sql.decode_key(info, json.loads(row.row_key))
+        undo.append((key, int(delta) if counter.integer else delta))
     # The same row order as reserve() (keys, not their JSON text: 10 sorts after
     # 2), so a release and a reservation over the same rows cannot deadlock.
-    undo.sort(key=lambda item: item[0])
+    undo.sort(key=lambda item: _sql.key_order(item[0]))
     stmt = _plan(counter, backend, 1, False, False)
     given_back: dict[Any, Any] = {}
     for key, amount in undo:

@@ -15,10 +15,11 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Iterator
+from decimal import Decimal
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, Integer, String, func, select, text
+from sqlalchemy import Engine, Integer, Numeric, String, func, select, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from stateguard import (
@@ -32,6 +33,7 @@ from stateguard import (
     decrement,
     drop_tables,
     guarded_update,
+    increment,
     insert_once,
     version_column,
 )
@@ -52,6 +54,7 @@ class Item(_Base):
     code: Mapped[str] = mapped_column(String(40), primary_key=True)
     note: Mapped[str | None] = mapped_column(String(10))
     qty: Mapped[int] = mapped_column(Integer, default=10)
+    price: Mapped[Decimal] = mapped_column(Numeric(12, 2), default=Decimal("5.00"))
     status: Mapped[str] = mapped_column(String(20), default="new")
     version: Mapped[int] = version_column()
 
@@ -107,6 +110,15 @@ CALLS: dict[str, Callable[[Session], Any]] = {
     "insert-once-too-long": lambda s: insert_once(s, Item, {"code": "b", "note": "x" * 11}),
     "insert-once-int-range": lambda s: insert_once(s, Item, {"code": "b", "qty": 2**31}),
     "consume-once-surrogate": lambda s: consume_once(s, "c", SURROGATE),
+    # Found by a README-only review: checked only after the UPDATE, or never.
+    "metadata-list": lambda s: Item.flow.finish(s, "a", request_id="r", metadata=["by", "user:12"]),
+    "metadata-str": lambda s: Item.flow.finish(s, "a", metadata="by user 12"),
+    "values-bytes-for-text": lambda s: Item.flow.finish(s, "a", values={"note": b"x"}),
+    "values-int-for-text": lambda s: Item.flow.finish(s, "a", values={"note": 10**60}),
+    "insert-once-bytes-key": lambda s: insert_once(s, Item, {"code": b"b"}),
+    "guarded-update-int-for-text": lambda s: guarded_update(s, Item, "a", {"note": 7}, expected_version=1),
+    "int-by-beyond-numeric-precision": lambda s: increment(s, Item.price, "a", by=10**11),
+    "int-floor-beyond-numeric-precision": lambda s: decrement(s, Item.price, "a", by=1, floor=-(10**11)),
 }
 
 
@@ -123,6 +135,7 @@ def test_hostile_value_is_invalid_argument_and_the_transaction_goes_on(
     with Session(engine) as s:
         item = s.get(Item, "a")
         assert item is not None and (item.status, item.note, item.qty, item.version) == ("done", "ok", 10, 2)
+        assert item.price == Decimal("5.00")
         assert s.execute(select(func.count()).select_from(transition_log)).scalar_one() == 1
 
 

@@ -33,7 +33,7 @@ from sqlalchemy import (
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
-from .. import _write
+from .. import _sql, _write
 from ..exceptions import InvalidArgument, SerializationConflict
 from ..tables import MAX_REQUEST_ID, row_key, transition_log
 
@@ -79,6 +79,8 @@ def check_request(request_id: Any, meta: Any) -> None:
         )
     if request_id is not None:
         _write.check_storable(request_id, "request_id")
+    if meta is not None and not isinstance(meta, Mapping):
+        raise InvalidArgument(f"metadata must be a mapping (a dict) or None, got {type(meta).__name__}")
     if meta is not None:
         try:
             # allow_nan=False: NaN and Infinity are not JSON (PostgreSQL's json
@@ -123,7 +125,7 @@ def applied_by_request(
         {
             "sg_model": machine.info.table.fullname,
             "sg_machine": machine.name,
-            "sg_row_key": row_key(key),
+            "sg_row_key": row_key(_sql.canonical_key(machine.info, key)),
             "sg_trigger": trigger,
             "sg_request_id": request_id,
         },
@@ -147,7 +149,7 @@ def record(
         {
             "model": model,
             "machine": m.name,
-            "row_key": row_key(key),
+            "row_key": row_key(_sql.canonical_key(m.info, key)),
             "trigger": trigger.name,
             "source": name(source),
             "dest": name(dest),
@@ -183,7 +185,7 @@ def entries(session: Session, machine: StateMachine[Any], target: Any) -> list[H
             and_(
                 log.c.model == info.table.fullname,
                 log.c.machine == machine.name,
-                log.c.row_key == row_key(key),
+                log.c.row_key == row_key(_sql.canonical_key(info, key)),
             )
         )
         .order_by(log.c.id)
