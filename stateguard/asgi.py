@@ -74,10 +74,8 @@ from dataclasses import dataclass, fields, replace
 from datetime import timedelta
 from typing import Any, TypeAlias, TypeVar
 
-from sqlalchemy import Engine, bindparam, delete
 from sqlalchemy.orm import Session
 
-from . import _sql
 from .exceptions import (
     ConfigurationError,
     IdempotencyKeyReused,
@@ -87,7 +85,7 @@ from .exceptions import (
     SerializationConflict,
 )
 from .idempotency import IdempotentCall, fingerprint_of, idempotent
-from .tables import MAX_KEY, MAX_SCOPE, idempotency_keys
+from .tables import MAX_KEY, MAX_SCOPE
 
 __all__ = [
     "CREDENTIAL_HEADERS",
@@ -612,45 +610,6 @@ def _stored_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[list[str]]:
     ]
 
 
-_t = idempotency_keys
-# The record this request released, and only it: a takeover since the release
-# raised the attempt and set a live lease, a reclaim of an expired key set a
-# live lease, and another request's claim has another fingerprint or attempt.
-_FORGET = delete(_t).where(
-    _t.c.scope == bindparam("scope"),
-    _t.c.idem_key == bindparam("key"),
-    _t.c.status == "in_progress",
-    _t.c.attempt == bindparam("attempt"),
-    _t.c.fingerprint == bindparam("fingerprint"),
-    _t.c.locked_until_ms <= _sql.db_now_ms(),
-)
-
-
-def _forget(session: Session, call: IdempotentCall[Session], fingerprint: str | None) -> None:
-    """Delete the record ``call`` has just released: the key is unused again, for any request.
-
-    Runs in its own short transaction.  When it fails the key simply stays
-    released (a retry of the same request runs again), so the failure is
-    logged, never raised over the response.
-    """
-    bind = session.get_bind(clause=_t)
-    engine = bind if isinstance(bind, Engine) else bind.engine
-    try:
-        with engine.begin() as conn:
-            conn.execute(
-                _FORGET,
-                {"scope": call.scope, "key": call.key, "attempt": call.attempt, "fingerprint": fingerprint},
-            )
-    except Exception:
-        log.warning(
-            "could not forget idempotency key %r in scope %r; it stays released (the same request may "
-            "retry, another one gets 422 until the key expires)",
-            call.key,
-            call.scope,
-            exc_info=True,
-        )
-
-
 async def _send_response(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
@@ -921,8 +880,7 @@ class IdempotencyMiddleware:
             elif 400 <= status < 500:
                 # Refused before it ran: forget the key, so that the corrected
                 # request may use it (not only a byte-identical retry).
-                await _in_thread(self._finish, call, None, f"HTTP {status}, not stored", session,
-                                 fingerprint_of(fingerprint))  # fmt: skip
+                await _in_thread(self._finish, call, None, f"HTTP {status}, not stored", True)
             else:
                 await _in_thread(self._finish, call, None, f"HTTP {status}, not stored")
         except BaseException as error:
@@ -938,13 +896,12 @@ class IdempotencyMiddleware:
         call: IdempotentCall[Session],
         response: dict[str, Any] | None,
         reason: str | None = None,
-        forget_in: Session | None = None,
-        fingerprint: str | None = None,
+        forget: bool = False,
     ) -> None:
-        """Store ``response`` or release the key; with ``forget_in``, then delete the released record."""
+        """Store ``response``, or release the key (``forget``: delete this request's record)."""
         try:
             if response is None:
-                call.release(reason)
+                call.release(reason, forget=forget)
             else:
                 call.complete(response)
         except LeaseLost:
@@ -957,8 +914,6 @@ class IdempotencyMiddleware:
                 call.scope,
             )
             return
-        if forget_in is not None:
-            _forget(forget_in, call, fingerprint)
 
     async def _replay(self, send: Send, response: Any) -> None:
         status = int(response["status"])

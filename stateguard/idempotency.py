@@ -75,7 +75,7 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any, Final, Generic, Literal, ParamSpec, Protocol, TypeVar
 
-from sqlalchemy import Connection, Engine, bindparam, select, update
+from sqlalchemy import Connection, Engine, bindparam, delete, select, update
 from sqlalchemy.orm import Session, SessionTransaction
 
 from . import _compat, _sql, _write
@@ -401,6 +401,8 @@ _FAIL: Final = _owned_update(
 # Released: still in progress, with a lease that ended now, so the next
 # caller takes it over at once and reads the checkpoint.
 _RELEASE: Final = _owned_update(locked_until_ms=0, error=bindparam("sg_text"))
+# Forgotten: this owner's record is gone, so any request may claim the key anew.
+_FORGET: Final = delete(_t).where(*_MINE)
 # Not a released claim (locked_until_ms = 0): a heartbeat racing its own
 # release() must not lease the key again, or the next retry waits a whole lease.
 _HEARTBEAT: Final = (
@@ -538,13 +540,17 @@ class IdempotentCall(DualObject[S]):
         self._check_open("heartbeat")
         self._claim.heartbeat(self)
 
-    def _release(self, reason: str | None = None) -> None:
+    def _release(self, reason: str | None = None, *, forget: bool = False) -> None:
         """Give the key back without a response, so the next retry runs the work (e.g. after a 5xx).
 
         In separate mode the release commits the session; the record keeps
-        the last checkpoint for the next attempt.  In same-transaction mode
-        it rolls back the savepoint: the claim and everything the block
-        wrote, exactly as an exception would::
+        the last checkpoint (and the request's fingerprint) for the next
+        attempt.  ``forget=True`` deletes this call's record instead, so any
+        request may use the key again, not only the same one (the HTTP
+        middleware does this for requests refused before they ran).  In
+        same-transaction mode it rolls back the savepoint: the claim and
+        everything the block wrote, exactly as an exception would (the key
+        is then as it was before this call, ``forget`` or not)::
 
             if response.status_code >= 500:
                 call.release("upstream failed")
@@ -562,7 +568,7 @@ class IdempotentCall(DualObject[S]):
                     f"release reason is {len(reason)} characters long; the limit is {_MAX_ERROR}"
                 )
             _write.check_storable(reason, "release reason")
-        self._claim.release(self, reason)
+        self._claim.release(self, reason, forget)
 
     complete = dual_member(_complete)
     checkpoint = dual_member(_checkpoint)
@@ -842,7 +848,7 @@ class _Claim(Generic[S]):
                 return
             self._lost(call)
 
-    def release(self, call: IdempotentCall[S], reason: str | None) -> None:
+    def release(self, call: IdempotentCall[S], reason: str | None, forget: bool = False) -> None:
         if self.options.mode == "same_transaction":
             self._stop_heartbeat()
             nested = self._open(self._nested)
@@ -851,7 +857,10 @@ class _Claim(Generic[S]):
             call._state = "released"
             self._emit("released", call.attempt)
             return
-        self.write(call, _RELEASE, {"sg_text": reason}, "released")
+        if forget:
+            self.write(call, _FORGET, {}, "released")
+        else:
+            self.write(call, _RELEASE, {"sg_text": reason}, "released")
 
     def _open(self, part: T | None) -> T:
         """A part of the open claim (its connection, savepoint, call ...); InvalidArgument once it is over."""

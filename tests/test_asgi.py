@@ -40,19 +40,17 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from stateguard import ConfigurationError, InvalidArgument, idempotent
+from stateguard import ConfigurationError, InvalidArgument, LeaseLost, idempotent
 from stateguard.asgi import (
     CREDENTIAL_HEADERS,
     REFUSED_BEFORE_EXECUTION,
     IdempotencyMiddleware,
     RouteOptions,
-    _forget,
     _stored_headers,
     default_scope,
     default_store_status,
     principal_of,
 )
-from stateguard.idempotency import fingerprint_of
 from stateguard.tables import idempotency_keys
 from stateguard.tables import metadata as stateguard_metadata
 
@@ -413,22 +411,41 @@ def test_every_refusal_status_forgets_the_key(sqlite_client: Client, sqlite_shop
 
 
 def test_forgetting_never_deletes_a_record_taken_over_since(shop: Shop) -> None:
-    """The forget step deletes only the record its own call released, never one another request took over."""
+    """release(forget=True) deletes only its own call's record: after a takeover it is LeaseLost and the
+    new owner's record stays."""
     request = {"method": "POST", "path": "/payments", "query": "", "body_sha256": "0" * 64}
     with shop.session_factory() as first_session, shop.session_factory() as second_session:
-        first = idempotent(first_session, scope="http", key="f", fingerprint=request, mode="separate")
+        first = idempotent(
+            first_session,
+            scope="http",
+            key="f",
+            fingerprint=request,
+            mode="separate",
+            lease=timedelta(seconds=1),
+        )
         call = first.__enter__()
-        call.release("HTTP 400, not stored")
+        time.sleep(1.3)  # the lease ends on the database's clock
         with idempotent(
             second_session, scope="http", key="f", fingerprint=request, mode="separate"
         ) as second:
             assert second.taken_over and second.attempt == 2
-            _forget(first_session, call, fingerprint_of(request))  # too late: the record is the retry's now
+            with pytest.raises(LeaseLost):
+                call.release("HTTP 400, not stored", forget=True)  # too late: the record is the retry's now
             assert [r.attempt for r in key_rows(shop)] == [2]
             second.complete({"ok": True})
         first.__exit__(None, None, None)
-        _forget(first_session, call, fingerprint_of(request))
     assert [(r.status, r.attempt) for r in key_rows(shop)] == [("completed", 2)]
+
+
+def test_forget_deletes_the_callers_own_released_record(shop: Shop) -> None:
+    """release(forget=True) leaves no record: a request with another body may use the key at once."""
+    with shop.session_factory() as session:
+        with idempotent(session, scope="http", key="g", fingerprint={"body": 1}, mode="separate") as call:
+            call.release("HTTP 400, not stored", forget=True)
+        assert key_rows(shop) == []
+        with idempotent(session, scope="http", key="g", fingerprint={"body": 2}, mode="separate") as call:
+            assert not call.replayed and call.attempt == 1
+            call.complete({"ok": True})
 
 
 def test_a_route_may_store_a_refusal_status(client: Client, shop: Shop) -> None:
