@@ -1,6 +1,6 @@
 """Every table stateguard owns, on one ``MetaData``: the transition log, the
-counter ledger, idempotency keys, consumed messages, one-time tokens and
-worker leases, and the column types they share.
+counter ledger, idempotency keys, consumed messages, one-time tokens,
+worker leases, the outbox, and the column types they share.
 
 Create them with the alembic revisions in ``stateguard/migrations/`` (branch
 label ``stateguard``) or, without alembic, with :func:`create_tables`.  A
@@ -64,6 +64,7 @@ __all__ = [
     "long_text",
     "metadata",
     "migrations_location",
+    "outbox",
     "row_key",
     "tokens",
     "transition_log",
@@ -313,6 +314,35 @@ fences = Table(
     Column("name", exact_string(MAX_KEY), primary_key=True),
     # The last fencing token handed out for the name: it only ever grows, whatever Redis loses.
     Column("fence", BigInteger, nullable=False),
+)
+
+
+# --------------------------------------------------------------------------
+# The transactional outbox (outbox.py): events stored with the transaction that caused them
+# --------------------------------------------------------------------------
+
+outbox = Table(
+    "stateguard_outbox",
+    metadata,
+    # The event's id: its order of insertion, and the order a key's events are published in.
+    Column("id", _serial(), primary_key=True, autoincrement=True),
+    Column("topic", exact_string(200), nullable=False),
+    # Events of one key are published in id order; NULL: no order with any other event.
+    Column("key", exact_string(MAX_KEY), nullable=True),
+    # The payload as JSON text written by stateguard: it reads back exactly as written on every backend.
+    Column("payload", long_text(), nullable=False),
+    # The database's clock (_sql.db_now_ms), like every time a lease is judged against.
+    Column("created_ms", BigInteger, nullable=False),
+    # A relay's claim: its token and lease end (database clock); NULL or past: free to claim.
+    Column("claimed_until_ms", BigInteger, nullable=True),
+    Column("claimed_by", exact_string(64), nullable=True),
+    # When a relay's sink accepted the event; NULL: not published yet.
+    Column("published_ms", BigInteger, nullable=True),
+    # How many times a relay claimed it (more than 1: it was handed to a sink again).
+    Column("attempts", Integer, nullable=False),
+    # The relay's pick: unpublished events in id order; and a key's earliest unpublished event.
+    Index("ix_stateguard_outbox_pending", "published_ms", "id"),
+    Index("ix_stateguard_outbox_key", "key", "published_ms", "id"),
 )
 
 
