@@ -110,6 +110,8 @@ class Backend:
     PostgreSQL), where the legal-edges trigger of a state machine lives.
     ``backslash_escapes``: string literals in reflected SQL escape quotes
     with a backslash (MySQL/MariaDB).
+    ``dml_cte``: an ``UPDATE``/``INSERT ... RETURNING`` may stand in a
+    ``WITH`` clause, so two writes are one statement (PostgreSQL).
 
     One instance exists per distinct set of flags (see :func:`backend`), so
     a Backend is a cheap, identity-hashed memo key that does not grow with
@@ -128,6 +130,7 @@ class Backend:
     array_params: bool
     trigger_functions: bool
     backslash_escapes: bool
+    dml_cte: bool
 
 
 _interned: dict[tuple[Any, ...], Backend] = {}
@@ -165,6 +168,7 @@ def backend(dialect: Dialect) -> Backend:
             name == "postgresql",
             name == "postgresql",
             mysql,
+            name == "postgresql",
         )
         with _backends_lock:
             found = _interned.get(flags)

@@ -20,7 +20,9 @@ batches cannot deadlock each other) and evaluates the trigger's condition on
 the latest committed rows; with the rows locked, nobody can change them
 before the UPDATE, so the rows it matched are exactly those the read said.
 Two statements per chunk on every backend when some keys do not apply; one
-on PostgreSQL and SQLite when all of them do.
+on PostgreSQL and SQLite when all of them do.  A trigger with events adds
+one multi-row INSERT into the outbox per chunk (:mod:`.events`), as
+``history=True`` adds one into the transition log.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from sqlalchemy.orm import Session
 from .. import _sql, _write
 from ..exceptions import InvalidArgument
 from ..result import Outcome, Result
-from . import compile, history
+from . import compile, events, history
 
 if TYPE_CHECKING:
     from .trigger import Trigger
@@ -94,9 +96,7 @@ class _Batch:
         info = m.info
         self.trigger = trigger
         self.items, _ = _write.split_values(info, values, forbidden=m._forbidden)
-        self.conn: Connection = _write.connection_for(
-            session, info, keys, _write.value_integers(self.items)
-        )
+        self.conn: Connection = _write.connection_for(session, info, keys, _write.value_integers(self.items))
         self.backend = _sql.backend(self.conn.dialect)
         self.pairs, self.state_cond, _ = compile.parts(
             trigger, self.backend, self.items, embed=False, last_insert_id=False
@@ -137,10 +137,14 @@ class _Batch:
         expire = [attr for attr, _, _ in self.items]
         for edge in trigger.edges:
             expire.extend(edge.values)
-        if m.history_enabled and applied_rows:
+        if (m.history_enabled or trigger.topic is not None) and applied_rows:
             log_rows = [(k, src, from_db(st), v) for k, st, v, src in applied_rows]
             for start in range(0, len(log_rows), chunk_size):
-                history.record(self.conn, trigger, log_rows[start : start + chunk_size], None, meta)
+                chunk = log_rows[start : start + chunk_size]
+                if m.history_enabled:
+                    history.record(self.conn, trigger, chunk, None, meta)
+                if trigger.topic is not None:
+                    events.record(self.conn, trigger, chunk, None, meta)
         out = []
         for key, db_state, version, _source in applied_rows:
             out.append(trigger._applied(session, key, from_db(db_state), version))
@@ -183,13 +187,14 @@ def fire_many(
     single = npk == 1
     state_col = m.state_column
     # A trigger with several sources needs each row's previous state for the
-    # history: read it with the locking read (the path MySQL always takes).
-    need_old = m.history_enabled and len(trigger.sources) > 1
-    if m.history_enabled:
+    # history and the events: read it with the locking read (the path MySQL always takes).
+    need_old = (m.history_enabled or trigger.topic is not None) and len(trigger.sources) > 1
+    if m.history_enabled or trigger.topic is not None:
         history.check_request(None, metadata)
     elif metadata is not None:
         raise InvalidArgument(
-            f"{m._where()} keeps no history; metadata needs StateMachine(..., history=True)"
+            f"{m._where()} keeps no history and {trigger.name!r} writes no events; metadata needs "
+            f"StateMachine(..., history=True) or events"
         )
     applied_rows: list[_Moved] = []
     unapplied: list[tuple[tuple[Any, ...], Any, int | None] | tuple[tuple[Any, ...]]] = []
@@ -328,7 +333,7 @@ def fire_where(
     conn, backend, state_cond, npk, vcol = batch.conn, batch.backend, batch.state_cond, batch.npk, batch.vcol
     state_col = m.state_column
     applied_rows: list[_Moved]
-    need_old = m.history_enabled and len(trigger.sources) > 1
+    need_old = (m.history_enabled or trigger.topic is not None) and len(trigger.sources) > 1
     if backend.returning and not need_old:
         where: ColumnElement[bool]
         if limit is None:
@@ -373,6 +378,6 @@ def fire_where(
             sweep = update(info.table).where(_keys_in(info), state_cond).ordered_values(*batch.pairs)
             batch.update_locked(sweep, keys, "sweep")
         applied_rows = [batch.moved(k, r) for k, r in zip(keys, found, strict=True)]
-    # One INSERT logs the whole sweep.
+    # One INSERT logs the whole sweep, one more writes its events.
     batch.finish(session, applied_rows, {}, max(len(applied_rows), 1), None)
     return [_sql.public_key(k) for k, _, _, _ in applied_rows]

@@ -32,7 +32,7 @@ from .. import _sql
 from .._async import dual_method
 from ..exceptions import ConfigurationError, InvalidArgument, UnknownTrigger
 from ..result import Result
-from . import ddl, history
+from . import ddl, events, history
 from .codec import StateCodec
 from .trigger import FireOptions, Trigger
 
@@ -66,7 +66,7 @@ RESERVED_NAMES: Final = frozenset(
     }
 )
 
-_EDGE_KEYS: Final = frozenset({"trigger", "source", "dest", "where", "values", "after_commit"})
+_EDGE_KEYS: Final = frozenset({"trigger", "source", "dest", "where", "values", "after_commit", "event"})
 _CALLBACK_KEYS: Final = frozenset(
     {"conditions", "unless", "before", "after", "prepare", "on_enter", "on_exit"}
 )
@@ -75,7 +75,7 @@ _CALLBACK_KEYS: Final = frozenset(
 class _Edge:
     """One declared transition entry: sources -> dest for a trigger."""
 
-    __slots__ = ("after_commit", "dest", "sources", "values", "where")
+    __slots__ = ("after_commit", "dest", "event", "sources", "values", "where")
 
     def __init__(
         self,
@@ -84,12 +84,14 @@ class _Edge:
         where: Callable[[Any], ColumnElement[bool]] | None,
         values: Mapping[str, Any],
         after_commit: tuple[Callable[[Result], object], ...],
+        event: str | None = None,
     ) -> None:
         self.sources = sources
         self.dest = dest
         self.where = where
         self.values = dict(values)
         self.after_commit = after_commit
+        self.event = event
 
 
 class StateMachine(Generic[S]):
@@ -130,6 +132,14 @@ class StateMachine(Generic[S]):
     ``after_commit``
         a callable (or list) called with the :class:`Result` after the
         outermost transaction commits, only when the call was APPLIED.
+    ``event``
+        a topic (``"order.paid"``): every APPLIED call of this trigger writes
+        one event with that topic to the transactional outbox, in the same
+        transaction (see :mod:`stateguard.machine.events`).
+
+    ``events=True`` writes such an event for every trigger of the machine,
+    with the topic ``"<table name>.<trigger>"`` (``"orders.pay"``) unless the
+    transition names one with ``event``.
 
     Mistakes are :class:`ConfigurationError` at class definition.
     """
@@ -147,10 +157,15 @@ class StateMachine(Generic[S]):
         check_constraint: bool = True,
         history: bool = False,
         legal_edges: bool = False,
+        events: bool = False,
     ) -> None:
         self.attr = column
         self.check_constraint = check_constraint
         self.history_enabled = history
+        if type(events) is not bool:
+            raise ConfigurationError(f"StateMachine events= must be True or False, got {events!r}")
+        #: Write an outbox event for every APPLIED transition (see stateguard.machine.events).
+        self.events_enabled = events
         #: PostgreSQL only: a trigger refusing undeclared edges (see stateguard.alembic).
         self.legal_edges = legal_edges
         self.name: str = "?"
@@ -232,6 +247,7 @@ class StateMachine(Generic[S]):
             check_constraint=self.check_constraint,
             history=self.history_enabled,
             legal_edges=self.legal_edges,
+            events=self.events_enabled,
         )
         copy.__set_name__(owner, name)
         return copy
@@ -292,7 +308,10 @@ class StateMachine(Generic[S]):
                     raise ConfigurationError(
                         f"{self._where()}: after_commit of trigger {trig!r} must be callables, got {cb!r}"
                     )
-            edges_by.setdefault(trig, []).append(_Edge(sources, dest, where, values, cbs))
+            topic = spec.get("event")
+            if "event" in spec:
+                events.check_topic(topic, f"{self._where()}: 'event' of trigger {trig!r}")
+            edges_by.setdefault(trig, []).append(_Edge(sources, dest, where, values, cbs, topic))
             graph_transitions.append(
                 {"trigger": trig, "source": [_name(s) for s in sources], "dest": _name(dest)}
             )
@@ -310,6 +329,13 @@ class StateMachine(Generic[S]):
             raise ConfigurationError(f"{self._where()}: {error}") from error
         self._edges_by_trigger = edges_by
         for trig, edges in edges_by.items():
+            named = {e.event for e in edges}
+            if len(named) > 1:
+                raise ConfigurationError(
+                    f"{self._where()}: the transitions of trigger {trig!r} name different events "
+                    f"({sorted(map(str, named))}); give 'event' the same topic on each of them, "
+                    f"or on none (one trigger writes one topic)"
+                )
             trigger = self.trigger_cls(self, trig, edges)
             self.triggers[trig] = trigger
             setattr(self, trig, trigger)
@@ -387,6 +413,8 @@ class StateMachine(Generic[S]):
                         )
                 if edge.where is not None:
                     _check_guard(self, trig, edge.where(cls), mapper)
+        for trigger in self.triggers.values():
+            trigger.topic = events.topic_for(self, trigger, mapper.local_table.name)
         if self.check_constraint:
             ddl.add_states_check(self)
 

@@ -21,7 +21,7 @@ from .. import _commit, _sql, _write
 from .._async import dual_method
 from ..exceptions import InvalidArgument
 from ..result import Outcome, Result
-from . import bulk, compile, history
+from . import bulk, compile, events, history
 
 if TYPE_CHECKING:
     from .declaration import StateMachine, _Edge
@@ -55,6 +55,8 @@ class Trigger:
         self.sources = tuple(dict.fromkeys(s for e in edges for s in e.sources))
         self.dests = tuple(dict.fromkeys(e.dest for e in edges))
         self._callbacks = any(e.after_commit for e in edges)
+        #: The outbox topic of this trigger's events, or ``None`` (set when the machine is bound).
+        self.topic: str | None = None
 
     def __repr__(self) -> str:
         model = self.machine.model.__name__ if self.machine.model is not None else "?"
@@ -156,7 +158,10 @@ class Trigger:
         On a machine declared with ``history=True``, ``request_id`` and
         ``metadata`` go into the transition log; a ``request_id`` that already
         applied this trigger to this row makes the call REPEATED even after
-        the row moved on (see :mod:`stateguard.machine.history`).
+        the row moved on (see :mod:`stateguard.machine.history`).  A trigger
+        with events (``events=True`` or ``"event"``) writes one outbox event
+        when the call is APPLIED, carrying ``request_id`` and ``metadata``
+        (see :mod:`stateguard.machine.events`).
 
         Given an :class:`~sqlalchemy.ext.asyncio.AsyncSession`, returns a
         coroutine: ``r = await Order.flow.pay(session, 42)``.
@@ -209,28 +214,31 @@ class Trigger:
         conn = _write.connection_for(session, info, (key,), integers)
         backend = _sql.backend(conn.dialect)
         old_db_state: Any = None
-        if m.history_enabled:
+        topic = self.topic
+        # PostgreSQL writes the event in the UPDATE's own statement (a data-modifying CTE).
+        in_cte = topic is not None and backend.dml_cte
+        if m.history_enabled or topic is not None:
             history.check_request(request_id, metadata)
-            if request_id is not None:
-                logged = history.applied_by_request(conn, m, self.name, key, request_id)
-                if logged is not None:
-                    state = m.codec.named(logged[0])
-                    return self._result(
-                        Outcome.REPEATED, session, key, state, logged[1], expected_version, same_request=True
-                    )
-            if len(self.sources) > 1:
-                # Several possible sources: lock the row and read the real one first.
-                _write.sqlite_write_lock(conn)
-                lock = compile.lock_statement(m, backend)
-                locked: Any = _write.execute(conn, lock, info.key_params(key)).first()
-                if locked is None:
-                    return self._result(Outcome.NOT_FOUND, session, key, expected_version=expected_version)
-                old_db_state = locked[0]
-        elif request_id is not None or metadata is not None:
+        if m.history_enabled and request_id is not None:
+            logged = history.applied_by_request(conn, m, self.name, key, request_id)
+            if logged is not None:
+                state = m.codec.named(logged[0])
+                return self._result(
+                    Outcome.REPEATED, session, key, state, logged[1], expected_version, same_request=True
+                )
+        elif not m.history_enabled and topic is None and (request_id is not None or metadata is not None):
             raise InvalidArgument(
-                f"{m._where()} keeps no history; request_id and metadata need StateMachine(..., history=True)"
+                f"{m._where()} keeps no history and {self.name!r} writes no events; request_id and "
+                f"metadata need StateMachine(..., history=True) or events"
             )
-        plan = compile.plan(self, backend, items, has_sql, expected_version is not None, fence is not None)
+        if len(self.sources) > 1 and (m.history_enabled or (topic is not None and not in_cte)):
+            # Several possible sources: lock the row and read the real one first.
+            _write.sqlite_write_lock(conn)
+            lock = compile.lock_statement(m, backend)
+            locked: Any = _write.execute(conn, lock, info.key_params(key)).first()
+            if locked is None:
+                return self._result(Outcome.NOT_FOUND, session, key, expected_version=expected_version)
+            old_db_state = locked[0]
         params = info.key_params(key)
         if items:
             params.update(_sql.value_params(items))
@@ -238,9 +246,23 @@ class Trigger:
             params["sg_expected"] = expected_version
         if fence is not None:
             params["sg_fence"] = fence
-        applied, row = _write.run_guarded(
-            conn, plan.stmt, params, returning=plan.returning, last_insert_id=plan.uses_last_insert_id
-        )
+        returns_state: bool
+        if in_cte:
+            expected = expected_version is not None
+            cte = events.cte_plan(self, backend, items, has_sql, expected, fence is not None)
+            params.update(events.cte_params(self, key, request_id, history.meta_of(metadata)))
+            applied, row = _write.run_guarded(conn, cte.stmt, params, returning=True)
+            returns_state = cte.returns_state
+            if row is not None and cte.returns_source:
+                old_db_state, row = row[-1], row[:-1]
+        else:
+            plan = compile.plan(
+                self, backend, items, has_sql, expected_version is not None, fence is not None
+            )
+            applied, row = _write.run_guarded(
+                conn, plan.stmt, params, returning=plan.returning, last_insert_id=plan.uses_last_insert_id
+            )
+            returns_state = plan.returns_state
         if not applied:
             return self._classify(session, conn, backend, info, key, instance, expected_version, fence)
         version: int | None = None
@@ -249,7 +271,7 @@ class Trigger:
             # RETURNING (version, [state]), or MySQL's (LAST_INSERT_ID,): the new version.
             if info.version_column is not None:
                 version = row[0]
-            if plan.returns_state:
+            if returns_state:
                 db_state = row[-1]
         codec = m.codec
         if len(self.dests) == 1:
@@ -271,9 +293,13 @@ class Trigger:
             state = codec.from_db(db_state)
         if expected_version is not None and version is None:
             version = expected_version + 1
-        if m.history_enabled:
+        if m.history_enabled or (topic is not None and not in_cte):
             source = self.sources[0] if old_db_state is None else codec.from_db(old_db_state)
-            history.record(conn, self, [(key, source, state, version)], request_id, history.meta_of(metadata))
+            entry = [(key, source, state, version)]
+            if m.history_enabled:
+                history.record(conn, self, entry, request_id, history.meta_of(metadata))
+            if topic is not None and not in_cte:
+                events.record(conn, self, entry, request_id, history.meta_of(metadata))
         out = self._applied(session, key, state, version, expected_version)
         if instance is None:
             instance = _write.identity_instance(session, info, key)
