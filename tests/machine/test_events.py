@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from typing import Any
@@ -13,6 +14,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from stateguard import ConfigurationError, InvalidArgument, Outcome, StateMachine, version_column
 from stateguard.tables import create_tables, drop_tables, outbox
 
+from .._async_helpers import ASYNC_TARGETS, async_target
 from ..conftest import Backend, count_statements
 
 
@@ -226,6 +228,25 @@ def test_per_transition_event_names_the_topic_and_turns_events_on_for_it_only(en
     ]
     assert Parcel.flow.ship.topic == "parcel.shipped" and Parcel.flow.pay.topic == "ev_parcels.pay"
     assert Memo.flow.archive.topic is None
+
+
+def test_call_variants_write_their_events(engine: Any) -> None:
+    """values (plain and SQL) and expected_version take the same path: one event each, the values set."""
+    _parcels(engine, {1: "new", 2: "new", 3: "new"})
+    with Session(engine) as s, s.begin():
+        assert Parcel.flow.pay(s, 1, values={"note": "plain"}).applied
+        assert Parcel.flow.pay(s, 2, values={"note": func.lower("SQL")}).applied
+        assert Parcel.flow.pay(s, 3, expected_version=1).applied
+        assert Parcel.flow.ship(s, 3, expected_version=2, values={"note": "v"}).version == 3
+    with Session(engine) as s:
+        assert [s.get_one(Parcel, i).note for i in (1, 2, 3)] == ["plain", "sql", "v"]
+    got = [(t, p["key"], p["version"]) for t, _, p in _events(engine)]
+    assert got == [
+        ("ev_parcels.pay", 1, 2),
+        ("ev_parcels.pay", 2, 2),
+        ("ev_parcels.pay", 3, 2),
+        ("parcel.shipped", 3, 3),
+    ]
 
 
 def test_composite_key_is_a_json_list(engine: Any) -> None:
@@ -448,3 +469,42 @@ def test_history_and_events_together(engine: Any) -> None:
         (1, "approve", "open", "approved", "req-a", None),
         (2, "close", "approved", "closed", "req-c", {"why": "done"}),
     ]
+
+
+@pytest.mark.parametrize("driver", list(ASYNC_TARGETS))
+def test_async_sessions_write_the_same_events(driver: str, request: pytest.FixtureRequest) -> None:
+    """Through an AsyncSession (every async driver) triggers write the same events as through a Session."""
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    backend: Backend = request.getfixturevalue(ASYNC_TARGETS[driver])
+    sync = backend.create(Base.metadata)
+    drop_tables(sync)
+    create_tables(sync)
+    _parcels(sync, {1: "new", 2: "paid", 3: "new", 4: "new"})
+    target = async_target(driver, backend)
+
+    async def scenario() -> None:
+        eng = target.engine()
+        try:
+            async with AsyncSession(eng) as s, s.begin():
+                assert (await Parcel.flow.pay(s, 1, request_id="a-1")).applied
+                assert (await Parcel.flow.cancel(s, 2)).applied
+                assert (await Parcel.flow.pay(s, 2)).outcome is Outcome.REJECTED
+                results = await Parcel.flow.flip.many(s, [3, 4])
+                assert all(r.applied for r in results.values())
+        finally:
+            await eng.dispose()
+
+    try:
+        asyncio.run(scenario())
+        got = [
+            (t, p["key"], p["source"], p["dest"], p["version"], p["request_id"]) for t, _, p in _events(sync)
+        ]
+        assert got == [
+            ("ev_parcels.pay", 1, "new", "paid", 2, "a-1"),
+            ("ev_parcels.cancel", 2, "paid", "cancelled", 2, None),
+            ("ev_parcels.flip", 3, "new", "held", 2, None),
+            ("ev_parcels.flip", 4, "new", "held", 2, None),
+        ]
+    finally:
+        drop_tables(sync)
