@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import threading
 from typing import Any
@@ -89,6 +90,33 @@ class Claim(Base):
         states=["open", "approved", "closed"],
         transitions=[["approve", "open", "approved"], ["close", ["open", "approved"], "closed"]],
         history=True,
+        events=True,
+    )
+
+
+class Hue(enum.Enum):
+    RED = "r"
+    GREEN = "g"
+    BLUE = "b"
+
+
+class Bulb(Base):
+    """Enum states stored as member values, with a trigger of several sources and destinations."""
+
+    __tablename__ = "ev_bulbs"
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    # A string column of member values: on a sqlalchemy.Enum column a multi-destination trigger
+    # binds its CASE values without the column's type and fails, events or not (compile.parts).
+    hue: Mapped[str] = mapped_column(String(10), default="r")
+    version: Mapped[int] = version_column()
+
+    flow = StateMachine(
+        "hue",
+        states=Hue,
+        transitions=[
+            {"trigger": "turn", "source": Hue.RED, "dest": Hue.GREEN},
+            {"trigger": "turn", "source": Hue.GREEN, "dest": Hue.BLUE},
+        ],
         events=True,
     )
 
@@ -246,6 +274,19 @@ def test_call_variants_write_their_events(engine: Any) -> None:
         ("ev_parcels.pay", 2, 2),
         ("ev_parcels.pay", 3, 2),
         ("parcel.shipped", 3, 3),
+    ]
+
+
+def test_enum_states_are_named_in_the_payload(engine: Any) -> None:
+    """Enum states appear by member name in source and dest, also when SQL fills them in."""
+    with Session(engine) as s, s.begin():
+        s.add(Bulb(id=1))
+    with Session(engine) as s, s.begin():
+        assert Bulb.flow.turn(s, 1).state is Hue.GREEN
+        assert Bulb.flow.turn(s, 1).state is Hue.BLUE
+    assert [(p["source"], p["dest"], p["version"]) for _, _, p in _events(engine)] == [
+        ("RED", "GREEN", 2),
+        ("GREEN", "BLUE", 3),
     ]
 
 
