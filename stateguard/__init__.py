@@ -45,7 +45,8 @@ from .ids import Snowflake, new_request_id
 from .inserts import consume_once, insert_once
 from .locks import advisory_lock, row_lock
 from .machine import HistoryEntry, StateMachine, Trigger
-from .redis import AsyncRedisLock, AsyncRedisTokens, RedisLock, RedisTokens
+from .outbox import AsyncRelay, CallableSink, OutboxEvent, Relay, Sink, emit, purge_published
+from .redis import AsyncRedisLock, AsyncRedisTokens, RedisLock, RedisStreamSink, RedisTokens
 from .result import Outcome, Result
 from .retry import retry_on_conflict
 from .tables import create_tables, drop_tables, migrations_location
@@ -57,6 +58,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncRedisLock",
     "AsyncRedisTokens",
+    "AsyncRelay",
+    "CallableSink",
     "ConfigurationError",
     "DeadlockDetected",
     "HistoryEntry",
@@ -71,16 +74,20 @@ __all__ = [
     "LockNotAcquired",
     "NotFound",
     "NotSupported",
+    "OutboxEvent",
     "Outcome",
     "OutcomeError",
     "RedisLock",
+    "RedisStreamSink",
     "RedisTokens",
     "RefConflict",
+    "Relay",
     "RequestFailed",
     "RequestInProgress",
     "Result",
     "SerializationConflict",
     "Serializer",
+    "Sink",
     "Snowflake",
     "StaleVersion",
     "StateMachine",
@@ -97,6 +104,7 @@ __all__ = [
     "create_tables",
     "decrement",
     "drop_tables",
+    "emit",
     "fence_column",
     "guarded_update",
     "idempotent",
@@ -109,6 +117,7 @@ __all__ = [
     "on_idempotency_event",
     "purge_expired",
     "purge_expired_tokens",
+    "purge_published",
     "release",
     "reserve",
     "retry_on_conflict",

@@ -8,6 +8,8 @@
   was paused cannot overwrite a newer holder's write.
 * :class:`AsyncRedisTokens` and :class:`AsyncRedisLock`: the same for a
   ``redis.asyncio`` client (same keys, scripts, fences and outcomes).
+* :class:`RedisStreamSink`: an outbox :class:`~stateguard.outbox.Sink` that
+  appends each event to a Redis stream (XADD, one pipeline per batch).
 
 redis-py (the ``stateguard[redis]`` extra) is imported only by this module,
 and only when a lock is built or an error mapped: ``import stateguard`` works
@@ -46,10 +48,14 @@ from .tables import MAX_KEY, MAX_SCOPE
 from .tokens import TOKEN_BYTES, OneTimeToken, token_digest
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from redis.asyncio.lock import Lock as AsyncLock
     from redis.lock import Lock
 
-__all__ = ["AsyncRedisLock", "AsyncRedisTokens", "RedisLock", "RedisTokens"]
+    from .outbox import OutboxEvent
+
+__all__ = ["AsyncRedisLock", "AsyncRedisTokens", "RedisLock", "RedisStreamSink", "RedisTokens"]
 
 T = TypeVar("T")
 
@@ -744,7 +750,14 @@ class _RedisLock(_RedisClient):
             )
         if self._fences is not None:
             try:
-                self._lock.local.fence = yield from self._call(self._database_fence)
+                fence = yield from self._call(self._database_fence)
+                # The fence counts only if this holder still has the lock now,
+                # after the fence was issued: any later holder is granted the
+                # lock after this moment, so it takes a larger fence.  Without
+                # the check a holder whose lock expired while it waited for the
+                # database (a busy pool, a slow statement) would get a fence
+                # above the live holder's, and its writes would win.
+                still = yield from self._call(self._lock.owned)
             except BaseException:
                 # No holder runs without a fence: give the lock back, then
                 # report the database's error (a failed release only means
@@ -752,6 +765,14 @@ class _RedisLock(_RedisClient):
                 with suppress(Exception):
                     yield from self._call(self._lock.release)
                 raise
+            if not still:
+                local.fence = None
+                raise LockNotAcquired(
+                    f"{type(self).__name__} {self.name!r} expired while its fence was taken from the "
+                    f"database (ttl {self.ttl:g}s); another holder may have it now. Retry, with a ttl well "
+                    f"above the database round trip (a free connection in the fences engine's pool)"
+                )
+            local.fence = fence
         fence = self.fence
         if fence is None:
             raise LockLost(f"{type(self).__name__} {self.name!r} was acquired but no fencing token came back")
@@ -1049,3 +1070,69 @@ class AsyncRedisLock(_RedisLock):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await _Awaited(self._exit(exc_type))
+
+
+# --------------------------------------------------------------------------
+# Outbox sink: a Redis stream
+# --------------------------------------------------------------------------
+
+
+class RedisStreamSink:
+    """An outbox :class:`~stateguard.outbox.Sink`: each event is appended to a Redis stream.
+
+    One ``XADD`` per event, the whole batch in one pipeline (one round
+    trip).  The entry's fields are ``id`` (the outbox event id, as text),
+    ``topic``, ``key`` (empty for an event without a key: a real key is
+    never blank) and ``payload`` (JSON text).  A relay may publish an event
+    twice (at least once), so a consumer deduplicates by ``id``::
+
+        relay = Relay(engine, RedisStreamSink(redis.Redis(), stream="orders", maxlen=1_000_000))
+
+        for _, entries in r.xread({"orders": last}, block=5000):
+            for entry_id, fields in entries:
+                with Session(engine) as session, session.begin():
+                    if consume_once(session, "billing", fields[b"id"].decode()).applied:
+                        bill(session, json.loads(fields[b"payload"]))
+
+    ``maxlen`` trims the stream (``MAXLEN ~``, approximate unless
+    ``approximate=False``); an event trimmed before a consumer read it is
+    lost for that consumer, so size it for the slowest one.  With a
+    ``redis.asyncio`` client, :meth:`publish` returns an awaitable: use it
+    with :class:`~stateguard.outbox.AsyncRelay`.
+
+    :raises InvalidArgument: no redis client, a blank or oversize
+        ``stream``, a ``maxlen`` that is not a positive int.
+    """
+
+    __slots__ = ("approximate", "client", "maxlen", "stream")
+
+    def __init__(
+        self, client: Any, *, stream: str, maxlen: int | None = None, approximate: bool = True
+    ) -> None:
+        if client is None or not callable(getattr(client, "pipeline", None)):
+            raise InvalidArgument(
+                f"RedisStreamSink needs a redis client (redis.Redis or redis.asyncio), got {client!r}"
+            )
+        self.client = client
+        self.stream = _write.check_text(stream, "stream", MAX_KEY)
+        if maxlen is not None and (type(maxlen) is not int or maxlen < 1):
+            raise InvalidArgument(f"maxlen must be a positive int or None, got {maxlen!r}")
+        self.maxlen = maxlen
+        self.approximate = bool(approximate)
+
+    def publish(self, events: Sequence[OutboxEvent]) -> Any:
+        """XADD every event, in order, in one pipeline; the pipeline's reply (awaitable for an async client).
+
+        A failed XADD raises (redis-py raises the first error of a pipeline):
+        the relay then counts none of the batch as published.
+        """
+        pipe = self.client.pipeline(transaction=False)
+        for event in events:
+            fields = {
+                "id": str(event.id),
+                "topic": event.topic,
+                "key": event.key or "",
+                "payload": event.payload_json(),
+            }
+            pipe.xadd(self.stream, fields, maxlen=self.maxlen, approximate=self.approximate)
+        return pipe.execute()

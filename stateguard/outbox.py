@@ -1,0 +1,761 @@
+"""The transactional outbox: events stored in the transaction that caused them, published by a relay.
+
+``after_commit`` callbacks run in the process that committed: if it dies
+between COMMIT and the callback, the side effect never happens.  An outbox
+stores the event *in* the transaction instead (:func:`emit`), so the event
+exists exactly when the change that caused it does; a :class:`Relay` then
+hands committed events to a :class:`Sink` (a Redis stream, a queue, a
+function) at least once, and a consumer that records what it handled with
+:func:`~stateguard.consume_once` applies each one once::
+
+    with Session(engine) as session, session.begin():
+        order.pay(session)                                  # the change
+        emit(session, "order.paid", {"order": 7}, key="order-7")   # its event, same transaction
+
+    relay = Relay(engine, RedisStreamSink(redis, stream="orders"))
+    relay.run(stop_event)                                   # claim, publish, mark; repeat
+
+How a relay works (one :meth:`Relay.run_once`, three short steps):
+
+1. *Claim*, in one short transaction: up to ``batch`` unpublished events whose
+   lease is free (never claimed, or the claim's lease ended on the database's
+   clock), in id order.  PostgreSQL and MariaDB lock them with ``FOR UPDATE
+   SKIP LOCKED``, so relays never wait on each other; SQLite holds its write
+   lock for the transaction.  The claim writes a fresh claim token and a
+   lease end on every event it took.
+2. *Publish* the batch through the sink, outside any transaction.
+3. *Mark* the events published, in one short transaction, owner-checked:
+   only rows still carrying this claim's token.  A sink that raises leaves
+   the batch unpublished (its claim is released at once); a relay that dies
+   between 2 and 3 leaves the events claimed until the lease ends, and
+   another relay publishes them again: delivery is **at least once**.
+
+Per-key order: events with the same ``key`` are published in id order.  A
+relay claims an event of a key only together with that key's *head*, the
+key's earliest unpublished event, and only when it locked that head itself
+(``SKIP LOCKED`` skips a head another relay is claiming; a head another
+relay claimed carries a live lease and is not free).  The events it takes
+after a head are that key's next unpublished events, contiguous and free, in
+id order, all published by one sink call in id order and marked by one
+statement.  So while one relay holds any event of a key no other relay can
+claim one, and a key's next event becomes a head only once every earlier one
+was marked published, that is after the sink accepted it.  (A relay whose
+lease ended while it was still publishing may deliver a duplicate late, after
+a later event of its key: a consumer with ``consume_once`` ignores it.)
+The id order is the order of the INSERTs; two transactions that emit for
+one key at once without a common lock (a state machine transition holds the
+row's lock) commit in an order of their own.
+
+Not promised: any order across keys, a bound on publish latency, delivery
+exactly once (a consumer deduplicates by the event id: :attr:`OutboxEvent.id`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Generator, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
+
+from sqlalchemy import (
+    Connection,
+    Engine,
+    and_,
+    bindparam,
+    delete,
+    exists,
+    insert,
+    or_,
+    select,
+    text,
+    update,
+)
+from sqlalchemy.orm import Session
+
+from . import _sql, _write
+from ._async import dual, dual_bind
+from .exceptions import InvalidArgument, SerializationConflict, StateguardError
+from .tables import MAX_KEY, outbox
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+__all__ = [
+    "AsyncRelay",
+    "CallableSink",
+    "OutboxEvent",
+    "Relay",
+    "Sink",
+    "emit",
+    "purge_published",
+]
+
+log = logging.getLogger("stateguard.outbox")
+
+#: Longest topic accepted (characters): the ``topic`` column's length.
+MAX_TOPIC: Final = 200
+#: Largest ``batch`` a relay or a purge accepts (one statement's IN list).
+MAX_BATCH: Final = 10_000
+#: How deep a payload may nest (lists and objects): deeper is InvalidArgument, not a RecursionError.
+MAX_DEPTH: Final = 100
+
+_o = outbox
+
+
+# --------------------------------------------------------------------------
+# Events and sinks
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxEvent:
+    """One event as a relay hands it to a sink.
+
+    ``id`` is unique and stable across redeliveries: a consumer deduplicates
+    with ``consume_once(session, consumer, str(event.id))``.  ``payload`` is
+    what :func:`emit` got, read back from its JSON (tuples come back as lists).
+    ``created_ms`` is the database's clock at the INSERT (epoch milliseconds).
+    """
+
+    id: int
+    topic: str
+    key: str | None
+    payload: Any
+    created_ms: int
+
+    def payload_json(self) -> str:
+        """The payload as JSON text, as stored (compact, non-ASCII kept as is)."""
+        return _dumps(self.payload)
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Where a relay publishes events: any object with this one method.
+
+    ``publish(events)`` gets a batch in id order and must return only once
+    every event of it is accepted (written to the stream, acknowledged by
+    the broker).  Raising means *nothing* of the batch counts as published:
+    the relay releases its claim and the whole batch comes again.  A sink
+    may get an event more than once (a relay that died after ``publish`` and
+    before marking; a retried batch after a partial failure): delivery is at
+    least once, and consumers deduplicate by :attr:`OutboxEvent.id`.  For
+    :class:`AsyncRelay`, ``publish`` may return an awaitable, which is
+    awaited.  A Kafka sink is a few lines::
+
+        class KafkaSink:
+            def __init__(self, producer): self.producer = producer
+            def publish(self, events):
+                for e in events:
+                    self.producer.produce(e.topic, e.payload_json(), key=e.key, headers={"id": str(e.id)})
+                if self.producer.flush(30) != 0:
+                    raise RuntimeError("kafka did not acknowledge the batch")
+    """
+
+    def publish(self, events: Sequence[OutboxEvent]) -> Any:
+        """Publish ``events`` (id order) or raise; see the class docstring."""
+
+
+class CallableSink:
+    """A :class:`Sink` made of a function: ``CallableSink(lambda events: ...)``.
+
+    The function gets each batch (a sequence of :class:`OutboxEvent`, id
+    order); it may be a coroutine function for :class:`AsyncRelay`.
+    """
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[Sequence[OutboxEvent]], Any]) -> None:
+        if not callable(fn):
+            raise InvalidArgument(f"CallableSink needs a function of a batch of events, got {fn!r}")
+        self.fn = fn
+
+    def publish(self, events: Sequence[OutboxEvent]) -> Any:
+        """Call the function with the batch."""
+        return self.fn(events)
+
+
+# --------------------------------------------------------------------------
+# emit
+# --------------------------------------------------------------------------
+
+
+def _dumps(payload: Any) -> str:
+    return json.dumps(payload, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+
+
+def _check_shape(payload: Any) -> None:
+    """Refuse what JSON would change or could not carry: non-str object keys, nesting past MAX_DEPTH."""
+    stack: list[tuple[Any, int]] = [(payload, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            if depth >= MAX_DEPTH:
+                raise InvalidArgument(f"payload nests deeper than {MAX_DEPTH} levels; nothing was written")
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    raise InvalidArgument(
+                        f"payload object keys must be str (JSON would turn {k!r} into a string); "
+                        f"nothing was written"
+                    )
+                stack.append((v, depth + 1))
+        elif isinstance(value, list | tuple):
+            if depth >= MAX_DEPTH:
+                raise InvalidArgument(f"payload nests deeper than {MAX_DEPTH} levels; nothing was written")
+            stack.extend((v, depth + 1) for v in value)
+
+
+def payload_text(payload: Any) -> str:
+    """``payload`` as the JSON text the outbox stores, or InvalidArgument (nothing sent).
+
+    JSON values only (dict with str keys, list, tuple, str, int, float, bool,
+    None); no NaN or infinity (``allow_nan=False``: other JSON readers
+    refuse them); no lone surrogates (no UTF-8 for them).
+    """
+    _check_shape(payload)
+    try:
+        text = _dumps(payload)
+    except (TypeError, ValueError, RecursionError) as error:
+        raise InvalidArgument(
+            f"payload must be JSON-serialisable (dict, list, str, int, finite float, bool, None): "
+            f"{error}; nothing was written"
+        ) from None
+    return _write.check_storable(text, "payload")
+
+
+def _insert(backend: _sql.Backend) -> Any:
+    def build() -> Any:
+        stmt = insert(_o).values(
+            topic=bindparam("sg_topic"),
+            key=bindparam("sg_key"),
+            payload=bindparam("sg_payload"),
+            created_ms=_sql.db_now_ms(),
+            attempts=0,
+        )
+        # MariaDB answers with LAST_INSERT_ID in the OK packet (lastrowid): no RETURNING needed.
+        return stmt.returning(_o.c.id) if backend.returning else stmt
+
+    return _write.memo.get_or_build(("outbox_insert", backend), build)
+
+
+@dual
+def emit(session: Session, topic: str, payload: Any, *, key: str | None = None) -> int:
+    """Store an event in the session's current transaction and return its id.
+
+    One INSERT into ``stateguard_outbox``: a relay sees the event only after
+    the transaction commits, and a rollback discards it with the rest::
+
+        with Session(engine) as session, session.begin():
+            session.add(Invoice(id=7, total=120))
+            emit(session, "invoice.created", {"id": 7, "total": 120}, key="invoice-7")
+
+        event_id = await emit(async_session, "invoice.created", {...})   # AsyncSession: awaited
+
+    Events with the same ``key`` are published in id order (see the module
+    docstring); ``key=None`` events have no order with any other.
+
+    :raises InvalidArgument: a blank, oversize (200 / 255 characters) or
+        non-str ``topic`` or ``key``; a payload that is not JSON (NaN or
+        infinity, non-str object keys, lone surrogates, nesting deeper than
+        100, a circular reference) or too large for a MariaDB statement;
+        nothing was written.
+    """
+    _write.check_text(topic, "topic", MAX_TOPIC)
+    if key is not None:
+        _write.check_text(key, "key", MAX_KEY)
+    text = payload_text(payload)
+    if session.autoflush:
+        session.flush()
+    conn = _write.own_connection(session, _o)
+    _write.check_statement_size(conn, text, "payload")
+    backend = _sql.backend(conn.dialect)
+    result = _write.execute(conn, _insert(backend), {"sg_topic": topic, "sg_key": key, "sg_payload": text})
+    return int(result.scalar_one() if backend.returning else result.lastrowid)
+
+
+# --------------------------------------------------------------------------
+# The relay's statements (each runs in a short transaction of its own)
+# --------------------------------------------------------------------------
+
+_EVENT_COLUMNS: Final = (_o.c.id, _o.c.topic, _o.c.key, _o.c.payload, _o.c.created_ms)
+
+
+def _lease_free() -> Any:
+    return or_(_o.c.claimed_until_ms.is_(None), _o.c.claimed_until_ms <= _sql.db_now_ms())
+
+
+def _heads_statement(backend: _sql.Backend, topics: bool) -> Any:
+    """Free unpublished events that are their key's earliest unpublished one (or have no key)."""
+
+    def build() -> Any:
+        earlier = _o.alias("sg_earlier")
+        earlier_pending = exists().where(
+            earlier.c.key == _o.c.key, earlier.c.published_ms.is_(None), earlier.c.id < _o.c.id
+        )
+        conditions = [_o.c.published_ms.is_(None), _lease_free(), or_(_o.c.key.is_(None), ~earlier_pending)]
+        if topics:
+            conditions.append(_o.c.topic.in_(bindparam("sg_topics", expanding=True)))
+        stmt = select(*_EVENT_COLUMNS).where(*conditions).order_by(_o.c.id).limit(bindparam("sg_batch"))
+        if backend.row_locks:
+            # PostgreSQL re-checks the WHERE of a row it locks that changed since its snapshot
+            # (EvalPlanQual), InnoDB's locking read reads the latest committed row: a head
+            # another relay claimed meanwhile shows its live lease and is left out.
+            stmt = stmt.with_for_update(skip_locked=True)
+        return stmt
+
+    return _write.memo.get_or_build(("outbox_heads", backend, topics), build)
+
+
+def _followers_statement(backend: _sql.Backend) -> Any:
+    """Every unpublished event of the given keys, id order, with the lease state on the database clock."""
+
+    def build() -> Any:
+        return (
+            select(*_EVENT_COLUMNS, _o.c.claimed_until_ms, _sql.db_now_ms().label("sg_now"))
+            .where(_o.c.key.in_(bindparam("sg_keys", expanding=True)), _o.c.published_ms.is_(None))
+            .order_by(_o.c.id)
+        )
+
+    return _write.memo.get_or_build(("outbox_followers", backend), build)
+
+
+def _claim_statement(backend: _sql.Backend) -> Any:
+    def build() -> Any:
+        return (
+            update(_o)
+            .where(_o.c.id.in_(bindparam("sg_ids", expanding=True)), _o.c.published_ms.is_(None))
+            .values(
+                claimed_by=bindparam("sg_owner"),
+                claimed_until_ms=_sql.db_now_ms() + bindparam("sg_lease"),
+                attempts=_o.c.attempts + 1,
+            )
+        )
+
+    return _write.memo.get_or_build(("outbox_claim", backend), build)
+
+
+def _mark_statement(backend: _sql.Backend) -> Any:
+    def build() -> Any:
+        return (
+            update(_o)
+            .where(
+                _o.c.id.in_(bindparam("sg_ids", expanding=True)),
+                _o.c.claimed_by == bindparam("sg_owner"),
+                _o.c.published_ms.is_(None),
+            )
+            .values(published_ms=_sql.db_now_ms(), claimed_until_ms=None)
+        )
+
+    return _write.memo.get_or_build(("outbox_mark", backend), build)
+
+
+def _release_statement(backend: _sql.Backend) -> Any:
+    def build() -> Any:
+        return (
+            update(_o)
+            .where(
+                _o.c.id.in_(bindparam("sg_ids", expanding=True)),
+                _o.c.claimed_by == bindparam("sg_owner"),
+                _o.c.published_ms.is_(None),
+            )
+            .values(claimed_until_ms=None)
+        )
+
+    return _write.memo.get_or_build(("outbox_release", backend), build)
+
+
+_READ_COMMITTED: Final = text("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+
+
+def _begin(conn: Connection) -> _sql.Backend:
+    """Start one of the relay's short transactions on ``conn``; its Backend.
+
+    SQLite: take the write lock first (its only lock).  InnoDB: READ
+    COMMITTED, whose locking reads lock only the rows they return, with no
+    gap locks: at REPEATABLE READ the claim's index scan would lock the gaps
+    new events are inserted into (emit would wait on a relay) and the rows it
+    rejected, and claims and marks of several relays deadlock on them.
+    """
+    backend = _sql.backend(conn.dialect)
+    if backend.locking_read:
+        # Before the transaction's first statement: SET TRANSACTION applies to the next one.
+        _write.execute(conn, _READ_COMMITTED)
+    _write.sqlite_write_lock(conn)
+    return backend
+
+
+def _event(row: Any) -> OutboxEvent:
+    return OutboxEvent(int(row.id), row.topic, row.key, json.loads(row.payload), int(row.created_ms))
+
+
+# --------------------------------------------------------------------------
+# Relays
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Db:
+    """A step of a relay cycle: run ``fn(conn, *args)`` in a short transaction of its own."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Publish:
+    """A step of a relay cycle: hand ``events`` to the sink."""
+
+    events: list[OutboxEvent]
+
+
+_Cycle = Generator[_Db | _Publish, Any, int]
+
+#: How often the mark is tried again after a serialization failure or deadlock before the
+#: events are left to their lease (published again later: at least once).
+_MARK_ATTEMPTS: Final = 3
+
+
+class _RelayCore:
+    """What :class:`Relay` and :class:`AsyncRelay` share: the options and the cycle, written once.
+
+    A cycle is a generator of steps (:class:`_Db`, :class:`_Publish`); the
+    sync relay runs each step at once, the async one awaits it.
+    """
+
+    def __init__(
+        self,
+        sink: Any,
+        *,
+        topics: Iterable[str] | None,
+        batch: int,
+        lease: timedelta,
+    ) -> None:
+        if not callable(getattr(sink, "publish", None)):
+            raise InvalidArgument(
+                f"{type(self).__name__} needs a sink with a publish(events) method (a Sink), got {sink!r}: "
+                f"wrap a function in CallableSink(fn)"
+            )
+        if batch is not None and type(batch) is int and batch > MAX_BATCH:
+            raise InvalidArgument(f"batch must be at most {MAX_BATCH}, got {batch!r}")
+        self.sink = sink
+        self.batch = _write.check_batch(batch)
+        self.lease_ms = _write.duration_ms(lease, "lease")
+        if topics is None:
+            self.topics: tuple[str, ...] | None = None
+        else:
+            if isinstance(topics, str):
+                raise InvalidArgument(f"topics must be a list of topics, not one str: pass [{topics!r}]")
+            self.topics = tuple(_write.check_text(t, "topic", MAX_TOPIC) for t in topics)
+            if not self.topics:
+                raise InvalidArgument("topics must name at least one topic (or be None: every topic)")
+
+    # -- the statements of one cycle, each in its own transaction ---------------
+
+    def _claim(self, conn: Connection, owner: str) -> list[OutboxEvent]:
+        """Claim up to ``batch`` events (see the module docstring for why this keeps per-key order)."""
+        backend = _begin(conn)
+        params: dict[str, Any] = {"sg_batch": self.batch}
+        if self.topics is not None:
+            params["sg_topics"] = list(self.topics)
+        heads = [
+            _event(r)
+            for r in _write.execute(conn, _heads_statement(backend, self.topics is not None), params)
+        ]
+        if not heads:
+            return []
+        taken = {e.id: e for e in heads}
+        head_of = {e.key: e.id for e in heads if e.key is not None}
+        if head_of and len(taken) < self.batch:
+            # The heads are locked by this transaction: no other relay can claim any event of
+            # their keys until this claim commits (it would have to lock the same head).
+            rows = _write.execute(conn, _followers_statement(backend), {"sg_keys": list(head_of)})
+            blocked: set[str] = set()
+            for row in rows:
+                key = row.key
+                if key in blocked or row.id == head_of[key]:
+                    continue
+                free = row.claimed_until_ms is None or row.claimed_until_ms <= row.sg_now
+                wanted = self.topics is None or row.topic in self.topics
+                if row.id < head_of[key] or not free or not wanted or len(taken) >= self.batch:
+                    # Contiguous only: an event this relay cannot take holds back every later one of its key.
+                    blocked.add(key)
+                    continue
+                taken[row.id] = _event(row)
+        ids = sorted(taken)
+        _write.execute(
+            conn, _claim_statement(backend), {"sg_ids": ids, "sg_owner": owner, "sg_lease": self.lease_ms}
+        )
+        return [taken[i] for i in ids]
+
+    @staticmethod
+    def _mark(conn: Connection, owner: str, ids: list[int]) -> int:
+        backend = _begin(conn)
+        return int(
+            _write.execute(conn, _mark_statement(backend), {"sg_ids": ids, "sg_owner": owner}).rowcount
+        )
+
+    @staticmethod
+    def _release(conn: Connection, owner: str, ids: list[int]) -> int:
+        backend = _begin(conn)
+        return int(
+            _write.execute(conn, _release_statement(backend), {"sg_ids": ids, "sg_owner": owner}).rowcount
+        )
+
+    def _cycle(self) -> _Cycle:
+        """Claim, publish, mark: the one algorithm of both relays."""
+        owner = uuid.uuid4().hex
+        try:
+            events: list[OutboxEvent] = yield _Db(self._claim, (owner,))
+        except SerializationConflict as error:
+            # The claim's transaction rolled back: nothing was claimed, the next cycle tries again.
+            log.info("outbox relay: claim not made (%s), retrying on the next cycle", error)
+            return 0
+        if not events:
+            return 0
+        ids = [e.id for e in events]
+        try:
+            yield _Publish(events)
+        except BaseException:
+            # Nothing of the batch counts as published: free it for the next claim at once.
+            try:
+                yield _Db(self._release, (owner, ids))
+            except Exception:  # the lease frees it later; the sink's error matters
+                log.warning(
+                    "releasing the claim of %d outbox events failed; they wait for the lease", len(ids)
+                )
+            raise
+        for attempt in range(_MARK_ATTEMPTS):
+            try:
+                yield _Db(self._mark, (owner, ids))
+                break
+            except SerializationConflict:
+                if attempt == _MARK_ATTEMPTS - 1:
+                    raise
+        return len(events)
+
+
+class Relay(_RelayCore):
+    """Publish committed outbox events through a :class:`Sink`, at least once, per-key in order.
+
+    ::
+
+        relay = Relay(engine, RedisStreamSink(redis.Redis(), stream="events"), batch=500)
+        relay.run_once()          # one batch: claimed, published, marked; returns how many
+        relay.run(stop_event)     # until stop_event (a threading.Event) is set
+
+    Several relays (threads or processes, on one or several machines) share
+    the work: each claims different events (``SKIP LOCKED`` on PostgreSQL
+    and MariaDB, the write lock on SQLite), and events of one key are
+    published in id order.  ``topics`` limits a relay to those topics (a
+    key's event of another topic then holds back its later events until a
+    relay for that topic published it).  ``lease`` is how long a claim
+    lasts on the database's clock: a relay that dies with a batch leaves it
+    to another relay after the lease, so the sink may see it twice (at least
+    once); make it comfortably longer than a batch takes to publish.
+
+    :raises InvalidArgument: a sink without ``publish``, a ``batch`` that is
+        not an int from 1 to 10000, a ``lease`` that is not a positive
+        timedelta, or bad ``topics``.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        sink: Sink | Any,
+        *,
+        topics: Iterable[str] | None = None,
+        batch: int = 100,
+        lease: timedelta = timedelta(seconds=30),
+    ) -> None:
+        if not isinstance(engine, Engine):
+            raise InvalidArgument(
+                f"Relay needs an Engine, got {type(engine).__name__}"
+                + ("; use AsyncRelay with an AsyncEngine" if "Async" in type(engine).__name__ else "")
+            )
+        super().__init__(sink, topics=topics, batch=batch, lease=lease)
+        self.engine = engine
+
+    def run_once(self) -> int:
+        """Claim one batch, publish it, mark it published; return how many events were published.
+
+        0 means nothing was free to claim.
+
+        :raises Exception: what the sink raised (the batch stays unpublished
+            and is claimable again at once);
+            :class:`~stateguard.SerializationConflict` from the database
+            (retryable: run again).
+        """
+        steps = self._cycle()
+        try:
+            step = next(steps)
+            while True:
+                try:
+                    value = self._do(step)
+                except BaseException as error:  # handed back to the cycle, which re-raises
+                    step = steps.throw(error)
+                    continue
+                step = steps.send(value)
+        except StopIteration as done:
+            published: int = done.value
+            return published
+
+    def _do(self, step: _Db | _Publish) -> Any:
+        if isinstance(step, _Db):
+            with self.engine.begin() as conn:
+                return step.fn(conn, *step.args)
+        result = self.sink.publish(step.events)
+        if inspect.isawaitable(result):
+            if inspect.iscoroutine(result):
+                result.close()
+            raise InvalidArgument(
+                f"the sink {self.sink!r} returned an awaitable: an async sink needs AsyncRelay; "
+                f"the batch stays unpublished"
+            )
+        return result
+
+    def run(self, stop_event: threading.Event | None = None, *, idle_sleep: float = 1.0) -> None:
+        """Run batches until ``stop_event`` is set (forever without one).
+
+        After a batch that found nothing to publish, waits ``idle_sleep``
+        seconds (or until ``stop_event`` is set).  A sink error or a
+        retryable database error is logged (logger ``stateguard.outbox``)
+        and retried after ``idle_sleep``; other errors propagate.
+        """
+        idle = _write.required_seconds(idle_sleep, "idle_sleep")
+        stop = stop_event if stop_event is not None else threading.Event()
+        while not stop.is_set():
+            try:
+                published = self.run_once()
+            except Exception as error:  # _keep_running decides
+                _keep_running(error)
+                published = 0
+            if published == 0:
+                stop.wait(idle)
+
+
+class AsyncRelay(_RelayCore):
+    """:class:`Relay` on an :class:`~sqlalchemy.ext.asyncio.AsyncEngine`: the same cycle, awaited.
+
+    ::
+
+        relay = AsyncRelay(async_engine, CallableSink(send_batch))
+        await relay.run_once()
+        await relay.run(stop)     # stop: an asyncio.Event
+
+    The sink's ``publish`` may be a coroutine function (a ``redis.asyncio``
+    client's :class:`~stateguard.redis.RedisStreamSink`); a synchronous one
+    runs in the event loop's thread.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        sink: Sink | Any,
+        *,
+        topics: Iterable[str] | None = None,
+        batch: int = 100,
+        lease: timedelta = timedelta(seconds=30),
+    ) -> None:
+        if type(engine).__name__ != "AsyncEngine" or not hasattr(engine, "sync_engine"):
+            raise InvalidArgument(f"AsyncRelay needs an AsyncEngine, got {type(engine).__name__}")
+        super().__init__(sink, topics=topics, batch=batch, lease=lease)
+        self.engine = engine
+
+    async def run_once(self) -> int:
+        """Claim one batch, publish it, mark it published; return how many events were published."""
+        steps = self._cycle()
+        try:
+            step = next(steps)
+            while True:
+                try:
+                    value = await self._do(step)
+                except BaseException as error:  # handed back to the cycle, which re-raises
+                    step = steps.throw(error)
+                    continue
+                step = steps.send(value)
+        except StopIteration as done:
+            published: int = done.value
+            return published
+
+    async def _do(self, step: _Db | _Publish) -> Any:
+        if isinstance(step, _Db):
+            async with self.engine.begin() as conn:
+                return await conn.run_sync(step.fn, *step.args)
+        result = self.sink.publish(step.events)
+        if inspect.isawaitable(result):
+            result = await result
+        return result
+
+    async def run(self, stop_event: asyncio.Event | None = None, *, idle_sleep: float = 1.0) -> None:
+        """Run batches until ``stop_event`` is set (forever without one); see :meth:`Relay.run`."""
+        idle = _write.required_seconds(idle_sleep, "idle_sleep")
+        stop = stop_event if stop_event is not None else asyncio.Event()
+        while not stop.is_set():
+            try:
+                published = await self.run_once()
+            except Exception as error:  # _keep_running decides
+                _keep_running(error)
+                published = 0
+            if published == 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), idle)
+
+
+def _keep_running(error: Exception) -> None:
+    """Log an error a running relay survives (the sink's, a retryable conflict); re-raise any other."""
+    if isinstance(error, StateguardError) and not error.retryable:
+        raise error
+    log.warning("outbox relay: batch not published, retrying: %s: %s", type(error).__name__, error)
+
+
+# --------------------------------------------------------------------------
+# Purge
+# --------------------------------------------------------------------------
+
+
+def _purge_statement(backend: _sql.Backend, batch: int) -> Any:
+    old = and_(_o.c.published_ms.is_not(None), _o.c.published_ms <= _sql.db_now_ms() - bindparam("sg_older"))
+    if backend.delete_limit_literal:
+        # MySQL/MariaDB: no LIMIT inside an IN subquery, but DELETE takes one (a literal).
+        return delete(_o).where(old).with_dialect_options(mysql_limit=batch, mariadb_limit=batch)
+    victims = select(_o.c.id).where(old).limit(bindparam("sg_batch"))
+    if backend.row_locks:
+        victims = victims.with_for_update(skip_locked=True)
+    return delete(_o).where(old, _o.c.id.in_(victims))
+
+
+@dual_bind
+def purge_published(bind: Engine | Connection | Session, *, older_than: timedelta, batch: int = 1000) -> int:
+    """Delete at most ``batch`` events published more than ``older_than`` ago; return how many.
+
+    Unpublished events are never deleted.  Ages are judged on the database's
+    clock.  With an Engine the batch runs in its own short transaction; with
+    a Connection or Session in the caller's.  Loop until it returns less
+    than ``batch`` (``stateguard purge --outbox-retention`` does)::
+
+        while purge_published(engine, older_than=timedelta(days=7)) == 1000:
+            pass
+
+    :raises InvalidArgument: ``older_than`` is not a positive timedelta or
+        ``batch`` not a positive int.
+    """
+    older = _write.duration_ms(older_than, "older_than")
+    size = _write.check_batch(batch)
+    params = {"sg_older": older, "sg_batch": size}
+
+    def run(conn: Connection) -> int:
+        backend = _sql.backend(conn.dialect)
+        key = ("outbox_purge", backend, size if backend.delete_limit_literal else 0)
+        stmt = _write.memo.get_or_build(key, lambda: _purge_statement(backend, size))
+        return int(_write.execute(conn, stmt, params).rowcount)
+
+    if isinstance(bind, Engine):
+        with bind.begin() as conn:
+            return run(conn)
+    return run(_write.own_connection(bind, _o) if isinstance(bind, Session) else bind)
