@@ -45,6 +45,11 @@ CALLS: dict[str, Callable[..., Any]] = {
     "Snowflake": Snowflake.__init__,
     "Trigger.many()": bulk.fire_many,
     "Trigger.where()": bulk.fire_where,
+    "Relay": stateguard.Relay.__init__,
+    "AsyncRelay": stateguard.AsyncRelay.__init__,
+    "Relay.run()": stateguard.Relay.run,
+    "AsyncRelay.run()": stateguard.AsyncRelay.run,
+    "purge_published()": stateguard.purge_published,
     "sqlite_engine()": sqlite_engine,
     "async_sqlite_engine()": async_sqlite_engine,
 }

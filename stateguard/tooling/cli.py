@@ -24,6 +24,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
 from typing import Any, TextIO, TypeVar
@@ -38,6 +39,7 @@ from ..engine import sqlite_engine
 from ..exceptions import StateguardError
 from ..idempotency import purge_expired as _purge_keys
 from ..machine import StateMachine, machines_of
+from ..outbox import purge_published as _purge_outbox
 from ..schema import machines_in_module
 from ..tokens import purge_expired_tokens as _purge_tokens
 from . import check as _check
@@ -210,6 +212,7 @@ def _number(convert: Callable[[str], N], what: str, *, least: N, bound: str) -> 
 
 _positive = _number(int, "a whole number", least=1, bound="at least 1")
 _nonnegative_float = _number(float, "a number", least=0.0, bound="0 or more")
+_positive_float = _number(float, "a number", least=0.001, bound="at least 0.001")
 
 
 def _cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -238,10 +241,16 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 # -- purge ------------------------------------------------------------------
 
-#: What ``stateguard purge`` can clean, and how: (label, function of (engine, batch) -> rows deleted).
+#: What ``stateguard purge`` can clean, and how: (label, function of (engine, args) -> rows deleted).
 _PURGERS: dict[str, tuple[str, Any]] = {
-    "keys": ("expired idempotency keys", _purge_keys),
-    "tokens": ("expired one-time tokens", _purge_tokens),
+    "keys": ("expired idempotency keys", lambda engine, args: _purge_keys(engine, batch=args.batch)),
+    "tokens": ("expired one-time tokens", lambda engine, args: _purge_tokens(engine, batch=args.batch)),
+    "outbox": (
+        "published outbox events",
+        lambda engine, args: _purge_outbox(
+            engine, older_than=timedelta(hours=args.outbox_retention), batch=args.batch
+        ),
+    ),
 }
 
 
@@ -253,7 +262,7 @@ def _cmd_purge(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             total = batches = 0
             while True:
                 try:
-                    deleted = int(purge(engine, batch=args.batch))
+                    deleted = int(purge(engine, args))
                 except (sa_exc.SQLAlchemyError, StateguardError) as error:
                     # Missing tables are a setup mistake, not "problems found" (exit 1 is not purge's).
                     err.write(f"stateguard purge: {label}: database error: {_first_line(error)}\n")
@@ -550,12 +559,14 @@ def build_parser() -> argparse.ArgumentParser:
         commands,
         "purge",
         _cmd_purge,
-        help="delete expired idempotency keys and one-time tokens, in short batches",
+        help="delete expired idempotency keys and one-time tokens, and old published outbox events",
         description=(
             "Delete expired rows of stateguard's key tables in batches of --batch rows, each\n"
             "batch its own short transaction, pausing --pause seconds between batches so\n"
             "claims are never held up for long (on PostgreSQL a batch also skips rows a\n"
             "claim holds).  Expired keys are already ignored by claims; purging reclaims space.\n"
+            "Outbox events are deleted once published more than --outbox-retention hours ago\n"
+            "(unpublished events never are).\n"
             "Run it from cron or a scheduler."
         ),
     )
@@ -578,11 +589,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop after N batches per table (default: until none is left)",
     )
     purge.add_argument(
+        "--outbox-retention",
+        type=_positive_float,
+        default=168.0,
+        metavar="HOURS",
+        help="keep published outbox events this long, for audits and late replays (default: 168, a week)",
+    )
+    purge.add_argument(
         "--only",
         dest="what",
         choices=sorted(_PURGERS),
         action="append",
-        help="purge only this table (repeatable; default: keys and tokens)",
+        help="purge only this table (repeatable; default: keys, outbox and tokens)",
     )
     return parser
 

@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import Engine, func, insert, select
 
 from stateguard import drop_tables
-from stateguard.tables import idempotency_keys, tokens
+from stateguard.tables import idempotency_keys, outbox, tokens
 from stateguard.tooling import cli
 from stateguard.tooling.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, main
 
@@ -221,6 +221,26 @@ def test_purge_only_and_max_batches_limit_the_work(
     assert main(["purge", "--db", backend.url, "--only", "keys", "--batch", "10", "--max-batches", "1"]) == 0
     assert _count(engine) == (15, 25)
     assert "tokens" not in capsys.readouterr().out
+
+
+def test_purge_deletes_published_outbox_events_older_than_the_retention(
+    backend: Backend, engine: Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--outbox-retention 2 (hours): events published 3 h ago go, recent and unpublished ones stay."""
+    now = time.time_ns() // 1_000_000
+    rows = [
+        {"topic": "t", "payload": "{}", "created_ms": now, "attempts": 1, "published_ms": published}
+        for published in [now - 3 * 3_600_000] * 3 + [now - 60_000, None]
+    ]
+    with engine.begin() as conn:
+        conn.execute(insert(outbox), rows)
+    argv = ["purge", "--db", backend.url, "--only", "outbox", "--outbox-retention", "2", "--batch", "2"]
+    assert main([*argv, "--pause", "0"]) == EXIT_OK
+    assert "published outbox events: 3 deleted in 2 batches" in capsys.readouterr().out
+    with engine.connect() as conn:
+        left = conn.execute(select(outbox.c.published_ms).order_by(outbox.c.id)).scalars().all()
+    assert left == [now - 60_000, None]
+    assert main(["purge", "--db", backend.url, "--outbox-retention", "0"]) == EXIT_USAGE
 
 
 def test_purge_without_tables_says_how_to_create_them(
