@@ -629,6 +629,8 @@ class _Claim(Generic[S]):
         self._engine: Engine | None = None
         self._stop: threading.Event | None = None
         self._beater: threading.Thread | None = None
+        #: Separate mode with heartbeat_every: the background heartbeat's own connection.
+        self._beat_conn: Connection | None = None
         #: Set before the write that ends the claim (complete, fail, release) is sent: a
         #: heartbeat that then finds no claim of ours in progress lost nothing.  No lock:
         #: with an AsyncSession both run on the event loop's thread.
@@ -659,6 +661,8 @@ class _Claim(Generic[S]):
             self.call = self._enter_separate()
         if self.options.heartbeat_every is not None and self.call._state == "open":
             self._start_heartbeat()
+        else:
+            self._close_beat_conn()  # replayed or refused: nothing to keep alive
         return self.call
 
     def _enter_same(self) -> IdempotentCall[S]:
@@ -687,16 +691,25 @@ class _Claim(Generic[S]):
         bind = _write.own_bind(self.session, _t)
         engine = bind if isinstance(bind, Engine) else bind.engine
         self._engine = engine
+        if self.options.heartbeat_every is not None:
+            # The background heartbeat's own connection, checked out before the
+            # claim: a block that holds the pool's last connection would
+            # otherwise starve every beat, the lease would lapse while the
+            # owner works, and a retry would take the key over and run the
+            # work twice.  No connection: nothing was claimed (the pool's error).
+            self._beat_conn = engine.connect()
         for attempt in range(1, _CLAIM_ATTEMPTS + 1):
             try:
                 with engine.begin() as conn:
                     return self._claim(conn)
-            except (SerializationConflict, DeadlockDetected):
+            except BaseException as error:
                 # Our own short transaction: twins taking over one record on
                 # MariaDB can deadlock on their shared read locks; the loser
                 # simply looks again.
-                if attempt == _CLAIM_ATTEMPTS:
-                    raise
+                if attempt < _CLAIM_ATTEMPTS and isinstance(error, SerializationConflict | DeadlockDetected):
+                    continue
+                self._close_beat_conn()
+                raise
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _params(self) -> dict[str, Any]:
@@ -831,13 +844,19 @@ class _Claim(Generic[S]):
             call._state = kind
             self._emit(kind, call.attempt)
 
-    def heartbeat(self, call: IdempotentCall[S]) -> None:
-        """Extend the lease; LeaseLost when another owner took the key (not when this owner finished it)."""
+    def heartbeat(self, call: IdempotentCall[S], dedicated: Connection | None = None) -> None:
+        """Extend the lease; LeaseLost when another owner took the key (not when this owner finished it).
+
+        ``dedicated``: the background heartbeat's own connection (separate mode).
+        """
         if self._finishing or call._state != "open":
             return  # this owner is completing, failing or releasing the claim: nothing to keep alive
         params = self._params()
         if self.options.mode == "same_transaction":
             matched = _write.execute(self._open(self._conn), _HEARTBEAT, params).rowcount
+        elif dedicated is not None:
+            with dedicated.begin():
+                matched = _write.execute(dedicated, _HEARTBEAT, params).rowcount
         else:
             with self._open(self._engine).begin() as conn:
                 matched = _write.execute(conn, _HEARTBEAT, params).rowcount
@@ -885,11 +904,12 @@ class _Claim(Generic[S]):
         stop = threading.Event()
         call, interval = self._open(self.call), self._open(self.options.heartbeat_every)
         key = self.options.key
+        dedicated = self._beat_conn
 
         def beat() -> None:
             while not stop.wait(interval):
                 try:
-                    self.heartbeat(call)
+                    self.heartbeat(call, dedicated)
                 except LeaseLost:
                     return
                 except Exception:  # the database is away: the next beat tries again
@@ -907,11 +927,19 @@ class _Claim(Generic[S]):
     def _stop_heartbeat(self) -> None:
         stop, beater = self._stop, self._beater
         if stop is None or beater is None:
+            self._close_beat_conn()
             return
         self._stop = self._beater = None
         stop.set()
         if beater is not threading.current_thread():
             beater.join()
+            self._close_beat_conn()
+
+    def _close_beat_conn(self) -> None:
+        conn, self._beat_conn = self._beat_conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):  # a broken connection is discarded by the pool
+                conn.close()
 
     # -- leaving -------------------------------------------------------------
 

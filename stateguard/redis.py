@@ -32,6 +32,7 @@ import asyncio
 import hashlib
 import inspect
 import secrets
+import threading
 import weakref
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager, suppress
@@ -183,8 +184,8 @@ class _RedisTokens(_RedisClient):
         self._check_client(client)
         self.client = client
         self._consume_script = client.register_script(_CONSUME_SCRIPT)
-        # token key -> the call id of a consume that raised (its reply may have been lost).
-        self._pending: dict[str, str] = {}
+        # (caller, token key) -> the call id of a consume that raised (its reply may have been lost).
+        self._pending: dict[tuple[Any, str], str] = {}
 
     @staticmethod
     def key(scope: str, token: str) -> str:
@@ -210,19 +211,31 @@ class _RedisTokens(_RedisClient):
         _write.check_text(scope, "scope", MAX_SCOPE)
         digest = token_digest(token)
         key = _token_key(scope, digest)
-        # A consume of this token through this object that raised may have
-        # run on the server: this call goes on under its identity.  pop() is
-        # atomic, so of two concurrent calls only one inherits it.
-        call = self._pending.pop(key, None) or _call_id()
+        # A consume of this token through this object, by this caller (thread
+        # or asyncio task), that raised may have run on the server: this call
+        # goes on under its identity.  Another caller sharing the object (a
+        # module-level RedisTokens) never inherits it: that caller did not
+        # consume the token and must not be told APPLIED.
+        pending = (_caller(), key)
+        call = self._pending.pop(pending, None) or _call_id()
         try:
             found = yield from self._call(self._consume_script, keys=[key], args=[_LIVE, _USED, call])
         except BaseException:
             if len(self._pending) >= _PENDING_LIMIT:
                 with suppress(KeyError, RuntimeError, StopIteration):
                     del self._pending[next(iter(self._pending))]
-            self._pending[key] = call
+            self._pending[pending] = call
             raise
         return _consumed(digest, found)
+
+
+def _caller() -> Any:
+    """Who is calling: the running asyncio task, else the thread."""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no running event loop
+        task = None
+    return task if task is not None else threading.get_ident()
 
 
 class RedisTokens(_RedisTokens):

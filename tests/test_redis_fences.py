@@ -9,12 +9,13 @@ database (``fences=``, the ``stateguard_fences`` table).
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, create_engine, select
+from sqlalchemy import Engine, create_engine, event, select
 from sqlalchemy.orm import Session
 
 from stateguard import (
@@ -138,6 +139,43 @@ def test_database_fence_is_one_statement_per_acquisition(db: Engine, client: Any
         assert len(statements) == 2
     with db.connect() as conn:
         assert conn.execute(select(fences_table.c.fence)).scalars().all() == [2]
+
+
+def test_a_holder_whose_lock_expired_while_taking_its_fence_gets_none(db: Engine, client: Any) -> None:
+    """A's fence statement waits past A's ttl while B takes the lock and fence 1: A must not come back
+    with fence 2 (its writes would beat the live holder's); it gets LockNotAcquired, B's writes win.
+
+    Found by a README-only review (a busy pool in front of the fences engine).
+    """
+    slow = threading.Event()
+    b_fence: list[int] = []
+
+    @event.listens_for(db, "before_cursor_execute")
+    def pause(*_: Any) -> None:
+        if slow.is_set() and threading.current_thread().name == "holder-a":
+            slow.clear()
+            time.sleep(1.0)  # A's ttl is 0.3 s: it expires while A waits for its fence
+
+    def holder_a(out: list[Any]) -> None:
+        try:
+            out.append(RedisLock(client, "expiring", ttl=0.3, blocking_timeout=0, fences=db).acquire())
+        except LockNotAcquired as error:
+            out.append(error)
+
+    a_result: list[Any] = []
+    slow.set()
+    a = threading.Thread(target=holder_a, args=(a_result,), name="holder-a")
+    a.start()
+    time.sleep(0.5)  # A holds the Redis lock, its ttl has run out, its fence statement is still waiting
+    b_lock = RedisLock(client, "expiring", ttl=30, blocking_timeout=5, fences=db)
+    b_fence.append(b_lock.acquire())
+    a.join(10)
+    event.remove(db, "before_cursor_execute", pause)
+    assert b_fence == [1]
+    [a_outcome] = a_result
+    assert isinstance(a_outcome, LockNotAcquired), a_outcome
+    assert fenced_write(db, "b", b_fence[0]) == "APPLIED"
+    b_lock.release()
 
 
 def test_database_failure_after_redis_granted_releases_the_lock(backend: Backend, client: Any) -> None:
