@@ -333,7 +333,8 @@ class StateMachine(Generic[S]):
             if len(named) > 1:
                 raise ConfigurationError(
                     f"{self._where()}: the transitions of trigger {trig!r} name different events "
-                    f"({sorted(map(str, named))}); give 'event' the same topic on each of them, "
+                    f"({', '.join(sorted(repr(n) if n else 'no event' for n in named))}); give 'event' "
+                    f"the same topic on each of them, "
                     f"or on none (one trigger writes one topic)"
                 )
             trigger = self.trigger_cls(self, trig, edges)
