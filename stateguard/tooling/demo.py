@@ -350,7 +350,12 @@ class DemoRun:
                 with Session(self.engine) as session, session.begin():
                     return deliver(session, delivery.request, delivery.worker)
 
-            return retry_on_conflict(once, attempts=10, backoff=0.005, max_backoff=0.2).outcome
+            # Bounded by time, not by a handful of attempts: on SQLite a unit that
+            # reads before it writes (the optimistic scheme) begins DEFERRED and
+            # loses its upgrade to every writer that committed since its read
+            # (SQLITE_BUSY_SNAPSHOT), so under 8 workers on 2 cores it may need
+            # many short re-runs; each one is counted in "retried".
+            return retry_on_conflict(once, attempts=1000, backoff=0.005, max_backoff=0.2, max_time=60).outcome
 
         return self.storm(plan, send)
 
