@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import ColumnElement, Update, and_, case, or_, select, update
+from sqlalchemy import ColumnElement, Update, and_, case, literal, or_, select, update
 from sqlalchemy.schema import Column
 
 from .. import _sql, _write
@@ -123,7 +123,8 @@ def parts(
     if single:
         pairs.append((state_col, to_db(edges[0].dest)))
     else:
-        whens_state = [(c, to_db(e.dest)) for c, e in zip(conds, edges, strict=True)]
+        # Typed as the column: a raw Enum member is no value SQLite or MariaDB can bind.
+        whens_state = [(c, literal(to_db(e.dest), state_col.type)) for c, e in zip(conds, edges, strict=True)]
         pairs.append((state_col, case(*whens_state, else_=state_col)))
     return pairs, conds[0] if single else or_(*conds), lid
 
