@@ -532,11 +532,21 @@ class _RelayCore:
             raise
         for attempt in range(_MARK_ATTEMPTS):
             try:
-                yield _Db(self._mark, (owner, ids))
+                marked: int = yield _Db(self._mark, (owner, ids))
                 break
             except SerializationConflict:
                 if attempt == _MARK_ATTEMPTS - 1:
                     raise
+        if marked < len(ids):
+            # The lease ended before the mark and another relay claimed (some of) them: the sink
+            # gets those again.  A lease shorter than a batch's publishing makes this common.
+            log.warning(
+                "outbox relay: %d of %d published events had been claimed by another relay before "
+                "they were marked (lease %d ms too short?); they will be published again",
+                len(ids) - marked,
+                len(ids),
+                self.lease_ms,
+            )
         return len(events)
 
 

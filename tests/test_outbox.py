@@ -17,7 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, func, select, update
+from sqlalchemy import Engine, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
@@ -145,6 +145,26 @@ def test_hostile_input_is_invalid_argument_before_any_statement(
     assert _rows(engine) == []
 
 
+def test_a_payload_over_the_packet_limit_is_refused_on_mariadb(mariadb: Backend) -> None:
+    """A payload MariaDB would refuse (1153, dropped connection) is InvalidArgument; no INSERT was sent.
+
+    MariaDB only: the other backends take a value up to 1 GB.
+    """
+    engine = mariadb.engine
+    drop_tables(engine)
+    create_tables(engine)
+    try:
+        with engine.connect() as conn:
+            packet = int(conn.execute(select(text("@@max_allowed_packet"))).scalar_one())
+        with Session(engine) as session, session.begin(), count_statements(engine) as statements:
+            with pytest.raises(InvalidArgument, match="max_allowed_packet"):
+                emit(session, "t", {"blob": '"' * (packet // 3)})
+            assert not [s for s in statements.statements if "INSERT" in s]
+        assert _rows(engine) == []
+    finally:
+        drop_tables(engine)
+
+
 def test_payloads_come_back_exactly_as_emitted(backend: Backend, engine: Engine) -> None:
     """Unicode, NUL, big integers and floats survive the round trip through the table and the relay."""
     payload = {
@@ -227,6 +247,46 @@ def test_a_key_is_held_back_while_its_earlier_event_is_claimed_elsewhere(
         assert future.result(60) == 1
     assert got_a == [k1]
     assert relay_b.run_once() == 1 and sink_b.ids == [j1, k2]
+
+
+def _wait_for_db_clock_past(engine: Engine, ms: int) -> None:
+    from stateguard._sql import db_now_ms
+
+    while True:
+        with engine.connect() as conn:
+            if conn.execute(select(db_now_ms())).scalar_one() > ms:
+                return
+        time.sleep(0.05)
+
+
+def test_a_relay_that_outlived_its_lease_cannot_mark_the_new_claim(backend: Backend, engine: Engine) -> None:
+    """A's lease ends while it publishes; B claims the batch; A's late mark leaves B's claim unpublished."""
+    ids = [_emit(engine, "t", {"n": n}, key="k") for n in range(3)]
+    entered_a, leave_a, entered_b, leave_b = (threading.Event() for _ in range(4))
+
+    def blocking(entered: threading.Event, leave: threading.Event) -> CallableSink:
+        def publish(events: Any) -> None:
+            entered.set()
+            assert leave.wait(60)
+
+        return CallableSink(publish)
+
+    relay_a = Relay(engine, blocking(entered_a, leave_a), lease=timedelta(milliseconds=300))
+    relay_b = Relay(engine, blocking(entered_b, leave_b), lease=timedelta(seconds=60))
+    with ThreadPoolExecutor(2) as pool:
+        future_a = pool.submit(relay_a.run_once)
+        assert entered_a.wait(60)
+        _wait_for_db_clock_past(engine, max(r.claimed_until_ms for r in _rows(engine)))
+        future_b = pool.submit(relay_b.run_once)
+        assert entered_b.wait(60)
+        leave_a.set()
+        assert future_a.result(60) == 3  # A did hand them to its sink
+        rows = _rows(engine)
+        assert all(r.published_ms is None and r.attempts == 2 for r in rows), "A's mark took B's claim"
+        assert len({r.claimed_by for r in rows}) == 1
+        leave_b.set()
+        assert future_b.result(60) == 3
+    assert [r.id for r in _rows(engine) if r.published_ms is not None] == ids
 
 
 def test_topics_limit_a_relay_and_a_key_waits_for_its_other_topic(backend: Backend, engine: Engine) -> None:
@@ -334,23 +394,11 @@ def test_a_relay_killed_after_publishing_is_republished_by_another_after_its_lea
     survivor = Recorder()
     relay = Relay(engine, survivor)
     assert relay.run_once() == 0, "the dead relay's lease still holds its events"
-    lease_end = max(r.claimed_until_ms for r in rows)
-    while True:
-        with engine.connect() as conn:
-            now = conn.execute(select(_db_now())).scalar_one()
-        if now > lease_end:
-            break
-        time.sleep(0.1)
+    _wait_for_db_clock_past(engine, max(r.claimed_until_ms for r in rows))
     assert relay.run_once() == 6
     assert [event_id for _, event_id, _, _ in next(iter(seen))] == ids
     assert survivor.ids == ids
     assert all(r.published_ms is not None and r.attempts == 2 for r in _rows(engine))
-
-
-def _db_now() -> Any:
-    from stateguard._sql import db_now_ms
-
-    return db_now_ms()
 
 
 # --------------------------------------------------------------------------
