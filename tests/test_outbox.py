@@ -519,6 +519,40 @@ def test_async_emit_and_async_relay(target: AsyncTarget) -> None:
     asyncio.run(main())
 
 
+def test_async_relay_publishes_to_a_redis_stream_through_redis_asyncio(
+    target: AsyncTarget, redis_client: Any
+) -> None:
+    """AsyncRelay awaits RedisStreamSink's pipeline on a redis.asyncio client: an entry per event in order."""
+    import redis.asyncio
+
+    from .conftest import REDIS_URL
+
+    stream = f"sg-test-outbox-async-{uuid.uuid4().hex}"
+
+    async def main() -> list[str]:
+        engine = target.engine()
+        client = redis.asyncio.Redis.from_url(REDIS_URL)
+        try:
+            await drop_tables(engine)
+            await create_tables(engine)
+            async with AsyncSession(engine) as session, session.begin():
+                ids = [await emit(session, "t", {"n": n}, key="k") for n in range(4)]
+            relay = AsyncRelay(engine, RedisStreamSink(client, stream=stream), batch=3)
+            assert await relay.run_once() == 3
+            assert await relay.run_once() == 1
+            await drop_tables(engine)
+            return [str(i) for i in ids]
+        finally:
+            await client.aclose()
+            await engine.dispose()
+
+    try:
+        ids = asyncio.run(main())
+        assert [f[b"id"].decode() for _, f in redis_client.xrange(stream)] == ids
+    finally:
+        redis_client.delete(stream)
+
+
 def test_relay_refuses_an_async_sink_and_async_relay_a_sync_engine(backend: Backend, engine: Engine) -> None:
     """A coroutine sink on the sync Relay leaves the batch unpublished; AsyncRelay needs an AsyncEngine."""
     _emit(engine, "t", {})
