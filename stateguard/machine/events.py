@@ -16,8 +16,11 @@ Each event's payload is::
 (a list for a composite key), spelled like the transition log's keys
 (:func:`stateguard._sql.canonical_key`; a Decimal, UUID or date part becomes
 its text); ``source`` and ``dest`` are state names.  The event's ``key`` is
-the row's key as text (:func:`stateguard.tables.row_key`: ``"42"``,
-``'[1,"a"]'``), so a relay publishes one row's events in order.
+the row's table and key as text (:func:`event_key`: ``"orders:42"``,
+``'slots:[1,"a"]'``), so a relay publishes one row's events in order, and
+rows of different tables with the same key never hold each other back (a
+relay limited to some topics would otherwise wait behind another table's
+event it does not publish).
 
 Statements: on PostgreSQL the UPDATE and the INSERT are one statement (a
 data-modifying CTE, built once per trigger and call variant)::
@@ -42,6 +45,7 @@ and ``where()`` insert the events of a chunk with one multi-row INSERT.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
@@ -50,7 +54,7 @@ from sqlalchemy import Connection, Text, and_, bindparam, case, cast, func, inse
 
 from .. import _sql, _write
 from ..exceptions import ConfigurationError
-from ..tables import outbox, row_key
+from ..tables import DIGEST_PREFIX, MAX_KEY, outbox, row_key
 from . import compile
 
 if TYPE_CHECKING:
@@ -162,6 +166,18 @@ def pieces(values: dict[str, Any], holes: Sequence[str]) -> list[str]:
     return out
 
 
+def event_key(info: _sql.ModelInfo, key: tuple[Any, ...]) -> str:
+    """The outbox key of a row's events: ``"<table>:<row key>"``; a row key too long for the
+    outbox's key column beside the table name is replaced by its SHA-256."""
+    stored = row_key(_sql.canonical_key(info, key))
+    table = info.table.fullname
+    found = f"{table}:{stored}"
+    if len(found) > MAX_KEY:
+        digest = hashlib.sha256(stored.encode("utf-8", "surrogatepass")).hexdigest()
+        found = f"{table}:{DIGEST_PREFIX}{digest}"
+    return found
+
+
 def record(
     conn: Connection,
     trigger: Trigger,
@@ -176,7 +192,7 @@ def record(
     rows = [
         {
             "topic": trigger.topic,
-            "key": row_key(_sql.canonical_key(info, key)),
+            "key": event_key(info, key),
             "payload": _dumps(payload(trigger, key, source, dest, version, request_id, meta)),
             "created_ms": _sql.db_now_ms(),
             "attempts": 0,
@@ -305,5 +321,5 @@ def cte_params(
     values = payload(trigger, key, source, dest, None, request_id, meta)
     params: dict[str, Any] = {f"sg_event_p{i}": p for i, p in enumerate(pieces(values, _holes(trigger)))}
     params["sg_event_topic"] = trigger.topic
-    params["sg_event_key"] = row_key(_sql.canonical_key(trigger.machine.info, key))
+    params["sg_event_key"] = event_key(trigger.machine.info, key)
     return params

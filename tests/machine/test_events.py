@@ -159,7 +159,7 @@ def test_applied_transition_writes_one_event_with_its_payload(engine: Any) -> No
     assert _events(engine) == [
         (
             "ev_parcels.pay",
-            "7",
+            "ev_parcels:7",
             {
                 "model": "Parcel",
                 "key": 7,
@@ -241,7 +241,7 @@ def test_per_transition_event_names_the_topic_and_turns_events_on_for_it_only(en
     assert _events(engine) == [
         (
             "memo.sent",
-            "1",
+            "ev_memos:1",
             {
                 "model": "Memo",
                 "key": 1,
@@ -297,7 +297,7 @@ def test_composite_key_is_a_json_list(engine: Any) -> None:
     with Session(engine) as s, s.begin():
         assert Slot.flow.take(s, (3, "b-1")).applied
     [(topic, key, payload)] = _events(engine)
-    assert topic == "ev_slots.take" and key == '[3,"b-1"]' and payload["key"] == [3, "b-1"]
+    assert topic == "ev_slots.take" and key == 'ev_slots:[3,"b-1"]' and payload["key"] == [3, "b-1"]
 
 
 def test_rollback_discards_the_event(engine: Any) -> None:
@@ -333,9 +333,9 @@ def test_many_writes_one_event_per_applied_row_in_one_insert(engine: Any) -> Non
     }
     got = [(k, p["key"], p["source"], p["metadata"]) for _, k, p in _events(engine)]
     assert got == [
-        ("1", 1, "new", {"batch": 7}),
-        ("2", 2, "paid", {"batch": 7}),
-        ("3", 3, "new", {"batch": 7}),
+        ("ev_parcels:1", 1, "new", {"batch": 7}),
+        ("ev_parcels:2", 2, "paid", {"batch": 7}),
+        ("ev_parcels:3", 3, "new", {"batch": 7}),
     ]
     with Session(engine) as s, s.begin():
         s.connection()
@@ -549,3 +549,16 @@ def test_async_sessions_write_the_same_events(driver: str, request: pytest.Fixtu
         ]
     finally:
         drop_tables(sync)
+
+
+def test_rows_of_different_tables_with_the_same_key_have_different_event_keys() -> None:
+    """Event keys carry the table, so another table's unpublished event never holds a row back; a key
+    too long beside the table name is digested to fit the outbox's key column."""
+    from stateguard._sql import model_info
+    from stateguard.machine.events import event_key
+    from stateguard.tables import MAX_KEY
+
+    a, b = model_info(Parcel), model_info(Slot)
+    assert event_key(a, (7,)) == "ev_parcels:7" and event_key(b, (7, "x")) == 'ev_slots:[7,"x"]'
+    long = event_key(b, (7, "x" * 300))
+    assert len(long) <= MAX_KEY and long.startswith("ev_slots:#sha256:")
