@@ -8,13 +8,15 @@ process SIGKILLed while writing to a shared queue hangs every later writer):
   twice, through :func:`stateguard.idempotent`; it fires the transition of a
   model with ``events=True``, so the event commits with it;
 * a **relay** runs a :class:`stateguard.Relay` into a Redis stream
-  (:class:`stateguard.RedisStreamSink`);
+  (:class:`stateguard.RedisStreamSink`); the held one first waits for a full
+  batch of committed events, so its death leaves a whole batch to redeliver;
 * a **consumer** reads the stream in a consumer group (``XREADGROUP``, and
   ``XAUTOCLAIM`` for entries a dead consumer left pending) and applies each
   event's effect with :func:`stateguard.consume_once` and an effect row in
   the same transaction.
 
-A worker given a hold stops at its hold point (a handler after the COMMIT of
+Relays and consumers without a hold wait until the test sets their ``go``
+event.  A worker given a hold stops at its hold point (a handler after the COMMIT of
 its first request, a relay after its first XADD and before marking, a
 consumer after its first effect row and before COMMIT), puts a
 :class:`Held` on its own queue and waits on its own event until the test
@@ -31,7 +33,7 @@ from datetime import timedelta
 from typing import Any, NamedTuple
 
 import redis
-from sqlalchemy import Engine, Integer, String, create_engine
+from sqlalchemy import Engine, Integer, String, create_engine, func, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from stateguard import (
@@ -44,6 +46,7 @@ from stateguard import (
     retry_on_conflict,
     version_column,
 )
+from stateguard.tables import outbox
 
 #: The consumer group, in Redis and in consume_once.
 GROUP = "pipeline-effects"
@@ -57,6 +60,8 @@ RECLAIM_IDLE_MS = 1500
 WORKER_FOR = 150.0
 #: Seconds a held worker waits to be killed.
 HOLD_FOR = 60.0
+#: Events per relay batch; the held relay waits for this many before its first (held) claim.
+BATCH = 7
 
 
 class Base(DeclarativeBase):
@@ -123,6 +128,12 @@ def make_engine(spec: Spec) -> Engine:
     if spec.backend == "sqlite":
         kw["connect_args"] = {"timeout": 60}
     return create_engine(spec.url, **kw)
+
+
+def _gate(spec: Spec, go: Any) -> None:
+    """A worker without a hold starts when the test sets ``go`` (relays, consumers: all at once)."""
+    if not spec.hold and not go.wait(HOLD_FOR):
+        raise TimeoutError(f"{spec.worker}: never told to start")
 
 
 def _hold(held_q: Any, go: Any, held: Held) -> None:
@@ -200,6 +211,12 @@ class _HoldingSink(RedisStreamSink):
         return reply
 
 
+def _unpublished(engine: Engine) -> int:
+    with engine.connect() as conn:
+        query = select(func.count()).select_from(outbox).where(outbox.c.published_ms.is_(None))
+        return int(conn.execute(query).scalar_one())
+
+
 def relay(spec: Spec, stop: Any, results: Any, held_q: Any, go: Any) -> None:
     """Run a relay into the stream until ``stop`` is set; puts ``(traceback or None, published)``."""
     engine = make_engine(spec)
@@ -211,8 +228,13 @@ def relay(spec: Spec, stop: Any, results: Any, held_q: Any, go: Any) -> None:
             if spec.hold
             else RedisStreamSink(client, stream=spec.stream)
         )
-        r = Relay(engine, sink, batch=7, lease=timedelta(seconds=LEASE_S))
+        r = Relay(engine, sink, batch=BATCH, lease=timedelta(seconds=LEASE_S))
+        _gate(spec, go)
         deadline = time.monotonic() + WORKER_FOR
+        while spec.hold and _unpublished(engine) < BATCH:  # a full batch to kill it with
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{spec.worker}: fewer than {BATCH} events after {WORKER_FOR} s")
+            time.sleep(0.01)
         while not stop.is_set() and time.monotonic() < deadline:
             n = r.run_once()
             published += n
@@ -266,6 +288,10 @@ def consumer(spec: Spec, stop: Any, results: Any, held_q: Any, go: Any) -> None:
     applied = repeated = 0
     hold = (held_q, go) if spec.hold else None
     try:
+        client.ping()
+        with engine.connect():
+            pass
+        _gate(spec, go)
         deadline = time.monotonic() + WORKER_FOR
         while not stop.is_set() and time.monotonic() < deadline:
             # Entries a dead consumer left pending first, then new ones.

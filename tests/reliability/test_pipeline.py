@@ -31,10 +31,11 @@ from stateguard.tables import consumed_messages, outbox
 
 from ..conftest import REDIS_URL, Backend
 from . import _pipeline_workers as pw
+from ._storm import Sizes
 
-#: Orders; each gets "pay" then "ship": 2 transitions, 2 events.
+#: Orders at CI sizes (times the soak factor); each gets "pay" then "ship": 2 transitions, 2 events.
 ORDERS = 60
-#: Seconds the whole pipeline may take before the test counts it as hung.
+#: Seconds the whole pipeline may take at CI sizes before the test counts it as hung.
 DEADLINE_S = 90.0
 
 
@@ -100,14 +101,14 @@ def _counts(backend: Backend) -> tuple[int, int, int]:
 
 
 def test_pipeline_applies_every_effect_exactly_once_through_sigkills(
-    backend: Backend, redis_client: Any
+    backend: Backend, redis_client: Any, sizes: Sizes
 ) -> None:
     """Handler killed after COMMIT, relay killed after XADD, consumer killed before COMMIT: every applied
     transition has one event, every event one effect, none lost, per-key order held in the stream."""
     engine = backend.create(pw.Base.metadata)
     drop_tables(engine)
     create_tables(engine)
-    orders = list(range(1, ORDERS + 1))
+    orders = list(range(1, ORDERS * sizes.factor + 1))
     with Session(engine) as s, s.begin():
         s.add_all([pw.PipeOrder(id=i, status="new") for i in orders])
     stream = f"sg-test-pipeline-{uuid.uuid4().hex}"
@@ -121,13 +122,15 @@ def test_pipeline_applies_every_effect_exactly_once_through_sigkills(
         procs.append(proc)
         return proc
 
-    until = time.monotonic() + DEADLINE_S
+    until = time.monotonic() + DEADLINE_S * sizes.factor
     try:
         barrier = ctx.Barrier(3)  # h1, h2 and the test: h0 commits its held request before anyone starts
         h0 = spawn(pw.handler, "h0", orders, barrier, hold=True)
         handlers = [spawn(pw.handler, f"h{i}", orders, barrier) for i in (1, 2)]
         r0 = spawn(pw.relay, "r0", hold=True)
         c0 = spawn(pw.consumer, "c0", hold=True)
+        relays = [spawn(pw.relay, "r1"), spawn(pw.relay, "r2")]  # each waits for its go
+        consumers = [spawn(pw.consumer, name) for name in ("c0-restarted", "c1", "c2")]
 
         # 1. A handler dies after COMMIT, before answering: its client will retry.
         held_request = _held(h0, until)
@@ -141,7 +144,7 @@ def test_pipeline_applies_every_effect_exactly_once_through_sigkills(
         # 2. The only relay dies after XADD, before marking; then two relays share the work.
         held_batch = _held(r0, until)
         in_stream = {int(f[b"id"]) for _, f in redis_client.xrange(stream)}
-        assert set(held_batch.items) <= in_stream, held_batch
+        assert len(held_batch.items) == pw.BATCH and set(held_batch.items) <= in_stream, held_batch
         with Session(engine) as s:
             unmarked = s.execute(
                 select(func.count())
@@ -150,15 +153,26 @@ def test_pipeline_applies_every_effect_exactly_once_through_sigkills(
             ).scalar_one()
         assert unmarked == len(held_batch.items), held_batch
         r0.kill()
-        relays = [spawn(pw.relay, "r1"), spawn(pw.relay, "r2")]
+        for p in relays:
+            p.go.set()
 
         # 3. The only consumer dies after its effect row, before COMMIT; then three consumers.
         held_message = _held(c0, until)
         c0.kill()
-        consumers = [spawn(pw.consumer, name) for name in ("c0-restarted", "c1", "c2")]
+        with Session(engine) as s:  # its effect row and its consume_once record died with it
+            assert not s.scalars(
+                select(pw.PipeEffect).where(pw.PipeEffect.event_id == held_message.items[0])
+            ).all()
+            assert not s.scalars(
+                select(consumed_messages.c.message_id).where(
+                    consumed_messages.c.message_id == str(held_message.items[0])
+                )
+            ).all()
+        for p in consumers:
+            p.go.set()
 
         handled = [h.result(until - time.monotonic()) for h in handlers]
-        expected = 2 * ORDERS
+        expected = 2 * len(orders)
 
         def all_applied() -> bool:
             events, unpublished, effects = _counts(backend)
