@@ -16,9 +16,9 @@ process SIGKILLed while writing to a shared queue hangs every later writer):
   the same transaction.
 
 Relays and consumers without a hold wait until the test sets their ``go``
-event.  A worker given a hold stops at its hold point (a handler after the COMMIT of
-its first request, a relay after its first XADD and before marking, a
-consumer after its first effect row and before COMMIT), puts a
+event.  A worker given a hold stops at its hold point (a handler after the
+COMMIT of its first request, a relay after its first XADD and before
+marking, a consumer after its first effect row and before COMMIT), puts a
 :class:`Held` on its own queue and waits on its own event until the test
 SIGKILLs it.
 """

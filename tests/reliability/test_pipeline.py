@@ -12,6 +12,7 @@ effect per event, none lost, and each key's events in the stream in id order.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -56,7 +57,8 @@ class _Proc:
 
     def kill(self) -> None:
         assert self.process.pid is not None
-        os.kill(self.process.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # it may have just exited on its own
+            os.kill(self.process.pid, signal.SIGKILL)
         self.process.join(10)
         self.killed = True
 
