@@ -21,7 +21,7 @@ from typing import Any
 
 import sqlalchemy
 
-from . import idempotency, scenarios
+from . import idempotency, relay, scenarios
 from .models import Table, make_engine, server_version
 
 DEFAULT_DBS = [
@@ -43,6 +43,11 @@ SIZES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "load": ({"n": 5000, "repeat": 25}, {"n": 100, "repeat": 2}),
     "bulk": ({"n": 10000}, {"n": 50}),
     "scale": ({"sizes": [1000, 100_000, 1_000_000], "calls": 300}, {"sizes": [100, 1000], "calls": 10}),
+    "relay": (
+        {"events": 20_000, "rounds": 4, "batches": [100, 500]},
+        {"events": 200, "rounds": 1, "batches": [100, 500]},
+    ),
+    "events": ({"n": 1000}, {"n": 10}),
 }
 
 RUNNERS: dict[str, Any] = {
@@ -53,6 +58,8 @@ RUNNERS: dict[str, Any] = {
     "load": scenarios.load_cost,
     "bulk": scenarios.bulk,
     "scale": scenarios.scale,
+    "relay": relay.relay_scenario,
+    "events": relay.events_cost,
 }
 
 #: Full runs of these scenarios only on these dialects (the issue states their targets there).

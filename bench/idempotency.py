@@ -67,7 +67,7 @@ def _quoted_table(engine: Engine, schema: str) -> str:
 
 
 @contextmanager
-def _namespaces(url: str, sizes: list[int]) -> Iterator[tuple[Engine, dict[int, str]]]:
+def _namespaces(url: str, sizes: list[int], tag: str = "sgidem") -> Iterator[tuple[Engine, dict[int, str]]]:
     """An engine and, per size, a fresh schema (database, attached file) name; all dropped afterwards."""
     engine = make_engine(url)
     name = engine.dialect.name
@@ -80,8 +80,8 @@ def _namespaces(url: str, sizes: list[int]) -> Iterator[tuple[Engine, dict[int, 
                 raise ValueError("the idempotency scenario needs a file SQLite database")
             stem = Path(db).with_suffix("")
             for size in sizes:
-                schemas[size] = f"sgidem{size}"
-                files.append(Path(f"{stem}-sgidem{size}.db"))
+                schemas[size] = f"{tag}{size}"
+                files.append(Path(f"{stem}-{tag}{size}.db"))
                 files[-1].unlink(missing_ok=True)
             attach = [(schemas[s], str(f)) for s, f in zip(sizes, files, strict=True)]
 
@@ -101,7 +101,7 @@ def _namespaces(url: str, sizes: list[int]) -> Iterator[tuple[Engine, dict[int, 
                     base = conn.scalar(text("SELECT DATABASE()"))
                     kind = "DATABASE"
                 for size in sizes:
-                    schemas[size] = f"{base}_sgidem{size}"
+                    schemas[size] = f"{base}_{tag}{size}"
                     quoted = q.quote_schema(schemas[size])
                     cascade = " CASCADE" if name == "postgresql" else ""
                     conn.execute(text(f"DROP {kind} IF EXISTS {quoted}{cascade}"))

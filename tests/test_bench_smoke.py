@@ -17,7 +17,7 @@ def test_every_scenario_runs_with_tiny_sizes(backend: Backend) -> None:
     tables = run([backend.url], None, quick=True, out=out)
     assert len(tables) == len(RUNNERS)
     by_number = {t.title.split(" ")[0]: t for t in tables}
-    assert set(by_number) == {"1.", "2.", "3.", "4.", "5a.", "5b.", "5c."}
+    assert set(by_number) == {"1.", "2.", "3.", "4.", "5a.", "5b.", "5c.", "6.", "6b."}
 
     single = {r["variant"]: r for r in by_number["1."].rows}
     assert single["stateguard"]["stmts_per_call"] == 1.0
@@ -58,6 +58,18 @@ def test_every_scenario_runs_with_tiny_sizes(backend: Backend) -> None:
     assert any(n.startswith("target latency flat") for n in by_number["4."].notes)
 
     assert [r["rows_in_table"] for r in by_number["5c."].rows] == [100, 1000]
+
+    # Relay: every variant published all its events (checked in the stream) at some positive rate.
+    relay = {r["variant"]: r for r in by_number["6."].rows}
+    assert set(relay) == {
+        f"{kind}, batch {batch}" for kind in ("stateguard Relay", "hand-written loop") for batch in (100, 500)
+    }
+    assert all(r["events_per_s"] > 0 and r["x_baseline"] > 0 for r in relay.values())
+    events = {r["variant"]: r["stmts_per_call"] for r in by_number["6b."].rows}
+    assert events == {
+        "events=True (transition + outbox event)": 1 if backend.name == "postgresql" else 2,
+        "no events": 1,
+    }
     assert "variant" in out.getvalue()
 
 
