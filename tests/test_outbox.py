@@ -577,3 +577,17 @@ def test_statements_text(backend: Backend, engine: Engine) -> None:
         assert "FOR UPDATE" not in claim
     else:
         assert "FOR UPDATE SKIP LOCKED" in claim
+
+
+def test_a_batch_costs_two_statements_on_postgresql(backend: Backend, engine: Engine) -> None:
+    """A cycle with followers sends one claim and one mark on PostgreSQL (the claim used to be three)."""
+    for key in ("k", "k", "j", None):
+        _emit(engine, "t", {}, key=key)
+    recorder = Recorder()
+    with count_statements(engine) as statements:
+        assert Relay(engine, recorder).run_once() == 4
+    assert [e.key for e in recorder.batches[0]] == ["k", "k", "j", None]
+    # SQLite: BEGIN IMMEDIATE before the claim and before the mark; MariaDB: three claim statements
+    # and a SET TRANSACTION before the claim and before the mark.
+    expected = {"postgresql": 2, "sqlite": 4}.get(backend.name, 6)
+    assert len(statements.statements) == expected, statements.statements
