@@ -6,11 +6,13 @@
     $ stateguard graph myapp.models:Order --format mermaid
     $ stateguard check myapp.models --db postgresql+psycopg://app@db/app --json
     $ stateguard purge --db postgresql+psycopg://app@db/app --batch 1000
+    $ stateguard relay --db postgresql+psycopg://app@db/app --redis redis://cache:6379/0 --stream orders
 
 Exit codes: 0 ok; 1 only from ``demo`` (an invariant was violated) and
 ``check`` (problems were found); 2 usage error (bad arguments, a database
 that cannot be reached or does not exist, a missing driver, missing
-stateguard tables for ``purge``).  Each command's ``--help`` lists its own.
+stateguard tables for ``purge`` and ``relay``, a Redis server that cannot
+be reached for ``relay``).  Each command's ``--help`` lists its own.
 :func:`main` takes the arguments and returns the exit code, so it can be
 tested without a subprocess.
 """
@@ -20,8 +22,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -30,7 +35,7 @@ from types import ModuleType
 from typing import Any, TextIO, TypeVar
 from urllib.parse import unquote, urlsplit
 
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Engine, create_engine, select
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL, make_url
 
@@ -39,12 +44,14 @@ from ..engine import sqlite_engine
 from ..exceptions import StateguardError
 from ..idempotency import purge_expired as _purge_keys
 from ..machine import StateMachine, machines_of
+from ..outbox import Relay
 from ..outbox import purge_published as _purge_outbox
 from ..schema import machines_in_module
+from ..tables import outbox
 from ..tokens import purge_expired_tokens as _purge_tokens
 from . import check as _check
 from . import graph as _graph
-from .terminal import StderrProgress, isatty, use_color
+from .terminal import RelayProgress, StderrProgress, isatty, use_color
 
 __all__ = ["main"]
 
@@ -60,7 +67,8 @@ _EXIT_CODES: dict[str, str] = {
 exit codes (each command's --help lists its own):
   0  ok
   1  demo: an invariant was violated; check: problems were found
-  2  usage error (bad arguments, unreachable or missing database, missing driver)
+  2  usage error (bad arguments, unreachable or missing database or Redis, missing driver,
+     missing stateguard tables)
 """,
     "demo": """\
 exit codes:
@@ -86,6 +94,13 @@ exit codes:
   0  ok: expired rows deleted (or none were left)
   2  usage error (bad arguments, unreachable database, a SQLite file that does
      not exist, stateguard's tables missing, a database error)
+""",
+    "relay": """\
+exit codes:
+  0  ok: stopped by SIGTERM or SIGINT after finishing the batch in hand
+  2  usage error (bad arguments, unreachable database or Redis, a SQLite file
+     that does not exist, the stateguard_outbox table missing, redis-py missing,
+     or a database error the relay cannot retry)
 """,
 }
 
@@ -279,6 +294,117 @@ def _cmd_purge(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             out.write(f"{label}: {total} deleted in {batches} batch{'es' if batches != 1 else ''}\n")
     finally:
         engine.dispose()
+    return EXIT_OK
+
+
+# -- relay ------------------------------------------------------------------
+
+
+class _CountingRelay(Relay):
+    """A :class:`Relay` that adds up what its rounds published, for the progress line."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.published = 0
+
+    def run_once(self) -> int:
+        published = super().run_once()
+        self.published += published
+        return published
+
+
+def _redis_client(url: str) -> Any:
+    """A redis-py client of ``url`` that answered PING, or :class:`UsageError` saying why not."""
+    try:
+        import redis
+    except ImportError as error:
+        raise UsageError(f"redis-py is not installed ({error}); pip install 'stateguard[redis]'") from error
+    try:
+        # A Redis that stops answering fails the batch (retried) instead of hanging the relay.
+        client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=10)
+    except ValueError as error:
+        raise UsageError(f"not a Redis URL: {url!r} ({error}; e.g. redis://127.0.0.1:6379/0)") from error
+    try:
+        client.ping()
+    except redis.RedisError as error:
+        client.close()
+        raise UsageError(f"cannot connect to Redis at {url}: {_first_line(error)}") from error
+    return client
+
+
+def _cmd_relay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from ..redis import RedisStreamSink
+
+    if threading.current_thread() is not threading.main_thread():
+        raise UsageError("runs only in the main thread (it handles SIGTERM and SIGINT)")
+    engine = open_engine(args.db, workers=1, purpose="stateguard relay", create=False)
+    client: Any = None
+    try:
+        try:
+            with engine.connect() as conn:
+                conn.execute(select(outbox.c.id).limit(1))
+        except sa_exc.SQLAlchemyError as error:
+            raise UsageError(
+                f"cannot read {outbox.name}: {_first_line(error)} "
+                "(run `alembic upgrade stateguard@head` or stateguard.create_tables() first?)"
+            ) from error
+        client = _redis_client(args.redis)
+        try:
+            sink = RedisStreamSink(client, stream=args.stream, maxlen=args.maxlen)
+            relay = _CountingRelay(
+                engine, sink, topics=args.topic, batch=args.batch, lease=timedelta(seconds=args.lease)
+            )
+        except StateguardError as error:
+            raise UsageError(str(error)) from error
+        return _serve(relay, args, err)
+    finally:
+        if client is not None:
+            client.close()
+        engine.dispose()
+
+
+def _serve(relay: _CountingRelay, args: argparse.Namespace, err: TextIO) -> int:
+    """Run ``relay`` in a thread until SIGTERM or SIGINT; the main thread draws the progress."""
+    stop = threading.Event()
+    stopped_by: list[str] = []
+    failure: list[BaseException] = []
+    previous: dict[int, Any] = {}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stopped_by.append(signal.Signals(signum).name)
+        # The relay thread finishes the batch in hand and returns; a second signal acts at once.
+        for number, old in previous.items():
+            signal.signal(number, old)
+        stop.set()
+
+    def work() -> None:
+        try:
+            relay.run(stop, idle_sleep=args.idle)
+        except BaseException as error:  # reported by the main thread
+            failure.append(error)
+
+    log = logging.getLogger("stateguard.outbox")
+    handler = logging.StreamHandler(err)
+    handler.setFormatter(logging.Formatter("stateguard relay: %(message)s"))
+    log.addHandler(handler)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous[sig] = signal.signal(sig, on_signal)
+    progress = RelayProgress(err, stream_name=args.stream)
+    try:
+        thread = threading.Thread(target=work, name="stateguard-relay", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(progress.interval)
+            progress.update(relay.published)
+    finally:
+        for number, old in previous.items():
+            signal.signal(number, old)
+        log.removeHandler(handler)
+    if failure:
+        error = failure[0]
+        progress.finish(relay.published, f"failed: {type(error).__name__}: {_first_line(error)}")
+        return EXIT_USAGE
+    progress.finish(relay.published, f"stopped by {stopped_by[0] if stopped_by else 'request'}")
     return EXIT_OK
 
 
@@ -497,9 +623,11 @@ def build_parser() -> argparse.ArgumentParser:
             "duplicate and concurrent pay / ship / cancel requests from many worker threads,\n"
             "as retries, redeliveries and double-clicks would, for each scheme: state machine,\n"
             "optimistic version check, insert-once, a flash sale on one hot stock row\n"
-            "(guarded decrement with a ref per purchase) and an HTTP retry storm through\n"
-            "IdempotencyMiddleware (skipped without starlette).  Prints one row per scheme\n"
-            "and checks that side effects ran exactly once per APPLIED call."
+            "(guarded decrement with a ref per purchase), an HTTP retry storm through\n"
+            "IdempotencyMiddleware (skipped without starlette) and the outbox pipeline\n"
+            "(idempotent requests -> transition + emit() -> 2 relays -> an in-process broker\n"
+            "that loses acknowledgements -> 3 consumers with consume_once).  Prints one row per\n"
+            "scheme and checks that side effects ran exactly once per APPLIED call."
         ),
     )
     demo.add_argument(
@@ -602,6 +730,66 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         help="purge only this table (repeatable; default: keys, outbox and tokens)",
     )
+    relay = _command(
+        commands,
+        "relay",
+        _cmd_relay,
+        help="publish committed outbox events to a Redis stream, until SIGTERM",
+        description=(
+            "Run a stateguard Relay: claim up to --batch committed, unpublished outbox\n"
+            "events, XADD them to the Redis stream --stream (fields id, topic, key, payload),\n"
+            "mark them published; repeat, waiting --idle seconds when nothing is left.\n"
+            "Delivery is at least once: consumers deduplicate by the id field\n"
+            "(consume_once).  Run several for throughput or failover; they share the work.\n"
+            "Progress (events published, rate) goes to stderr.  SIGTERM or SIGINT stops it\n"
+            "after the batch in hand is published and marked (exit 0); a second one stops\n"
+            "it at once, and that batch is published again by a relay after its lease."
+        ),
+    )
+    relay.add_argument("--db", required=True, metavar="URL", help="SQLAlchemy URL of the database")
+    relay.add_argument(
+        "--redis", required=True, metavar="URL", help="Redis URL, e.g. redis://127.0.0.1:6379/0"
+    )
+    relay.add_argument(
+        "--topic",
+        action="append",
+        metavar="T",
+        help="publish only events of this topic (repeatable; default: every topic)",
+    )
+    relay.add_argument(
+        "--stream",
+        default="stateguard-outbox",
+        metavar="NAME",
+        help="the Redis stream to XADD to (default: stateguard-outbox)",
+    )
+    relay.add_argument(
+        "--maxlen",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="trim the stream to about N entries (default: never trim)",
+    )
+    relay.add_argument(
+        "--batch",
+        type=_positive,
+        default=100,
+        metavar="N",
+        help="events per claim (default: 100, at most 10000)",
+    )
+    relay.add_argument(
+        "--lease",
+        type=_positive_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how long a claim lasts before another relay may publish its events again (default: 30)",
+    )
+    relay.add_argument(
+        "--idle",
+        type=_positive_float,
+        default=1.0,
+        metavar="SECONDS",
+        help="wait after a round that found nothing to publish (default: 1)",
+    )
     return parser
 
 
@@ -618,6 +806,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["check", "myapp.models", "--db", "sqlite:///app.db", "--json"])
         1
         >>> main(["purge", "--db", "sqlite:///app.db", "--batch", "500"])
+        0
+        >>> main(["relay", "--db", "sqlite:///app.db", "--redis", "redis://127.0.0.1:6379/0"])  # to SIGTERM
         0
     """
     parser = build_parser()

@@ -1,4 +1,4 @@
-"""What the command line shows on a terminal: colour or not, and the demo's progress.
+"""What the command line shows on a terminal: colour or not, the demo's and the relay's progress.
 
 :class:`Progress` is what :func:`stateguard.tooling.demo.run_demo` reports to
 (its base ignores every event); :class:`StderrProgress` draws it on stderr.
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, TextIO
 if TYPE_CHECKING:
     from .demo import SchemeRow
 
-__all__ = ["Progress", "StderrProgress", "isatty", "use_color"]
+__all__ = ["Progress", "RelayProgress", "StderrProgress", "isatty", "use_color"]
 
 
 def isatty(stream: TextIO) -> bool:
@@ -121,3 +121,64 @@ class StderrProgress(Progress):
             self.stream.write("\r\x1b[K")
             self.stream.flush()
             self._dirty = False
+
+
+class RelayProgress:
+    """``stateguard relay``'s progress on stderr: events published and the rate.
+
+    On a terminal: one line redrawn in place every ``interval`` seconds.
+    Otherwise (logs): one line every ``every`` seconds while events are being
+    published.  :meth:`finish` always writes the summary line::
+
+        progress = RelayProgress(sys.stderr, stream="orders")
+        progress.update(relay_total)          # from time to time
+        progress.finish(relay_total, "stopped by SIGTERM")
+    """
+
+    def __init__(
+        self, stream: TextIO, *, stream_name: str = "", interval: float = 0.5, every: float = 10.0
+    ) -> None:
+        self.stream = stream
+        self.tty = isatty(stream)
+        self.name = stream_name
+        self.interval = interval
+        self.every = every
+        self.started = time.monotonic()
+        self._last_time = self.started
+        self._last_count = 0
+        self._logged = 0
+        self._dirty = False
+        self.write(
+            f"stateguard relay: publishing to the Redis stream {stream_name!r}; SIGTERM or Ctrl-C stops"
+        )
+
+    def write(self, line: str) -> None:
+        """One line on the stream (clearing a redrawn line first)."""
+        if self._dirty:
+            self.stream.write("\r\x1b[K")
+            self._dirty = False
+        self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def update(self, published: int) -> None:
+        """``published`` events so far: redraw (terminal) or log a line when ``every`` seconds passed."""
+        now = time.monotonic()
+        if self.tty:
+            if now - self._last_time < self.interval:
+                return
+            rate = (published - self._last_count) / max(now - self._last_time, 1e-9)
+            self._last_time, self._last_count = now, published
+            self.stream.write(f"\r\x1b[Kstateguard relay: {published} events published, {rate:,.0f}/s")
+            self.stream.flush()
+            self._dirty = True
+        elif now - self._last_time >= self.every:
+            if published != self._last_count:
+                rate = (published - self._last_count) / (now - self._last_time)
+                self.write(f"stateguard relay: {published} events published, {rate:,.0f}/s")
+            self._last_time, self._last_count = now, published
+
+    def finish(self, published: int, why: str) -> None:
+        """The summary line: why the relay stopped, the total and the average rate."""
+        elapsed = time.monotonic() - self.started
+        rate = published / elapsed if elapsed > 0 else 0.0
+        self.write(f"stateguard relay: {why}: {published} events published in {elapsed:.1f}s ({rate:,.0f}/s)")

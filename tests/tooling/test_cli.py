@@ -5,21 +5,29 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import Engine, func, insert, select
+from sqlalchemy.orm import Session
 
-from stateguard import drop_tables
+import stateguard.redis
+from stateguard import create_tables, drop_tables, emit
+from stateguard.redis import RedisStreamSink
 from stateguard.tables import idempotency_keys, outbox, tokens
 from stateguard.tooling import cli
 from stateguard.tooling.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, main
 
-from ..conftest import Backend
+from ..conftest import REDIS_URL, Backend
 from ._helpers import DEMO, MULTI, run
 
 # --------------------------------------------------------------------------
@@ -46,6 +54,7 @@ def test_help_exits_zero_and_documents_exit_codes(
         ("graph", ["0", "2"], None),
         ("check", ["0", "1", "2"], "problems were found"),
         ("purge", ["0", "2"], None),
+        ("relay", ["0", "2"], None),
     ],
 )
 def test_each_command_help_lists_only_its_own_exit_codes(
@@ -365,3 +374,188 @@ def test_only_the_demo_command_imports_the_demo(tmp_path: Path) -> None:
     seen = json.loads(report.read_text())
     # The last command, drawing the demo's own model, is the control: it does import the demo.
     assert seen == [[code, argv[-1] == DEMO] for argv, code in expected]
+
+
+# --------------------------------------------------------------------------
+# relay
+# --------------------------------------------------------------------------
+
+
+def _emit_events(engine: Engine, n: int, *, start: int = 0) -> list[int]:
+    """``n`` committed outbox events over 5 keys; their ids."""
+    with Session(engine) as session, session.begin():
+        return [emit(session, "order.paid", {"i": i}, key=f"order-{i % 5}") for i in range(start, start + n)]
+
+
+def _stream_ids(redis_client: Any, stream: str) -> list[int]:
+    return [int(fields[b"id"]) for _, fields in redis_client.xrange(stream)]
+
+
+@pytest.fixture
+def stream(redis_client: Any) -> Iterator[str]:
+    """A Redis stream name unique to the test, deleted afterwards."""
+    name = f"sgtest-relay-{uuid.uuid4().hex[:12]}"
+    yield name
+    redis_client.delete(name)
+
+
+def _start_relay(url: str, stream: str, *extra: str) -> subprocess.Popen[str]:
+    argv = ["relay", "--db", url, "--redis", REDIS_URL, "--stream", stream, "--idle", "0.1", *extra]
+    return subprocess.Popen(
+        [sys.executable, "-m", "stateguard", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _wait_for(redis_client: Any, stream: str, n: int, proc: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 60
+    while redis_client.xlen(stream) < n:
+        if proc.poll() is not None:
+            pytest.fail(f"the relay exited {proc.returncode}: {proc.communicate()}")
+        assert time.monotonic() < deadline, f"{redis_client.xlen(stream)} of {n} events in the stream"
+        time.sleep(0.05)
+
+
+def test_relay_publishes_every_event_once_and_stops_cleanly_on_sigterm(
+    backend: Backend, engine: Engine, redis_client: Any, stream: str
+) -> None:
+    """`stateguard relay` XADDs every event once, marks it, picks up new ones, and exits 0 on SIGTERM."""
+    ids = _emit_events(engine, 40)
+    proc = _start_relay(backend.url, stream, "--batch", "7")
+    try:
+        _wait_for(redis_client, stream, 40, proc)
+        ids += _emit_events(engine, 15, start=40)  # committed while it runs
+        _wait_for(redis_client, stream, 55, proc)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == EXIT_OK, err
+    assert "Traceback" not in err
+    assert "stopped by SIGTERM: 55 events published" in err
+    published = _stream_ids(redis_client, stream)
+    assert sorted(published) == sorted(ids)  # every event, exactly once
+    for key in range(5):  # and each key in id order
+        of_key = [i for i in published if (ids.index(i) % 5) == key]
+        assert of_key == sorted(of_key)
+    with engine.connect() as conn:
+        unpublished = conn.scalar(
+            select(func.count()).select_from(outbox).where(outbox.c.published_ms.is_(None))
+        )
+    assert unpublished == 0
+
+
+def test_relay_stops_on_sigint_too(sqlite: Backend, redis_client: Any, stream: str) -> None:
+    """SIGINT (Ctrl-C) is a clean stop as well: exit 0, no traceback, the events published once."""
+    drop_tables(sqlite.engine)
+    create_tables(sqlite.engine)
+    try:
+        ids = _emit_events(sqlite.engine, 12)
+        proc = _start_relay(sqlite.url, stream)
+        try:
+            _wait_for(redis_client, stream, 12, proc)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == EXIT_OK and "stopped by SIGINT: 12 events published" in err, err
+        assert "Traceback" not in err and "interrupted" not in err
+        assert sorted(_stream_ids(redis_client, stream)) == ids
+    finally:
+        drop_tables(sqlite.engine)
+
+
+def test_relay_finishes_the_batch_in_hand_on_sigterm(
+    sqlite: Backend,
+    redis_client: Any,
+    stream: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """SIGTERM while a batch is being published: that batch is published and marked, no next one starts."""
+    drop_tables(sqlite.engine)
+    create_tables(sqlite.engine)
+    publishing = threading.Event()
+
+    class SlowSink(RedisStreamSink):
+        """The Redis sink, slow enough for the signal to arrive mid-batch."""
+
+        def publish(self, events: Any) -> Any:
+            publishing.set()
+            time.sleep(0.5)
+            return super().publish(events)
+
+    monkeypatch.setattr(stateguard.redis, "RedisStreamSink", SlowSink)
+
+    def terminate() -> None:
+        if publishing.wait(30):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    try:
+        ids = _emit_events(sqlite.engine, 20)
+        killer = threading.Thread(target=terminate)
+        killer.start()
+        argv = ["relay", "--db", sqlite.url, "--redis", REDIS_URL, "--stream", stream, "--batch", "5"]
+        code, _, err = run(argv, capsys)
+        killer.join()
+        assert code == EXIT_OK, err
+        assert "stopped by SIGTERM: 5 events published" in err
+        assert _stream_ids(redis_client, stream) == ids[:5]
+        with sqlite.engine.connect() as conn:
+            marked = conn.scalars(select(outbox.c.id).where(outbox.c.published_ms.is_not(None))).all()
+        assert sorted(marked) == ids[:5]
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is put back
+    finally:
+        drop_tables(sqlite.engine)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["relay", "--redis", REDIS_URL], "the following arguments are required: --db"),
+        (["relay", "--db", "sqlite:///x.db"], "the following arguments are required: --redis"),
+        (["relay", "--db", "sqlite:///x.db", "--redis", REDIS_URL, "--batch", "0"], "must be at least 1"),
+        (["relay", "--db", "sqlite:///x.db", "--redis", REDIS_URL, "--lease", "-1"], "at least 0.001"),
+        (["relay", "--db", "sqlite:///x.db", "--redis", REDIS_URL, "--bogus"], "unrecognized arguments"),
+    ],
+)
+def test_relay_bad_arguments_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Missing --db or --redis and bad numbers are usage errors: exit 2 with the reason."""
+    code, out, err = run(argv, capsys)
+    assert code == EXIT_USAGE and out == ""
+    assert message in err
+
+
+def test_relay_unusable_database_or_redis_exit_2(
+    sqlite: Backend, tmp_path: Path, redis_client: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A missing SQLite file, missing tables, an unreachable Redis or a bad batch: one line, exit 2."""
+    drop_tables(sqlite.engine)
+    base = ["--redis", REDIS_URL, "--stream", "sgtest-never-written"]
+    cases = [
+        (["--db", f"sqlite:///{tmp_path / 'absent.db'}", *base], "no SQLite database at"),
+        (["--db", "postgresql+psycopg://nobody@127.0.0.1:1/none", *base], "cannot connect"),
+        (["--db", sqlite.url, *base], "run `alembic upgrade stateguard@head`"),
+    ]
+    for argv, message in cases:
+        code, out, err = run(["relay", *argv], capsys)
+        assert code == EXIT_USAGE and out == "" and message in err, err
+        assert len(err.splitlines()) == 1, err
+    create_tables(sqlite.engine)
+    try:
+        for redis_url, message in [
+            ("redis://127.0.0.1:1/0", "cannot connect to Redis at redis://127.0.0.1:1/0"),
+            ("http://127.0.0.1:6379", "not a Redis URL"),
+        ]:
+            code, _, err = run(["relay", "--db", sqlite.url, "--redis", redis_url], capsys)
+            assert code == EXIT_USAGE and message in err and len(err.splitlines()) == 1, err
+        code, _, err = run(["relay", "--db", sqlite.url, "--redis", REDIS_URL, "--batch", "10001"], capsys)
+        assert code == EXIT_USAGE and "batch must be at most 10000" in err, err
+    finally:
+        drop_tables(sqlite.engine)
+    assert redis_client.exists("sgtest-never-written") == 0
