@@ -46,6 +46,7 @@ import random
 import threading
 import time
 import uuid
+import zlib
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -67,6 +68,8 @@ if TYPE_CHECKING:
     from ..asgi import ASGIApp, Message
 
 __all__ = [
+    "PIPELINE_SCOPE",
+    "PIPELINE_TOPICS",
     "SCENARIOS",
     "Delivery",
     "DemoBase",
@@ -905,6 +908,224 @@ def http_retry_storm(run: DemoRun) -> list[SchemeRow]:
     row = run.row(scheme, "Starlette + IdempotencyMiddleware, POST /payments with Idempotency-Key", tally,
                   problems=problems)  # fmt: skip
     return [row]
+
+
+# --------------------------------------------------------------------------
+# The outbox pipeline: exactly-once effects end to end
+# --------------------------------------------------------------------------
+
+#: The demo's outbox topics: its relays publish only these, never an application's own events.
+PIPELINE_TOPICS = ("sg_demo.order.paid", "sg_demo.order.shipped")
+_PIPELINE_TOPIC = dict(zip(("pay", "ship"), PIPELINE_TOPICS, strict=True))
+#: Scope prefix of the pipeline's idempotency keys and consumer names; a run deletes earlier runs' rows.
+PIPELINE_SCOPE = "stateguard-demo-pipeline:"
+#: Partitions of the in-process broker: one consumer each, a key always in the same one.
+_PARTITIONS = 3
+#: Every how many-th sink call loses its acknowledgement (the batch was delivered, the relay hears an error).
+_LOST_ACK_EVERY = 4
+#: How long the pipeline may take to drain after the last request.
+_DRAIN_PATIENCE = 60.0
+
+
+class _LostAck(Exception):
+    """The broker took the batch but its acknowledgement never reached the relay."""
+
+
+@scenario("outbox pipeline")
+def outbox_pipeline(run: DemoRun) -> list[SchemeRow]:
+    """Retried requests -> transition + ``emit()`` -> 2 relays -> broker -> 3 ``consume_once`` consumers.
+
+    Each request carries an idempotency key (``idempotent()``; retries and
+    double-clicks replay the stored answer); an APPLIED ``pay`` or ``ship``
+    emits its event in the transition's transaction.  Two relay threads
+    publish the events into an in-process broker (a :class:`CallableSink`
+    feeding one queue per partition, a key always in the same partition)
+    that loses every fourth acknowledgement, so relays publish some batches
+    again: at least once.  Three consumers, one per partition, record each
+    event id with ``consume_once`` in the transaction of their effect (the
+    side-effect row).  The invariant: effects == APPLIED transitions, none
+    twice, each order paid before shipped.
+    """
+    from ..idempotency import idempotent
+    from ..inserts import consume_once
+    from ..outbox import CallableSink, OutboxEvent, Relay, emit
+    from ..tables import consumed_messages, outbox
+
+    scheme = "outbox pipeline"
+    token = uuid.uuid4().hex[:8]
+    key_scope = f"{PIPELINE_SCOPE}{token}"
+    consumer = f"{PIPELINE_SCOPE}warehouse-{token}"
+    create_tables(run.engine)
+    with run.engine.begin() as conn:
+        # Earlier runs' leftovers: unpublished demo events would be published (and counted) again.
+        conn.execute(delete(outbox).where(outbox.c.topic.in_(PIPELINE_TOPICS)))
+        conn.execute(delete(idempotency_keys).where(idempotency_keys.c.scope.startswith(PIPELINE_SCOPE)))
+        conn.execute(delete(consumed_messages).where(consumed_messages.c.consumer.startswith(PIPELINE_SCOPE)))
+    ids = run.create_orders(run.orders)
+
+    lock = threading.Lock()
+    deliveries: Counter[int] = Counter()  # event id -> times the broker got it
+    sink_calls = 0
+    partitions: list[queue.Queue[OutboxEvent | None]] = [queue.Queue() for _ in range(_PARTITIONS)]
+    counts: Counter[str] = Counter()
+    errors: list[str] = []
+
+    def broker(events: Sequence[OutboxEvent]) -> None:
+        nonlocal sink_calls
+        for event in events:
+            partitions[zlib.crc32((event.key or "").encode()) % _PARTITIONS].put(event)
+        with lock:
+            deliveries.update(e.id for e in events)
+            sink_calls += 1
+            lost = sink_calls % _LOST_ACK_EVERY == 2
+        if lost:
+            raise _LostAck(f"the broker's acknowledgement of {len(events)} events was lost")
+
+    stop = threading.Event()
+
+    def relay_loop(relay: Relay) -> None:
+        while not stop.is_set():
+            try:
+                published = relay.run_once()
+            except _LostAck:
+                continue  # the claim was released: this or the other relay publishes the batch again
+            except Exception as error:  # retryable conflicts included: reported, then the loop goes on
+                if not getattr(error, "retryable", False):
+                    with lock:
+                        errors.append(f"relay: {type(error).__name__}: {_first_line(error)}")
+                    stop.wait(0.05)
+                continue
+            if published == 0:
+                stop.wait(0.01)
+
+    def consume(event: OutboxEvent) -> Outcome:
+        def once() -> Result:
+            with Session(run.engine) as session, session.begin():
+                result = consume_once(session, consumer, str(event.id))
+                if result.applied:
+                    payload = event.payload
+                    request = Request(int(payload["order"]), str(payload["trigger"]))
+                    run.side_effect(session, scheme, request, f"c{event.id % _PARTITIONS}")
+                return result
+
+        return retry_on_conflict(once, attempts=1000, backoff=0.005, max_backoff=0.2, max_time=60).outcome
+
+    def consumer_loop(inbox: queue.Queue[OutboxEvent | None]) -> None:
+        while True:
+            event = inbox.get()
+            try:
+                if event is None:
+                    return
+                outcome = consume(event)
+                with lock:
+                    counts["deduplicated" if outcome is Outcome.REPEATED else "consumed"] += 1
+            except Exception as error:  # reported under the table
+                with lock:
+                    errors.append(f"consumer: {type(error).__name__}: {_first_line(error)}")
+            finally:
+                inbox.task_done()
+
+    def request(session: Session, req: Request, worker: str) -> Result:
+        with idempotent(session, scope=key_scope, key=req.request_id) as call:
+            if call.replayed:
+                return Result(Outcome.REPEATED, model=DemoOrder, key=req.order_id)
+            result = DemoOrder.flow.fire(session, req.action, req.order_id)
+            if result.applied:
+                # The event commits with the transition, or neither does.  Its key (one per order,
+                # unique to the run) keeps an order's events in order and clear of other keys.
+                payload = {"order": req.order_id, "trigger": req.action}
+                emit(session, _PIPELINE_TOPIC[req.action], payload, key=f"{key_scope}:{req.order_id}")
+            call.complete({"order": req.order_id, "outcome": result.outcome.name})
+            return result
+
+    threads = [
+        threading.Thread(target=consumer_loop, args=(q,), name=f"stateguard-demo-c{i}", daemon=True)
+        for i, q in enumerate(partitions)
+    ]
+    sink = CallableSink(broker)
+    threads += [
+        threading.Thread(
+            target=relay_loop,
+            args=(Relay(run.engine, sink, topics=PIPELINE_TOPICS, batch=20),),
+            name=f"stateguard-demo-r{i}",
+            daemon=True,
+        )
+        for i in range(2)
+    ]
+    for t in threads:
+        t.start()
+    try:
+        # Everyone pays; most orders are shipped later (the relays publish meanwhile).
+        waves = [
+            [[Request(i, "pay")] for i in ids],
+            [[Request(i, "ship")] for i in ids if run.rng.random() < 0.7],
+        ]
+        tally = run.fire(run.plan(waves), request)
+        deadline = time.monotonic() + _DRAIN_PATIENCE
+        pending = -1
+        while time.monotonic() < deadline:
+            with run.engine.connect() as conn:
+                pending = int(
+                    conn.scalar(
+                        select(func.count())
+                        .select_from(outbox)
+                        .where(outbox.c.topic.in_(PIPELINE_TOPICS), outbox.c.published_ms.is_(None))
+                    )
+                    or 0
+                )
+            if pending == 0:
+                break
+            time.sleep(0.02)
+    finally:
+        stop.set()
+        for t in threads[_PARTITIONS:]:
+            t.join()
+        for q in partitions:
+            q.join()  # every published event consumed
+            q.put(None)
+        for t in threads[:_PARTITIONS]:
+            t.join()
+
+    applied = tally.outcomes[Outcome.APPLIED]
+    published = len(deliveries)
+    redelivered = sum(1 for n in deliveries.values() if n > 1)
+    extra = sum(deliveries.values()) - published
+    problems: list[str] = (
+        [f"{pending} events were still unpublished after {_DRAIN_PATIENCE:.0f}s"] if pending else []
+    )
+    if published != applied:
+        problems.append(f"{published} events were published for {applied} APPLIED transitions")
+    if counts["deduplicated"] != extra:
+        problems.append(
+            f"consume_once said REPEATED {counts['deduplicated']} times for {extra} extra deliveries"
+        )
+    with run.engine.connect() as conn:
+        effects = conn.execute(
+            select(DemoSideEffect.order_id, DemoSideEffect.action)
+            .where(DemoSideEffect.scheme == scheme)
+            .order_by(DemoSideEffect.id)
+        ).all()
+    seen_paid: set[int] = set()
+    out_of_order = 0
+    for order_id, action in effects:
+        if action == "pay":
+            seen_paid.add(order_id)
+        elif order_id not in seen_paid:
+            out_of_order += 1
+    if out_of_order:
+        problems.append(f"{out_of_order} orders were shipped by a consumer before they were paid")
+    problems.extend(errors[:5])
+    tally.counts.update(published=published, redelivered=redelivered, deduplicated=counts["deduplicated"])
+    run.notes.append(
+        f"{scheme}: published = events the broker got, redelivered = events it got more than once "
+        f"(every {_LOST_ACK_EVERY}th acknowledgement lost),"
+    )
+    run.notes.append(
+        f"{scheme}: deduplicated = deliveries consume_once answered REPEATED; "
+        "side effects must equal APPLIED transitions"
+    )
+    how = "idempotent() -> transition + emit() -> 2 relays -> broker -> 3 consumers with consume_once"
+    return [run.row(scheme, how, tally, problems=problems)]
 
 
 # --------------------------------------------------------------------------

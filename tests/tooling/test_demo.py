@@ -20,13 +20,20 @@ from sqlalchemy.orm import Session
 
 import stateguard.asgi
 from stateguard import Outcome, Result
-from stateguard.tables import idempotency_keys
+from stateguard.tables import idempotency_keys, outbox
 from stateguard.tooling import cli, demo
 from stateguard.tooling.demo import DemoBase, DemoOrder, DemoRun, DemoSideEffect, Request, SchemeRow
 
 from ..conftest import Backend
 
-SCHEMES = ("state machine", "optimistic version", "insert-once", "flash sale", "http retry storm")
+SCHEMES = (
+    "state machine",
+    "optimistic version",
+    "insert-once",
+    "flash sale",
+    "http retry storm",
+    "outbox pipeline",
+)
 ROW = re.compile(
     r"^(?P<scheme>[a-z][a-z -]*?)\s{2,}(?P<attempts>\d+)\s+(?P<applied>\d+)\s+(?P<repeated>\d+)\s+"
     r"(?P<rejected>\d+)\s+(?P<retried>\d+)\s+(?P<effects>\d+)\s+(?P<invariant>ok|VIOLATED)\b"
@@ -83,6 +90,23 @@ def test_demo_on_backend(backend: Backend, capsys: pytest.CaptureFixture[str]) -
     assert int(rows["state machine"]["attempts"]) >= 2 * 2 * 30
     assert "invariant held" in captured.out
     _check_http_storm(backend, rows["http retry storm"], captured.out, orders=30)
+    _check_pipeline(backend, rows["outbox pipeline"], captured.out)
+
+
+def _check_pipeline(backend: Backend, row: dict[str, str], out: str) -> None:
+    """The pipeline's numbers agree: an event and an effect per APPLIED transition, duplicates dropped."""
+    also = re.search(
+        r"^outbox pipeline: also deduplicated (\d+), published (\d+), redelivered (\d+)$", out, re.M
+    )
+    assert also is not None, out
+    deduplicated, published, redelivered = (int(n) for n in also.groups())
+    assert published == int(row["applied"]) == int(row["effects"]), (row, also[0])
+    assert redelivered > 0 and deduplicated >= redelivered, also[0]  # every 4th acknowledgement was lost
+    with backend.engine.connect() as conn:
+        events = conn.execute(
+            select(outbox.c.published_ms).where(outbox.c.topic.in_(demo.PIPELINE_TOPICS))
+        ).all()
+    assert len(events) == published and all(p is not None for (p,) in events)
 
 
 def _check_http_storm(backend: Backend, row: dict[str, str], out: str, *, orders: int) -> None:
@@ -355,3 +379,56 @@ def test_python_m_stateguard_demo_in_a_subprocess(tmp_path: Path) -> None:
     assert sorted(rows) == sorted(SCHEMES)
     assert all(row["invariant"] == "ok" for row in rows.values())
     assert "\x1b[" not in proc.stdout + proc.stderr  # pipes, not terminals
+
+
+# --------------------------------------------------------------------------
+# The outbox pipeline
+# --------------------------------------------------------------------------
+
+
+def _pipeline_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(demo, "SCENARIOS", [s for s in demo.SCENARIOS if s.title == "outbox pipeline"])
+
+
+def test_pipeline_leaves_the_applications_own_events_alone(
+    sqlite: Backend, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The demo's relays publish only the demo's topics: an application's pending event stays unpublished."""
+    from stateguard import create_tables, drop_tables, emit
+
+    _pipeline_only(monkeypatch)
+    create_tables(sqlite.engine)
+    sqlite.create(DemoBase.metadata)
+    try:
+        with Session(sqlite.engine) as s, s.begin():
+            mine = emit(s, "app.invoice", {"id": 1}, key="invoice-1")
+        code = cli.main(["demo", "--db", sqlite.url, "--orders", "20", "--seed", "5"])
+        out = capsys.readouterr().out
+        assert code == 0, out
+        assert table(out)["outbox pipeline"]["invariant"] == "ok"
+        with sqlite.engine.connect() as conn:
+            row = conn.execute(
+                select(outbox.c.published_ms, outbox.c.attempts).where(outbox.c.id == mine)
+            ).one()
+        assert tuple(row) == (None, 0)
+    finally:
+        drop_tables(sqlite.engine)
+
+
+def test_pipeline_without_consume_once_is_violated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A consumer that does not deduplicate applies redelivered events again: VIOLATED, exit 1."""
+    import stateguard.inserts
+
+    def forgetful(session: Session, consumer: str, message_id: str) -> Result:
+        return Result(Outcome.APPLIED, model=DemoOrder, key=message_id)
+
+    _pipeline_only(monkeypatch)
+    monkeypatch.setattr(stateguard.inserts, "consume_once", forgetful)
+    code = cli.main(["demo", "--db", f"sqlite:///{tmp_path / 'dup.db'}", "--orders", "20", "--seed", "6"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    row = table(out)["outbox pipeline"]
+    assert row["invariant"] == "VIOLATED" and int(row["effects"]) > int(row["applied"]), out
+    assert "side effect ran 2 times" in out or "side effect ran 3 times" in out, out
