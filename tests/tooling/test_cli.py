@@ -489,6 +489,7 @@ def test_relay_finishes_the_batch_in_hand_on_sigterm(
             return super().publish(events)
 
     monkeypatch.setattr(stateguard.redis, "RedisStreamSink", SlowSink)
+    handler_before = signal.getsignal(signal.SIGTERM)
 
     def terminate() -> None:
         if publishing.wait(30):
@@ -507,7 +508,7 @@ def test_relay_finishes_the_batch_in_hand_on_sigterm(
         with sqlite.engine.connect() as conn:
             marked = conn.scalars(select(outbox.c.id).where(outbox.c.published_ms.is_not(None))).all()
         assert sorted(marked) == ids[:5]
-        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is put back
+        assert signal.getsignal(signal.SIGTERM) == handler_before  # the relay's handler is taken down
     finally:
         drop_tables(sqlite.engine)
 
