@@ -313,6 +313,16 @@ class _CountingRelay(Relay):
         return published
 
 
+def _safe_redis(url: str) -> str:
+    """``url`` with its password (if any) shown as ``***``, for messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = f"{parts.username}:" if parts.username else ":"
+    return parts._replace(netloc=f"{user}***@{netloc}").geturl()
+
+
 def _redis_client(url: str) -> Any:
     """A redis-py client of ``url`` that answered PING, or :class:`UsageError` saying why not."""
     try:
@@ -323,12 +333,14 @@ def _redis_client(url: str) -> Any:
         # A Redis that stops answering fails the batch (retried) instead of hanging the relay.
         client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=10)
     except ValueError as error:
-        raise UsageError(f"not a Redis URL: {url!r} ({error}; e.g. redis://127.0.0.1:6379/0)") from error
+        raise UsageError(
+            f"not a Redis URL: {_safe_redis(url)!r} ({error}; e.g. redis://127.0.0.1:6379/0)"
+        ) from error
     try:
         client.ping()
     except redis.RedisError as error:
         client.close()
-        raise UsageError(f"cannot connect to Redis at {url}: {_first_line(error)}") from error
+        raise UsageError(f"cannot connect to Redis at {_safe_redis(url)}: {_first_line(error)}") from error
     return client
 
 

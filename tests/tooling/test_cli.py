@@ -552,9 +552,11 @@ def test_relay_unusable_database_or_redis_exit_2(
         for redis_url, message in [
             ("redis://127.0.0.1:1/0", "cannot connect to Redis at redis://127.0.0.1:1/0"),
             ("http://127.0.0.1:6379", "not a Redis URL"),
+            ("redis://app:s3cret@127.0.0.1:1/0", "cannot connect to Redis at redis://app:***@127.0.0.1:1/0"),
         ]:
             code, _, err = run(["relay", "--db", sqlite.url, "--redis", redis_url], capsys)
             assert code == EXIT_USAGE and message in err and len(err.splitlines()) == 1, err
+            assert "s3cret" not in err
         code, _, err = run(["relay", "--db", sqlite.url, "--redis", REDIS_URL, "--batch", "10001"], capsys)
         assert code == EXIT_USAGE and "batch must be at most 10000" in err, err
     finally:
