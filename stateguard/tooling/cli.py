@@ -236,18 +236,23 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from .demo import render, run_demo
 
     engine = open_engine(args.db, workers=args.workers)
+    client: Any = None
     try:
+        client = _redis_client(args.redis) if args.redis is not None else None
         report = run_demo(
             engine,
             workers=args.workers,
             orders=args.orders,
             seed=args.seed,
             progress=StderrProgress(err),
+            redis=client,
         )
     except sa_exc.SQLAlchemyError as error:
         err.write(f"stateguard demo: database error: {_first_line(error)}\n")
         return EXIT_PROBLEMS
     finally:
+        if client is not None:
+            client.close()
         engine.dispose()
     out.write(render(report, color=use_color(out)) + "\n")
     out.flush()
@@ -658,6 +663,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--seed", type=int, default=None, metavar="N", help="seed of the request plan (default: random)"
+    )
+    demo.add_argument(
+        "--redis",
+        default=None,
+        metavar="URL",
+        help=(
+            "run the outbox pipeline through a Redis stream at URL (a fresh stream, deleted "
+            "after the run) instead of in-process queues (default: no Redis needed)"
+        ),
     )
     graph = _command(
         commands,

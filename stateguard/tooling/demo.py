@@ -273,6 +273,8 @@ class DemoRun:
     orders: int
     rng: random.Random
     progress: Progress = field(default_factory=Progress)
+    #: A redis-py client: the outbox pipeline then publishes to a Redis stream (``stateguard demo --redis``).
+    redis: Any = None
     #: Lines for the report, under the table (see :attr:`DemoReport.notes`).
     notes: list[str] = field(default_factory=list)
     _next_id: int = 1
@@ -970,10 +972,28 @@ def outbox_pipeline(run: DemoRun) -> list[SchemeRow]:
     counts: Counter[str] = Counter()
     errors: list[str] = []
 
+    def route(event: OutboxEvent) -> None:
+        partitions[zlib.crc32((event.key or "").encode()) % _PARTITIONS].put(event)
+
+    stream = f"{PIPELINE_SCOPE.rstrip(':')}-{token}"
+    stream_sink = None
+    if run.redis is not None:
+        from ..redis import RedisStreamSink
+
+        stream_sink = RedisStreamSink(run.redis, stream=stream)
+        run.notes.append(f"{scheme}: the broker is the Redis stream {stream!r} (deleted after the run)")
+    else:
+        run.notes.append(
+            f"{scheme}: the broker is in-process queues (stateguard demo --redis URL: a Redis stream)"
+        )
+
     def broker(events: Sequence[OutboxEvent]) -> None:
         nonlocal sink_calls
-        for event in events:
-            partitions[zlib.crc32((event.key or "").encode()) % _PARTITIONS].put(event)
+        if stream_sink is None:
+            for event in events:
+                route(event)
+        else:
+            stream_sink.publish(events)  # the stream reader routes them to the consumers
         with lock:
             deliveries.update(e.id for e in events)
             sink_calls += 1
@@ -982,6 +1002,33 @@ def outbox_pipeline(run: DemoRun) -> list[SchemeRow]:
             raise _LostAck(f"the broker's acknowledgement of {len(events)} events was lost")
 
     stop = threading.Event()
+    read_all = threading.Event()
+
+    def stream_reader() -> None:
+        """Read the Redis stream in order and hand each entry to its key's consumer."""
+        last: Any = "0-0"
+        read = 0
+        try:
+            while True:
+                with lock:
+                    written = sum(deliveries.values())
+                if read_all.is_set() and read >= written:
+                    return
+                for _, entries in run.redis.xread({stream: last}, count=500, block=50) or []:
+                    for entry_id, fields in entries:
+                        last, read = entry_id, read + 1
+                        key = fields[b"key"].decode()
+                        event = OutboxEvent(
+                            int(fields[b"id"]),
+                            fields[b"topic"].decode(),
+                            key or None,
+                            json.loads(fields[b"payload"]),
+                            0,
+                        )
+                        route(event)
+        except Exception as error:  # reported under the table
+            with lock:
+                errors.append(f"stream reader: {type(error).__name__}: {_first_line(error)}")
 
     def relay_loop(relay: Relay) -> None:
         while not stop.is_set():
@@ -1052,6 +1099,9 @@ def outbox_pipeline(run: DemoRun) -> list[SchemeRow]:
         )
         for i in range(2)
     ]
+    reader = threading.Thread(target=stream_reader, name="stateguard-demo-reader", daemon=True)
+    if stream_sink is not None:
+        reader.start()
     for t in threads:
         t.start()
     try:
@@ -1080,6 +1130,10 @@ def outbox_pipeline(run: DemoRun) -> list[SchemeRow]:
         stop.set()
         for t in threads[_PARTITIONS:]:
             t.join()
+        read_all.set()
+        if stream_sink is not None:
+            reader.join()
+            run.redis.delete(stream)
         for q in partitions:
             q.join()  # every published event consumed
             q.put(None)
@@ -1141,6 +1195,7 @@ def run_demo(
     seed: int | None = None,
     progress: Progress | None = None,
     scenarios: Sequence[Scenario] | None = None,
+    redis: Any = None,
 ) -> DemoReport:
     """Drop and create the ``sg_demo_*`` tables on ``engine`` and run every scenario.
 
@@ -1160,7 +1215,7 @@ def run_demo(
     started = time.monotonic()
     DemoBase.metadata.drop_all(engine)
     DemoBase.metadata.create_all(engine)
-    run = DemoRun(engine, workers, orders, random.Random(seed), progress)
+    run = DemoRun(engine, workers, orders, random.Random(seed), progress, redis=redis)
     rows: list[SchemeRow] = []
     for i, sc in enumerate(chosen, 1):
         progress.begin(i, len(chosen), sc.title)

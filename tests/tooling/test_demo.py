@@ -24,7 +24,7 @@ from stateguard.tables import idempotency_keys, outbox
 from stateguard.tooling import cli, demo
 from stateguard.tooling.demo import DemoBase, DemoOrder, DemoRun, DemoSideEffect, Request, SchemeRow
 
-from ..conftest import Backend
+from ..conftest import REDIS_URL, Backend
 
 SCHEMES = (
     "state machine",
@@ -432,3 +432,33 @@ def test_pipeline_without_consume_once_is_violated(
     row = table(out)["outbox pipeline"]
     assert row["invariant"] == "VIOLATED" and int(row["effects"]) > int(row["applied"]), out
     assert "side effect ran 2 times" in out or "side effect ran 3 times" in out, out
+
+
+def test_pipeline_through_a_redis_stream(
+    backend: Backend, redis_client: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With --redis the pipeline goes through a fresh Redis stream, holds its invariant, and deletes it."""
+    from stateguard import create_tables, drop_tables
+
+    _pipeline_only(monkeypatch)
+    create_tables(backend.engine)
+    backend.create(DemoBase.metadata)
+    try:
+        argv = ["demo", "--db", backend.url, "--orders", "20", "--seed", "8", "--redis", REDIS_URL]
+        code = cli.main(argv)
+        out = capsys.readouterr().out
+        assert code == 0, out
+        stream = re.search(r"the broker is the Redis stream '([^']+)' \(deleted after the run\)", out)
+        assert stream is not None, out
+        assert redis_client.exists(stream[1]) == 0
+        _check_pipeline(backend, table(out)["outbox pipeline"], out)
+    finally:
+        drop_tables(backend.engine)
+
+
+def test_demo_with_an_unreachable_redis_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--redis naming a server that does not answer is a one-line usage error before any scenario runs."""
+    db = f"sqlite:///{tmp_path / 'r.db'}"
+    assert cli.main(["demo", "--db", db, "--redis", "redis://127.0.0.1:1/0"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "cannot connect to Redis at redis://127.0.0.1:1/0" in captured.err
