@@ -49,6 +49,7 @@ __all__ = [
     "check_exact",
     "check_fence",
     "check_integer",
+    "check_json_shape",
     "check_statement_size",
     "check_storable",
     "check_string",
@@ -696,6 +697,28 @@ def check_text(value: Any, what: str, limit: int) -> str:
         raise InvalidArgument(f"{what} is {len(value)} characters long; the limit is {limit}")
     check_storable(value, what)
     return value
+
+
+def check_json_shape(value: Any, what: str, max_depth: int) -> None:
+    """Refuse what JSON would change or could not carry: non-str object keys (JSON turns ``1`` into
+    ``"1"``), nesting past ``max_depth`` (InvalidArgument; nothing was written)."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            if depth >= max_depth:
+                raise InvalidArgument(f"{what} nests deeper than {max_depth} levels; nothing was written")
+            for k, v in item.items():
+                if not isinstance(k, str):
+                    raise InvalidArgument(
+                        f"{what} object keys must be str (JSON would turn {k!r} into a string); "
+                        f"nothing was written"
+                    )
+                stack.append((v, depth + 1))
+        elif isinstance(item, list | tuple):
+            if depth >= max_depth:
+                raise InvalidArgument(f"{what} nests deeper than {max_depth} levels; nothing was written")
+            stack.extend((v, depth + 1) for v in item)
 
 
 def check_storable(value: str, what: str) -> str:

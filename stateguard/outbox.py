@@ -199,27 +199,6 @@ def _dumps(payload: Any) -> str:
     return json.dumps(payload, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
 
 
-def _check_shape(payload: Any) -> None:
-    """Refuse what JSON would change or could not carry: non-str object keys, nesting past MAX_DEPTH."""
-    stack: list[tuple[Any, int]] = [(payload, 0)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, dict):
-            if depth >= MAX_DEPTH:
-                raise InvalidArgument(f"payload nests deeper than {MAX_DEPTH} levels; nothing was written")
-            for k, v in value.items():
-                if not isinstance(k, str):
-                    raise InvalidArgument(
-                        f"payload object keys must be str (JSON would turn {k!r} into a string); "
-                        f"nothing was written"
-                    )
-                stack.append((v, depth + 1))
-        elif isinstance(value, list | tuple):
-            if depth >= MAX_DEPTH:
-                raise InvalidArgument(f"payload nests deeper than {MAX_DEPTH} levels; nothing was written")
-            stack.extend((v, depth + 1) for v in value)
-
-
 def payload_text(payload: Any) -> str:
     """``payload`` as the JSON text the outbox stores, or InvalidArgument (nothing sent).
 
@@ -227,7 +206,7 @@ def payload_text(payload: Any) -> str:
     None); no NaN or infinity (``allow_nan=False``: other JSON readers
     refuse them); no lone surrogates (no UTF-8 for them).
     """
-    _check_shape(payload)
+    _write.check_json_shape(payload, "payload", MAX_DEPTH)
     try:
         text = _dumps(payload)
     except (TypeError, ValueError, RecursionError) as error:

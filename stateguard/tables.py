@@ -343,6 +343,9 @@ outbox = Table(
     # The relay's pick: unpublished events in id order; and a key's earliest unpublished event.
     Index("ix_stateguard_outbox_pending", "published_ms", "id"),
     Index("ix_stateguard_outbox_key", "key", "published_ms", "id"),
+    # Consumers deduplicate by event id: SQLite must never hand a purged event's id out again
+    # (a plain INTEGER PRIMARY KEY reuses the largest rowid once its rows are deleted).
+    sqlite_autoincrement=True,
 )
 
 

@@ -113,6 +113,8 @@ CALLS: dict[str, Callable[[Session], Any]] = {
     # Found by a README-only review: checked only after the UPDATE, or never.
     "metadata-list": lambda s: Item.flow.finish(s, "a", request_id="r", metadata=["by", "user:12"]),
     "metadata-str": lambda s: Item.flow.finish(s, "a", metadata="by user 12"),
+    "metadata-int-key": lambda s: Item.flow.finish(s, "a", metadata={1: 2}),
+    "metadata-150-deep": lambda s: Item.flow.finish(s, "a", metadata={"deep": _deep(150)}),
     "values-bytes-for-text": lambda s: Item.flow.finish(s, "a", values={"note": b"x"}),
     "values-int-for-text": lambda s: Item.flow.finish(s, "a", values={"note": 10**60}),
     "insert-once-bytes-key": lambda s: insert_once(s, Item, {"code": b"b"}),

@@ -591,3 +591,24 @@ def test_a_batch_costs_two_statements_on_postgresql(backend: Backend, engine: En
     # and a SET TRANSACTION before the claim and before the mark.
     expected = {"postgresql": 2, "sqlite": 4}.get(backend.name, 6)
     assert len(statements.statements) == expected, statements.statements
+
+
+def test_a_purged_events_id_is_never_handed_out_again(backend: Backend) -> None:
+    """Consumers deduplicate by event id: after every event was published and purged, the next emit gets
+    a new id (SQLite's plain rowid reused id 1, and consume_once then dropped the new event)."""
+    engine = backend.engine
+    drop_tables(engine)
+    create_tables(engine)
+    try:
+        with Session(engine) as s, s.begin():
+            first = emit(s, "mail", {"to": "alice"})
+        published: list[int] = []
+        Relay(engine, CallableSink(lambda events: published.extend(e.id for e in events))).run_once()
+        assert published == [first]
+        time.sleep(0.05)
+        assert purge_published(engine, older_than=timedelta(milliseconds=1)) == 1
+        with Session(engine) as s, s.begin():
+            second = emit(s, "mail", {"to": "bob"})
+        assert second > first
+    finally:
+        drop_tables(engine)

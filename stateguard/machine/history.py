@@ -66,6 +66,8 @@ class HistoryEntry(NamedTuple):
 
 #: Largest ``metadata`` (JSON, UTF-8 bytes) one log row takes: well under MariaDB's default packet limit.
 MAX_META_BYTES = 1 << 20
+#: Deepest nesting of ``metadata`` (as for an outbox payload).
+MAX_META_DEPTH = 100
 
 
 def check_request(request_id: Any, meta: Any) -> None:
@@ -82,6 +84,8 @@ def check_request(request_id: Any, meta: Any) -> None:
     if meta is not None and not isinstance(meta, Mapping):
         raise InvalidArgument(f"metadata must be a mapping (a dict) or None, got {type(meta).__name__}")
     if meta is not None:
+        # The same shape rules as an outbox payload, which carries it too (events=True).
+        _write.check_json_shape(meta, "metadata", MAX_META_DEPTH)
         try:
             # allow_nan=False: NaN and Infinity are not JSON (PostgreSQL's json
             # and MariaDB's JSON_VALID refuse them, after the UPDATE ran).

@@ -211,14 +211,15 @@ class Trigger:
                 integers.append((info.version_column, expected_version, "expected_version"))
             if fence is not None and info.fence_column is not None:
                 integers.append((info.fence_column, fence, "fence"))
+        topic = self.topic
+        if m.history_enabled or topic is not None:
+            # Before the connection: on SQLite connection_for takes the write lock.
+            history.check_request(request_id, metadata)
         conn = _write.connection_for(session, info, (key,), integers)
         backend = _sql.backend(conn.dialect)
         old_db_state: Any = None
-        topic = self.topic
         # PostgreSQL writes the event in the UPDATE's own statement (a data-modifying CTE).
         in_cte = topic is not None and backend.dml_cte
-        if m.history_enabled or topic is not None:
-            history.check_request(request_id, metadata)
         if m.history_enabled and request_id is not None:
             logged = history.applied_by_request(conn, m, self.name, key, request_id)
             if logged is not None:

@@ -38,6 +38,8 @@ def upgrade() -> None:
         sa.Column("claimed_by", ExactString(64), nullable=True),
         sa.Column("published_ms", sa.BigInteger, nullable=True),
         sa.Column("attempts", sa.Integer, nullable=False),
+        # Consumers deduplicate by event id: SQLite must never reuse a purged event's id.
+        sqlite_autoincrement=True,
     )
     op.create_index("ix_stateguard_outbox_pending", "stateguard_outbox", ["published_ms", "id"])
     op.create_index("ix_stateguard_outbox_key", "stateguard_outbox", ["key", "published_ms", "id"])
