@@ -63,6 +63,7 @@ __all__ = [
     "conflict_error",
     "db_now_ms",
     "decode_key",
+    "inexact_text_key",
     "integer_bounds",
     "is_duplicate_key",
     "key_order",
@@ -565,6 +566,28 @@ def canonical_key(info: ModelInfo, key: tuple[Any, ...]) -> tuple[Any, ...]:
                 value = exact
         out.append(value)
     return tuple(out)
+
+
+def inexact_text_key(info: ModelInfo, dialect: Dialect) -> bool:
+    """Whether ``dialect``'s database may match a text key part to a row spelled otherwise.
+
+    MariaDB's and MySQL's default collations ignore case and trailing spaces:
+    ``'SKU-A'`` and ``'sku-a '`` find the row ``'sku-a'``.  A ``String`` key
+    column without a binary (``*_bin``) collation there; type decorators
+    (such as :class:`~stateguard.tables.ExactString`) declare their own.
+    """
+    if dialect.name not in ("mysql", "mariadb"):
+        return False
+    for column in info.pk_columns:
+        kind = column.type
+        if isinstance(kind, TypeDecorator) or not isinstance(kind, sqltypes.String):
+            continue
+        if isinstance(kind, sqltypes.Enum):
+            continue
+        collation = getattr(kind, "collation", None)
+        if collation is None or not collation.endswith("_bin"):
+            return True
+    return False
 
 
 def key_order(key: tuple[Any, ...]) -> tuple[Any, ...]:

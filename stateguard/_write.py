@@ -30,7 +30,19 @@ from datetime import timedelta
 from decimal import Decimal
 from typing import Any, Final, TypeVar
 
-from sqlalchemy import Column, Connection, CursorResult, Engine, Enum, String, Table, event, insert, text
+from sqlalchemy import (
+    Column,
+    Connection,
+    CursorResult,
+    Engine,
+    Enum,
+    String,
+    Table,
+    event,
+    insert,
+    select,
+    text,
+)
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
@@ -72,6 +84,7 @@ __all__ = [
     "seconds",
     "split_values",
     "sqlite_write_lock",
+    "stored_key",
     "sync_loaded",
     "value_integers",
 ]
@@ -910,6 +923,29 @@ def _purge(table: Table, conn: Connection, params: dict[str, Any]) -> int:
     if stmt is None:
         stmt = memo.put(key, _sql.purge_statement(table, backend, batch))
     return int(execute(conn, stmt, params).rowcount)
+
+
+def stored_key(conn: Connection, info: _sql.ModelInfo, key: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``key`` as the row spells it, where the database matches text keys inexactly (else ``key``).
+
+    On MariaDB/MySQL with a case-insensitive collation ``'SKU-A'`` updates
+    the row ``'sku-a'``: the transition log, the counter ledger and the
+    outbox must record the row's own spelling, or one ref (or request id)
+    applies once per spelling and one row's events get several keys.  One
+    primary-key read, only for such models and only where a ref, a request
+    id or an event needs it.
+    """
+    backend = _sql.backend(conn.dialect)
+    flag = memo.get(("inexact-key", info, backend))
+    if flag is None:
+        flag = memo.put(("inexact-key", info, backend), _sql.inexact_text_key(info, conn.dialect))
+    if not flag:
+        return key
+    stmt = memo.get(("stored-key", info))
+    if stmt is None:
+        stmt = memo.put(("stored-key", info), select(*info.pk_columns).where(info.pk_where))
+    row = execute(conn, stmt, info.key_params(key)).first()
+    return key if row is None else tuple(row)
 
 
 def read_back(info: _sql.ModelInfo, columns: Sequence[Column[Any]], backend: _sql.Backend) -> Any:

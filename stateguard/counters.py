@@ -280,7 +280,10 @@ def _apply(
     public = _sql.public_key(key)
     ledger_id = None
     if ref is not None:
-        ledger_id = _claim(conn, backend, counter, key, ref, delta)
+        # The row's own spelling of a text key (MariaDB's case-insensitive collations).
+        ledger_id = _claim(
+            conn, backend, counter, _write.stored_key(conn, info, key) if info.text_key else key, ref, delta
+        )
         if ledger_id is None:
             return Result(
                 Outcome.REPEATED, model=counter.model, key=public, session=session, same_request=True

@@ -216,6 +216,10 @@ class Trigger:
             # Before the connection: on SQLite connection_for takes the write lock.
             history.check_request(request_id, metadata)
         conn = _write.connection_for(session, info, (key,), integers)
+        if info.text_key and (m.history_enabled or topic is not None):
+            # The row's own spelling of a text key (MariaDB's case-insensitive collations), for
+            # the log's request-id lookup and the event's key.
+            key = _write.stored_key(conn, info, key)
         backend = _sql.backend(conn.dialect)
         old_db_state: Any = None
         # PostgreSQL writes the event in the UPDATE's own statement (a data-modifying CTE).
