@@ -23,6 +23,7 @@ algorithms live in the feature modules and call into here.
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -67,10 +68,12 @@ __all__ = [
     "check_string",
     "check_text",
     "connection_for",
+    "dumps_json",
     "duration_ms",
     "ensure_real_transaction",
     "execute",
     "identity_instance",
+    "json_text",
     "key_bounds",
     "memo",
     "now_ms",
@@ -710,6 +713,27 @@ def check_text(value: Any, what: str, limit: int) -> str:
         raise InvalidArgument(f"{what} is {len(value)} characters long; the limit is {limit}")
     check_storable(value, what)
     return value
+
+
+def dumps_json(value: Any) -> str:
+    """Compact JSON text as stateguard stores it (no NaN or Infinity: other JSON readers refuse them)."""
+    return json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+
+
+def json_text(value: Any, what: str, max_depth: int) -> str:
+    """``value`` as the JSON text stateguard stores (:func:`dumps_json`), or InvalidArgument before any
+    statement: non-str object keys or nesting past ``max_depth`` (:func:`check_json_shape`), what JSON
+    cannot carry (NaN, Infinity, sets, objects), and lone surrogates (no UTF-8 for them; MariaDB's
+    JSON_VALID refuses even their escapes)."""
+    check_json_shape(value, what, max_depth)
+    try:
+        text = dumps_json(value)
+    except (TypeError, ValueError, RecursionError) as error:
+        raise InvalidArgument(
+            f"{what} must be JSON-serialisable (dict, list, str, int, finite float, bool, None): "
+            f"{error}; nothing was written"
+        ) from None
+    return check_storable(text, what)
 
 
 def check_json_shape(value: Any, what: str, max_depth: int) -> None:

@@ -141,7 +141,7 @@ class OutboxEvent:
 
     def payload_json(self) -> str:
         """The payload as JSON text, as stored (compact, non-ASCII kept as is)."""
-        return self._json if self._json is not None else _dumps(self.payload)
+        return self._json if self._json is not None else _write.dumps_json(self.payload)
 
 
 @runtime_checkable
@@ -195,10 +195,6 @@ class CallableSink:
 # --------------------------------------------------------------------------
 
 
-def _dumps(payload: Any) -> str:
-    return json.dumps(payload, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
-
-
 def payload_text(payload: Any) -> str:
     """``payload`` as the JSON text the outbox stores, or InvalidArgument (nothing sent).
 
@@ -206,15 +202,7 @@ def payload_text(payload: Any) -> str:
     None); no NaN or infinity (``allow_nan=False``: other JSON readers
     refuse them); no lone surrogates (no UTF-8 for them).
     """
-    _write.check_json_shape(payload, "payload", MAX_DEPTH)
-    try:
-        text = _dumps(payload)
-    except (TypeError, ValueError, RecursionError) as error:
-        raise InvalidArgument(
-            f"payload must be JSON-serialisable (dict, list, str, int, finite float, bool, None): "
-            f"{error}; nothing was written"
-        ) from None
-    return _write.check_storable(text, "payload")
+    return _write.json_text(payload, "payload", MAX_DEPTH)
 
 
 def _insert(backend: _sql.Backend) -> Any:

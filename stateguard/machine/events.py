@@ -119,8 +119,8 @@ def json_key(info: _sql.ModelInfo, key: tuple[Any, ...]) -> Any:
 FIELDS: Final = ("model", "key", "trigger", "source", "dest", "version", "request_id", "metadata")
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+#: The outbox's JSON text, written the same way whichever path writes an event.
+_dumps = _write.dumps_json
 
 
 def payload(

@@ -19,7 +19,6 @@ REJECTED.
 from __future__ import annotations
 
 import datetime
-import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -84,22 +83,9 @@ def check_request(request_id: Any, meta: Any) -> None:
     if meta is not None and not isinstance(meta, Mapping):
         raise InvalidArgument(f"metadata must be a mapping (a dict) or None, got {type(meta).__name__}")
     if meta is not None:
-        # The same shape rules as an outbox payload, which carries it too (events=True).
-        _write.check_json_shape(meta, "metadata", MAX_META_DEPTH)
-        try:
-            # allow_nan=False: NaN and Infinity are not JSON (PostgreSQL's json
-            # and MariaDB's JSON_VALID refuse them, after the UPDATE ran).
-            text = json.dumps(meta, allow_nan=False, ensure_ascii=False)
-        except RecursionError:
-            raise InvalidArgument("metadata is nested too deeply to store as JSON") from None
-        except (TypeError, ValueError) as error:
-            message = f"metadata must be JSON-serialisable (no NaN or Infinity): {error}"
-            raise InvalidArgument(message) from error
-        try:
-            size = len(text.encode("utf-8"))
-        except UnicodeEncodeError as error:
-            # MariaDB's JSON_VALID refuses an escaped lone surrogate.
-            raise InvalidArgument(f"metadata contains a lone surrogate ({error.reason})") from None
+        # The rules of an outbox payload, which carries it too (events=True): checked before
+        # the UPDATE, as PostgreSQL's json and MariaDB's JSON_VALID refuse NaN only after it.
+        size = len(_write.json_text(meta, "metadata", MAX_META_DEPTH).encode("utf-8"))
         if size > MAX_META_BYTES:
             raise InvalidArgument(
                 f"metadata is {size} bytes as JSON; the transition log takes at most {MAX_META_BYTES}"
