@@ -20,6 +20,7 @@ from stateguard import (
     create_tables,
     decrement,
     drop_tables,
+    emit,
     guarded_update,
     idempotent,
     increment,
@@ -65,6 +66,7 @@ CALLS: dict[str, Callable[[Any], Any]] = {
     "row_lock": lambda bad: row_lock(bad, Order, 1),
     "advisory_lock": lambda bad: advisory_lock(bad, "x").__enter__(),
     "idempotent": lambda bad: idempotent(bad, scope="s", key="k").__enter__(),
+    "emit": lambda bad: emit(bad, "orders.paid", {"id": 1}),
 }
 
 
