@@ -21,7 +21,7 @@ from typing import Any
 
 import sqlalchemy
 
-from . import idempotency, relay, scenarios
+from . import idempotency, locks, relay, scenarios
 from .models import Table, make_engine, server_version
 
 DEFAULT_DBS = [
@@ -48,6 +48,7 @@ SIZES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"events": 200, "rounds": 1, "batches": [100, 500]},
     ),
     "events": ({"n": 1000}, {"n": 10}),
+    "locks": ({"workers": 8, "ops": 50, "rounds": 3}, {"workers": 2, "ops": 3, "rounds": 1}),
 }
 
 RUNNERS: dict[str, Any] = {
@@ -60,10 +61,11 @@ RUNNERS: dict[str, Any] = {
     "scale": scenarios.scale,
     "relay": relay.relay_scenario,
     "events": relay.events_cost,
+    "locks": locks.lock_comparison,
 }
 
 #: Full runs of these scenarios only on these dialects (the issue states their targets there).
-ONLY_ON = {"bulk": ("postgresql",)}
+ONLY_ON = {"bulk": ("postgresql",), "locks": ("postgresql",)}
 
 
 def render(table: Table) -> str:

@@ -341,7 +341,8 @@ def _run_workers(
             counts[k] = counts.get(k, 0) + v
         kinds.update(r["kinds"])
     elapsed = max(r["end"] for r in results) - min(r["start"] for r in results)
-    return {"counts": counts, "kinds": kinds, "elapsed": elapsed}
+    latencies = [x for r in results for x in r.get("latencies", ())]
+    return {"counts": counts, "kinds": kinds, "elapsed": elapsed, "latencies": latencies}
 
 
 def contention(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from bench.__main__ import RUNNERS, main, markdown, run
 
-from .conftest import Backend
+from .conftest import IN_CI, Backend
 
 
 def test_every_scenario_runs_with_tiny_sizes(backend: Backend) -> None:
@@ -17,7 +17,7 @@ def test_every_scenario_runs_with_tiny_sizes(backend: Backend) -> None:
     tables = run([backend.url], None, quick=True, out=out)
     assert len(tables) == len(RUNNERS)
     by_number = {t.title.split(" ")[0]: t for t in tables}
-    assert set(by_number) == {"1.", "2.", "3.", "4.", "5a.", "5b.", "5c.", "6.", "6b."}
+    assert set(by_number) == {"1.", "2.", "3.", "4.", "5a.", "5b.", "5c.", "6.", "6b.", "7."}
 
     single = {r["variant"]: r for r in by_number["1."].rows}
     assert single["stateguard"]["stmts_per_call"] == 1.0
@@ -70,6 +70,21 @@ def test_every_scenario_runs_with_tiny_sizes(backend: Backend) -> None:
         "events=True (transition + outbox event)": 1 if backend.name == "postgresql" else 2,
         "no events": 1,
     }
+    # Locks (PostgreSQL only): every lock applied every increment, none lost; ZooKeeper ran
+    # too when it is installed (CI installs zookeeperd).
+    locks = {r["variant"]: r for r in by_number["7."].rows}
+    if backend.name == "postgresql":
+        expected_locks = {"advisory_lock", "RedisLock(fences=engine)", "RedisLock (Redis fence)"}
+        if not any("ZooKeeperLock left out" in n for n in by_number["7."].notes):
+            expected_locks.add("ZooKeeperLock")
+        elif IN_CI:
+            raise AssertionError("the ZooKeeper variant must run in CI: " + str(by_number["7."].notes))
+        assert set(locks) == expected_locks
+        for row in locks.values():
+            assert (row["applied"], row["lost_updates"], row["errors"], row["stale"]) == (6, 0, 0, 0), row
+            assert row["ops_per_s"] > 0 and row["p99_ms"] >= row["median_ms"] > 0
+    else:
+        assert locks == {}
     assert "variant" in out.getvalue()
 
 
