@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import random
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar, overload
 
 from sqlalchemy import exc as sa_exc
 
@@ -19,6 +21,10 @@ __all__ = ["retry_on_conflict"]
 log = logging.getLogger("stateguard")
 
 T = TypeVar("T")
+
+#: The default ``sleep``, replaced by :func:`asyncio.sleep` in the async form (captured, so a
+#: patched ``time.sleep`` cannot make the comparison fail).
+_BLOCKING_SLEEP: Callable[[float], object] = time.sleep
 
 
 def _retryable(error: BaseException, lock_not_acquired: bool) -> bool:
@@ -44,6 +50,69 @@ def _is_stale(error: StateguardError) -> bool:
     return isinstance(error, StaleVersion)
 
 
+class _Policy:
+    """One call's retry decisions, shared by the sync and async loops (only their waits differ)."""
+
+    __slots__ = ("attempt", "attempts", "backoff", "deadline", "lock_not_acquired", "max_backoff")
+
+    def __init__(
+        self,
+        attempts: int,
+        backoff: float,
+        max_backoff: float,
+        max_time: float | None,
+        lock_not_acquired: bool,
+    ) -> None:
+        if attempts < 1:
+            raise ValueError("attempts must be at least 1")
+        self.attempts = attempts
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self.lock_not_acquired = lock_not_acquired
+        self.deadline = None if max_time is None else time.monotonic() + max_time
+        self.attempt = 0
+
+    def _last(self) -> bool:
+        return self.attempt >= self.attempts or (
+            self.deadline is not None and time.monotonic() >= self.deadline
+        )
+
+    def retry_error(self, error: Exception) -> bool:
+        """Whether to call again after ``error`` (else the caller re-raises it)."""
+        if not _retryable(error, self.lock_not_acquired) or self._last():
+            return False
+        log.debug("stateguard: attempt %d hit %r, retrying", self.attempt, error)
+        return True
+
+    def retry_result(self, result: object) -> bool:
+        """Whether to call again after ``result`` (a STALE Result with attempts left), else return it."""
+        if not (isinstance(result, Result) and result.outcome is Outcome.STALE) or self._last():
+            return False
+        log.debug("stateguard: attempt %d was STALE, retrying", self.attempt)
+        return True
+
+    def delay(self) -> float:
+        """Full jitter: uniform in [0, min(max_backoff, backoff * 2**(attempt-1))], cut at the deadline."""
+        delay = random.uniform(0, min(self.max_backoff, self.backoff * (2 ** (self.attempt - 1))))
+        if self.deadline is not None:
+            delay = min(delay, max(0.0, self.deadline - time.monotonic()))
+        return delay
+
+
+@overload
+def retry_on_conflict(
+    fn: Callable[[], Awaitable[T]],
+    *,
+    attempts: int = 5,
+    backoff: float = 0.01,
+    max_backoff: float = 1.0,
+    max_time: float | None = None,
+    lock_not_acquired: bool = True,
+    sleep: Callable[[float], object] = time.sleep,
+) -> Coroutine[Any, Any, T]: ...
+
+
+@overload
 def retry_on_conflict(
     fn: Callable[[], T],
     *,
@@ -53,7 +122,19 @@ def retry_on_conflict(
     max_time: float | None = None,
     lock_not_acquired: bool = True,
     sleep: Callable[[float], object] = time.sleep,
-) -> T:
+) -> T: ...
+
+
+def retry_on_conflict(
+    fn: Callable[[], Any],
+    *,
+    attempts: int = 5,
+    backoff: float = 0.01,
+    max_backoff: float = 1.0,
+    max_time: float | None = None,
+    lock_not_acquired: bool = True,
+    sleep: Callable[[float], object] = time.sleep,
+) -> Any:
     """Call ``fn()`` until it succeeds, retrying on conflicts; return its last result.
 
     ``fn`` must run a *whole* unit of work in its own transaction (read, decide,
@@ -63,7 +144,11 @@ def retry_on_conflict(
     :class:`SerializationConflict` / :class:`DeadlockDetected` /
     :class:`StaleVersion`, :class:`LockNotAcquired` (unless
     ``lock_not_acquired=False``), or a driver serialization failure, deadlock
-    or lock timeout (also when raised by COMMIT).  Waits between attempts grow exponentially
+    or lock timeout (also when raised by COMMIT).  Serialization failures are
+    recognised by code: SQLSTATE 40001 (PostgreSQL, and CockroachDB's
+    ``restart transaction`` errors such as ``RETRY_SERIALIZABLE`` and
+    ``RETRY_WRITE_TOO_OLD``), 40P01 and MySQL/MariaDB 1213 (deadlocks),
+    InnoDB's 1020, SQLite's busy snapshot.  Waits between attempts grow exponentially
     from ``backoff`` (full jitter) up to ``max_backoff``; ``max_time`` bounds
     the total time.  After the last attempt the last result is returned (a
     STALE result) or the last error re-raised::
@@ -75,31 +160,64 @@ def retry_on_conflict(
                                       expected_version=order.version)
 
         r = retry_on_conflict(lambda: rename(42, "gift"))
+
+    **asyncio**: given a coroutine function (or any callable whose call returns
+    an awaitable, such as ``lambda: rename_async(42, "gift")``), the call
+    returns a coroutine to await; each attempt is awaited and the waits use
+    :func:`asyncio.sleep` (the event loop keeps running), never
+    :func:`time.sleep`.  A ``sleep`` you pass may be a coroutine function or a
+    plain function::
+
+        async def rename_async(order_id: int, note: str) -> Result:
+            async with AsyncSession(async_engine) as s, s.begin():
+                order = await s.get_one(Order, order_id)
+                return await guarded_update(s, Order, order, {"note": note},
+                                            expected_version=order.version)
+
+        r = await retry_on_conflict(lambda: rename_async(42, "gift"))
     """
-    if attempts < 1:
-        raise ValueError("attempts must be at least 1")
-    deadline = None if max_time is None else time.monotonic() + max_time
-    attempt = 0
+    policy = _Policy(attempts, backoff, max_backoff, max_time, lock_not_acquired)
+    if inspect.iscoroutinefunction(fn):
+        return _retry_async(fn, policy, sleep, None)
     while True:
-        attempt += 1
+        policy.attempt += 1
         try:
             result = fn()
         except Exception as error:
-            if not _retryable(error, lock_not_acquired) or attempt >= attempts or _past(deadline):
+            if not policy.retry_error(error):
                 raise
-            log.debug("stateguard: attempt %d hit %r, retrying", attempt, error)
         else:
-            if not (isinstance(result, Result) and result.outcome is Outcome.STALE):
+            if inspect.isawaitable(result):
+                # fn is a lambda or partial around a coroutine function: the
+                # caller awaits what we return, so the retries go there.
+                return _retry_async(fn, policy, sleep, result)
+            if not policy.retry_result(result):
                 return result
-            if attempt >= attempts or _past(deadline):
-                return result
-            log.debug("stateguard: attempt %d was STALE, retrying", attempt)
-        delay = random.uniform(0, min(max_backoff, backoff * (2 ** (attempt - 1))))
-        if deadline is not None:
-            delay = min(delay, max(0.0, deadline - time.monotonic()))
+        delay = policy.delay()
         if delay > 0:
             sleep(delay)
 
 
-def _past(deadline: float | None) -> bool:
-    return deadline is not None and time.monotonic() >= deadline
+async def _retry_async(
+    fn: Callable[[], Any], policy: _Policy, sleep: Callable[[float], object], first: Awaitable[Any] | None
+) -> Any:
+    wait: Callable[[float], object] = asyncio.sleep if sleep is _BLOCKING_SLEEP else sleep
+    while True:
+        try:
+            if first is None:
+                policy.attempt += 1
+                pending = fn()
+            else:
+                pending, first = first, None
+            result = await pending
+        except Exception as error:
+            if not policy.retry_error(error):
+                raise
+        else:
+            if not policy.retry_result(result):
+                return result
+        delay = policy.delay()
+        if delay > 0:
+            waited = wait(delay)
+            if inspect.isawaitable(waited):
+                await waited
