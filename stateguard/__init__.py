@@ -52,6 +52,7 @@ from .retry import retry_on_conflict
 from .tables import create_tables, drop_tables, migrations_location
 from .tokens import consume_token, issue_token, purge_expired_tokens
 from .versioning import fence_column, guarded_update, version_column
+from .zookeeper import ZooKeeperLock
 
 __version__ = "0.1.0"
 
@@ -97,6 +98,7 @@ __all__ = [
     "UnknownTrigger",
     "WorkerIdsExhausted",
     "WorkerLeaseLost",
+    "ZooKeeperLock",
     "advisory_lock",
     "async_sqlite_engine",
     "consume_once",

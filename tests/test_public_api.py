@@ -44,6 +44,7 @@ EXPECTED = [
     "UnknownTrigger",
     "WorkerIdsExhausted",
     "WorkerLeaseLost",
+    "ZooKeeperLock",
     "advisory_lock",
     "async_sqlite_engine",
     "consume_once",
