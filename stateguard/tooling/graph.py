@@ -1,18 +1,33 @@
 """Diagrams of declared state machines: mermaid and dot text, SVG/PNG through Graphviz.
 
-Used by ``stateguard graph``::
+Used by ``stateguard graph`` and ``stateguard inspect`` (which writes each
+state's row count into its box)::
 
-    print(render_graph(Order.flow))           # mermaid
-    svg = render_graph(Order.flow, "svg")      # needs Graphviz
+    print(render_graph(Order.flow))                              # mermaid
+    svg = render_graph(Order.flow, "svg")                         # needs Graphviz
+    print(render_graph(Order.flow, counts={"paid": 12}))          # "paid (12 rows)"
+
+SVG and PNG are the DOT text of :func:`render_graph` drawn by Graphviz's
+``dot`` (through the ``graphviz`` package), so a picture and the DOT it was
+made from always agree.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from typing import Any, Final, Literal
 
 from ..machine import StateMachine
 
-__all__ = ["GRAPHVIZ_HINT", "GRAPH_FORMATS", "GraphvizMissing", "graphviz_available", "render_graph"]
+__all__ = [
+    "GRAPHVIZ_HINT",
+    "GRAPH_FORMATS",
+    "GraphvizMissing",
+    "graphviz_available",
+    "render_graph",
+    "rows_label",
+]
 
 # --------------------------------------------------------------------------
 # Diagrams
@@ -70,7 +85,24 @@ def _dot_id(text_: str) -> str:
     return '"' + text_.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def _dot_source(machine: StateMachine[Any]) -> str:
+def rows_label(name: str, count: int) -> str:
+    """A state's name with its row count, as drawn by ``stateguard inspect``: ``paid (12 rows)``."""
+    return f"{name} ({count} row{'' if count == 1 else 's'})"
+
+
+def _mermaid_counts(source: str, counts: Mapping[str, int]) -> str:
+    # transitions declares each state as `state "<name>" as <id>`: the label is what is drawn.
+    lines = []
+    for line in (raw.rstrip() for raw in source.splitlines()):
+        match = re.fullmatch(r'(\s*)state "([^"]*)" as (\S+)', line)
+        if match is not None and match.group(2) in counts:
+            indent, name, ident = match.groups()
+            line = f'{indent}state "{rows_label(name, counts[name])}" as {ident}'
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def _dot_source(machine: StateMachine[Any], counts: Mapping[str, int] | None = None) -> str:
     # transitions renders DOT only through the graphviz package, so DOT text
     # is written here from the same markup its engines draw from (states,
     # transitions with merged labels, the initial state), in its style.
@@ -91,7 +123,12 @@ def _dot_source(machine: StateMachine[Any]) -> str:
         "  edge [color=black]",
         '  "[*]" [shape=point label="" width=0.15]',
     ]
-    lines += [f"  {_dot_id(state['name'])}" for state in markup["states"]]
+    for state in markup["states"]:
+        name = state["name"]
+        if counts is not None and name in counts:
+            lines.append(f"  {_dot_id(name)} [label={_dot_id(rows_label(name, counts[name]))}]")
+        else:
+            lines.append(f"  {_dot_id(name)}")
     labels: dict[tuple[str, str], list[str]] = {}
     for t in markup["transitions"]:
         labels.setdefault((t["source"], t["dest"]), []).append(t["trigger"])
@@ -118,25 +155,32 @@ def graphviz_available() -> bool:
     return importlib.util.find_spec("graphviz") is not None and shutil.which("dot") is not None
 
 
-def render_graph(machine: StateMachine[Any], fmt: str = "mermaid") -> str | bytes:
+def render_graph(
+    machine: StateMachine[Any], fmt: str = "mermaid", *, counts: Mapping[str, int] | None = None
+) -> str | bytes:
     """The declared graph as Mermaid or DOT text, or SVG/PNG bytes.
 
-    Mermaid comes from ``transitions``' mermaid engine, SVG/PNG from its
-    graphviz engine (:class:`GraphvizMissing` without Graphviz); DOT text is
-    written from ``transitions``' markup of the same machine, so it needs
-    nothing extra::
+    Mermaid comes from ``transitions``' mermaid engine; DOT text is written
+    from ``transitions``' markup of the same machine, so both need nothing
+    extra; SVG/PNG are that DOT text drawn by Graphviz
+    (:class:`GraphvizMissing` without it).  ``counts`` (state name -> rows)
+    labels each counted state ``name (N rows)``::
 
         print(render_graph(Order.flow))            # stateDiagram-v2 ...
         Path("flow.svg").write_bytes(render_graph(Order.flow, "svg"))
+        render_graph(Order.flow, "dot", counts={"paid": 12})   # ... "paid" [label="paid (12 rows)"]
     """
     if fmt == "mermaid":
         source = str(_graph_machine(machine, "mermaid").get_graph().source)
+        if counts:
+            return _mermaid_counts(source, counts)
         return "\n".join(line.rstrip() for line in source.splitlines()) + "\n"
     if fmt == "dot":
-        return _dot_source(machine)
+        return _dot_source(machine, counts)
     if fmt in ("svg", "png"):
         if not graphviz_available():
             raise GraphvizMissing(GRAPHVIZ_HINT)
-        drawn = _graph_machine(machine, "graphviz").get_graph().draw(None, format=fmt, prog="dot")
-        return bytes(drawn)
+        import graphviz
+
+        return bytes(graphviz.Source(_dot_source(machine, counts)).pipe(format=fmt))
     raise ValueError(f"unknown graph format {fmt!r}; choose one of {', '.join(GRAPH_FORMATS)}")
