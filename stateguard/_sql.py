@@ -53,6 +53,7 @@ from .exceptions import (
 )
 
 __all__ = [
+    "POSTGRESQL_FAMILY",
     "Backend",
     "ClauseElement",
     "ModelInfo",
@@ -134,6 +135,9 @@ class Backend:
     dml_cte: bool
 
 
+#: Dialects that speak PostgreSQL's SQL for every statement stateguard builds.
+POSTGRESQL_FAMILY: Final = ("postgresql", "cockroachdb")
+
 _interned: dict[tuple[Any, ...], Backend] = {}
 # Weak keys: an engine (and its dialect) that the application drops leaves nothing behind.
 _backends: weakref.WeakKeyDictionary[Dialect, Backend] = weakref.WeakKeyDictionary()
@@ -156,20 +160,27 @@ def backend(dialect: Dialect) -> Backend:
         name = dialect.name
         mysql = name in ("mysql", "mariadb")
         sqlite = name == "sqlite"
+        # CockroachDB (sqlalchemy-cockroachdb, a PGDialect subclass) speaks
+        # PostgreSQL's SQL for everything stateguard writes: UPDATE/INSERT ...
+        # RETURNING, ON CONFLICT DO NOTHING, = ANY(array), DML in a WITH clause,
+        # FOR UPDATE [NOWAIT | SKIP LOCKED].  It has no pg_advisory_xact_lock
+        # (named_locks "") and no PL/pgSQL trigger functions before 24.3, so the
+        # legal-edges trigger is not installed there (trigger_functions False).
+        pg_sql = name in POSTGRESQL_FAMILY
         flags = (
             name,
             bool(dialect.update_returning) and not mysql,
             mysql,
             mysql,
-            name in ("postgresql", "sqlite"),
+            pg_sql or sqlite,
             not sqlite,
             sqlite,
             mysql,
             "transaction" if name == "postgresql" else "connection" if mysql else "",
-            name == "postgresql",
+            pg_sql,
             name == "postgresql",
             mysql,
-            name == "postgresql",
+            pg_sql,
         )
         with _backends_lock:
             found = _interned.get(flags)
@@ -189,6 +200,7 @@ class _DbNowMs(FunctionElement[int]):
 
 
 @compiles(_DbNowMs, "postgresql")
+@compiles(_DbNowMs, "cockroachdb")
 def _db_now_postgresql(element: Any, compiler: Any, **kw: Any) -> str:
     # statement_timestamp(), not now(): now() is the start of the transaction,
     # so inside a long transaction every lease written would end early and

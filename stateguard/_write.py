@@ -419,7 +419,7 @@ class InsertOnce:
         stmt = self._statements.get(backend.name)
         if stmt is None:
             if backend.on_conflict:
-                dialect_insert = postgresql.insert if backend.name == "postgresql" else sqlite.insert
+                dialect_insert = sqlite.insert if backend.name == "sqlite" else postgresql.insert
                 stmt = (
                     dialect_insert(self.table)
                     .values(self.values)

@@ -170,8 +170,10 @@ def _check_row_lock_support(conn: Connection, *, nowait: bool, skip_locked: bool
                     f"this server is {found}"
                 )
         return
-    if backend.name != "postgresql":
-        raise NotSupported(f"row_lock supports PostgreSQL, MySQL/MariaDB and SQLite, not {backend.name}")
+    if backend.name not in _sql.POSTGRESQL_FAMILY:
+        raise NotSupported(
+            f"row_lock supports PostgreSQL (and CockroachDB), MySQL/MariaDB and SQLite, not {backend.name}"
+        )
 
 
 # --------------------------------------------------------------------------
@@ -271,6 +273,12 @@ def advisory_lock(
     With an :class:`~sqlalchemy.ext.asyncio.AsyncSession`, use ``async with``.
 
     **SQLite** has no named locks: :class:`~stateguard.NotSupported`.
+    **CockroachDB** (the ``cockroachdb`` dialect) neither: its advisory-lock
+    functions have been missing or no-op stubs, so the call raises
+    :class:`~stateguard.NotSupported` from the dialect's name, before a
+    connection is checked out; use :func:`row_lock`, or
+    :class:`~stateguard.RedisLock` / :class:`~stateguard.ZooKeeperLock` with
+    a fence.
     """
     return DualContext(session, lambda sync: _advisory_lock(sync, name, timeout=timeout, shared=shared))
 
@@ -288,6 +296,9 @@ def _advisory_lock(
     wait = _write.seconds(timeout, "timeout", allow_zero=True)
     if wait == float("inf"):
         wait = None  # wait forever, as timeout=None does (GET_LOCK would refuse 'inf')
+    # Decided from the bind's dialect before the session checks out a
+    # connection, so nothing is sent to a server that cannot honour the lock.
+    _refuse_unlocking_dialect(_write.own_bind(session, None).dialect.name)
     conn = _write.own_connection(session, None)
     kind = _sql.backend(conn.dialect).named_locks
     if kind == "transaction":
@@ -309,6 +320,26 @@ def _advisory_lock(
             f"advisory_lock is not available on {conn.dialect.name}: it has no named locks "
             f"(use row_lock with stateguard.sqlite_engine() on SQLite)"
         )
+
+
+#: Dialects that speak PostgreSQL but have no advisory locks, and what to use instead.
+_NO_ADVISORY_LOCKS: Final = {
+    "cockroachdb": (
+        "advisory_lock is not supported on CockroachDB: its releases have had no "
+        "pg_advisory_xact_lock and only no-op stubs of the session-level advisory-lock functions "
+        "(they return true without excluding anyone; cockroachdb/cockroach#13546), and the "
+        "transaction-level locks added in 2026 are not tested with stateguard. Lock a row with "
+        "row_lock(session, Model, key) (SELECT ... FOR UPDATE), or take a named lock outside the "
+        "database with stateguard.RedisLock or stateguard.ZooKeeperLock and pass its fence"
+    ),
+}
+
+
+def _refuse_unlocking_dialect(dialect_name: str) -> None:
+    """:class:`NotSupported` for a dialect whose named locks cannot exclude (checked before any SQL)."""
+    message = _NO_ADVISORY_LOCKS.get(dialect_name)
+    if message is not None:
+        raise NotSupported(message)
 
 
 def _pg_advisory_lock(conn: Connection, name: str, wait: float | None, shared: bool) -> None:
