@@ -45,6 +45,7 @@ from .ids import Snowflake, new_request_id
 from .inserts import consume_once, insert_once
 from .locks import advisory_lock, row_lock
 from .machine import HistoryEntry, StateMachine, Trigger
+from .observe import GuardEvent, on_event
 from .outbox import AsyncRelay, CallableSink, OutboxEvent, Relay, Sink, emit, purge_published
 from .redis import AsyncRedisLock, AsyncRedisTokens, RedisLock, RedisStreamSink, RedisTokens
 from .result import Outcome, Result
@@ -63,6 +64,7 @@ __all__ = [
     "CallableSink",
     "ConfigurationError",
     "DeadlockDetected",
+    "GuardEvent",
     "HistoryEntry",
     "IdempotencyEvent",
     "IdempotencyKeyReused",
@@ -116,6 +118,7 @@ __all__ = [
     "issue_token",
     "migrations_location",
     "new_request_id",
+    "on_event",
     "on_idempotency_event",
     "purge_expired",
     "purge_expired_tokens",

@@ -31,6 +31,7 @@ Five shapes of call get their async face here, and nowhere else:
 from __future__ import annotations
 
 import functools
+import logging
 import types
 from collections.abc import Callable, Coroutine
 from contextlib import AbstractContextManager
@@ -57,6 +58,7 @@ else:
             """Stand-in when SQLAlchemy's asyncio extension cannot load: no AsyncConnection can exist then."""
 
 
+from . import observe as _observe
 from .exceptions import InvalidArgument
 
 __all__ = [
@@ -136,11 +138,21 @@ def dual(fn: Callable[Concatenate[S, P], R]) -> Dual[S, P, R]:
     to pass, before anything runs.
     """
     what = f"{fn.__name__}()"
+    operation = fn.__name__.lstrip("_")
+    logger = logging.getLogger(fn.__module__)
 
     @functools.wraps(fn)
     def call(session: Any, /, *args: Any, **kwargs: Any) -> Any:
+        # The one flag test of the fast path; the report (stateguard.observe) only when asked for.
+        watched = _observe.hooked or logger.isEnabledFor(logging.DEBUG)
         if isinstance(session, AsyncSession):
+            if watched:
+                return session.run_sync(_observe.observe_session_call, operation, logger, fn, *args, **kwargs)
             return session.run_sync(fn, *args, **kwargs)  # type: ignore[arg-type]
+        if watched:
+            return _observe.observe_session_call(
+                as_session(session, what), operation, logger, fn, *args, **kwargs
+            )
         return fn(as_session(session, what), *args, **kwargs)
 
     return call
@@ -216,14 +228,35 @@ def _call_method(session: Session, fn: Callable[..., Any], obj: Any, /, *args: A
     return fn(obj, session, *args, **kwargs)
 
 
+def _observe_method(
+    session: Session,
+    operation: str,
+    logger: logging.Logger,
+    fn: Callable[..., Any],
+    obj: Any,
+    /,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    # A trigger names its model and trigger up front, so a call that raises still reports them.
+    machine = getattr(obj, "machine", None)
+    model = getattr(machine, "model", None) if machine is not None else getattr(obj, "model", None)
+    trigger = getattr(obj, "name", None) if machine is not None else None
+    return _observe.observe_session_call(
+        session, operation, logger, _call_method, fn, obj, *args, sg_model=model, sg_trigger=trigger, **kwargs
+    )
+
+
 class _BoundDual:
     """A dual method bound to its object (what ``trigger.many`` evaluates to)."""
 
-    __slots__ = ("fn", "obj")
+    __slots__ = ("fn", "logger", "obj", "operation")
 
-    def __init__(self, fn: Callable[..., Any], obj: Any) -> None:
+    def __init__(self, fn: Callable[..., Any], obj: Any, operation: str, logger: logging.Logger) -> None:
         self.fn = fn
         self.obj = obj
+        self.operation = operation
+        self.logger = logger
 
     @property
     def __doc__(self) -> str | None:  # type: ignore[override]
@@ -235,10 +268,17 @@ class _BoundDual:
         else:
             # ``trigger(session=s, target=1)``: a method's session may be passed by keyword.
             session = kwargs.pop("session", None)
+        watched = _observe.hooked or self.logger.isEnabledFor(logging.DEBUG)
         if isinstance(session, AsyncSession):
+            if watched:
+                return session.run_sync(
+                    _observe_method, self.operation, self.logger, self.fn, self.obj, *args, **kwargs
+                )
             return session.run_sync(_call_method, self.fn, self.obj, *args, **kwargs)
         if not isinstance(session, Session):
             session = as_session(session, f"{self.fn.__name__.lstrip('_')}()")
+        if watched:
+            return _observe_method(session, self.operation, self.logger, self.fn, self.obj, *args, **kwargs)
         return self.fn(self.obj, session, *args, **kwargs)
 
 
@@ -257,10 +297,13 @@ class dual_method(Generic[Obj, S, P, R]):
     ``Trigger`` subclass overriding ``_fire``) is honoured by both faces.
     """
 
-    def __init__(self, fn: Callable[Concatenate[Obj, S, P], R]) -> None:
+    def __init__(self, fn: Callable[Concatenate[Obj, S, P], R], *, operation: str | None = None) -> None:
         self.fn = fn
         self._name = fn.__name__
         self.__doc__ = fn.__doc__
+        #: What the call is reported as (stateguard.observe): ``"trigger"``, ``"many"`` ...
+        self.operation = operation or fn.__name__.lstrip("_")
+        self._logger = logging.getLogger(fn.__module__)
 
     @overload
     def __get__(self, obj: None, owner: type[Any]) -> dual_method[Obj, S, P, R]: ...
@@ -272,7 +315,7 @@ class dual_method(Generic[Obj, S, P, R]):
         if obj is None:
             return self
         fn = getattr(owner, self._name, self.fn)
-        return _BoundDual(self.fn if fn is self else fn, obj)
+        return _BoundDual(self.fn if fn is self else fn, obj, self.operation, self._logger)
 
 
 def sync_session_of(session: Session | AsyncSession) -> Session:

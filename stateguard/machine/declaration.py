@@ -499,7 +499,7 @@ class StateMachine(Generic[S]):
             raise InvalidArgument(f"{self._where()} keeps no history; declare it with history=True")
         return history.entries(session, self, target)
 
-    fire = dual_method(_fire)
+    fire = dual_method(_fire, operation="trigger")
     history = dual_method(_history)
 
     def available(self, obj: Any) -> list[str]:

@@ -179,9 +179,9 @@ class Trigger:
             result = self._attempt(session, target, values, expected_version, fence, rid, metadata)
         return result
 
-    __call__ = dual_method(_fire)
-    many = dual_method(bulk.fire_many)
-    where = dual_method(bulk.fire_where)
+    __call__ = dual_method(_fire, operation="trigger")
+    many = dual_method(bulk.fire_many, operation="many")
+    where = dual_method(bulk.fire_where, operation="where")
 
     def _attempt(
         self,
