@@ -50,6 +50,7 @@ from .outbox import AsyncRelay, CallableSink, OutboxEvent, Relay, Sink, emit, pu
 from .redis import AsyncRedisLock, AsyncRedisTokens, RedisLock, RedisStreamSink, RedisTokens
 from .result import Outcome, Result
 from .retry import retry_on_conflict
+from .striped import StripedCounter
 from .tables import create_tables, drop_tables, migrations_location
 from .tokens import consume_token, issue_token, purge_expired_tokens
 from .versioning import fence_column, guarded_update, version_column
@@ -95,6 +96,7 @@ __all__ = [
     "StaleVersion",
     "StateMachine",
     "StateguardError",
+    "StripedCounter",
     "TransitionRejected",
     "Trigger",
     "UnknownTrigger",

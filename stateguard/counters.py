@@ -37,7 +37,7 @@ import json
 import math
 from collections.abc import Mapping
 from decimal import Decimal
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import (
     Connection,
@@ -234,15 +234,37 @@ def _ledger_key(counter: _Counter, key: tuple[Any, ...]) -> str:
     return stored
 
 
-def _claim(
-    conn: Connection, backend: _sql.Backend, counter: _Counter, key: tuple[Any, ...], ref: str, delta: Any
+class LedgerTarget(NamedTuple):
+    """Where a ref'd change lands, as the ledger names it: shared with :mod:`stateguard.striped`."""
+
+    #: ``stateguard_counter_ledger.table_name`` (a model's table, or the stripes table).
+    table_name: str
+    #: ``stateguard_counter_ledger.column_name`` (a model's column, or a striped counter's name).
+    column_name: str
+    #: How errors name it (``Stock.amount``, ``StripedCounter('stock')``).
+    name: str
+
+
+def ledger_claim(
+    conn: Connection,
+    backend: _sql.Backend,
+    target: LedgerTarget,
+    stored_key: str,
+    public: Any,
+    ref: str,
+    delta: Any,
 ) -> Any:
-    """Insert the ledger row; its id, or ``None`` when this ref already applied the same delta."""
+    """Insert the ledger row of ``ref``; its id, or ``None`` when this ref already applied the same delta.
+
+    ``stored_key`` is the ledger's ``row_key`` text (:func:`~stateguard.tables.row_key`),
+    ``public`` the key as errors show it.  A different delta under the same
+    ref is :class:`~stateguard.RefConflict`.
+    """
     params = {
         "sg_ref": ref,
-        "sg_table_name": counter.info.table.fullname,
-        "sg_row_key": _ledger_key(counter, key),
-        "sg_column_name": counter.column.name,
+        "sg_table_name": target.table_name,
+        "sg_row_key": stored_key,
+        "sg_column_name": target.column_name,
         "sg_delta": str(delta),
     }
     inserted = _LEDGER_CLAIM(conn, params)
@@ -256,10 +278,65 @@ def _claim(
         )
     if Decimal(existing) != Decimal(delta):
         raise RefConflict(
-            f"ref {ref!r} already changed {counter.name} of {_sql.public_key(key)!r} by "
+            f"ref {ref!r} already changed {target.name} of {public!r} by "
             f"{Decimal(existing).normalize()}, not {delta}; use a new ref for a different change"
         )
     return None
+
+
+def ledger_forget(conn: Connection, backend: _sql.Backend, ledger_id: Any) -> None:
+    """Delete a claim whose change did not apply, so the same ref can apply later."""
+    _write.execute(conn, _ledger_stmt("forget", backend), {"sg_id": ledger_id})
+
+
+def ledger_take(conn: Connection, backend: _sql.Backend, target: LedgerTarget, ref: str) -> Any:
+    """Mark what ``ref`` changed in ``target`` released, exactly once.
+
+    Returns the entries to give back (rows with ``row_key`` and ``delta``),
+    or the Outcome NOT_FOUND (the ref changed nothing) or REPEATED (already
+    released).
+    """
+    params = {"sg_ref": ref, "sg_table_name": target.table_name, "sg_column_name": target.column_name}
+    # Read the ref's entries without locking, then mark them released by
+    # primary key with "released_at IS NULL": that UPDATE decides.  A
+    # concurrent release of the same ref waits on the row locks and then
+    # matches nothing (PostgreSQL re-checks the WHERE of a waiting UPDATE at
+    # READ COMMITTED; InnoDB's UPDATE reads the latest committed row).  A
+    # locking read of the ref would instead take InnoDB next-key locks on the
+    # index range, blocking unrelated refs' ledger inserts and risking
+    # deadlocks with concurrent reservations.
+    _write.sqlite_write_lock(conn)
+    entries = _write.execute(conn, _ledger_stmt("entries", backend), params).all()
+    if not entries:
+        return Outcome.NOT_FOUND
+    # Entries released before stay released: a ref reused after its release
+    # (on another row) releases only what it took since.
+    rows = [row for row in entries if row.released_at is None]
+    if not rows:
+        return Outcome.REPEATED
+    mark = _ledger_stmt("mark", backend)
+    marked = _write.execute(conn, mark, {"sg_ids": [row.id for row in rows]}).rowcount
+    if not marked:
+        return Outcome.REPEATED
+    if marked != len(rows):  # pragma: no cover - a ref's entries are marked together
+        raise SerializationConflict(
+            f"some ledger entries of ref {ref!r} were released by another transaction meanwhile; "
+            f"roll back and retry (retry_on_conflict() does this)"
+        )
+    return rows
+
+
+def _target(counter: _Counter) -> LedgerTarget:
+    return LedgerTarget(counter.info.table.fullname, counter.column.name, counter.name)
+
+
+def _claim(
+    conn: Connection, backend: _sql.Backend, counter: _Counter, key: tuple[Any, ...], ref: str, delta: Any
+) -> Any:
+    """Insert the ledger row; its id, or ``None`` when this ref already applied the same delta."""
+    return ledger_claim(
+        conn, backend, _target(counter), _ledger_key(counter, key), _sql.public_key(key), ref, delta
+    )
 
 
 def _apply(
@@ -309,7 +386,7 @@ def _apply(
         return Result(Outcome.APPLIED, model=counter.model, key=public, value=value, session=session)
     if ledger_id is not None:
         # Nothing changed: forget the claim, so the same ref can apply later.
-        _write.execute(conn, _ledger_stmt("forget", backend), {"sg_id": ledger_id})
+        ledger_forget(conn, backend, ledger_id)
     # One read tells a missing row from a short one; on MariaDB a locking read,
     # which sees the latest committed row as the UPDATE did.
     read = _write.read_back(info, [counter.column], backend)
@@ -503,33 +580,10 @@ def release(session: Session, column: Any, ref: str) -> Result:
     info = counter.info
     conn = _write.connection_for(session, info)
     backend = _sql.backend(conn.dialect)
-    params = {"sg_ref": ref, "sg_table_name": info.table.fullname, "sg_column_name": counter.column.name}
-    # Read the ref's entries without locking, then mark them released by
-    # primary key with "released_at IS NULL": that UPDATE decides.  A
-    # concurrent release of the same ref waits on the row locks and then
-    # matches nothing (PostgreSQL re-checks the WHERE of a waiting UPDATE at
-    # READ COMMITTED; InnoDB's UPDATE reads the latest committed row).  A
-    # locking read of the ref would instead take InnoDB next-key locks on the
-    # index range, blocking unrelated refs' ledger inserts and risking
-    # deadlocks with concurrent reservations.
-    _write.sqlite_write_lock(conn)
-    entries = _write.execute(conn, _ledger_stmt("entries", backend), params).all()
-    if not entries:
-        return Result(Outcome.NOT_FOUND, model=counter.model, key=ref, session=session)
-    # Entries released before stay released: a ref reused after its release
-    # (on another row) releases only what it took since.
-    rows = [row for row in entries if row.released_at is None]
-    if not rows:
-        return Result(Outcome.REPEATED, model=counter.model, key=ref, session=session, same_request=True)
-    mark = _ledger_stmt("mark", backend)
-    marked = _write.execute(conn, mark, {"sg_ids": [row.id for row in rows]}).rowcount
-    if not marked:
-        return Result(Outcome.REPEATED, model=counter.model, key=ref, session=session, same_request=True)
-    if marked != len(rows):  # pragma: no cover - a ref's entries are marked together
-        raise SerializationConflict(
-            f"some ledger entries of ref {ref!r} were released by another transaction meanwhile; "
-            f"roll back and retry (retry_on_conflict() does this)"
-        )
+    rows = ledger_take(conn, backend, _target(counter), ref)
+    if isinstance(rows, Outcome):
+        same = rows is Outcome.REPEATED
+        return Result(rows, model=counter.model, key=ref, session=session, same_request=same)
     undo: list[tuple[tuple[Any, ...], Any]] = []
     for row in rows:
         delta = -Decimal(row.delta)

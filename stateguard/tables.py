@@ -1,5 +1,5 @@
 """Every table stateguard owns, on one ``MetaData``: the transition log, the
-counter ledger, idempotency keys, consumed messages, one-time tokens,
+counter ledger, the stripes of striped counters, idempotency keys, consumed messages, one-time tokens,
 worker leases, the outbox, and the column types they share.
 
 Create them with the alembic revisions in ``stateguard/migrations/`` (branch
@@ -56,6 +56,7 @@ __all__ = [
     "Utf8Text",
     "consumed_messages",
     "counter_ledger",
+    "counter_stripes",
     "create_tables",
     "drop_tables",
     "exact_string",
@@ -238,6 +239,25 @@ counter_ledger = Table(
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()),
     Column("released_at", DateTime(timezone=True), nullable=True),
     UniqueConstraint("ref", "table_name", "row_key", "column_name", name="uq_stateguard_counter_ledger_ref"),
+)
+
+# --------------------------------------------------------------------------
+# Striped counters: one item's amount split over several rows (striped.py)
+# --------------------------------------------------------------------------
+
+counter_stripes = Table(
+    "stateguard_counter_stripes",
+    metadata,
+    # The StripedCounter's name: several counters (stock, coupons) share the table.
+    Column("counter", exact_string(100), primary_key=True),
+    Column("item", exact_string(200), primary_key=True),
+    # The stripe's place, spread over [0, 2**20) (stripe i of K is i * 2**20 // K), so a random
+    # number in that range picks each stripe with the same chance whatever K is.
+    Column("stripe", Integer, primary_key=True, autoincrement=False),
+    # How many stripes the item has (the same on every row of the item): a reader whose
+    # snapshot predates a restripe sees the count disagree and reads again.
+    Column("stripes", Integer, nullable=False),
+    Column("amount", BigInteger, nullable=False),
 )
 
 # --------------------------------------------------------------------------

@@ -40,6 +40,7 @@ EXPECTED = [
     "StaleVersion",
     "StateMachine",
     "StateguardError",
+    "StripedCounter",
     "TransitionRejected",
     "Trigger",
     "UnknownTrigger",

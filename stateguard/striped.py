@@ -1,0 +1,625 @@
+"""Striped counters: one hot item's amount split over K rows, so K buyers take stock at once.
+
+A guarded counter (:mod:`stateguard.counters`) is one row: every buyer's
+UPDATE holds that row's lock until its transaction commits, so one hot item
+serialises all of them whatever the statement.  A :class:`StripedCounter`
+keeps an item's amount in K rows ("stripes") of ``stateguard_counter_stripes``
+and a decrement takes from one stripe that nobody else holds:
+
+- PostgreSQL, one statement::
+
+      UPDATE stateguard_counter_stripes SET amount = amount - :by
+      WHERE counter = :c AND item = :i AND amount >= :by AND stripe = (
+          SELECT stripe FROM stateguard_counter_stripes
+          WHERE counter = :c AND item = :i AND amount >= :by
+          ORDER BY stripe > :start, stripe DESC LIMIT 1
+          FOR UPDATE SKIP LOCKED)
+      RETURNING amount
+
+  The subselect starts at a random stripe (the last one at or below a random
+  ``:start``; stripe ids are spread evenly over ``[0, 2**20)``) and
+  ``SKIP LOCKED`` passes over stripes another transaction holds.
+- MariaDB cannot UPDATE a table it reads in a subquery (error 1093), so the
+  same pick is a ``SELECT ... FOR UPDATE SKIP LOCKED`` (10.6+) in the
+  primary key's order, down from ``:start`` (its wrap-around, from the top,
+  only when nothing at or below ``:start`` fits), then ``UPDATE`` of that
+  stripe: two statements.  A short stripe that scan passes stays locked
+  until the end of the transaction (REPEATABLE READ keeps the locks of rows
+  a locking read examined): other buyers skip it.
+- SQLite has one writer: the PostgreSQL statement without ``FOR UPDATE``.
+  Striping buys nothing there (every write holds the whole database until
+  COMMIT); it stays correct.
+
+When no free stripe holds ``by`` (stock is spread thin, or ``by`` is more
+than any stripe), the slow path locks every stripe of the item in stripe
+order (``SELECT ... ORDER BY stripe FOR UPDATE``, waiting), and takes
+``by`` from as many stripes as needed: INSUFFICIENT only when the whole
+item lacks it.  Everyone who waits takes the locks in the same order, and a
+fast-path buyer holds one stripe and waits for nothing, so they cannot
+deadlock one another.  One exception: a fast path that found no stripe may
+still hold a short stripe it examined (InnoDB, above; on PostgreSQL a
+stripe emptied by a commit just before it was locked), and two such slow
+paths can then deadlock: the database picks a victim and stateguard raises
+the retryable :class:`~stateguard.DeadlockDetected` (``retry_on_conflict``
+retries it).
+
+``ref=`` uses the same idempotent ledger as the guarded counters
+(``stateguard_counter_ledger``, table name ``stateguard_counter_stripes``,
+the counter's name as column): a ref applies once, whatever happens, and is
+REPEATED on redelivery; :meth:`StripedCounter.release` gives back what a ref
+took.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+from sqlalchemy import Connection, bindparam, delete, desc, func, insert, select, update
+from sqlalchemy.orm import Session
+
+from . import _sql, _write
+from ._async import dual_method
+from .counters import LedgerTarget, ledger_claim, ledger_forget, ledger_take
+from .exceptions import InvalidArgument, RefConflict
+from .result import Outcome, Result
+from .tables import DIGEST_PREFIX, MAX_REF, counter_stripes, row_key
+
+__all__ = ["MAX_ITEM", "MAX_STRIPES", "StripedCounter"]
+
+#: The most stripes an item can have.
+MAX_STRIPES: Final = 1024
+#: Longest item key accepted (characters).
+MAX_ITEM: Final = 200
+#: Longest counter name accepted (characters).
+MAX_NAME: Final = 100
+#: Stripe ids are spread over [0, SPACE): stripe i of K is ``i * SPACE // K``.
+SPACE: Final = 1 << 20
+#: The largest amount a stripe (a BIGINT) holds.
+MAX_AMOUNT: Final = (1 << 63) - 1
+#: Fresh reads of an item's stripes when they disagree with its stripe count (a concurrent restripe).
+_SWEEPS: Final = 5
+
+_s = counter_stripes
+_same_item = (_s.c.counter == bindparam("sg_counter"), _s.c.item == bindparam("sg_item"))
+
+
+def stripe_ids(stripes: int) -> list[int]:
+    """The stripe ids of an item with ``stripes`` stripes (stripe 0 always exists)."""
+    return [i * SPACE // stripes for i in range(stripes)]
+
+
+def _memo(kind: str, backend: _sql.Backend, build: Any) -> Any:
+    return _write.memo.get_or_build(("striped", kind, backend), build)
+
+
+def _pick(backend: _sql.Backend, wrap: bool | None, enough: bool) -> Any:
+    """The stripe a change starts at: the last one at or below ``:start`` (``wrap``: above it;
+    ``None``: either, at or below first), free (``SKIP LOCKED``) and, if ``enough``, holding ``:by``."""
+    start: Any = bindparam("sg_start")
+    where = list(_same_item)
+    if enough:
+        where.append(_s.c.amount >= bindparam("sg_by"))
+    if wrap is None:
+        order: list[Any] = [_s.c.stripe > start, desc(_s.c.stripe)]
+    else:
+        where.append(_s.c.stripe > start if wrap else _s.c.stripe <= start)
+        order = [desc(_s.c.stripe)]
+    stmt = select(_s.c.stripe).where(*where).order_by(*order).limit(1)
+    if backend.row_locks:
+        stmt = stmt.with_for_update(skip_locked=True)
+    return stmt
+
+
+def _one_statement(backend: _sql.Backend, sign: int) -> Any:
+    """PostgreSQL and SQLite: pick a stripe and change it in one statement (RETURNING its amount)."""
+
+    def build() -> Any:
+        by: Any = bindparam("sg_by")
+        pick = _pick(backend, None, sign < 0).scalar_subquery()
+        where = [*_same_item, _s.c.stripe == pick]
+        if sign < 0:
+            where.append(_s.c.amount >= by)
+        new = _s.c.amount - by if sign < 0 else _s.c.amount + by
+        return update(_s).where(*where).values(amount=new).returning(_s.c.amount)
+
+    return _memo(f"one-{sign}", backend, build)
+
+
+def _by_stripe(backend: _sql.Backend, sign: int, guarded: bool) -> Any:
+    """Change one named stripe (``:stripe``), a stripe this transaction locked or stripe 0."""
+
+    def build() -> Any:
+        by: Any = bindparam("sg_by")
+        where = [*_same_item, _s.c.stripe == bindparam("sg_stripe")]
+        if guarded:
+            where.append(_s.c.amount >= by)
+        new = _s.c.amount - by if sign < 0 else _s.c.amount + by
+        stmt = update(_s).where(*where).values(amount=new)
+        return stmt.returning(_s.c.amount) if backend.returning else stmt
+
+    return _memo(f"by-stripe-{sign}-{guarded}", backend, build)
+
+
+def _sweep(backend: _sql.Backend) -> Any:
+    """Every stripe of the item, locked in stripe order (the slow path's and restripe's one order)."""
+
+    def build() -> Any:
+        stmt = select(_s.c.stripe, _s.c.stripes, _s.c.amount).where(*_same_item).order_by(_s.c.stripe)
+        return stmt.with_for_update() if backend.row_locks else stmt
+
+    return _memo("sweep", backend, build)
+
+
+def _totals() -> Any:
+    return _write.memo.get_or_build(
+        ("striped", "total"),
+        lambda: select(func.sum(_s.c.amount), func.count()).where(*_same_item),
+    )
+
+
+def _amounts() -> Any:
+    return _write.memo.get_or_build(
+        ("striped", "amounts"),
+        lambda: select(_s.c.amount).where(*_same_item).order_by(_s.c.stripe),
+    )
+
+
+def _insert_rows(rows: Sequence[Mapping[str, Any]]) -> Any:
+    """One multi-row INSERT of new stripes (create, restripe: rare, so not memoised)."""
+    return insert(_s).values(
+        [
+            {
+                "counter": r["sg_counter"],
+                "item": r["sg_item"],
+                "stripe": r["sg_stripe"],
+                "stripes": r["sg_stripes"],
+                "amount": r["sg_amount"],
+            }
+            for r in rows
+        ]
+    )
+
+
+_CREATE: Final = _write.InsertOnce(
+    _s,
+    {
+        _s.c.counter: bindparam("sg_counter"),
+        _s.c.item: bindparam("sg_item"),
+        _s.c.stripe: bindparam("sg_stripe"),
+        _s.c.stripes: bindparam("sg_stripes"),
+        _s.c.amount: bindparam("sg_amount"),
+    },
+    returning=[_s.c.stripe],
+)
+
+
+def _set_stripe() -> Any:
+    return _write.memo.get_or_build(
+        ("striped", "set"),
+        lambda: (
+            update(_s)
+            .where(*_same_item, _s.c.stripe == bindparam("sg_stripe"))
+            .values(amount=bindparam("sg_amount"), stripes=bindparam("sg_stripes"))
+        ),
+    )
+
+
+def _drop_stripes() -> Any:
+    return _write.memo.get_or_build(
+        ("striped", "drop"),
+        lambda: delete(_s).where(*_same_item, _s.c.stripe.in_(bindparam("sg_stripes", expanding=True))),
+    )
+
+
+def _split(total: int, stripes: int) -> list[int]:
+    """``total`` over ``stripes`` as evenly as integers allow (the first ones get the remainder)."""
+    share, extra = divmod(total, stripes)
+    return [share + (1 if i < extra else 0) for i in range(stripes)]
+
+
+def _check_int(value: Any, what: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{what} must be an int, got {value!r}")
+    if not low <= value <= high:
+        raise InvalidArgument(f"{what} must be from {low} to {high}, got {value}; nothing was sent")
+    return value
+
+
+def _needed_ref(ref: Any, call: str) -> str:
+    if ref is None:
+        raise InvalidArgument(f"{call} needs a ref (it is idempotent per ref)")
+    return _write.check_storable(_check_ref(ref) or "", "ref")
+
+
+def _check_ref(ref: Any) -> str | None:
+    if ref is None:
+        return None
+    if not isinstance(ref, str) or not ref or len(ref) > MAX_REF:
+        raise InvalidArgument(f"ref must be a non-empty string of at most {MAX_REF} characters, got {ref!r}")
+    return _write.check_storable(ref, "ref")
+
+
+class StripedCounter:
+    """A counter per item whose amount lives in several rows, for items many buyers hit at once.
+
+    ``name`` tells this counter's items from another's in the shared table
+    (``"stock"``, ``"coupons"``); ``stripes`` is how many rows a new item
+    gets (1 to 1024; about the number of buyers that should not wait for
+    one another).  Items are str keys (up to 200 characters).  The calls
+    mirror :func:`~stateguard.decrement` and friends without the column
+    argument, and work on a Session or (awaited) an AsyncSession::
+
+        stock = StripedCounter("stock", stripes=8)
+        stock.create(session, "sku-1", amount=100)
+        r = stock.decrement(session, "sku-1", by=2, ref="order-42")
+        if r.outcome is Outcome.INSUFFICIENT:
+            raise OutOfStock("sku-1", left=r.value)
+
+    :raises InvalidArgument: a blank or oversize ``name``, ``stripes``
+        outside 1..1024.
+    """
+
+    __slots__ = ("name", "stripes", "target")
+
+    def __init__(self, name: str, *, stripes: int = 8) -> None:
+        self.name = _write.check_text(name, "counter name", MAX_NAME)
+        self.stripes = _check_int(stripes, "stripes", 1, MAX_STRIPES)
+        #: How the counter ledger names this counter's changes.
+        self.target = LedgerTarget(_s.fullname, name, f"StripedCounter({name!r})")
+
+    def __repr__(self) -> str:
+        return f"StripedCounter({self.name!r}, stripes={self.stripes})"
+
+    # ----------------------------------------------------------------------
+    # Checks and plumbing
+    # ----------------------------------------------------------------------
+
+    def _item(self, item: Any) -> str:
+        _write.check_text(item, "item", MAX_ITEM)
+        if row_key((item,)).startswith(DIGEST_PREFIX):  # pragma: no cover - 200 characters always fit
+            raise InvalidArgument(f"item {item!r:.80} is too long for the counter ledger")
+        return str(item)
+
+    def _conn(self, session: Session) -> Connection:
+        if session.autoflush:
+            session.flush()
+        conn = _write.own_connection(session, _s)
+        # Every call writes (or, for restripe and the slow path, reads then writes): on SQLite
+        # take the write lock first, as a read-then-write of the guarded counters does.
+        _write.sqlite_write_lock(conn)
+        return conn
+
+    def _params(self, item: str, **more: Any) -> dict[str, Any]:
+        return {"sg_counter": self.name, "sg_item": item, **more}
+
+    def _result(self, session: Session, outcome: Outcome, key: Any, value: Any = None) -> Result:
+        return Result(
+            outcome,
+            model=StripedCounter,
+            key=key,
+            value=value,
+            session=session,
+            same_request=outcome is Outcome.REPEATED,
+        )
+
+    # ----------------------------------------------------------------------
+    # The algorithm (written once; the dialect differences are the statements above)
+    # ----------------------------------------------------------------------
+
+    def _fast(self, conn: Connection, backend: _sql.Backend, item: str, by: int, sign: int) -> bool:
+        """Change one free stripe (holding ``by`` for a decrement); whether one was found."""
+        params = self._params(item, sg_by=by, sg_start=random.randrange(SPACE))
+        if backend.returning:
+            return _write.execute(conn, _one_statement(backend, sign), params).first() is not None
+        for wrap in (False, True):
+            stripe = _write.execute(conn, _pick(backend, wrap, sign < 0), params).scalar()
+            if stripe is not None:
+                # Locked by this transaction: the UPDATE cannot miss it.
+                update_params = {**params, "sg_stripe": stripe}
+                stmt = _by_stripe(backend, sign, sign < 0)
+                applied, _ = _write.run_guarded(conn, stmt, update_params, returning=backend.returning)
+                return applied
+        return False
+
+    def _lock_all(self, conn: Connection, backend: _sql.Backend, item: str) -> Sequence[Any]:
+        """Every stripe of ``item``, locked in stripe order; ``[]`` when the item does not exist.
+
+        A statement whose snapshot predates a committed restripe misses the
+        stripes it inserted (PostgreSQL, READ COMMITTED: a locked row is
+        re-read at its latest version, a new row is not seen); the stripe
+        count on the rows then disagrees with the rows found, and a fresh
+        statement sees them all.
+        """
+        rows: Sequence[Any] = []
+        for _ in range(_SWEEPS):
+            rows = _write.execute(conn, _sweep(backend), self._params(item)).all()
+            # Stripe 0 is updated in place by a restripe, so a missing item is truly missing.
+            if not rows or len(rows) == rows[0].stripes:
+                break
+        return rows
+
+    def _slow_decrement(
+        self, conn: Connection, backend: _sql.Backend, item: str, by: int
+    ) -> tuple[Outcome, int | None]:
+        """Take ``by`` from as many stripes as needed, all of them locked in stripe order."""
+        rows = self._lock_all(conn, backend, item)
+        if not rows:
+            return Outcome.NOT_FOUND, None
+        total = sum(int(r.amount) for r in rows)
+        if total < by:
+            return Outcome.INSUFFICIENT, total
+        # The fullest stripes first: the fewest UPDATEs, and stripes stay even.
+        takes: list[dict[str, Any]] = []
+        left = by
+        for row in sorted(rows, key=lambda r: -int(r.amount)):
+            take = min(left, max(int(row.amount), 0))
+            if take:
+                takes.append(self._params(item, sg_by=take, sg_stripe=row.stripe))
+                left -= take
+            if not left:
+                break
+        stmt = _by_stripe(backend, -1, False)
+        for params in takes:
+            _write.execute(conn, stmt, params)
+        return Outcome.APPLIED, total - by
+
+    def _change(
+        self,
+        session: Session,
+        conn: Connection,
+        backend: _sql.Backend,
+        item: str,
+        by: int,
+        sign: int,
+        ref: str | None,
+    ) -> Result:
+        """Claim the ref (if any), change a stripe, classify; input already checked."""
+        ledger_id = None
+        if ref is not None:
+            delta = -by if sign < 0 else by
+            ledger_id = ledger_claim(conn, backend, self.target, row_key((item,)), item, ref, delta)
+            if ledger_id is None:
+                return self._result(session, Outcome.REPEATED, item)
+        if self._fast(conn, backend, item, by, sign):
+            return self._result(session, Outcome.APPLIED, item)
+        value: int | None = None
+        if sign < 0:
+            outcome, value = self._slow_decrement(conn, backend, item, by)
+        else:
+            # Every stripe is held by another transaction: wait for stripe 0 (every item has one).
+            params = self._params(item, sg_by=by, sg_stripe=0)
+            applied, _ = _write.run_guarded(
+                conn, _by_stripe(backend, 1, False), params, returning=backend.returning
+            )
+            outcome = Outcome.APPLIED if applied else Outcome.NOT_FOUND
+        if outcome is not Outcome.APPLIED and ledger_id is not None:
+            # Nothing changed: forget the claim, so the same ref can apply later.
+            ledger_forget(conn, backend, ledger_id)
+        return self._result(session, outcome, item, value if outcome is Outcome.INSUFFICIENT else None)
+
+    # ----------------------------------------------------------------------
+    # The public calls
+    # ----------------------------------------------------------------------
+
+    def _create(self, session: Session, item: str, *, amount: int = 0, stripes: int | None = None) -> Result:
+        """Create ``item`` with ``amount`` split over ``stripes`` stripes (default: the counter's).
+
+        APPLIED when created; REPEATED (nothing changed) when the item
+        exists already, whatever its amount::
+
+            stock.create(session, "sku-1", amount=100)               # 8 stripes of 12 or 13
+            stock.create(session, "sku-2", amount=5, stripes=1)      # a cold item: one row
+
+        :raises InvalidArgument: a bad item, ``amount`` (an int from 0) or
+            ``stripes`` (1 to 1024); nothing was sent.
+        """
+        item = self._item(item)
+        _check_int(amount, "amount", 0, MAX_AMOUNT)
+        k = self.stripes if stripes is None else _check_int(stripes, "stripes", 1, MAX_STRIPES)
+        conn = self._conn(session)
+        ids = stripe_ids(k)
+        rows = [
+            self._params(item, sg_stripe=stripe, sg_stripes=k, sg_amount=share)
+            for stripe, share in zip(ids, _split(amount, k), strict=True)
+        ]
+        # Stripe 0 decides: a concurrent create of the same item waits on it and then finds it taken.
+        if _CREATE(conn, rows[0]) is None:
+            return self._result(session, Outcome.REPEATED, item)
+        if rows[1:]:
+            _write.execute(conn, _insert_rows(rows[1:]))
+        return self._result(session, Outcome.APPLIED, item, amount)
+
+    create = dual_method(_create)
+
+    def _decrement(self, session: Session, item: str, *, by: int = 1, ref: str | None = None) -> Result:
+        """Take ``by`` off ``item`` unless it has less in all: one statement on PostgreSQL and SQLite.
+
+        Outcomes, as :func:`~stateguard.decrement` (floor 0):
+
+        - APPLIED (``.value`` is ``None``: the item's total is not read, that
+          would touch every stripe; :meth:`total` reads it);
+        - INSUFFICIENT: all stripes together hold less than ``by``; nothing
+          changed, ``.value`` is the total found;
+        - NOT_FOUND: no such item;
+        - with ``ref``: REPEATED when this ref already took the same amount;
+          :class:`~stateguard.RefConflict` when it took another.
+
+        ::
+
+            r = stock.decrement(session, "sku-1", by=2, ref="order-42")
+            r.raise_for_outcome()    # InsufficientQuantity / NotFound
+
+        :raises InvalidArgument: a bad item, ``by`` (an int from 1) or ``ref``;
+            nothing was sent.
+        """
+        item = self._item(item)
+        _check_int(by, "by", 1, MAX_AMOUNT)
+        _check_ref(ref)
+        conn = self._conn(session)
+        return self._change(session, conn, _sql.backend(conn.dialect), item, by, -1, ref)
+
+    decrement = dual_method(_decrement)
+
+    def _increment(self, session: Session, item: str, *, by: int = 1, ref: str | None = None) -> Result:
+        """Add ``by`` to ``item`` (a restock), on a free stripe: APPLIED, NOT_FOUND, or with ``ref`` REPEATED.
+
+        No ceiling (a bound on the total would have to lock every stripe)::
+
+            stock.increment(session, "sku-1", by=50, ref="delivery-7")
+
+        :raises InvalidArgument: a bad item, ``by`` or ``ref``; nothing was sent.
+        """
+        item = self._item(item)
+        _check_int(by, "by", 1, MAX_AMOUNT)
+        _check_ref(ref)
+        conn = self._conn(session)
+        return self._change(session, conn, _sql.backend(conn.dialect), item, by, 1, ref)
+
+    increment = dual_method(_increment)
+
+    def _reserve(self, session: Session, amounts: Mapping[str, int], *, ref: str) -> Result:
+        """Decrement several items all-or-nothing, idempotently per ``ref`` (as :func:`~stateguard.reserve`).
+
+        Items are taken in sorted order whatever the mapping's order.  APPLIED
+        (``.key`` is ``ref``, ``.value`` maps each item to ``None``),
+        REPEATED, or INSUFFICIENT / NOT_FOUND for the first item short or
+        missing (``.key``; everything this call did was undone)::
+
+            r = stock.reserve(session, {"sku-1": 2, "sku-2": 1}, ref="order-42")
+            r.raise_for_outcome()
+
+        :raises RefConflict: the ref names a different reservation.
+        :raises InvalidArgument: bad items, amounts or ref; nothing was sent.
+        """
+        checked_ref = _needed_ref(ref, "reserve")
+        if not isinstance(amounts, Mapping) or not amounts:
+            raise InvalidArgument("reserve needs a non-empty mapping of items to amounts")
+        resolved: dict[str, int] = {}
+        for item, by in amounts.items():
+            resolved[self._item(item)] = _check_int(by, "an amount", 1, MAX_AMOUNT)
+        conn = self._conn(session)
+        backend = _sql.backend(conn.dialect)
+        _write.ensure_real_transaction(conn)
+        savepoint = conn.begin_nested()
+        outcomes: set[Outcome] = set()
+        try:
+            for item in sorted(resolved):
+                r = self._change(session, conn, backend, item, resolved[item], -1, checked_ref)
+                if r.outcome in (Outcome.INSUFFICIENT, Outcome.NOT_FOUND):
+                    savepoint.rollback()
+                    return r
+                outcomes.add(r.outcome)
+                if len(outcomes) > 1:
+                    raise RefConflict(
+                        f"ref {ref!r} already reserved some but not all of these {self.target.name} items "
+                        f"(not {item!r}): it names a different reservation; use a new ref"
+                    )
+        except BaseException:
+            _write.abandon_savepoint(savepoint)
+            raise
+        savepoint.commit()
+        return self._result(session, outcomes.pop(), checked_ref, dict.fromkeys(sorted(resolved)))
+
+    reserve = dual_method(_reserve)
+
+    def _release(self, session: Session, ref: str) -> Result:
+        """Give back everything ``ref`` took from this counter, exactly once (as :func:`~stateguard.release`).
+
+        APPLIED the first time (``.value`` maps each item to the amount given
+        back), REPEATED after, NOT_FOUND for a ref that took nothing::
+
+            if stock.release(session, "order-42"):
+                notify_restock()
+        """
+        checked_ref = _needed_ref(ref, "release")
+        conn = self._conn(session)
+        backend = _sql.backend(conn.dialect)
+        rows = ledger_take(conn, backend, self.target, checked_ref)
+        if isinstance(rows, Outcome):
+            return self._result(session, rows, checked_ref)
+        undo: dict[str, int] = {}
+        for row in rows:
+            item = json.loads(row.row_key)
+            undo[item] = undo.get(item, 0) - int(row.delta)
+        for item in sorted(undo):
+            self._give_back(conn, backend, item, undo[item])
+        return self._result(session, Outcome.APPLIED, checked_ref, undo)
+
+    release = dual_method(_release)
+
+    def _give_back(self, conn: Connection, backend: _sql.Backend, item: str, delta: int) -> None:
+        """Add ``delta`` back to ``item``: a free stripe if any, else stripe 0.
+
+        A released increment takes its amount back from stripe 0 with no
+        floor, as :func:`~stateguard.release` does for a guarded counter.
+        """
+        if delta > 0 and self._fast(conn, backend, item, delta, 1):
+            return
+        stmt = _by_stripe(backend, 1, False)
+        _write.execute(conn, stmt, self._params(item, sg_by=delta, sg_stripe=0))
+
+    def _total(self, session: Session, item: str) -> int | None:
+        """The item's amount (the sum of its stripes, read without locks), or ``None`` for no such item::
+
+        left = stock.total(session, "sku-1")
+        """
+        item = self._item(item)
+        conn = self._conn(session)
+        row: Any = _write.execute(conn, _totals(), self._params(item)).one()
+        return None if not row[1] else int(row[0])
+
+    total = dual_method(_total)
+
+    def _stripe_amounts(self, session: Session, item: str) -> list[int]:
+        """The amount of each stripe of ``item`` in stripe order (``[]``: no such item)::
+
+        stock.stripe_amounts(session, "sku-1")     # [13, 13, 13, 13, 12, 12, 12, 12]
+        """
+        item = self._item(item)
+        conn = self._conn(session)
+        return [int(a) for a in _write.execute(conn, _amounts(), self._params(item)).scalars()]
+
+    stripe_amounts = dual_method(_stripe_amounts)
+
+    def _restripe(self, session: Session, item: str, *, stripes: int) -> Result:
+        """Spread ``item``'s total over ``stripes`` stripes (more for a flash sale, 1 after it).
+
+        Locks every stripe in stripe order (concurrent decrements wait or take
+        other stripes; none is lost), so the total is kept exactly.  APPLIED
+        (``.value``: the total) or NOT_FOUND::
+
+            stock.restripe(session, "sku-1", stripes=32)
+
+        :raises InvalidArgument: a bad item or ``stripes`` (1 to 1024).
+        """
+        item = self._item(item)
+        k = _check_int(stripes, "stripes", 1, MAX_STRIPES)
+        conn = self._conn(session)
+        backend = _sql.backend(conn.dialect)
+        rows = self._lock_all(conn, backend, item)
+        if not rows:
+            return self._result(session, Outcome.NOT_FOUND, item)
+        total = sum(int(r.amount) for r in rows)
+        new = dict(zip(stripe_ids(k), _split(total, k), strict=True))
+        old = {r.stripe for r in rows}
+        kept = [
+            self._params(item, sg_stripe=s, sg_amount=a, sg_stripes=k) for s, a in new.items() if s in old
+        ]
+        # Stripe 0 is in both: rows are updated in place (a waiting reader re-reads them), the rest
+        # deleted or inserted.
+        for params in kept:
+            _write.execute(conn, _set_stripe(), params)
+        gone = sorted(old - new.keys())
+        if gone:
+            _write.execute(conn, _drop_stripes(), self._params(item, sg_stripes=gone))
+        added = [
+            self._params(item, sg_stripe=s, sg_stripes=k, sg_amount=a) for s, a in new.items() if s not in old
+        ]
+        if added:
+            _write.execute(conn, _insert_rows(added))
+        return self._result(session, Outcome.APPLIED, item, total)
+
+    restripe = dual_method(_restripe)
