@@ -21,6 +21,7 @@ transaction may succeed (see :func:`stateguard.retry_on_conflict`).
     ├── LockLost                         a lock expired and another holder took it
     │   ├── LeaseLost                    an idempotency key's lease was taken over
     │   └── WorkerLeaseLost              a Snowflake's worker-id lease was taken over
+    ├── ReplicationTimeout               a Redis write is on the master, not yet on N replicas
     ├── WorkerIdsExhausted               retryable=True: every Snowflake worker id is leased
     ├── RequestInProgress                an idempotency key is being worked on (.retry_after)
     ├── IdempotencyKeyReused             a key came back with a different request fingerprint
@@ -58,6 +59,7 @@ __all__ = [
     "NotSupported",
     "OutcomeError",
     "RefConflict",
+    "ReplicationTimeout",
     "RequestFailed",
     "RequestInProgress",
     "SerializationConflict",
@@ -216,6 +218,33 @@ class LockLost(StateguardError):
     Writes made under the lock with its fencing token are protected (a newer
     holder's writes win); anything else done after the expiry was unprotected.
     """
+
+
+class ReplicationTimeout(StateguardError):
+    """A Redis write happened on the master, but fewer replicas than ``wait_replicas`` confirmed it in time.
+
+    Raised by :class:`~stateguard.RedisTokens` and :class:`~stateguard.RedisLock`
+    (and their async forms) built with ``wait_replicas=N`` when Redis ``WAIT``
+    returned fewer than ``N`` acknowledgements within ``wait_timeout``.  The
+    write **was applied** on the master and is not undone: it is *applied but
+    not durable*, and a failover before it reaches a replica can still lose
+    it.  ``value`` is what the call would have returned (the token of
+    ``issue``, the :class:`~stateguard.Result` of ``consume``, the fence of an
+    acquisition, ``None`` for a release or an extension); ``acknowledged`` and
+    ``wanted`` are the replica counts.  A lock acquisition that raises it has
+    given the lock back (best effort)::
+
+        try:
+            r = tokens.consume(token, scope="payout:42")
+        except ReplicationTimeout as error:
+            r = error.value          # consumed on the master; decide whether to act on it
+    """
+
+    def __init__(self, message: str, *, value: Any = None, acknowledged: int = 0, wanted: int = 0) -> None:
+        self.value = value
+        self.acknowledged = acknowledged
+        self.wanted = wanted
+        super().__init__(message)
 
 
 class _KeyError(StateguardError):

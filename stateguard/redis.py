@@ -33,6 +33,7 @@ import hashlib
 import inspect
 import secrets
 import threading
+import time
 import weakref
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager, suppress
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, Literal, TypeVa
 from sqlalchemy import Connection, Engine, text
 
 from . import _sql, _write
-from .exceptions import InvalidArgument, LockLost, LockNotAcquired, NotSupported
+from .exceptions import InvalidArgument, LockLost, LockNotAcquired, NotSupported, ReplicationTimeout
 from .result import Outcome, Result
 from .tables import MAX_KEY, MAX_SCOPE
 from .tokens import TOKEN_BYTES, OneTimeToken, token_digest
@@ -127,6 +128,164 @@ class _RedisClient:
 
 
 # --------------------------------------------------------------------------
+# wait_replicas: a write, then WAIT, on one connection to the key's master
+# --------------------------------------------------------------------------
+
+#: ``wait_timeout``'s default (seconds): how long WAIT blocks for the replicas.
+DEFAULT_WAIT_TIMEOUT: Final = 1.0
+
+#: How many times a write with WAIT is sent again after the cluster moved the
+#: key's slot (MOVED, a failover, CLUSTERDOWN, a refused connection), with
+#: the slot map reloaded in between.  Every write here recognises its own
+#: earlier run (call ids, owner tokens), so sending it again is safe.
+_CLUSTER_ATTEMPTS: Final = 4
+
+
+def _check_wait(wait_replicas: Any, wait_timeout: Any) -> tuple[int, int]:
+    """``(replicas, timeout in ms)`` from the constructor's ``wait_replicas`` and ``wait_timeout``."""
+    if type(wait_replicas) is not int or wait_replicas < 0:
+        raise InvalidArgument(
+            f"wait_replicas must be an int >= 0 (0: do not wait for replicas), got {wait_replicas!r}"
+        )
+    seconds = _write.required_seconds(wait_timeout, "wait_timeout")
+    if seconds < 0.001:
+        raise InvalidArgument(f"wait_timeout must be at least 1 millisecond, got {wait_timeout!r}")
+    return wait_replicas, max(1, int(seconds * 1000))
+
+
+def _awaited(asynchronous: bool, reply: Any) -> _Steps[Any]:
+    if asynchronous:
+        reply = yield from reply.__await__()
+    return reply
+
+
+def _cluster_kind(client: Any) -> str:
+    """``"sync"`` / ``"async"`` for a redis-py cluster client, ``""`` for one server."""
+    from redis.asyncio.cluster import RedisCluster as AsyncCluster
+    from redis.cluster import RedisCluster
+
+    if isinstance(client, RedisCluster):
+        return "sync"
+    if isinstance(client, AsyncCluster):
+        return "async"
+    return ""
+
+
+def _one_connection(
+    client: Any, asynchronous: bool, key: str, commands: list[tuple[Any, ...]]
+) -> _Steps[list[Any]]:
+    """Send ``commands`` in order on one connection to the master of ``key``; their replies (errors included).
+
+    WAIT counts the replicas that have every write made *on its own
+    connection*, so the write and its WAIT must share one: a pipeline on a
+    single-server client, or on the key's master in a cluster.
+    """
+    kind = _cluster_kind(client)
+    if kind == "async":
+        from redis.asyncio.cluster import PipelineCommand
+
+        yield from _awaited(True, client.initialize())
+        node = client.get_node_from_key(key)
+        sent = [PipelineCommand(i, *command) for i, command in enumerate(commands)]
+        try:
+            yield from _awaited(True, node.execute_pipeline(sent))
+        except BaseException:
+            with suppress(Exception):
+                yield from _awaited(True, node.disconnect())
+            raise
+        if any(_is_connection_error(c.result) for c in sent):
+            with suppress(Exception):
+                yield from _awaited(True, node.disconnect())
+        return [c.result for c in sent]
+    target = client.get_redis_connection(client.get_node_from_key(key)) if kind == "sync" else client
+    pipe = target.pipeline(transaction=False)
+    for command in commands:
+        pipe.execute_command(*command)
+    replies: list[Any] = yield from _awaited(asynchronous, pipe.execute(raise_on_error=False))
+    return replies
+
+
+def _is_connection_error(reply: Any) -> bool:
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    return isinstance(reply, (RedisConnectionError, RedisTimeoutError))
+
+
+def _moved(reply: Any) -> bool:
+    """Whether ``reply`` (an error) says the key's slot is served elsewhere or not at all right now."""
+    from redis.exceptions import AskError, ClusterDownError, MovedError, TryAgainError
+
+    return isinstance(reply, (AskError, ClusterDownError, MovedError, TryAgainError)) or _is_connection_error(
+        reply
+    )
+
+
+def _write_and_wait(
+    client: Any,
+    asynchronous: bool,
+    key: str,
+    command: tuple[Any, ...],
+    script: str | None,
+    replicas: int,
+    timeout_ms: int,
+) -> _Steps[tuple[Any, int]]:
+    """Run ``command`` (a SET, or an EVALSHA of ``script``) and ``WAIT replicas ms`` on one connection.
+
+    Returns the command's reply and how many replicas acknowledged.  On a
+    cluster whose slot moved (failover, resharding) the slot map is reloaded
+    and both are sent again, to the new master.
+    """
+    from redis.exceptions import NoScriptError
+
+    cluster = bool(_cluster_kind(client))
+    load = False
+    attempt = 0
+    while True:
+        commands: list[tuple[Any, ...]] = [("SCRIPT", "LOAD", script)] if load and script is not None else []
+        commands += [command, ("WAIT", replicas, timeout_ms)]
+        try:
+            replies = yield from _one_connection(client, asynchronous, key, commands)
+        except Exception as error:
+            if not (cluster and _moved(error)):
+                raise
+            replies = [error, error]
+        reply, acknowledged = replies[-2], replies[-1]
+        if isinstance(reply, NoScriptError) and not load:
+            load = True
+            continue
+        if cluster and _moved(reply) and attempt + 1 < _CLUSTER_ATTEMPTS:
+            attempt += 1
+            # Let the cluster settle (a failover takes the node timeout), then reload its slot map.
+            if asynchronous:
+                yield from asyncio.sleep(0.25 * 2**attempt).__await__()
+            else:
+                time.sleep(0.25 * 2**attempt)
+            with suppress(Exception):
+                yield from _awaited(asynchronous, client.nodes_manager.initialize())
+            continue
+        if isinstance(reply, BaseException):
+            raise reply
+        if isinstance(acknowledged, BaseException):
+            raise acknowledged
+        return reply, int(acknowledged)
+
+
+def _not_durable(
+    what: str, value: Any, acknowledged: int, replicas: int, timeout_ms: int
+) -> ReplicationTimeout:
+    return ReplicationTimeout(
+        f"{what} on the Redis master, but only {acknowledged} of the {replicas} replicas asked for "
+        f"(wait_replicas) confirmed it within {timeout_ms} ms: it is applied but not durable, and a failover "
+        f"before it reaches a replica can lose it. The error's .value is the call's result; check the "
+        f"replicas (INFO replication), lower wait_replicas or raise wait_timeout",
+        value=value,
+        acknowledged=acknowledged,
+        wanted=replicas,
+    )
+
+
+# --------------------------------------------------------------------------
 # One-time tokens
 # --------------------------------------------------------------------------
 
@@ -180,8 +339,11 @@ def _consumed(digest: str, found: Any) -> Result:
 class _RedisTokens(_RedisClient):
     """:class:`RedisTokens` and :class:`AsyncRedisTokens`: everything but blocking or awaiting."""
 
-    def __init__(self, client: Any) -> None:
+    def __init__(
+        self, client: Any, *, wait_replicas: int = 0, wait_timeout: float | timedelta = DEFAULT_WAIT_TIMEOUT
+    ) -> None:
         self._check_client(client)
+        self.wait_replicas, self._wait_ms = _check_wait(wait_replicas, wait_timeout)
         self.client = client
         self._consume_script = client.register_script(_CONSUME_SCRIPT)
         # (caller, token key) -> the call id of a consume that raised (its reply may have been lost).
@@ -203,7 +365,19 @@ class _RedisTokens(_RedisClient):
             # NX: a 256-bit collision will not happen, but if it did, the
             # existing token must not be revived or shortened: draw another.
             key = _token_key(scope, token_digest(token))
-            if (yield from self._call(self.client.set, key, _LIVE, px=ttl_ms, nx=True)):
+            if not self.wait_replicas:
+                if (yield from self._call(self.client.set, key, _LIVE, px=ttl_ms, nx=True)):
+                    return token
+                continue
+            stored, acknowledged = yield from _write_and_wait(
+                self.client, self._asynchronous, key, ("SET", key, _LIVE, "PX", ttl_ms, "NX"), None,
+                self.wait_replicas, self._wait_ms,
+            )  # fmt: skip
+            if stored:
+                if acknowledged < self.wait_replicas:
+                    raise _not_durable(
+                        "the token was stored", token, acknowledged, self.wait_replicas, self._wait_ms
+                    )
                 return token
 
     def _consume(self, token: str, scope: str) -> _Steps[Result]:
@@ -218,15 +392,30 @@ class _RedisTokens(_RedisClient):
         # consume the token and must not be told APPLIED.
         pending = (_caller(), key)
         call = self._pending.pop(pending, None) or _call_id()
+        acknowledged = self.wait_replicas
         try:
-            found = yield from self._call(self._consume_script, keys=[key], args=[_LIVE, _USED, call])
+            if not self.wait_replicas:
+                found = yield from self._call(self._consume_script, keys=[key], args=[_LIVE, _USED, call])
+            else:
+                found, acknowledged = yield from _write_and_wait(
+                    self.client, self._asynchronous, key,
+                    ("EVALSHA", self._consume_script.sha, 1, key, _LIVE, _USED, call), _CONSUME_SCRIPT,
+                    self.wait_replicas, self._wait_ms,
+                )  # fmt: skip
         except BaseException:
             if len(self._pending) >= _PENDING_LIMIT:
                 with suppress(KeyError, RuntimeError, StopIteration):
                     del self._pending[next(iter(self._pending))]
             self._pending[pending] = call
             raise
-        return _consumed(digest, found)
+        result = _consumed(digest, found)
+        if result.outcome is Outcome.APPLIED and acknowledged < self.wait_replicas:
+            # Only a consume that wrote (the tombstone) waits to be durable;
+            # REPEATED and NOT_FOUND changed nothing.
+            raise _not_durable(
+                "the token was consumed", result, acknowledged, self.wait_replicas, self._wait_ms
+            )
+        return result
 
 
 def _caller() -> Any:
@@ -511,6 +700,29 @@ def _needs_redis(owner: str) -> Iterator[None]:
         raise ImportError(f"{owner} needs the redis package: pip install 'stateguard[redis]'") from error
 
 
+def _lock_script(
+    lock: Any, asynchronous: bool, script: Any, source: str, call: dict[str, Any], what: str
+) -> _Steps[Any]:
+    """One of the lock's scripts; with ``wait_replicas``, sent with a WAIT on one connection to its master.
+
+    A script that wrote (an acquisition: any reply but nil; a release or an
+    extension: 1) and reached fewer replicas than asked raises
+    :class:`~stateguard.ReplicationTimeout`.
+    """
+    if not lock.wait_replicas:
+        return (yield from _awaited(asynchronous, script(**call)))
+    keys, args = call["keys"], call["args"]
+    reply, acknowledged = yield from _write_and_wait(
+        lock.redis, asynchronous, keys[0], ("EVALSHA", script.sha, len(keys), *keys, *args), source,
+        lock.wait_replicas, lock.wait_ms,
+    )  # fmt: skip
+    wrote = reply is not None if source is _ACQUIRE_SCRIPT else bool(reply)
+    if wrote and acknowledged < lock.wait_replicas:
+        value = int(reply) if source is _ACQUIRE_SCRIPT and not lock.fences_from_database else None
+        raise _not_durable(f"{lock.label} {what}", value, acknowledged, lock.wait_replicas, lock.wait_ms)
+    return reply
+
+
 _fenced_classes: dict[str, Any] = {}
 
 
@@ -526,20 +738,37 @@ def _lock_class() -> type[Lock]:
             lua_fenced_release: Any = None
             lua_fenced_extend: Any = None
             fences_from_database = False
+            wait_replicas = 0
+            wait_ms = 0
+            label = "RedisLock"
 
             def register_scripts(self) -> None:
                 super().register_scripts()
                 _register_scripts(self)
 
             def do_acquire(self, token: str) -> bool:
-                return _took(self, self.lua_acquire(**_acquire_call(self, token)))
+                call = _acquire_call(self, token)
+                return _took(
+                    self,
+                    _run(_lock_script(self, False, self.lua_acquire, _ACQUIRE_SCRIPT, call, "was taken")),
+                )
 
             def do_release(self, expected_token: str) -> None:
-                _done(self, self.lua_fenced_release(**_release_call(self, expected_token)), "release")
+                call = _release_call(self, expected_token)
+                script = self.lua_fenced_release
+                _done(
+                    self,
+                    _run(_lock_script(self, False, script, _RELEASE_SCRIPT, call, "was released")),
+                    "release",
+                )
 
             def do_extend(self, additional_time: float, replace_ttl: bool) -> Literal[True]:
+                call = _extend_call(self, additional_time, replace_ttl)
+                script = self.lua_fenced_extend
                 return _done(
-                    self, self.lua_fenced_extend(**_extend_call(self, additional_time, replace_ttl)), "extend"
+                    self,
+                    _run(_lock_script(self, False, script, _EXTEND_SCRIPT, call, "was extended")),
+                    "extend",
                 )
 
         _fenced_classes["sync"] = _FencedLock
@@ -559,6 +788,9 @@ def _async_lock_class() -> type[AsyncLock]:
             lua_fenced_release: Any = None
             lua_fenced_extend: Any = None
             fences_from_database = False
+            wait_replicas = 0
+            wait_ms = 0
+            label = "AsyncRedisLock"
 
             def __init__(self, *args: Any, **kwargs: Any) -> None:
                 super().__init__(*args, **kwargs)
@@ -571,14 +803,22 @@ def _async_lock_class() -> type[AsyncLock]:
                 _register_scripts(self)
 
             async def do_acquire(self, token: str | bytes) -> bool:
-                return _took(self, await self.lua_acquire(**_acquire_call(self, token)))
+                steps = _lock_script(
+                    self, True, self.lua_acquire, _ACQUIRE_SCRIPT, _acquire_call(self, token), "was taken"
+                )
+                return _took(self, await _Awaited(steps))
 
             async def do_release(self, expected_token: bytes) -> None:
-                _done(self, await self.lua_fenced_release(**_release_call(self, expected_token)), "release")
+                call = _release_call(self, expected_token)
+                steps = _lock_script(
+                    self, True, self.lua_fenced_release, _RELEASE_SCRIPT, call, "was released"
+                )
+                _done(self, await _Awaited(steps), "release")
 
             async def do_extend(self, additional_time: float, replace_ttl: bool) -> Literal[True]:
-                script = self.lua_fenced_extend
-                return _done(self, await script(**_extend_call(self, additional_time, replace_ttl)), "extend")
+                call = _extend_call(self, additional_time, replace_ttl)
+                steps = _lock_script(self, True, self.lua_fenced_extend, _EXTEND_SCRIPT, call, "was extended")
+                return _done(self, await _Awaited(steps), "extend")
 
         _fenced_classes["async"] = _AsyncFencedLock
     cls: type[AsyncLock] = _fenced_classes["async"]
@@ -672,9 +912,12 @@ class _RedisLock(_RedisClient):
         blocking_timeout: float | timedelta | None = None,
         sleep: float = 0.1,
         fences: Any = None,
+        wait_replicas: int = 0,
+        wait_timeout: float | timedelta = DEFAULT_WAIT_TIMEOUT,
     ) -> None:
         cls = _async_lock_class() if self._asynchronous else _lock_class()
         self._check_client(client)
+        self.wait_replicas, wait_ms = _check_wait(wait_replicas, wait_timeout)
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"{type(self).__name__} needs a non-empty str name, got {name!r}")
         try:
@@ -701,6 +944,9 @@ class _RedisLock(_RedisClient):
             client, self.key, timeout=seconds, sleep=sleep, blocking_timeout=self.blocking_timeout
         )
         self._lock.fences_from_database = fences is not None
+        self._lock.wait_replicas = self.wait_replicas
+        self._lock.wait_ms = wait_ms
+        self._lock.label = f"{type(self).__name__} {name!r}"
 
     def _check_fences(self, fences: Any) -> None:
         """``fences=`` must be the kind of engine this class awaits or not."""
@@ -753,7 +999,19 @@ class _RedisLock(_RedisClient):
         # recognised instead of staying held by nobody until its TTL.
         token = getattr(local, "pending_token", None) or _call_id()
         local.pending_token = token
-        acquired = yield from self._call(self._lock.acquire, blocking_timeout=wait, token=token)
+        try:
+            acquired = yield from self._call(self._lock.acquire, blocking_timeout=wait, token=token)
+        except ReplicationTimeout:
+            # Taken on the master only: give it back (best effort; a release
+            # that does not reach the replicas either only leaves the lock to
+            # its TTL after a failover), so no holder runs on a lock that a
+            # failover can hand to someone else.
+            local.pending_token = None
+            local.token = token.encode()
+            with suppress(Exception):
+                yield from self._call(self._lock.release)
+            local.token = None
+            raise
         local.pending_token = None
         if not acquired:
             raise LockNotAcquired(
@@ -800,7 +1058,7 @@ class _RedisLock(_RedisClient):
             except Exception as error:
                 from redis.exceptions import LockError
 
-                if not isinstance(error, LockError):
+                if not isinstance(error, (LockError, ReplicationTimeout)):
                     # The outcome is unknown (the reply may be lost): keep the
                     # token (redis-py's sync lock drops it first), so that a
                     # second release() finds its own marker if the first one ran.
@@ -817,7 +1075,11 @@ class _RedisLock(_RedisClient):
         local.extend_call = call
         local.pending_extend = (call, seconds, replace_ttl)
         with self._owner_errors("was extended"):
-            yield from self._call(self._lock.extend, seconds, replace_ttl=replace_ttl)
+            try:
+                yield from self._call(self._lock.extend, seconds, replace_ttl=replace_ttl)
+            except ReplicationTimeout:
+                local.pending_extend = None  # it was extended: the next extend() is a new one
+                raise
         local.pending_extend = None
 
     def _owned(self) -> _Steps[bool]:
@@ -832,7 +1094,7 @@ class _RedisLock(_RedisClient):
             return
         try:
             yield from self._release()
-        except LockLost:
+        except (LockLost, ReplicationTimeout):
             if exc_type is None:
                 raise
 

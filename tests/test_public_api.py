@@ -30,6 +30,7 @@ EXPECTED = [
     "RedisTokens",
     "RefConflict",
     "Relay",
+    "ReplicationTimeout",
     "RequestFailed",
     "RequestInProgress",
     "Result",

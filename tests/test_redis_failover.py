@@ -1,0 +1,492 @@
+"""Redis Cluster with replicas, failover and ``wait_replicas`` (issue 17, "Redis Cluster and failover").
+
+One cluster per module: 3 masters + 3 replicas on private ports (tests/_redis_server.LocalCluster,
+``redis-server --cluster-enabled yes`` + ``redis-cli --cluster create --cluster-replicas 1``),
+stopped by pid.  Races are made with barriers and 8 threads; the failover tests SIGKILL the
+master of the storm's slot while workers keep consuming tokens and taking locks, wait for its
+replica to be promoted, start the killed node again (it rejoins as a replica) and then check
+what must hold and count what was lost.  The counts are printed (run with ``-s``) and quoted in
+the README's "Scaling out" section::
+
+    .venv/bin/python -m pytest tests/test_redis_failover.py -s -q -k failover
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, select
+from sqlalchemy.orm import Session
+
+from stateguard import (
+    AsyncRedisLock,
+    AsyncRedisTokens,
+    InvalidArgument,
+    Outcome,
+    RedisLock,
+    RedisTokens,
+    ReplicationTimeout,
+    create_tables,
+    drop_tables,
+    guarded_update,
+)
+
+from ._lock_workers import LockBase, Payout
+from ._redis_server import LocalCluster, RedisServer
+from .conftest import Backend
+
+THREADS = 8
+MINUTE = timedelta(minutes=1)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    """3 masters + 3 replicas on private ports (node timeout 2 s), shared by the module."""
+    with LocalCluster(masters=3, replicas=1, node_timeout_ms=2000) as running:
+        yield running
+
+
+def cluster_client(cluster: LocalCluster) -> Any:
+    from redis.cluster import RedisCluster
+
+    return RedisCluster(host="127.0.0.1", port=cluster.port)
+
+
+# --------------------------------------------------------------------------
+# wait_replicas: validation (no server)
+# --------------------------------------------------------------------------
+
+BAD_REPLICAS = [True, False, -1, 1.0, "1", None]
+
+
+@pytest.mark.parametrize("bad", BAD_REPLICAS)
+def test_wait_replicas_must_be_an_int_at_least_zero(bad: Any) -> None:
+    """bool, negative, float, str and None are InvalidArgument for all four classes (nothing is sent)."""
+    import redis
+    import redis.asyncio
+
+    sync, asynchronous = redis.Redis(), redis.asyncio.Redis()
+    with pytest.raises(InvalidArgument, match="wait_replicas"):
+        RedisTokens(sync, wait_replicas=bad)
+    with pytest.raises(InvalidArgument, match="wait_replicas"):
+        AsyncRedisTokens(asynchronous, wait_replicas=bad)
+    with pytest.raises(InvalidArgument, match="wait_replicas"):
+        RedisLock(sync, "x", ttl=1, wait_replicas=bad)
+    with pytest.raises(InvalidArgument, match="wait_replicas"):
+        AsyncRedisLock(asynchronous, "x", ttl=1, wait_replicas=bad)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 0.0001, None, float("inf"), "1"])
+def test_wait_timeout_must_be_a_positive_duration(bad: Any) -> None:
+    """wait_timeout is at least 1 ms and finite (WAIT 0 would block forever)."""
+    import redis
+
+    with pytest.raises(InvalidArgument, match="wait_timeout"):
+        RedisTokens(redis.Redis(), wait_replicas=1, wait_timeout=bad)
+    with pytest.raises(InvalidArgument, match="wait_timeout"):
+        RedisLock(redis.Redis(), "x", ttl=1, wait_replicas=1, wait_timeout=bad)
+
+
+def test_wait_replicas_defaults_to_off() -> None:
+    """0 by default: nothing changes for existing users; a timedelta wait_timeout is accepted."""
+    import redis
+
+    assert RedisTokens(redis.Redis()).wait_replicas == 0
+    assert RedisLock(redis.Redis(), "x", ttl=1).wait_replicas == 0
+    assert RedisTokens(redis.Redis(), wait_replicas=2, wait_timeout=timedelta(seconds=3)).wait_replicas == 2
+
+
+# --------------------------------------------------------------------------
+# wait_replicas on one server with one replica (the non-cluster path)
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def replicated() -> Iterator[tuple[RedisServer, RedisServer]]:
+    """A private master and one replica of it (``--replicaof``), synced."""
+    import redis
+
+    with RedisServer() as master:
+        replica = RedisServer(args=["--replicaof", master.host, str(master.port)])
+        with replica:
+            client = redis.Redis(port=master.port, decode_responses=True)
+            deadline = time.monotonic() + 20
+            while (client.info("replication").get("slave0") or {}).get("state") != "online":
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the private replica did not sync within 20 s")
+                time.sleep(0.05)
+            client.close()
+            yield master, replica
+
+
+def test_wait_replicas_on_a_master_with_one_replica(replicated: tuple[RedisServer, RedisServer]) -> None:
+    """WAIT 1 succeeds and the replica has each write; WAIT 2 raises ReplicationTimeout after the write."""
+    import redis
+
+    master, replica = replicated
+    client, on_replica = redis.Redis(port=master.port), redis.Redis(port=replica.port)
+    try:
+        tokens = RedisTokens(client, wait_replicas=1)
+        token = tokens.issue(scope="wait", ttl=MINUTE)
+        assert on_replica.get(RedisTokens.key("wait", token)) == b"live"  # WAIT returned: it is there
+        assert tokens.consume(token, scope="wait").outcome is Outcome.APPLIED
+        assert on_replica.get(RedisTokens.key("wait", token)).startswith(b"used:")
+
+        greedy = RedisTokens(client, wait_replicas=2, wait_timeout=0.05)
+        with pytest.raises(ReplicationTimeout, match="applied but not durable") as caught:
+            greedy.issue(scope="wait", ttl=MINUTE)
+        assert (caught.value.acknowledged, caught.value.wanted) == (1, 2)
+        stored = caught.value.value  # the token: issued on the master all the same
+        with pytest.raises(ReplicationTimeout) as caught:
+            greedy.consume(stored, scope="wait")
+        assert caught.value.value.outcome is Outcome.APPLIED
+        # Consumed on the master: nobody else gets APPLIED; a consume that writes nothing does not wait.
+        assert greedy.consume(stored, scope="wait").outcome is Outcome.REPEATED
+        assert tokens.consume(stored, scope="wait").outcome is Outcome.REPEATED
+
+        lock = RedisLock(client, "wait-lock", ttl=5, wait_replicas=1, blocking_timeout=0)
+        with lock as fence:
+            assert int(on_replica.get(lock.fence_key)) == fence
+            lock.extend(5)
+        assert on_replica.get(lock.key) is None
+        greedy_lock = RedisLock(client, "wait-lock", ttl=5, wait_replicas=2, wait_timeout=0.05)
+        with pytest.raises(ReplicationTimeout, match="was taken") as caught:
+            greedy_lock.acquire()
+        assert caught.value.value > fence  # it had the lock, with a new fence...
+        assert not greedy_lock.locked() and not greedy_lock.owned()  # ...and gave it back
+        with lock:  # so the next holder gets it at once
+            pass
+    finally:
+        client.close()
+        on_replica.close()
+
+
+def test_async_wait_replicas_on_a_master_with_one_replica(
+    replicated: tuple[RedisServer, RedisServer],
+) -> None:
+    """The same through redis.asyncio: AsyncRedisTokens and AsyncRedisLock with WAIT."""
+    import redis.asyncio
+
+    master, replica = replicated
+
+    async def main() -> None:
+        client, on_replica = redis.asyncio.Redis(port=master.port), redis.asyncio.Redis(port=replica.port)
+        try:
+            tokens = AsyncRedisTokens(client, wait_replicas=1)
+            token = await tokens.issue(scope="await", ttl=MINUTE)
+            assert await on_replica.get(RedisTokens.key("await", token)) == b"live"
+            assert (await tokens.consume(token, scope="await")).outcome is Outcome.APPLIED
+            greedy = AsyncRedisTokens(client, wait_replicas=2, wait_timeout=0.05)
+            with pytest.raises(ReplicationTimeout):
+                await greedy.issue(scope="await", ttl=MINUTE)
+            lock = AsyncRedisLock(client, "await-lock", ttl=5, wait_replicas=1, blocking_timeout=0)
+            async with lock as fence:
+                assert int(await on_replica.get(lock.fence_key)) == fence
+                await lock.extend(5)
+            assert await on_replica.get(lock.key) is None
+            greedy_lock = AsyncRedisLock(client, "await-lock", ttl=5, wait_replicas=2, wait_timeout=0.05)
+            with pytest.raises(ReplicationTimeout):
+                await greedy_lock.acquire()
+            assert not await greedy_lock.locked()
+        finally:
+            await client.aclose()
+            await on_replica.aclose()
+
+    asyncio.run(main())
+
+
+# --------------------------------------------------------------------------
+# Races on the cluster
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("wait_replicas", [0, 1])
+def test_one_token_consumed_by_8_threads_is_applied_once(cluster: LocalCluster, wait_replicas: int) -> None:
+    """8 threads released together consume the same token: exactly one APPLIED, 7 REPEATED (20 rounds)."""
+    client = cluster_client(cluster)
+    try:
+        tokens = RedisTokens(client, wait_replicas=wait_replicas)
+        rounds = 20
+        issued = [tokens.issue(scope=f"race}}{i}{{", ttl=MINUTE) for i in range(rounds)]
+        barrier = threading.Barrier(THREADS)
+        outcomes: list[list[Outcome]] = [[] for _ in range(rounds)]
+
+        def worker() -> None:
+            for i, token in enumerate(issued):
+                barrier.wait()
+                outcomes[i].append(tokens.consume(token, scope=f"race}}{i}{{").outcome)
+
+        threads = [threading.Thread(target=worker) for _ in range(THREADS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for seen in outcomes:
+            assert (seen.count(Outcome.APPLIED), seen.count(Outcome.REPEATED)) == (1, THREADS - 1), seen
+    finally:
+        client.close()
+
+
+def test_one_token_consumed_by_8_async_clients_is_applied_once(cluster: LocalCluster) -> None:
+    """8 threads, each with its own event loop and redis.asyncio RedisCluster: one APPLIED per token."""
+    from redis.asyncio.cluster import RedisCluster as AsyncCluster
+
+    setup = cluster_client(cluster)
+    rounds = 10
+    try:
+        issued = [RedisTokens(setup).issue(scope=f"arace:{i}", ttl=MINUTE) for i in range(rounds)]
+    finally:
+        setup.close()
+    barrier = threading.Barrier(THREADS)
+    outcomes: list[list[Outcome]] = [[] for _ in range(rounds)]
+
+    async def consume_all() -> None:
+        client = AsyncCluster(host="127.0.0.1", port=cluster.port)
+        try:
+            tokens = AsyncRedisTokens(client, wait_replicas=1)
+            await client.initialize()
+            for i, token in enumerate(issued):
+                barrier.wait()  # this thread's own loop: blocking here holds up nobody else
+                outcomes[i].append((await tokens.consume(token, scope=f"arace:{i}")).outcome)
+        finally:
+            await client.aclose()
+
+    threads = [threading.Thread(target=asyncio.run, args=(consume_all(),)) for _ in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for seen in outcomes:
+        assert (seen.count(Outcome.APPLIED), seen.count(Outcome.REPEATED)) == (1, THREADS - 1), seen
+
+
+@pytest.mark.parametrize("wait_replicas", [0, 1])
+def test_8_threads_never_hold_one_lock_together(cluster: LocalCluster, wait_replicas: int) -> None:
+    """8 threads x 12 acquisitions of one name on the cluster: never two holders, fences strictly grow."""
+    client = cluster_client(cluster)
+    try:
+        holders = 0
+        most = 0
+        fences: list[int] = []
+        guard = threading.Lock()
+        barrier = threading.Barrier(THREADS)
+
+        def worker() -> None:
+            nonlocal holders, most
+            lock = RedisLock(client, "}exclusion{", ttl=10, sleep=0.005, wait_replicas=wait_replicas)
+            barrier.wait()
+            for _ in range(12):
+                with lock as fence:
+                    with guard:
+                        holders += 1
+                        most = max(most, holders)
+                        fences.append(fence)
+                    time.sleep(0.002)
+                    with guard:
+                        holders -= 1
+
+        threads = [threading.Thread(target=worker) for _ in range(THREADS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert most == 1
+        assert len(fences) == THREADS * 12
+        assert fences == sorted(set(fences))  # in the order the holders got the lock
+    finally:
+        client.close()
+
+
+# --------------------------------------------------------------------------
+# A failover in the middle of a storm
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fenced_db(pg: Backend) -> Iterator[Engine]:
+    """PostgreSQL with stateguard's tables (stateguard_fences) and one Payout row to write under the lock."""
+    engine = pg.engine
+    drop_tables(engine)
+    create_tables(engine)
+    pg.create(LockBase.metadata)
+    with Session(engine) as s, s.begin():
+        s.add(Payout(id=1, holder=None))
+    yield engine
+    drop_tables(engine)
+
+
+def fenced_write(engine: Engine, holder: str, fence: int) -> Outcome:
+    with Session(engine) as s, s.begin():
+        version = s.get_one(Payout, 1).version
+        return guarded_update(s, Payout, 1, {"holder": holder}, expected_version=version, fence=fence).outcome
+
+
+class Storm:
+    """Token and lock workers hammering one slot until :meth:`stop`; what each saw acknowledged."""
+
+    def __init__(self, cluster: LocalCluster, engine: Engine, tag: str, wait_replicas: int) -> None:
+        self.cluster, self.engine, self.tag, self.wait_replicas = cluster, engine, tag, wait_replicas
+        self.scope = f"{{{tag}}}"
+        self.stopping = threading.Event()
+        self.guard = threading.Lock()
+        self.kept: list[tuple[float, str]] = []  # (when acknowledged, token) issued and never consumed
+        self.consumed: list[tuple[float, str]] = []  # (when, token) consumed APPLIED, acknowledged
+        self.not_durable = 0  # ReplicationTimeout: applied on the master, not acknowledged by a replica
+        self.errors: dict[str, int] = {}
+        self.acquired: list[tuple[float, int]] = []  # (when, fence) per acquisition
+        self.writes: list[tuple[int, Outcome]] = []  # (fence, outcome) of the fenced writes
+        self.fences_of: dict[str, list[int]] = {}
+        self.holders = 0
+        self.overlaps = 0
+        self.threads = [threading.Thread(target=self.tokens_worker) for _ in range(6)]
+        self.threads += [threading.Thread(target=self.lock_worker, args=(f"L{i}",)) for i in range(2)]
+
+    def error(self, error: BaseException) -> None:
+        with self.guard:
+            name = type(error).__name__
+            self.errors[name] = self.errors.get(name, 0) + 1
+        time.sleep(0.02)
+
+    def tokens_worker(self) -> None:
+        client = cluster_client(self.cluster)
+        tokens = RedisTokens(client, wait_replicas=self.wait_replicas)
+        try:
+            while not self.stopping.is_set():
+                try:
+                    kept = tokens.issue(scope=self.scope, ttl=timedelta(minutes=5))
+                    with self.guard:
+                        self.kept.append((time.monotonic(), kept))
+                    used = tokens.issue(scope=self.scope, ttl=timedelta(minutes=5))
+                    if tokens.consume(used, scope=self.scope).applied:
+                        with self.guard:
+                            self.consumed.append((time.monotonic(), used))
+                except ReplicationTimeout:
+                    with self.guard:
+                        self.not_durable += 1
+                    time.sleep(0.02)
+                except Exception as error:  # the cluster is failing over: redis-py's errors
+                    self.error(error)
+        finally:
+            client.close()
+
+    def lock_worker(self, holder: str) -> None:
+        client = cluster_client(self.cluster)
+        lock = RedisLock(
+            client, self.tag, ttl=3, blocking_timeout=1, sleep=0.01, fences=self.engine,
+            wait_replicas=self.wait_replicas,
+        )  # fmt: skip
+        try:
+            while not self.stopping.is_set():
+                try:
+                    with lock as fence:
+                        with self.guard:
+                            self.acquired.append((time.monotonic(), fence))
+                            self.fences_of.setdefault(holder, []).append(fence)
+                            self.holders += 1
+                            self.overlaps += self.holders > 1
+                        try:
+                            outcome = fenced_write(self.engine, holder, fence)
+                            with self.guard:
+                                self.writes.append((fence, outcome))
+                        finally:
+                            with self.guard:
+                                self.holders -= 1
+                except ReplicationTimeout:
+                    with self.guard:
+                        self.not_durable += 1
+                    time.sleep(0.02)
+                except Exception as error:
+                    self.error(error)
+        finally:
+            client.close()
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for t in self.threads:
+            t.join(60)
+
+
+@pytest.mark.parametrize("wait_replicas", [0, 1])
+def test_failover_in_the_middle_of_a_storm(
+    cluster: LocalCluster, fenced_db: Engine, wait_replicas: int
+) -> None:
+    """SIGKILL the storm slot's master mid-storm; its replica takes over; count what acknowledged writes lost.
+
+    Must hold: with ``wait_replicas=1`` (every master has one replica, so the promoted replica has
+    every write WAIT confirmed) no acknowledged token is lost and none consumed twice; with
+    fences from the database, the fences never go back and the stored fence is the largest
+    accepted one; clients work again after the failover (and, once the killed node rejoined as a
+    replica, writes are acknowledged by WAIT again).  Measured (printed): acknowledged writes lost.
+    """
+    tag = f"storm-{wait_replicas}"
+    victim = cluster.master_of(f"stateguard:token:{{{tag}}}:")
+    storm = Storm(cluster, fenced_db, tag, wait_replicas)
+    storm.start()
+    try:
+        time.sleep(1.5)
+        killed_at = time.monotonic()
+        cluster.kill(victim)
+        promoted = cluster.wait_for_failover(victim)
+        promoted_at = time.monotonic()
+        cluster.revive(victim)  # it rejoins as the replica of the promoted node
+        revived_at = time.monotonic()
+        time.sleep(1.5)
+    finally:
+        storm.stop()
+    assert cluster.master_of(f"stateguard:token:{{{tag}}}:").port == promoted.port
+
+    # What survived, read from the new master (no WAIT: reads only).
+    client = cluster_client(cluster)
+    try:
+        checker = RedisTokens(client)
+        before = [token for when, token in storm.kept if when < killed_at]
+        lost_issues = sum(1 for token in before if not client.exists(RedisTokens.key(storm.scope, token)))
+        consumed_before = [token for when, token in storm.consumed if when < killed_at]
+        again = [checker.consume(token, scope=storm.scope).outcome for token in consumed_before]
+        consumed_twice = again.count(Outcome.APPLIED)  # the tombstone was lost: a second APPLIED
+        tokens_gone = again.count(Outcome.NOT_FOUND)  # the token itself was lost as well
+    finally:
+        client.close()
+
+    fences = [fence for _, fence in storm.acquired]
+    accepted = [fence for fence, outcome in storm.writes if outcome is Outcome.APPLIED]
+    with Session(fenced_db) as s:
+        stored = s.execute(select(Payout.fence).where(Payout.id == 1)).scalar_one()
+    after = {
+        "tokens": sum(1 for when, _ in storm.consumed if when > promoted_at),
+        "locks": sum(1 for when, _ in storm.acquired if when > promoted_at),
+        "tokens after rejoin": sum(1 for when, _ in storm.consumed if when > revived_at),
+    }
+    print(
+        f"\nFAILOVER wait_replicas={wait_replicas}: failover took {promoted_at - killed_at:.1f}s; "
+        f"acknowledged before the kill: {len(before)} issues, {len(consumed_before)} consumes; "
+        f"lost: {lost_issues} issued tokens, {consumed_twice} consumes (token APPLIED again), "
+        f"{tokens_gone} consumed tokens gone; lock acquisitions {len(fences)}, overlapping holders "
+        f"{storm.overlaps}, fenced writes {len(storm.writes)} ({len(storm.writes) - len(accepted)} STALE); "
+        f"ReplicationTimeout {storm.not_durable}; errors {storm.errors}; "
+        f"successes after promotion {after}"
+    )
+    assert len(before) > 50 and len(consumed_before) > 50  # the storm really ran before the kill
+    # Fences from the database never go back, failover or not: each holder's grow, none is handed out
+    # twice, the row keeps the largest accepted one and (holders one at a time) accepted ones only grow.
+    for holder in ("L0", "L1"):
+        mine = storm.fences_of[holder]
+        assert mine == sorted(set(mine)), holder
+    assert len(set(fences)) == len(fences)
+    assert stored == max(accepted)
+    if storm.overlaps == 0:
+        assert accepted == sorted(accepted)
+    # Clients recover after the failover.
+    assert after["tokens"] > 0 and after["locks"] > 0 and after["tokens after rejoin"] > 0
+    if wait_replicas:
+        assert lost_issues == 0 and consumed_twice == 0 and tokens_gone == 0
