@@ -7,10 +7,11 @@
     $ stateguard check myapp.models --db postgresql+psycopg://app@db/app --json
     $ stateguard purge --db postgresql+psycopg://app@db/app --batch 1000
     $ stateguard relay --db postgresql+psycopg://app@db/app --redis redis://cache:6379/0 --stream orders
+    $ stateguard inspect --db postgresql+psycopg://app@db/app --models myapp.models:Base --json
 
-Exit codes: 0 ok; 1 only from ``demo`` (an invariant was violated) and
-``check`` (problems were found); 2 usage error (bad arguments, a database
-that cannot be reached or does not exist, a missing driver, missing
+Exit codes: 0 ok; 1 only from ``demo`` (an invariant was violated),
+``check`` (problems were found) and ``inspect`` (stuck work was found); 2
+usage error (bad arguments, a database that cannot be reached or does not exist, a missing driver, missing
 stateguard tables for ``purge`` and ``relay``, a Redis server that cannot
 be reached for ``relay``).  Each command's ``--help`` lists its own.
 :func:`main` takes the arguments and returns the exit code, so it can be
@@ -47,10 +48,11 @@ from ..machine import StateMachine, machines_of
 from ..outbox import Relay
 from ..outbox import purge_published as _purge_outbox
 from ..schema import machines_in_module
-from ..tables import outbox
+from ..tables import counter_ledger, outbox, transition_log
 from ..tokens import purge_expired_tokens as _purge_tokens
 from . import check as _check
 from . import graph as _graph
+from . import inspection as _inspection
 from .terminal import RelayProgress, StderrProgress, isatty, use_color
 
 __all__ = ["main"]
@@ -66,7 +68,7 @@ _EXIT_CODES: dict[str, str] = {
     "stateguard": """\
 exit codes (each command's --help lists its own):
   0  ok
-  1  demo: an invariant was violated; check: problems were found
+  1  demo: an invariant was violated; check: problems were found; inspect: stuck work was found
   2  usage error (bad arguments, unreachable or missing database or Redis, missing driver,
      missing stateguard tables)
 """,
@@ -103,6 +105,16 @@ exit codes:
      or a database error the relay cannot retry)
 """,
 }
+
+_EXIT_CODES["inspect"] = """\
+exit codes:
+  0  ok: nothing stuck
+  1  stuck work was found: idempotency keys in progress past their lease, or outbox
+     events unpublished for --stale seconds or longer
+  2  usage error (bad arguments, unimportable --models, no such model or row key for
+     --row, unreachable database, a SQLite file that does not exist, a database error
+     while reading, Graphviz missing for svg/png, output not writable)
+"""
 
 #: Which extra installs the driver a URL names (for the "not installed" hint).
 _EXTRAS = {"psycopg": "postgres", "pymysql": "mysql"}
@@ -597,6 +609,136 @@ def _cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return EXIT_PROBLEMS if problems else EXIT_OK
 
 
+# -- inspect ----------------------------------------------------------------
+
+
+def _inspect_machines(target: str) -> list[StateMachine[Any]]:
+    """The machines ``--models`` names: a module's, a declarative Base's models', or one model's."""
+    module_name, name = _split_target(target, model_required=False)
+    module = import_module(module_name)
+    if name is None:
+        machines = machines_in_module(module)
+        if not machines:
+            raise UsageError(f"no StateMachine found in {module_name}")
+        return machines
+    value = getattr(module, name, None)
+    registry = getattr(value, "registry", None)
+    if not isinstance(value, type) or registry is None:
+        raise UsageError(
+            f"{module_name}.{name} is not a declarative Base or a mapped model "
+            f"(e.g. --models myapp.models:Base, or --models myapp.models)"
+        )
+    found: list[StateMachine[Any]] = []
+    for mapper in sorted(registry.mappers, key=lambda m: (m.class_.__module__, m.class_.__qualname__)):
+        cls = mapper.class_
+        if issubclass(cls, value):
+            found += [m for m in machines_of(cls) if m.model is cls and m not in found]
+    if not found:
+        raise UsageError(f"no StateMachine among the models of {target}")
+    return found
+
+
+_DRAWING_SUFFIX = {"mermaid": "mmd", "dot": "dot", "svg": "svg", "png": "png"}
+
+
+def _draw_counts(
+    report: _inspection.Inspection, machines: list[StateMachine[Any]], args: argparse.Namespace
+) -> None:
+    """Each counted machine's graph with its counts: text into the report, or files into ``--output``."""
+    folder = Path(args.output) if args.output is not None else None
+    if folder is not None:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise UsageError(f"cannot create the folder {args.output}: {error.strerror or error}") from error
+    for machine, counts in zip(machines, report.machines, strict=True):
+        if counts.table_missing:
+            continue
+        drawn = _graph.render_graph(machine, args.format, counts=counts.states)
+        if folder is None:
+            # svg/png need --output (checked before connecting): text here.
+            counts.drawing = drawn if isinstance(drawn, str) else drawn.decode("utf-8")
+            continue
+        path = folder / f"{counts.model}.{counts.machine}.{_DRAWING_SUFFIX[args.format]}"
+        try:
+            if isinstance(drawn, bytes):
+                path.write_bytes(drawn)
+            else:
+                path.write_text(drawn, encoding="utf-8")
+        except OSError as error:
+            raise UsageError(f"cannot write {path}: {error.strerror or error}") from error
+        counts.file = str(path)
+
+
+def _cmd_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    machines = _inspect_machines(args.models) if args.models is not None else []
+    row_model: type[Any] | None = None
+    row_key: tuple[Any, ...] = ()
+    if args.row is not None:
+        if args.models is None:
+            raise UsageError("--row needs --models (the model and its primary key come from it)")
+        model_name, sep, key_text = args.row.partition(":")
+        if not sep or not key_text:
+            raise UsageError(f"expected --row Model:KEY, got {args.row!r} (e.g. --row Order:42)")
+        models = {m.model.__name__: m.model for m in machines if m.model is not None}
+        row_model = models.get(model_name)
+        if row_model is None:
+            raise UsageError(
+                f"no model {model_name!r} with a StateMachine in {args.models}; "
+                f"it has: {', '.join(sorted(models))}"
+            )
+        try:
+            row_key = _inspection.parse_row_key(row_model, key_text)
+        except _inspection.RowKeyError as error:
+            raise UsageError(str(error)) from error
+    if args.format in ("svg", "png"):
+        if not _graph.graphviz_available():
+            raise UsageError(_graph.GRAPHVIZ_HINT)
+        if args.output is None:
+            raise UsageError(
+                f"--format {args.format} writes one file per machine: name a folder with --output DIR"
+            )
+    engine = open_engine(args.db, workers=1, purpose="stateguard inspect", create=False)
+    progress = _inspection.ScanProgress(err, enabled=not args.json)
+    try:
+        with engine.connect() as conn:
+            report = _inspection.inspect_database(
+                conn,
+                machines,
+                limit=args.limit,
+                stale_ms=round(args.stale * 1000),
+                progress=progress,
+                database=_safe(engine.url),
+            )
+            if args.ref is not None:
+                if counter_ledger.name in report.tables_present:
+                    report.ledger = {**_inspection.ledger_of(conn, args.ref), "table_missing": False}
+                else:
+                    report.ledger = {"ref": args.ref, "entries": [], "table_missing": True}
+        if row_model is not None:
+            report.row = _inspection.row_report(
+                engine,
+                row_model,
+                [m for m in machines if m.model is row_model],
+                row_key,
+                log_present=transition_log.name in report.tables_present,
+            )
+    except sa_exc.SQLAlchemyError as error:
+        # Nothing could be judged: not "stuck work found" (exit 1).
+        err.write(f"stateguard inspect: database error: {_first_line(error)}\n")
+        return EXIT_USAGE
+    finally:
+        engine.dispose()
+    if args.format != "text":
+        _draw_counts(report, machines, args)
+    if args.json:
+        out.write(json.dumps(report.as_dict(), indent=2) + "\n")
+    else:
+        out.write(_inspection.render_text(report, color=use_color(out)))
+    out.flush()
+    return EXIT_PROBLEMS if report.stuck else EXIT_OK
+
+
 Handler = Callable[[argparse.Namespace, TextIO, TextIO], int]
 
 
@@ -816,6 +958,66 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="wait after a round that found nothing to publish (default: 1)",
     )
+    inspect = _command(
+        commands,
+        "inspect",
+        _cmd_inspect,
+        help="count rows per state and find stuck work in a live database",
+        description=(
+            "Read a live database (never writes).  With --models, the rows in each state of\n"
+            "every StateMachine (one GROUP BY per machine), optionally drawn as the state graph\n"
+            "with the counts (--format).  From stateguard's own tables, where they exist:\n"
+            "idempotency keys in progress past their lease, expired keys and tokens not purged\n"
+            "yet, worker-id leases (live / expired), the outbox backlog.  Leases and ages are\n"
+            "judged on the database's clock.  --row Model:KEY shows one row's states and\n"
+            "transition history, --ref REF the counter ledger entries of one ref."
+        ),
+    )
+    inspect.add_argument("--db", required=True, metavar="URL", help="SQLAlchemy URL of the database")
+    inspect.add_argument(
+        "--models",
+        metavar="MODULE[:Base]",
+        help=(
+            "the models to count: a module (every model it holds), MODULE:Base (every model "
+            "of a declarative Base) or MODULE:Model"
+        ),
+    )
+    inspect.add_argument(
+        "--format",
+        choices=("text", *_graph.GRAPH_FORMATS),
+        default="text",
+        help=(
+            "text: counts as a table (default); mermaid, dot: also the graph with the counts; "
+            "svg, png: the graph drawn by Graphviz into --output DIR"
+        ),
+    )
+    inspect.add_argument(
+        "-o",
+        "--output",
+        metavar="DIR",
+        help="write each machine's graph to DIR/<Model>.<machine>.<mmd|dot|svg|png>",
+    )
+    inspect.add_argument(
+        "--row",
+        metavar="Model:KEY",
+        help="one row's states and history, e.g. Order:42 (a composite key as JSON: 'Line:[1, \"a\"]')",
+    )
+    inspect.add_argument("--ref", metavar="REF", help="the counter ledger entries written under REF")
+    inspect.add_argument(
+        "--stale",
+        type=_positive_float,
+        default=_inspection.DEFAULT_STALE_MS / 1000,
+        metavar="SECONDS",
+        help="an unpublished outbox event this old is stuck (default: 300)",
+    )
+    inspect.add_argument(
+        "--limit",
+        type=_positive,
+        default=_inspection.DEFAULT_LIMIT,
+        metavar="N",
+        help=f"stuck keys and leases listed (default: {_inspection.DEFAULT_LIMIT})",
+    )
+    inspect.add_argument("--json", action="store_true", help="print a machine-readable report")
     return parser
 
 
@@ -834,6 +1036,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["purge", "--db", "sqlite:///app.db", "--batch", "500"])
         0
         >>> main(["relay", "--db", "sqlite:///app.db", "--redis", "redis://127.0.0.1:6379/0"])  # to SIGTERM
+        0
+        >>> main(["inspect", "--db", "sqlite:///app.db", "--models", "myapp.models:Base", "--json"])
         0
     """
     parser = build_parser()
