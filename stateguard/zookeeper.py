@@ -189,9 +189,14 @@ class ZooKeeperLock:
             self._listening = False
 
     def _session_gone(self) -> bool:
-        """Whether the session that created the znode is known to be over."""
+        """Whether the session that created the znode is known to be over.
+
+        kazoo reports no client id while disconnected: that is not known to
+        be over (SUSPENDED, see :attr:`fence`), a different id after
+        reconnecting is.
+        """
         current = self.client.client_id
-        return self._lost or current is None or current[0] != self._session
+        return self._lost or (current is not None and current[0] != self._session)
 
     def _forget(self) -> None:
         """This object holds nothing any more (released, or known lost)."""

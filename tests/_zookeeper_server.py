@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import TracebackType
@@ -32,7 +33,7 @@ from types import TracebackType
 from ._redis_server import free_port
 from .conftest import IN_CI
 
-__all__ = ["ZooKeeperEnsemble", "ZooKeeperServer", "zookeeper_command"]
+__all__ = ["Gate", "ZooKeeperEnsemble", "ZooKeeperServer", "zookeeper_command"]
 
 #: Where Debian's ``zookeeperd`` (package ``zookeeper``) puts the server jar; its
 #: manifest's Class-Path names the other jars it needs.
@@ -262,3 +263,94 @@ class ZooKeeperEnsemble:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+class Gate:
+    """A TCP forwarder to one server that a test can shut and open again on the same port.
+
+    Shut, it closes every forwarded connection and every new one at once: a
+    ZooKeeper client behind it is cut off (SUSPENDED) and cannot reconnect,
+    while its session lives on in the server until the session timeout
+    ends.  Opened again, the client reconnects to its session, or learns it
+    expired (LOST)::
+
+        with Gate(server.port) as gate:
+            zk = KazooClient(hosts=gate.hosts, timeout=2.0)
+            gate.shut(); ...; gate.open()
+    """
+
+    host = "127.0.0.1"
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self._listener = socket.create_server((self.host, 0))
+        self.port: int = self._listener.getsockname()[1]
+        self._is_open = True
+        self._closed = False
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def hosts(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                if not self._is_open or self._closed:
+                    client.close()
+                    continue
+                try:
+                    server = socket.create_connection((self.host, self.target_port), timeout=5)
+                except OSError:
+                    client.close()
+                    continue
+                server.settimeout(None)
+                self._sockets += [client, server]
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while chunk := source.recv(65536):
+                sink.sendall(chunk)
+        except OSError:
+            pass
+        for sock in (source, sink):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def shut(self) -> None:
+        """Cut every connection now and refuse new ones until :meth:`open`."""
+        with self._lock:
+            self._is_open = False
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def open(self) -> None:
+        """Forward new connections again."""
+        with self._lock:
+            self._is_open = True
+
+    def close(self) -> None:
+        self._closed = True
+        self.shut()
+        self._listener.close()
+
+    def __enter__(self) -> Gate:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
