@@ -104,6 +104,25 @@ def test_the_fixture_really_goes_through_pgbouncer(bounced: Engine, bouncer: PgB
     assert "pool_mode = transaction" in (bouncer.dir / "pgbouncer.ini").read_text()
 
 
+def test_one_client_connection_runs_on_several_server_connections(bounced: Engine) -> None:
+    """Transaction pooling for real, not only in the ini file: once a client's transaction ends, another
+    client can get the server connection it used, and the first client's next transaction runs on
+    another one (impossible in session pooling, where a server connection stays with its client)."""
+    pid = select(func.pg_backend_pid())
+    with bounced.connect() as first, bounced.connect() as second:
+        for _ in range(20):
+            with first.begin():
+                used = first.execute(pid).scalar_one()
+            with second.begin():
+                if second.execute(pid).scalar_one() != used:
+                    continue
+                # `second` holds the server connection `first` used, inside a transaction.
+                with first.begin():
+                    assert first.execute(pid).scalar_one() != used
+                return
+    pytest.fail("no other client ever got the server connection a client had used: not transaction pooling")
+
+
 def test_triggers_single_many_where(bounced: Engine) -> None:
     """Single, many() and where() triggers give exact outcomes behind PgBouncer."""
     _seed(bounced, *(Order(id=i) for i in range(1, 11)))
