@@ -21,7 +21,7 @@ from typing import Any
 
 import sqlalchemy
 
-from . import idempotency, locks, relay, scenarios
+from . import idempotency, locks, observe, relay, scenarios
 from .models import Table, make_engine, server_version
 
 DEFAULT_DBS = [
@@ -49,6 +49,7 @@ SIZES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     ),
     "events": ({"n": 1000}, {"n": 10}),
     "locks": ({"workers": 8, "ops": 50, "rounds": 3}, {"workers": 2, "ops": 3, "rounds": 1}),
+    "observe": ({"n": 1500}, {"n": 20}),
 }
 
 RUNNERS: dict[str, Any] = {
@@ -62,6 +63,7 @@ RUNNERS: dict[str, Any] = {
     "relay": relay.relay_scenario,
     "events": relay.events_cost,
     "locks": locks.lock_comparison,
+    "observe": observe.observe_cost,
 }
 
 #: Full runs of these scenarios only on these dialects (the issue states their targets there).

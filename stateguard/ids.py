@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import threading
@@ -24,8 +25,11 @@ from typing import Any, Final
 from sqlalchemy import Engine, bindparam, select, update
 
 from . import _sql, _write
+from . import observe as _observe
 from .exceptions import InvalidArgument, WorkerIdsExhausted, WorkerLeaseLost
 from .tables import worker_leases
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_EPOCH_MS", "MAX_WORKERS", "Snowflake", "new_request_id"]
 
@@ -403,6 +407,13 @@ class Snowflake:
             )
         if self._lost is not None:
             raise self._lost
+        if _observe.hooked or log.isEnabledFor(logging.DEBUG):
+            backend = self.engine.dialect.name
+            with _observe.observed("next_id", log, scope=str(self.worker_id), backend=backend):
+                return self._next_id()
+        return self._next_id()
+
+    def _next_id(self) -> int:
         while True:
             now = self._clock()
             if now >= self._renew_ms or time.monotonic() >= self._renew_mono:

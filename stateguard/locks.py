@@ -15,6 +15,7 @@ A lock only makes the code inside it exclusive; prefer a conditional write
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
 import threading
 import time
@@ -29,11 +30,14 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
 from . import _compat, _sql, _write
+from . import observe as _observe
 from ._async import AsyncSession, DualContext, dual
 from .engine import BEGIN_MARK
 from .exceptions import InvalidArgument, LockLost, LockNotAcquired, NotSupported
 
 __all__ = ["advisory_lock", "row_lock"]
+
+log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------
@@ -291,35 +295,41 @@ def _advisory_lock(
     timeout: float | timedelta | None,
     shared: bool,
 ) -> Iterator[None]:
-    if not isinstance(name, str) or not name:
-        raise InvalidArgument(f"advisory_lock needs a non-empty str name, got {name!r}")
-    wait = _write.seconds(timeout, "timeout", allow_zero=True)
-    if wait == float("inf"):
-        wait = None  # wait forever, as timeout=None does (GET_LOCK would refuse 'inf')
-    # Decided from the bind's dialect before the session checks out a
-    # connection, so nothing is sent to a server that cannot honour the lock.
-    _refuse_unlocking_dialect(_write.own_bind(session, None).dialect.name)
-    conn = _write.own_connection(session, None)
-    kind = _sql.backend(conn.dialect).named_locks
+    # The acquisition is what stateguard.observe reports (its wait is the duration).
+    with _observe.watch("advisory_lock", log, scope=name if isinstance(name, str) else None) as box:
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument(f"advisory_lock needs a non-empty str name, got {name!r}")
+        wait = _write.seconds(timeout, "timeout", allow_zero=True)
+        if wait == float("inf"):
+            wait = None  # wait forever, as timeout=None does (GET_LOCK would refuse 'inf')
+        # Decided from the bind's dialect before the session checks out a
+        # connection, so nothing is sent to a server that cannot honour the lock.
+        _refuse_unlocking_dialect(_write.own_bind(session, None).dialect.name)
+        conn = _write.own_connection(session, None)
+        box["backend"] = conn.dialect.name
+        kind = _sql.backend(conn.dialect).named_locks
+        lock_name = ""
+        if kind == "transaction":
+            _pg_advisory_lock(conn, name, wait, shared)
+        elif kind == "connection":
+            if shared:
+                raise NotSupported("advisory_lock(shared=True): MariaDB/MySQL GET_LOCK has no shared mode")
+            lock_name = mysql_lock_name(name)
+            _mysql_get_lock(conn, name, lock_name, wait)
+        else:
+            raise NotSupported(
+                f"advisory_lock is not available on {conn.dialect.name}: it has no named locks "
+                f"(use row_lock with stateguard.sqlite_engine() on SQLite)"
+            )
     if kind == "transaction":
-        _pg_advisory_lock(conn, name, wait, shared)
         yield
-    elif kind == "connection":
-        if shared:
-            raise NotSupported("advisory_lock(shared=True): MariaDB/MySQL GET_LOCK has no shared mode")
-        lock_name = mysql_lock_name(name)
-        _mysql_get_lock(conn, name, lock_name, wait)
-        raised = True
-        try:
-            yield
-            raised = False
-        finally:
-            _mysql_release(conn, name, lock_name, raised)
-    else:
-        raise NotSupported(
-            f"advisory_lock is not available on {conn.dialect.name}: it has no named locks "
-            f"(use row_lock with stateguard.sqlite_engine() on SQLite)"
-        )
+        return
+    raised = True
+    try:
+        yield
+        raised = False
+    finally:
+        _mysql_release(conn, name, lock_name, raised)
 
 
 #: Dialects that speak PostgreSQL but have no advisory locks, and what to use instead.

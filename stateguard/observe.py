@@ -38,7 +38,7 @@ from typing import Any
 
 from .result import Result
 
-__all__ = ["GuardEvent", "SpanFactory", "on_event", "on_span"]
+__all__ = ["GuardEvent", "SpanFactory", "on_event", "on_span", "watch"]
 
 log = logging.getLogger(__name__)
 
@@ -300,7 +300,8 @@ def observed(
 ) -> Iterator[dict[str, Any]]:
     """Report the block as one call of ``operation`` (for calls that take no session).
 
-    The block may set ``box["outcome"]`` (default ``"OK"``) and ``box["retries"]``::
+    The block may set ``box["outcome"]`` (default ``"OK"``), ``box["retries"]`` and
+    ``box["backend"]``::
 
         with observed("redis_token.consume", log, scope=scope, backend="redis") as box:
             result = ...
@@ -329,8 +330,25 @@ def observed(
                     model=model,
                     scope=scope,
                     retries=int(box["retries"]),
-                    backend=backend,
+                    backend=box.get("backend", backend),
                     error=error,
                 ),
                 logger,
             )
+
+
+def watch(
+    operation: str,
+    logger: logging.Logger,
+    *,
+    model: str | None = None,
+    scope: str | None = None,
+    backend: str | None = None,
+) -> AbstractContextManager[dict[str, Any]]:
+    """:func:`observed` when anything listens (or ``logger`` is at DEBUG), else a no-op block.
+
+    The block writes to the box it gets either way; unobserved, nobody reads it.
+    """
+    if hooked or logger.isEnabledFor(logging.DEBUG):
+        return observed(operation, logger, model=model, scope=scope, backend=backend)
+    return contextlib.nullcontext({})

@@ -13,12 +13,13 @@ from typing import Any, TypeVar, overload
 from sqlalchemy import exc as sa_exc
 
 from . import _sql
+from . import observe as _observe
 from .exceptions import LockNotAcquired, StateguardError
 from .result import Outcome, Result
 
 __all__ = ["retry_on_conflict"]
 
-log = logging.getLogger("stateguard")
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -53,7 +54,7 @@ def _is_stale(error: StateguardError) -> bool:
 class _Policy:
     """One call's retry decisions, shared by the sync and async loops (only their waits differ)."""
 
-    __slots__ = ("attempt", "attempts", "backoff", "deadline", "lock_not_acquired", "max_backoff")
+    __slots__ = ("attempt", "attempts", "backoff", "deadline", "lock_not_acquired", "max_backoff", "start")
 
     def __init__(
         self,
@@ -71,6 +72,29 @@ class _Policy:
         self.lock_not_acquired = lock_not_acquired
         self.deadline = None if max_time is None else time.monotonic() + max_time
         self.attempt = 0
+        #: When the call began, if anything observes it (stateguard.observe), else None.
+        self.start = time.perf_counter() if _observe.hooked or log.isEnabledFor(logging.DEBUG) else None
+
+    def report(self, end: object) -> None:
+        """One stateguard.observe event for the whole call: its last outcome and the retries it took."""
+        if self.start is None:
+            return
+        error = end if isinstance(end, BaseException) else None
+        if error is not None:
+            outcome = type(end).__name__
+        else:
+            outcome = end.outcome.name if isinstance(end, Result) else "OK"
+        _observe.deliver(
+            _observe.GuardEvent(
+                "retry_on_conflict",
+                outcome,
+                time.perf_counter() - self.start,
+                model=end.model.__name__ if isinstance(end, Result) else None,
+                retries=self.attempt - 1,
+                error=error,
+            ),
+            log,
+        )
 
     def _last(self) -> bool:
         return self.attempt >= self.attempts or (
@@ -185,6 +209,7 @@ def retry_on_conflict(
             result = fn()
         except Exception as error:
             if not policy.retry_error(error):
+                policy.report(error)
                 raise
         else:
             if inspect.isawaitable(result):
@@ -192,6 +217,7 @@ def retry_on_conflict(
                 # caller awaits what we return, so the retries go there.
                 return _retry_async(fn, policy, sleep, result)
             if not policy.retry_result(result):
+                policy.report(result)
                 return result
         delay = policy.delay()
         if delay > 0:
@@ -212,9 +238,11 @@ async def _retry_async(
             result = await pending
         except Exception as error:
             if not policy.retry_error(error):
+                policy.report(error)
                 raise
         else:
             if not policy.retry_result(result):
+                policy.report(result)
                 return result
         delay = policy.delay()
         if delay > 0:

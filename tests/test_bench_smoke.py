@@ -17,7 +17,7 @@ def test_every_scenario_runs_with_tiny_sizes(backend: Backend) -> None:
     tables = run([backend.url], None, quick=True, out=out)
     assert len(tables) == len(RUNNERS)
     by_number = {t.title.split(" ")[0]: t for t in tables}
-    assert set(by_number) == {"1.", "2.", "3.", "4.", "5a.", "5b.", "5c.", "6.", "6b.", "7."}
+    assert set(by_number) == {"1.", "2.", "3.", "4.", "5a.", "5b.", "5c.", "6.", "6b.", "7.", "8."}
 
     single = {r["variant"]: r for r in by_number["1."].rows}
     assert single["stateguard"]["stmts_per_call"] == 1.0
@@ -85,6 +85,10 @@ def test_every_scenario_runs_with_tiny_sizes(backend: Backend) -> None:
             assert row["ops_per_s"] > 0 and row["p99_ms"] >= row["median_ms"] > 0
     else:
         assert locks == {}
+    # Outcome events: every variant ran and the reporting test was timed.
+    observed = {r["variant"] for r in by_number["8."].rows}
+    assert {"no listener", "bridge bypassed", "a no-op listener"} <= observed
+    assert any(n.startswith("target: with no listener") for n in by_number["8."].notes)
     assert "variant" in out.getvalue()
 
 

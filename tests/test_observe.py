@@ -306,3 +306,51 @@ def test_instrument_needs_something_to_record() -> None:
 
     with pytest.raises(InvalidArgument):
         instrument(spans=False, metrics=False)
+
+
+def test_advisory_lock_reports_its_acquisition(pg: Backend, events: list[GuardEvent]) -> None:
+    from stateguard import LockNotAcquired, advisory_lock
+
+    with Session(pg.engine) as holder, holder.begin(), advisory_lock(holder, "observe-lock"):
+        assert _last(events, "advisory_lock").outcome == "OK"
+        with Session(pg.engine) as other, other.begin(), pytest.raises(LockNotAcquired):
+            with advisory_lock(other, "observe-lock", timeout=0.05):
+                pass  # pragma: no cover - never entered
+    event = _last(events, "advisory_lock")
+    assert (event.outcome, event.scope, event.backend) == ("LockNotAcquired", "observe-lock", "postgresql")
+    assert event.duration >= 0.05
+
+
+def test_retry_on_conflict_reports_the_retries_it_took(events: list[GuardEvent]) -> None:
+    from stateguard import SerializationConflict, retry_on_conflict
+
+    calls = []
+
+    def unit() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise SerializationConflict("simulated 40001 from the unit of work")
+        return "done"
+
+    assert retry_on_conflict(unit, backoff=0) == "done"
+    event = _last(events, "retry_on_conflict")
+    assert (event.outcome, event.retries, event.error) == ("OK", 2, None)
+
+    def always() -> str:
+        raise SerializationConflict("always loses")
+
+    with pytest.raises(SerializationConflict):
+        retry_on_conflict(always, attempts=2, backoff=0)
+    event = _last(events, "retry_on_conflict")
+    assert (event.outcome, event.retries) == ("SerializationConflict", 1)
+
+
+def test_next_id_reports(sqlite: Backend, events: list[GuardEvent]) -> None:
+    from stateguard import Snowflake, create_tables
+
+    create_tables(sqlite.engine)
+    with Snowflake(sqlite.engine) as ids:
+        first = ids.next_id()
+        assert ids.next_id() > first
+    found = [e for e in events if e.operation == "next_id"]
+    assert [e.outcome for e in found] == ["OK", "OK"] and found[0].backend == "sqlite"
