@@ -13,7 +13,7 @@ from typing import Any, cast
 
 import pytest
 from sqlalchemy import Table, select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 import stateguard.retry
@@ -118,6 +118,56 @@ def test_asyncpg_serialization_failure_is_retried_once(pg_orders: AsyncTarget) -
     assert error.__cause__.orig.sqlstate == "40001"  # type: ignore[union-attr]
     assert attempts[1] is got and (got.outcome, got.state, got.version) == (Outcome.REPEATED, "paid", 1)
     assert rows[1] == ("paid", 1) and rows[2] == ("pending", 0)
+
+
+def test_asyncpg_serializable_write_skew_is_retried(pg_orders: AsyncTarget) -> None:
+    """A write skew between two concurrent SERIALIZABLE async sessions is aborted (40001, at the write or
+    by COMMIT, where asyncpg's own error surfaces outside any stateguard call) and the unit is re-run once."""
+
+    async def body(engine: AsyncEngine) -> tuple[list[BaseException], list[Result]]:
+        strict = pg_orders.engine(pool_size=2, max_overflow=0, isolation_level="SERIALIZABLE")
+        read, rival_committed = asyncio.Event(), asyncio.Event()
+        failures: list[BaseException] = []
+        done: list[Result] = []
+
+        async def total(s: AsyncSession) -> int:
+            return sum(await s.scalars(select(Order.amount)))
+
+        async def rival() -> None:
+            await read.wait()
+            async with AsyncSession(strict) as s, s.begin():
+                seen = await total(s)
+                assert (await guarded_update(s, Order, 2, {"amount": seen - 10}, expected_version=0)).applied
+            rival_committed.set()
+
+        async def unit() -> Result:
+            try:
+                async with AsyncSession(strict) as s, s.begin():
+                    seen = await total(s)
+                    if not failures:
+                        read.set()
+                        await rival_committed.wait()
+                    r = await guarded_update(s, Order, 1, {"amount": seen - 10}, expected_version=0)
+            except Exception as error:
+                failures.append(error)
+                raise
+            done.append(r)
+            return r
+
+        try:
+            await asyncio.gather(retry_on_conflict(unit, backoff=0.001), rival())
+        finally:
+            await strict.dispose()
+        return failures, done
+
+    failures, done = _run(pg_orders, body)
+    assert len(failures) == 1 and len(done) == 1, failures
+    failure = failures[0]
+    if isinstance(failure, SerializationConflict):
+        failure = failure.__cause__  # type: ignore[assignment]
+    assert isinstance(failure, DBAPIError) and getattr(failure.orig, "sqlstate", None) == "40001"
+    # The retry reads the rival's committed row 2 (amount -10) and applies on row 1 (version still 0).
+    assert done[0].applied
 
 
 def _deadlock_storm(target: AsyncTarget) -> tuple[list[BaseException], dict[str, list[Outcome]], Any]:
