@@ -494,8 +494,9 @@ def inspect_database(
     if report.idempotency is not None and report.idempotency["past_lease"]:
         keys = report.idempotency
         released = f" ({keys['released']} released, no retry yet)" if keys["released"] else ""
+        their = "its" if keys["past_lease"] == 1 else "their"
         report.stuck.append(
-            f"{_plural(keys['past_lease'], 'idempotency key')} in progress past their lease{released}"
+            f"{_plural(keys['past_lease'], 'idempotency key')} in progress past {their} lease{released}"
         )
     if report.outbox is not None and report.outbox["stale"]:
         report.stuck.append(

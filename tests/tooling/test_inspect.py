@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import random
+import re
 import time
 import uuid
 from collections import Counter
@@ -567,3 +568,47 @@ def test_inspect_help_lists_exit_codes(capsys: pytest.CaptureFixture[str]) -> No
     code, out, _ = run(["inspect", "--help"], capsys)
     assert code == 0
     assert "  1  stuck work was found" in out and "  2  usage error" in out
+
+
+def _keys(value: Any, found: set[str]) -> set[str]:
+    """Every dict key anywhere in ``value``, apart from those of the free-form maps."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found.add(key)
+            if key in ("states", "undeclared", "namespaces", "unpublished_by_topic", "metadata"):
+                if key == "namespaces":
+                    for counts in item.values():
+                        _keys(counts, found)
+                continue
+            _keys(item, found)
+    elif isinstance(value, list):
+        for item in value:
+            _keys(item, found)
+    return found
+
+
+def test_readme_documents_the_json_shape(
+    app: tuple[str, ModuleType, Backend], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every key ``--json`` prints (each section filled) is in the README's shape, and nothing else is."""
+    from ._helpers import ROOT
+
+    name, module, backend = app
+    _stuck_and_not(backend.engine)
+    with Session(backend.engine) as session, session.begin():
+        session.add(module.Order(id=1))
+        session.add(module.Stock(id="a", amount=3))
+    with Session(backend.engine) as session, session.begin():
+        assert module.Order.flow.pay(session, 1).applied
+        assert decrement(session, module.Stock.amount, "a", by=1, ref="r").applied
+    seen: set[str] = set()
+    for extra in (["--format", "mermaid"], ["--format", "dot", "-o", str(tmp_path / "d")]):
+        code, report, _ = inspect_json(
+            capsys, "--db", backend.url, "--models", name, "--row", "Order:1", "--ref", "r", *extra
+        )
+        assert code == 1
+        _keys(report, seen)
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- stateguard inspect --json shape -->\n```text\n", 1)[1].split("```", 1)[0]
+    documented = set(re.findall(r'"(\w+)"', block))
+    assert seen == documented
