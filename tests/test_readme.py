@@ -6,6 +6,7 @@ HTML comment directly above it says otherwise::
     <!-- readme-test: name "model" -->            later blocks can continue this one
     <!-- readme-test: continues "model" -->       run after "model" (and what it continues), in its namespace
     <!-- readme-test: needs postgresql, redis --> DATABASE_URL / REDIS_URL point at the test servers
+    <!-- readme-test: needs zookeeper -->          ZOOKEEPER_HOSTS: a private ZooKeeper started for the block
     <!-- readme-test: module myapp.models -->     ``import myapp.models`` gets the tests' models
     <!-- readme-test: skip (why) -->              cannot run here (say why)
 
@@ -43,7 +44,7 @@ README = ROOT / "README.md"
 
 _FENCE = re.compile(r"^```python\s*$")
 _DIRECTIVE = re.compile(r"^<!--\s*readme-test:\s*(?P<body>.*?)\s*-->\s*$")
-_SERVERS = ("postgresql", "mariadb", "redis")
+_SERVERS = ("postgresql", "mariadb", "redis", "zookeeper")
 
 
 @dataclass
@@ -199,6 +200,9 @@ def _dispose(ns: dict[str, Any]) -> None:
             value.dispose()
         elif type(value).__module__.startswith("redis.") and hasattr(value, "close"):
             value.close()
+        elif type(value).__module__.startswith("kazoo.") and hasattr(value, "stop"):
+            value.stop()  # a KazooClient: its threads and session end here
+            value.close()
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
@@ -223,6 +227,10 @@ def test_readme_block_runs_as_written(block: Block, tmp_path: Path, monkeypatch:
         for server in ("postgresql", "mariadb"):
             if server in needs:
                 monkeypatch.setenv("DATABASE_URL", stack.enter_context(_private_database(server)))
+        if "zookeeper" in needs:
+            from ._zookeeper_server import ZooKeeperServer
+
+            monkeypatch.setenv("ZOOKEEPER_HOSTS", stack.enter_context(ZooKeeperServer()).hosts)
         ns: dict[str, Any] = {"__name__": f"readme_{block.index}"}
         try:
             for b in chain:
