@@ -286,11 +286,7 @@ class StripedCounter:
     def _conn(self, session: Session) -> Connection:
         if session.autoflush:
             session.flush()
-        conn = _write.own_connection(session, _s)
-        # Every call writes (or, for restripe and the slow path, reads then writes): on SQLite
-        # take the write lock first, as a read-then-write of the guarded counters does.
-        _write.sqlite_write_lock(conn)
-        return conn
+        return _write.own_connection(session, _s)
 
     def _params(self, item: str, **more: Any) -> dict[str, Any]:
         return {"sg_counter": self.name, "sg_item": item, **more}
@@ -342,28 +338,34 @@ class StripedCounter:
         return rows
 
     def _slow_decrement(
-        self, conn: Connection, backend: _sql.Backend, item: str, by: int
+        self, conn: Connection, backend: _sql.Backend, item: str, by: int, floor: bool = True
     ) -> tuple[Outcome, int | None]:
-        """Take ``by`` from as many stripes as needed, all of them locked in stripe order."""
+        """Take ``by`` from as many stripes as needed, all of them locked in stripe order.
+
+        ``floor=False`` (a released increment, unbounded as :func:`~stateguard.release` is): what
+        the stripes lack is taken from stripe 0, below zero.
+        """
         rows = self._lock_all(conn, backend, item)
         if not rows:
             return Outcome.NOT_FOUND, None
         total = sum(int(r.amount) for r in rows)
-        if total < by:
+        if floor and total < by:
             return Outcome.INSUFFICIENT, total
         # The fullest stripes first: the fewest UPDATEs, and stripes stay even.
-        takes: list[dict[str, Any]] = []
+        takes: dict[int, int] = {}
         left = by
         for row in sorted(rows, key=lambda r: -int(r.amount)):
             take = min(left, max(int(row.amount), 0))
             if take:
-                takes.append(self._params(item, sg_by=take, sg_stripe=row.stripe))
+                takes[row.stripe] = take
                 left -= take
             if not left:
                 break
+        if left:
+            takes[0] = takes.get(0, 0) + left
         stmt = _by_stripe(backend, -1, False)
-        for params in takes:
-            _write.execute(conn, stmt, params)
+        for stripe, take in takes.items():
+            _write.execute(conn, stmt, self._params(item, sg_by=take, sg_stripe=stripe))
         return Outcome.APPLIED, total - by
 
     def _change(
@@ -553,13 +555,15 @@ class StripedCounter:
     def _give_back(self, conn: Connection, backend: _sql.Backend, item: str, delta: int) -> None:
         """Add ``delta`` back to ``item``: a free stripe if any, else stripe 0.
 
-        A released increment takes its amount back from stripe 0 with no
-        floor, as :func:`~stateguard.release` does for a guarded counter.
+        A released increment takes its amount back from the fullest stripes,
+        with no floor (what they lack goes below zero on stripe 0), as
+        :func:`~stateguard.release` does for a guarded counter.
         """
-        if delta > 0 and self._fast(conn, backend, item, delta, 1):
-            return
-        stmt = _by_stripe(backend, 1, False)
-        _write.execute(conn, stmt, self._params(item, sg_by=delta, sg_stripe=0))
+        if delta > 0 and not self._fast(conn, backend, item, delta, 1):
+            stmt = _by_stripe(backend, 1, False)
+            _write.execute(conn, stmt, self._params(item, sg_by=delta, sg_stripe=0))
+        elif delta < 0:
+            self._slow_decrement(conn, backend, item, -delta, floor=False)
 
     def _total(self, session: Session, item: str) -> int | None:
         """The item's amount (the sum of its stripes, read without locks), or ``None`` for no such item::
@@ -599,6 +603,8 @@ class StripedCounter:
         k = _check_int(stripes, "stripes", 1, MAX_STRIPES)
         conn = self._conn(session)
         backend = _sql.backend(conn.dialect)
+        # SQLite: a read-then-write holds the write lock from the read on.
+        _write.sqlite_write_lock(conn)
         rows = self._lock_all(conn, backend, item)
         if not rows:
             return self._result(session, Outcome.NOT_FOUND, item)

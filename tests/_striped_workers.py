@@ -1,0 +1,98 @@
+"""Worker functions for the striped-counter storms (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session
+
+from stateguard import DeadlockDetected, SerializationConflict, StripedCounter
+
+COUNTER = StripedCounter("storm", stripes=8)
+ITEM = "hot-item"
+
+
+def engine(name: str, url: str) -> Any:
+    kw: dict[str, Any] = {"pool_size": 2}
+    if name == "sqlite":
+        kw["connect_args"] = {"timeout": 60}
+    return create_engine(url, **kw)
+
+
+def attempt(eng: Any, fn: Any, counts: dict[str, int]) -> Any:
+    """Run ``fn(session)`` in its own transaction, retrying retryable conflicts (counted by kind)."""
+    for _ in range(200):
+        try:
+            with Session(eng) as s, s.begin():
+                return fn(s)
+        except DeadlockDetected:
+            counts["deadlock"] = counts.get("deadlock", 0) + 1
+        except SerializationConflict:
+            counts["conflict"] = counts.get("conflict", 0) + 1
+        time.sleep(random.random() / 100)
+    raise AssertionError("gave up after 200 conflicts")
+
+
+def storm_buyer(
+    name: str, url: str, worker: int, attempts: list[tuple[str, int]], barrier: Any
+) -> dict[str, Any]:
+    """Send every (ref, quantity) purchase, then buy 1 at a time until the item is truly empty.
+
+    Returns ``{"outcomes": [(ref, qty, outcome)], "counts": {...}}``.
+    """
+    eng = engine(name, url)
+    outcomes: list[tuple[str, int, str]] = []
+    counts: dict[str, int] = {}
+    try:
+        barrier.wait()
+        for ref, qty in attempts:
+            r = attempt(eng, lambda s, ref=ref, qty=qty: COUNTER.decrement(s, ITEM, by=qty, ref=ref), counts)
+            outcomes.append((ref, qty, r.outcome.name))
+        i = 0
+        while True:
+            ref = f"tail-{worker}-{i}"
+            i += 1
+            r = attempt(eng, lambda s, ref=ref: COUNTER.decrement(s, ITEM, by=1, ref=ref), counts)
+            outcomes.append((ref, 1, r.outcome.name))
+            if r.outcome.name == "INSUFFICIENT":
+                break
+    finally:
+        eng.dispose()
+    return {"outcomes": outcomes, "counts": counts}
+
+
+def mixed_buyer(name: str, url: str, worker: int, sizes: list[int], barrier: Any) -> dict[str, Any]:
+    """Decrement by each of ``sizes`` (small ones and ones larger than any stripe), each in its own
+    transaction; report (qty, outcome, total seen at INSUFFICIENT) and retry counts."""
+    eng = engine(name, url)
+    outcomes: list[tuple[int, str, Any]] = []
+    counts: dict[str, int] = {}
+    try:
+        barrier.wait()
+        for i, qty in enumerate(sizes):
+            ref = f"m-{worker}-{i}"
+            r = attempt(eng, lambda s, ref=ref, qty=qty: COUNTER.decrement(s, ITEM, by=qty, ref=ref), counts)
+            outcomes.append((qty, r.outcome.name, r.value))
+    finally:
+        eng.dispose()
+    return {"outcomes": outcomes, "counts": counts}
+
+
+def restriper(name: str, url: str, rounds: int, barrier: Any) -> dict[str, Any]:
+    """Restripe the item to a random stripe count ``rounds`` times; report the totals seen."""
+    eng = engine(name, url)
+    counts: dict[str, int] = {}
+    seen: list[int] = []
+    try:
+        barrier.wait()
+        for _ in range(rounds):
+            k = random.randint(1, 16)
+            r = attempt(eng, lambda s, k=k: COUNTER.restripe(s, ITEM, stripes=k), counts)
+            seen.append(r.value)
+            time.sleep(0.005)
+    finally:
+        eng.dispose()
+    return {"totals": seen, "counts": counts}

@@ -1,0 +1,460 @@
+"""Striped counters (stateguard.striped) on every backend: outcomes, the ref ledger, statement counts,
+bad input that sends nothing, and process storms (8 processes on one hot item) where stock runs out,
+refs are redelivered, decrements larger than any stripe compete with small ones, and restripes run
+under concurrent decrements."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import random
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from stateguard import (
+    InsufficientQuantity,
+    InvalidArgument,
+    NotFound,
+    Outcome,
+    RefConflict,
+    StripedCounter,
+    async_sqlite_engine,
+    create_tables,
+    drop_tables,
+)
+from stateguard.striped import SPACE, stripe_ids
+from stateguard.tables import counter_ledger, counter_stripes
+
+from . import _striped_workers as w
+from .conftest import Backend, count_statements
+
+WORKERS = 8
+
+
+@pytest.fixture(scope="module")
+def pool8() -> Iterator[tuple[Any, ProcessPoolExecutor]]:
+    """Eight spawned worker processes and a manager for barriers, shared by the module."""
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Manager() as manager, ProcessPoolExecutor(WORKERS, mp_context=ctx) as pool:
+        yield manager, pool
+
+
+def _run(pool8: tuple[Any, ProcessPoolExecutor], fn: Any, args: list[tuple[Any, ...]]) -> list[Any]:
+    manager, pool = pool8
+    barrier = manager.Barrier(len(args))
+    futures = [pool.submit(fn, *a, barrier) for a in args]
+    return [f.result(timeout=300) for f in futures]
+
+
+def _ledger(engine: Any, counter: StripedCounter) -> dict[str, int]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            select(counter_ledger.c.ref, counter_ledger.c.delta).where(
+                counter_ledger.c.table_name == counter_stripes.name,
+                counter_ledger.c.column_name == counter.name,
+                counter_ledger.c.released_at.is_(None),
+            )
+        ).all()
+    return {ref: int(delta) for ref, delta in rows}
+
+
+def _stripes(engine: Any, counter: StripedCounter, item: str) -> list[int]:
+    with Session(engine) as s:
+        return counter.stripe_amounts(s, item)
+
+
+# --------------------------------------------------------------------------
+# Outcomes on every backend
+# --------------------------------------------------------------------------
+
+
+def test_outcomes_and_ref_ledger(engine: Any) -> None:
+    """create splits evenly; decrement APPLIED / REPEATED / INSUFFICIENT (total found) / NOT_FOUND;
+    a different amount under a used ref is RefConflict; an INSUFFICIENT ref applies after a restock."""
+    c = StripedCounter("stock", stripes=4)
+    with Session(engine) as s, s.begin():
+        assert c.create(s, "sku", amount=10).outcome is Outcome.APPLIED
+        assert c.create(s, "sku", amount=99).outcome is Outcome.REPEATED
+        assert c.stripe_amounts(s, "sku") == [3, 3, 2, 2]
+        r = c.decrement(s, "sku", by=2, ref="o1")
+        assert r.outcome is Outcome.APPLIED and r.key == "sku" and r.value is None
+        again = c.decrement(s, "sku", by=2, ref="o1")
+        assert again.outcome is Outcome.REPEATED and again.same_request
+        with pytest.raises(RefConflict):
+            c.decrement(s, "sku", by=3, ref="o1")
+        assert c.total(s, "sku") == 8
+        short = c.decrement(s, "sku", by=9, ref="o2")
+        assert short.outcome is Outcome.INSUFFICIENT and short.value == 8
+        with pytest.raises(InsufficientQuantity):
+            short.raise_for_outcome()
+        missing = c.decrement(s, "nope", by=1, ref="o3")
+        assert missing.outcome is Outcome.NOT_FOUND
+        with pytest.raises(NotFound):
+            missing.raise_for_outcome()
+        assert c.total(s, "nope") is None and c.stripe_amounts(s, "nope") == []
+        assert c.increment(s, "sku", by=5, ref="restock").outcome is Outcome.APPLIED
+        assert c.increment(s, "sku", by=5, ref="restock").outcome is Outcome.REPEATED
+        assert c.increment(s, "nope", by=5).outcome is Outcome.NOT_FOUND
+        # o2 left no trace: after the restock (13 in all) it applies.
+        assert c.decrement(s, "sku", by=9, ref="o2").outcome is Outcome.APPLIED
+        assert c.total(s, "sku") == 4
+        assert sum(c.stripe_amounts(s, "sku")) == 4
+    assert _ledger(engine, c) == {"o1": -2, "restock": 5, "o2": -9}
+
+
+def test_a_decrement_larger_than_any_stripe_takes_from_several(engine: Any) -> None:
+    """8 stripes of 5: a decrement of 33 succeeds (slow path), 8 more is INSUFFICIENT, 7 empties it."""
+    c = StripedCounter("big", stripes=8)
+    with Session(engine) as s, s.begin():
+        c.create(s, "sku", amount=40)
+        assert c.stripe_amounts(s, "sku") == [5] * 8
+        assert c.decrement(s, "sku", by=33).outcome is Outcome.APPLIED
+        assert c.total(s, "sku") == 7 and min(c.stripe_amounts(s, "sku")) >= 0
+        assert c.decrement(s, "sku", by=8).value == 7
+        assert c.decrement(s, "sku", by=7).outcome is Outcome.APPLIED
+        assert c.stripe_amounts(s, "sku") == [0] * 8
+
+
+def test_reserve_is_all_or_nothing_and_release_gives_back_once(engine: Any) -> None:
+    """reserve of two items undoes the first when the second is short; release gives back once."""
+    c = StripedCounter("res", stripes=3)
+    with Session(engine) as s, s.begin():
+        c.create(s, "a", amount=5)
+        c.create(s, "b", amount=1)
+        short = c.reserve(s, {"b": 2, "a": 2}, ref="r1")
+        assert short.outcome is Outcome.INSUFFICIENT and short.key == "b" and short.value == 1
+        assert (c.total(s, "a"), c.total(s, "b")) == (5, 1)
+        ok = c.reserve(s, {"b": 1, "a": 2}, ref="r2")
+        assert ok.outcome is Outcome.APPLIED and ok.key == "r2"
+        assert c.reserve(s, {"b": 1, "a": 2}, ref="r2").outcome is Outcome.REPEATED
+        assert (c.total(s, "a"), c.total(s, "b")) == (3, 0)
+        back = c.release(s, "r2")
+        assert back.outcome is Outcome.APPLIED and back.value == {"a": 2, "b": 1}
+        assert c.release(s, "r2").outcome is Outcome.REPEATED
+        assert c.release(s, "never").outcome is Outcome.NOT_FOUND
+        assert (c.total(s, "a"), c.total(s, "b")) == (5, 1)
+        # A released ref stays used.
+        assert c.decrement(s, "a", by=2, ref="r2").outcome is Outcome.REPEATED
+
+
+def test_restripe_keeps_the_total(engine: Any) -> None:
+    """restripe to 1, 7 and 3 stripes keeps the total and spreads it evenly; NOT_FOUND for no item."""
+    c = StripedCounter("re", stripes=4)
+    with Session(engine) as s, s.begin():
+        c.create(s, "sku", amount=22)
+        c.decrement(s, "sku", by=3)
+        for k in (1, 7, 3):
+            r = c.restripe(s, "sku", stripes=k)
+            assert r.outcome is Outcome.APPLIED and r.value == 19
+            amounts = c.stripe_amounts(s, "sku")
+            assert len(amounts) == k and sum(amounts) == 19 and max(amounts) - min(amounts) <= 1
+        assert c.restripe(s, "nope", stripes=2).outcome is Outcome.NOT_FOUND
+        stored = s.execute(select(counter_stripes.c.stripe).order_by(counter_stripes.c.stripe)).scalars()
+        assert list(stored) == stripe_ids(3)
+
+
+def test_counters_share_the_table_without_mixing(engine: Any) -> None:
+    """Two counters with the same item key are separate amounts and separate ref ledgers."""
+    a, b = StripedCounter("a"), StripedCounter("b")
+    with Session(engine) as s, s.begin():
+        a.create(s, "x", amount=3)
+        b.create(s, "x", amount=5)
+        assert a.decrement(s, "x", by=1, ref="same").outcome is Outcome.APPLIED
+        assert b.decrement(s, "x", by=1, ref="same").outcome is Outcome.APPLIED
+        assert (a.total(s, "x"), b.total(s, "x")) == (2, 4)
+
+
+def test_fast_path_statement_counts(engine: Any, backend: Backend) -> None:
+    """A decrement with a free stripe is 1 statement on PostgreSQL and SQLite (2 on MariaDB: no
+    UPDATE of a table read in its own subquery), plus 1 for a ref's ledger row."""
+    c = StripedCounter("count", stripes=4)
+    with Session(engine) as s, s.begin():
+        c.create(s, "sku", amount=100)
+    fast = 2 if backend.name == "mariadb" else 1
+    with Session(engine) as s, s.begin():
+        s.connection()
+        with count_statements(engine) as counted:
+            assert c.decrement(s, "sku", by=1).outcome is Outcome.APPLIED
+        # MariaDB: the pick wraps around (a third statement) when nothing at or below the start fits.
+        assert len(counted) == fast, counted.statements
+        with count_statements(engine) as counted:
+            assert c.decrement(s, "sku", by=1, ref="one").outcome is Outcome.APPLIED
+        assert len(counted) == fast + 1, counted.statements
+    if backend.name == "postgresql":
+        assert "FOR UPDATE SKIP LOCKED" in counted.statements[-1]
+
+
+def test_each_stripe_is_picked_about_equally(engine: Any) -> None:
+    """400 decrements of 1 from 4 stripes of 1000 take about 100 from each (a random start)."""
+    c = StripedCounter("spread", stripes=4)
+    with Session(engine) as s, s.begin():
+        c.create(s, "sku", amount=4000)
+        for _ in range(400):
+            c.decrement(s, "sku", by=1)
+        taken = [1000 - a for a in c.stripe_amounts(s, "sku")]
+    assert sum(taken) == 400 and min(taken) >= 50, taken
+
+
+@pytest.mark.parametrize(
+    ("call", "why"),
+    [
+        (lambda c, s: c.decrement(s, "", by=1), "blank"),
+        (lambda c, s: c.decrement(s, "x" * 201, by=1), "limit is 200"),
+        (lambda c, s: c.decrement(s, "a\x00b", by=1), "NUL"),
+        (lambda c, s: c.decrement(s, "\ud800", by=1), "surrogate"),
+        (lambda c, s: c.decrement(s, 7, by=1), "must be a str"),
+        (lambda c, s: c.decrement(s, "sku", by=0), "from 1"),
+        (lambda c, s: c.decrement(s, "sku", by=True), "must be an int"),
+        (lambda c, s: c.decrement(s, "sku", by=1.0), "must be an int"),
+        (lambda c, s: c.increment(s, "sku", by=2**63), "from 1"),
+        (lambda c, s: c.decrement(s, "sku", by=1, ref=""), "ref"),
+        (lambda c, s: c.decrement(s, "sku", by=1, ref="r" * 201), "ref"),
+        (lambda c, s: c.restripe(s, "sku", stripes=0), "from 1 to 1024"),
+        (lambda c, s: c.restripe(s, "sku", stripes=1025), "from 1 to 1024"),
+        (lambda c, s: c.create(s, "sku", amount=-1), "from 0"),
+        (lambda c, s: c.create(s, "sku", stripes=2000), "from 1 to 1024"),
+        (lambda c, s: c.reserve(s, {}, ref="r"), "non-empty"),
+        (lambda c, s: c.reserve(s, {"sku": 1}, ref=None), "needs a ref"),
+        (lambda c, s: c.release(s, None), "needs a ref"),
+    ],
+)
+def test_bad_input_sends_nothing(engine: Any, call: Any, why: str) -> None:
+    """Bad items, amounts, refs and stripe counts are InvalidArgument before any statement."""
+    c = StripedCounter("bad", stripes=2)
+    with Session(engine) as s, s.begin():
+        c.create(s, "sku", amount=5)
+    with Session(engine) as s, s.begin():
+        s.connection()
+        with count_statements(engine) as counted, pytest.raises(InvalidArgument, match=why):
+            call(c, s)
+        assert len(counted) == 0
+        assert c.stripe_amounts(s, "sku") == [3, 2]
+
+
+def test_bad_counter_definitions() -> None:
+    """A blank or oversize name, or a stripe count outside 1..1024, is refused at definition."""
+    for bad in ("", " ", "n" * 101):
+        with pytest.raises(InvalidArgument):
+            StripedCounter(bad)
+    for stripes in (0, 1025, 2.0):
+        with pytest.raises(InvalidArgument):
+            StripedCounter("ok", stripes=stripes)  # type: ignore[arg-type]
+
+
+def test_async_session(tmp_path: Any) -> None:
+    """Every call is awaited on an AsyncSession (aiosqlite), through the one sync/async bridge."""
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    async def main() -> None:
+        eng = async_sqlite_engine(f"sqlite+aiosqlite:///{tmp_path}/a.db")
+        await create_tables(eng)
+        c = StripedCounter("async", stripes=2)
+        async with AsyncSession(eng) as s, s.begin():
+            assert (await c.create(s, "sku", amount=4)).outcome is Outcome.APPLIED
+            assert (await c.decrement(s, "sku", by=3, ref="a")).outcome is Outcome.APPLIED
+            assert (await c.increment(s, "sku", by=1)).outcome is Outcome.APPLIED
+            assert (await c.restripe(s, "sku", stripes=3)).value == 2
+            assert (await c.reserve(s, {"sku": 1}, ref="b")).outcome is Outcome.APPLIED
+            assert (await c.release(s, "a")).value == {"sku": 3}
+            assert await c.total(s, "sku") == 4
+            amounts = await c.stripe_amounts(s, "sku")
+            assert len(amounts) == 3 and sum(amounts) == 4
+        await drop_tables(eng)
+        await eng.dispose()
+
+    asyncio.run(main())
+
+
+# --------------------------------------------------------------------------
+# A model of the counter, checked against every backend's database (hypothesis)
+# --------------------------------------------------------------------------
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["dec", "inc", "restripe", "release"]),
+        st.integers(1, 12),
+        st.sampled_from(["r1", "r2", "r3", None]),
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(stock=st.integers(0, 30), stripes=st.integers(1, 6), ops=_OPS)
+@example(stock=5, stripes=4, ops=[("dec", 5, None), ("dec", 1, None)])
+@example(stock=3, stripes=2, ops=[("dec", 2, "r1"), ("release", 1, "r1"), ("dec", 2, "r1")])
+@example(stock=0, stripes=3, ops=[("inc", 4, "r1"), ("release", 1, "r1"), ("dec", 1, None)])
+def test_matches_a_model(engine: Any, stock: int, stripes: int, ops: list[tuple[str, int, Any]]) -> None:
+    """Any sequence of decrements, increments (with or without refs, a used ref with another amount
+    being RefConflict), restripes and releases keeps the total where a one-number model has it."""
+    # Not random.randrange: hypothesis seeds the random module the same for every example.
+    c = StripedCounter(f"model-{uuid.uuid4().hex}", stripes=stripes)
+    total, refs, released = stock, dict[str, int](), set[str]()
+    with Session(engine) as s, s.begin():
+        assert c.create(s, "item", amount=stock).outcome is Outcome.APPLIED
+        for op, n, ref in ops:
+            if op in ("dec", "inc") and ref in refs and refs[ref] != (-n if op == "dec" else n):
+                with pytest.raises(RefConflict):
+                    (c.decrement if op == "dec" else c.increment)(s, "item", by=n, ref=ref)
+            elif op == "dec":
+                r = c.decrement(s, "item", by=n, ref=ref)
+                if ref in refs:
+                    assert r.outcome is Outcome.REPEATED
+                elif n <= total:
+                    assert r.outcome is Outcome.APPLIED
+                    total -= n
+                    if ref is not None:
+                        refs[ref] = -n
+                else:
+                    assert r.outcome is Outcome.INSUFFICIENT and r.value == total
+            elif op == "inc":
+                r = c.increment(s, "item", by=n, ref=ref)
+                if ref in refs:
+                    assert r.outcome is Outcome.REPEATED
+                else:
+                    assert r.outcome is Outcome.APPLIED
+                    total += n
+                    if ref is not None:
+                        refs[ref] = n
+            elif op == "restripe":
+                assert c.restripe(s, "item", stripes=n).value == total
+            elif ref is not None:
+                r = c.release(s, ref)
+                if ref not in refs:
+                    assert r.outcome is Outcome.NOT_FOUND
+                elif ref in released:
+                    assert r.outcome is Outcome.REPEATED
+                else:
+                    assert r.outcome is Outcome.APPLIED
+                    total -= refs[ref]
+                    released.add(ref)
+            assert c.total(s, "item") == total
+
+
+# --------------------------------------------------------------------------
+# Storms: 8 processes, one hot item
+# --------------------------------------------------------------------------
+
+
+def test_storm_sells_exactly_the_stock_once_per_ref(
+    engine: Any, backend: Backend, pool8: tuple[Any, ProcessPoolExecutor]
+) -> None:
+    """8 processes, stock S on 8 stripes, 2S purchases of 1-3 units with refs, a fifth of them
+    redelivered to another process, then 1-unit buys until INSUFFICIENT: exactly S sold, every ref
+    applied at most once and REPEATED on redelivery, the stripes summing to the ledger, INSUFFICIENT
+    only once the item is truly empty."""
+    stock = 120
+    with Session(engine) as s, s.begin():
+        w.COUNTER.create(s, w.ITEM, amount=stock)
+    rng = random.Random(19)
+    purchases = [(f"p{i}", rng.randint(1, 3)) for i in range(2 * stock)]
+    plans: list[list[tuple[str, int]]] = [[] for _ in range(WORKERS)]
+    for i, p in enumerate(purchases):
+        plans[i % WORKERS].append(p)
+        if rng.random() < 0.2:
+            plans[(i + rng.randint(1, WORKERS - 1)) % WORKERS].append(p)
+    for plan in plans:
+        rng.shuffle(plan)
+    reports = _run(pool8, w.storm_buyer, [(backend.name, backend.url, i, plans[i]) for i in range(WORKERS)])
+
+    applied: Counter[str] = Counter()
+    qty_of: dict[str, int] = {}
+    for report in reports:
+        for ref, qty, outcome in report["outcomes"]:
+            qty_of[ref] = qty
+            if outcome == "APPLIED":
+                applied[ref] += 1
+    assert max(applied.values()) == 1, "a ref applied twice"
+    ledger = _ledger(engine, w.COUNTER)
+    assert set(ledger) == set(applied)
+    assert all(ledger[ref] == -qty_of[ref] for ref in ledger)
+    sold = sum(qty_of[ref] for ref in applied)
+    assert sold == stock
+    amounts = _stripes(engine, w.COUNTER, w.ITEM)
+    assert amounts == [0] * 8 and stock + sum(ledger.values()) == sum(amounts)
+    # Redelivered purchases that applied elsewhere are REPEATED, never APPLIED twice.
+    outcomes = Counter(o for r in reports for _, _, o in r["outcomes"])
+    assert outcomes["REPEATED"] > 0 and outcomes["INSUFFICIENT"] > 0
+    retries = Counter[str]()
+    for r in reports:
+        retries.update(r["counts"])
+    print(f"{backend.name}: outcomes {dict(outcomes)}, retried conflicts {dict(retries)}")
+
+
+def test_large_decrements_compete_with_small_ones(
+    engine: Any, backend: Backend, pool8: tuple[Any, ProcessPoolExecutor]
+) -> None:
+    """Stripes of 10; 4 processes take 1 at a time while 4 take 25 (more than any stripe) at once:
+    every large decrement made while the item held 25 succeeds, nothing is oversold, no process
+    gives up, and INSUFFICIENT reports a total below what was asked."""
+    stock = 400
+    with Session(engine) as s, s.begin():
+        w.COUNTER.create(s, w.ITEM, amount=stock, stripes=40)
+    plans = [[1] * 60 if i % 2 else [25] * 5 for i in range(WORKERS)]
+    reports = _run(pool8, w.mixed_buyer, [(backend.name, backend.url, i, plans[i]) for i in range(WORKERS)])
+    sold = 0
+    large = Counter[str]()
+    for report in reports:
+        for qty, outcome, value in report["outcomes"]:
+            if outcome == "APPLIED":
+                sold += qty
+            else:
+                assert outcome == "INSUFFICIENT" and value < qty
+            if qty == 25:
+                large[outcome] += 1
+    assert sold == stock - sum(_stripes(engine, w.COUNTER, w.ITEM))
+    assert min(_stripes(engine, w.COUNTER, w.ITEM)) >= 0
+    # 4 x 60 small + 20 large x 25 = 740 wanted of 400: large ones apply until stock runs low.
+    assert large["APPLIED"] >= 5, large
+    retries = Counter[str]()
+    for r in reports:
+        retries.update(r["counts"])
+    print(f"{backend.name}: large {dict(large)}, sold {sold}, retried conflicts {dict(retries)}")
+
+
+def test_restripe_under_concurrent_decrements_keeps_the_total(
+    engine: Any, backend: Backend, pool8: tuple[Any, ProcessPoolExecutor]
+) -> None:
+    """One process restripes the item (1 to 16 stripes) 20 times while 7 take 1-3 units: what is
+    left plus what was sold is the stock, at every restripe the total it saw was a possible one."""
+    stock = 600
+    with Session(engine) as s, s.begin():
+        w.COUNTER.create(s, w.ITEM, amount=stock)
+    rng = random.Random(7)
+    args: list[tuple[Any, ...]] = [(backend.name, backend.url, 20)]
+    plans = [[rng.randint(1, 3) for _ in range(30)] for _ in range(WORKERS - 1)]
+    args += [(backend.name, backend.url, i, plans[i]) for i in range(WORKERS - 1)]
+    manager, pool = pool8
+    barrier = manager.Barrier(WORKERS)
+    futures = [pool.submit(w.restriper, *args[0], barrier)]
+    futures += [pool.submit(w.mixed_buyer, *a, barrier) for a in args[1:]]
+    restripes, *buyers = [f.result(timeout=300) for f in futures]
+    sold = sum(q for r in buyers for q, o, _ in r["outcomes"] if o == "APPLIED")
+    left = sum(_stripes(engine, w.COUNTER, w.ITEM))
+    assert left + sold == stock
+    assert all(stock - sum(sum(p) for p in plans) <= t <= stock for t in restripes["totals"])
+    assert sorted(restripes["totals"], reverse=True) == restripes["totals"]
+    with engine.connect() as conn:
+        counts = conn.execute(
+            select(counter_stripes.c.stripes, func.count()).group_by(counter_stripes.c.stripes)
+        ).all()
+    [(k, n)] = counts
+    assert k == n
+
+
+def test_stripe_ids_spread_evenly() -> None:
+    """Stripe ids start at 0 and split [0, 2**20) into equal parts (the random start's fairness)."""
+    for k in (1, 2, 3, 8, 1024):
+        ids = stripe_ids(k)
+        assert ids[0] == 0 and len(set(ids)) == k
+        gaps = [b - a for a, b in zip(ids, [*ids[1:], SPACE], strict=True)]
+        assert max(gaps) - min(gaps) <= 1
