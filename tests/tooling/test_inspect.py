@@ -612,3 +612,22 @@ def test_readme_documents_the_json_shape(
     block = readme.split("<!-- stateguard inspect --json shape -->\n```text\n", 1)[1].split("```", 1)[0]
     documented = set(re.findall(r'"(\w+)"', block))
     assert seen == documented
+
+
+def test_inspect_as_a_real_subprocess(engine: Engine, backend: Backend) -> None:
+    """``python -m stateguard inspect --json`` exits 1 on stuck work, prints the report, nothing on stderr."""
+    import subprocess
+    import sys
+
+    from ._helpers import ROOT
+
+    _stuck_and_not(engine)
+    done = subprocess.run(
+        [sys.executable, "-m", "stateguard", "inspect", "--db", backend.url, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert (done.returncode, done.stderr) == (1, "")
+    _check_verdict(done.returncode, json.loads(done.stdout))
