@@ -29,6 +29,7 @@ OPTIONAL = {
     "starlette": {"stateguard.asgi"},
     "kazoo": {"stateguard.zookeeper"},
     "opentelemetry": {"stateguard.otel"},
+    "mypy": {"stateguard.mypy"},
 }
 
 
