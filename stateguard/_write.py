@@ -26,7 +26,7 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from decimal import Decimal
 from typing import Any, Final, TypeVar
@@ -40,21 +40,25 @@ from sqlalchemy import (
     String,
     Table,
     event,
+    false,
     insert,
+    literal,
     select,
     text,
+    true,
 )
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
-from sqlalchemy.sql.elements import ClauseElement
+from sqlalchemy.sql.elements import ClauseElement, ColumnElement
 
 from . import _sql
 from .engine import BEGIN_MARK, PENDING
 from .exceptions import ConfigurationError, InvalidArgument
 
 __all__ = [
+    "DeferredSavepoint",
     "InsertOnce",
     "Memo",
     "abandon_savepoint",
@@ -404,15 +408,76 @@ class InsertOnce:
     expressions; ``returning`` are the columns handed back for a new row
     (on MySQL: the primary key SQLAlchemy reports).  Built once per table and
     variant; each dialect's statement is built on first use.
+
+    ``read`` and ``where`` (optional) name the row that holds the unique key
+    and what to read of it: :meth:`insert_or_read` then hands back the
+    existing row in the same statement where the database allows it.
     """
 
-    __slots__ = ("_statements", "returning", "table", "values")
+    __slots__ = ("_statements", "read", "returning", "table", "values", "where")
 
-    def __init__(self, table: Table, values: Mapping[Any, Any], returning: Sequence[Column[Any]]) -> None:
+    def __init__(
+        self,
+        table: Table,
+        values: Mapping[Any, Any],
+        returning: Sequence[Column[Any]],
+        *,
+        read: Sequence[ColumnElement[Any]] = (),
+        where: ColumnElement[bool] | None = None,
+    ) -> None:
         self.table = table
         self.values = dict(values)
         self.returning = tuple(returning)
+        self.read = tuple(read)
+        self.where = where
         self._statements: dict[str, Any] = {}
+
+    def _read_statement(self, backend: _sql.Backend) -> Any:
+        """PostgreSQL: the INSERT in a CTE, and the existing row when it inserted nothing, in one statement.
+
+        ``WITH ins AS (INSERT ... ON CONFLICT DO NOTHING RETURNING read) SELECT * FROM ins UNION ALL
+        SELECT read FROM table WHERE key AND NOT EXISTS (SELECT 1 FROM ins)``, with a column
+        ``sg_inserted`` saying which of the two the row came from.
+        """
+        name = f"{backend.name}:read"
+        stmt = self._statements.get(name)
+        if stmt is None:
+            if self.where is None or not self.read:
+                raise TypeError("InsertOnce.insert_or_read needs read= and where=")
+            inserted = (
+                postgresql.insert(self.table)
+                .values(self.values)
+                .on_conflict_do_nothing()
+                .returning(*self.read)
+                .cte("sg_inserted")
+            )
+            existing = (
+                select(*self.read, false().label("sg_inserted"))
+                .where(self.where)
+                .where(~select(literal(1)).select_from(inserted).exists())
+            )
+            stmt = self._statements[name] = select(inserted, true().label("sg_inserted")).union_all(existing)
+        return stmt
+
+    def insert_or_read(self, conn: Connection, params: Mapping[str, Any]) -> tuple[bool, Any]:
+        """Insert the row, or read the one that holds its key: ``(inserted, row)``.
+
+        ``(True, row)``: this call inserted it (``row`` holds ``read`` on
+        PostgreSQL, else ``None``).  ``(False, row)``: the key was taken and
+        ``row`` is the holder as the statement saw it.  ``(False, None)``:
+        taken, but not read here: MySQL/MariaDB and SQLite always (no
+        single-statement form that does not write the existing row), and
+        PostgreSQL when the INSERT waited for a twin that committed meanwhile
+        (at READ COMMITTED the statement's snapshot predates the twin's row);
+        the caller reads it with its own statement.
+        """
+        backend = _sql.backend(conn.dialect)
+        if not backend.dml_cte:
+            return self(conn, params) is not None, None
+        row = execute(conn, self._read_statement(backend), params).first()
+        if row is None:
+            return False, None
+        return bool(row.sg_inserted), row
 
     def statement(self, backend: _sql.Backend) -> Any:
         """The INSERT this object runs on ``backend``."""
@@ -583,6 +648,7 @@ def _on_transaction_end(conn: Connection) -> None:
     # Connection.info lives as long as the pooled DBAPI connection, so start clean.
     if _frames(conn) is not None:
         conn.info.pop(_JOURNAL, None)
+        conn.info.pop(_DEFERRED, None)
 
 
 # --------------------------------------------------------------------------
@@ -888,6 +954,74 @@ def abandon_savepoint(savepoint: Any) -> None:
         return
     with contextlib.suppress(sa_exc.DBAPIError):
         savepoint.rollback()
+
+
+class DeferredSavepoint:
+    """A Session SAVEPOINT sent only when something else runs a statement on the connection.
+
+    ``session.begin_nested()`` is lazy already for the Session's own use (the
+    SAVEPOINT goes out when the savepoint first needs its connection); this
+    also covers a statement sent on the Connection directly (one fetched
+    before, ``exec_driver_sql`` ...): a ``before_cursor_execute`` hook opens
+    the savepoint first.  Statements sent inside :meth:`paused` do not open it.
+    So a block that sends nothing costs no SAVEPOINT and no RELEASE, and a
+    block that does has all of its statements inside the savepoint, rolled
+    back with it.  :meth:`close` (or the end of the transaction) forgets it.
+    """
+
+    __slots__ = ("_bind_arguments", "_conn", "_paused", "nested", "session")
+
+    def __init__(self, session: Session, conn: Connection, bind_arguments: Mapping[str, Any]) -> None:
+        self.session = session
+        self._conn = conn
+        self._bind_arguments = dict(bind_arguments)
+        self._paused = False
+        self.nested = session.begin_nested()
+        conn.info[_DEFERRED] = self
+
+    def open(self) -> None:
+        """Send the SAVEPOINT now (no-op if it is out already or the savepoint has ended)."""
+        self.close()
+        if self.nested.is_active:
+            self._paused = True
+            try:
+                ensure_real_transaction(self._conn)
+                self.session.connection(bind_arguments=self._bind_arguments)
+            finally:
+                self._paused = False
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[Connection]:
+        """The connection, for statements of stateguard's own that must not open the savepoint."""
+        self._paused = True
+        try:
+            yield self._conn
+        finally:
+            self._paused = False
+
+    def close(self) -> None:
+        """Stop watching the connection (the savepoint itself is left as it is)."""
+        conn = self._conn
+        if not (conn.invalidated or conn.closed) and conn.info.get(_DEFERRED) is self:
+            del conn.info[_DEFERRED]
+
+
+_DEFERRED: Final = "stateguard.deferred_savepoint"
+#: Statements that manage savepoints (SQLAlchemy's own, sent when the Session provisions one).
+_SAVEPOINT_VERBS: Final = ("SAVEPOINT", "RELEASE", "ROLLBACK")
+
+
+# before_cursor_execute, not before_execute: exec_driver_sql() fires only this one.
+@event.listens_for(Engine, "before_cursor_execute")
+def _on_before_cursor_execute(
+    conn: Connection, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool
+) -> None:
+    if conn.invalidated or conn.closed:
+        return
+    deferred = conn.info.get(_DEFERRED)
+    if deferred is None or deferred._paused or statement.lstrip()[:9].upper().startswith(_SAVEPOINT_VERBS):
+        return
+    deferred.open()
 
 
 def _driver_in_transaction(conn: Connection) -> bool:

@@ -14,7 +14,11 @@ one conditional statement, so the database settles every race:
 
 - **claim**: one INSERT (``ON CONFLICT DO NOTHING RETURNING`` on PostgreSQL and
   SQLite; on MariaDB a duplicate-key error, which InnoDB rolls back alone and
-  leaves the transaction usable).  Inserted: this caller owns the key.
+  leaves the transaction usable).  Inserted: this caller owns the key.  On
+  PostgreSQL the same statement returns the existing record
+  (:meth:`~stateguard._write.InsertOnce.insert_or_read`), unless it waited
+  for a twin that committed meanwhile (its snapshot is older than the twin's
+  row): then, and on the other backends, a read follows.
 - otherwise **one read** of the record decides: completed with the same
   fingerprint → replay the stored response; another fingerprint →
   :class:`~stateguard.IdempotencyKeyReused`; in progress with a live lease →
@@ -34,11 +38,16 @@ one conditional statement, so the database settles every race:
 
 Two modes:
 
-``mode="same_transaction"`` (default): the claim runs inside a SAVEPOINT of the
-session's transaction, together with the block's writes and the stored
-response.  If the block raises, the savepoint rolls back (the claim and the
-block's writes with it) and the key is free again, even when the caller
-catches the exception and commits.  A concurrent twin's INSERT waits on the
+``mode="same_transaction"`` (default): the claim, the block's writes and the
+stored response share the session's transaction.  The claim needs no
+SAVEPOINT (its INSERT cannot abort the transaction; on PostgreSQL one
+statement claims the key or returns its record); the block gets one, sent
+just before its first statement (:class:`~stateguard._write.DeferredSavepoint`),
+so a first call whose block sends nothing is two statements.  If the block
+raises, the savepoint rolls back the block's writes and the claim is deleted
+(a takeover or reclaim opens the savepoint before its UPDATE and is rolled
+back with it): the key is free again, even when the caller catches the
+exception and commits.  A concurrent twin's INSERT waits on the
 unique index until the first transaction ends, then replays (or claims, if it
 rolled back).  Nothing is visible to others before commit, so leases only
 matter when the same keys are also used in separate mode.
@@ -75,8 +84,9 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any, Final, Generic, Literal, ParamSpec, Protocol, TypeVar
 
-from sqlalchemy import Connection, Engine, bindparam, delete, select, update
-from sqlalchemy.orm import Session, SessionTransaction
+from sqlalchemy import Connection, Engine, and_, bindparam, delete, select, update
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.orm import Session
 
 from . import _compat, _sql, _write
 from ._async import (
@@ -342,8 +352,8 @@ _FRESH: Final = {
     "updated_ms": _NOW,
 }
 _NEW_ROW: Final = {"scope": bindparam("sg_scope"), "idem_key": bindparam("sg_key"), **_FRESH}
-_CLAIM: Final = _write.InsertOnce(_t, _NEW_ROW, returning=[_t.c.scope])
-_READ: Final = select(
+#: What a claim that finds the key taken reads of the record (and the database's clock).
+_RECORD: Final = (
     _t.c.status,
     _t.c.fingerprint,
     _t.c.owner,
@@ -355,7 +365,10 @@ _READ: Final = select(
     _t.c.checkpoint_data,
     _t.c.error,
     _NOW.label("db_now"),
-).where(*_THIS_KEY)
+)
+# One statement on PostgreSQL: the claim, or the record that holds the key (the kernel's CTE form).
+_CLAIM: Final = _write.InsertOnce(_t, _NEW_ROW, returning=[_t.c.scope], read=_RECORD, where=and_(*_THIS_KEY))
+_READ: Final = select(*_RECORD).where(*_THIS_KEY)
 # InnoDB at REPEATABLE READ: a plain SELECT reads the transaction's snapshot,
 # which may predate the twin whose row made our INSERT fail; a locking read
 # sees the latest committed row.  A shared lock, because the failed INSERT
@@ -403,6 +416,8 @@ _FAIL: Final = _owned_update(
 _RELEASE: Final = _owned_update(locked_until_ms=0, error=bindparam("sg_text"))
 # Forgotten: this owner's record is gone, so any request may claim the key anew.
 _FORGET: Final = delete(_t).where(*_MINE)
+# Same transaction, a new record claimed outside the block's savepoint: undone (completed or not).
+_UNCLAIM: Final = delete(_t).where(*_THIS_KEY, _t.c.owner == bindparam("sg_owner"))
 # Not a released claim (locked_until_ms = 0): a heartbeat racing its own
 # release() must not lease the key again, or the next retry waits a whole lease.
 _HEARTBEAT: Final = (
@@ -624,7 +639,10 @@ class _Claim(Generic[S]):
         self.fingerprint = fingerprint
         self.owner = uuid.uuid4().hex
         self.call: IdempotentCall[S] | None = None
-        self._nested: SessionTransaction | None = None
+        #: Same transaction: the savepoint of the block (sent before its first statement).
+        self._savepoint: _write.DeferredSavepoint | None = None
+        #: Same transaction: this call inserted the record (outside the savepoint).
+        self._fresh = False
         self._conn: Connection | None = None
         self._engine: Engine | None = None
         self._stop: threading.Event | None = None
@@ -666,17 +684,55 @@ class _Claim(Generic[S]):
         return self.call
 
     def _enter_same(self) -> IdempotentCall[S]:
+        # The claim needs no SAVEPOINT: its INSERT cannot abort the transaction
+        # (ON CONFLICT DO NOTHING; InnoDB rolls back only a duplicate-key
+        # statement).  The block gets one, sent before its first statement
+        # (none if it sends none): an exception rolls back the block's writes,
+        # and the claim is deleted (a new record) or rolled back with the
+        # savepoint (a takeover or reclaim, which opens it before its UPDATE).
         session = self.session
-        _write.ensure_real_transaction(_write.own_connection(session, idempotency_keys))
-        nested = session.begin_nested()
+        conn = self._conn = _write.own_connection(session, idempotency_keys)
         try:
-            conn = _write.own_connection(session, idempotency_keys)
             call = self._claim(conn)
         except BaseException:
-            _write.abandon_savepoint(nested)
+            self._drop_savepoint()
             raise
-        self._nested, self._conn = nested, conn
+        if self._savepoint is None:
+            self._savepoint = _write.DeferredSavepoint(session, conn, self._bind_arguments())
         return call
+
+    def _bind_arguments(self) -> dict[str, Any]:
+        return {"bind": _write.own_bind(self.session, idempotency_keys)}
+
+    def _savepoint_now(self) -> None:
+        """Same transaction: open the block's savepoint before an UPDATE of an existing record."""
+        if self.options.mode == "same_transaction" and self._savepoint is None:
+            self._savepoint = _write.DeferredSavepoint(
+                self.session, self._open(self._conn), self._bind_arguments()
+            )
+            self._savepoint.open()
+
+    def _drop_savepoint(self) -> None:
+        """Roll back the block's savepoint (if it was sent) and stop watching the connection."""
+        savepoint, self._savepoint = self._savepoint, None
+        if savepoint is not None:
+            savepoint.close()
+            _write.abandon_savepoint(savepoint.nested)
+
+    def _undo_same(self) -> None:
+        """Same transaction, the block failed or was released: its writes and the claim are undone."""
+        conn = self._conn
+        self._drop_savepoint()
+        if self._fresh and conn is not None:
+            self._fresh = False
+            try:
+                _write.execute(conn, _UNCLAIM, self._params())
+            except sa_exc.DBAPIError:
+                # The transaction is aborted or gone (a deadlock on MariaDB, a lost connection):
+                # the record cannot be committed with it either.
+                log.warning(
+                    "could not delete the claim of %s after its block failed", self._name, exc_info=True
+                )
 
     def _enter_separate(self) -> IdempotentCall[S]:
         if self.session.in_transaction():
@@ -724,17 +780,22 @@ class _Claim(Generic[S]):
         }
 
     def _claimed(self) -> IdempotentCall[S]:
+        self._fresh = True
         self._emit("claimed", 1)
         return IdempotentCall(self)
 
     def _claim(self, conn: Connection) -> IdempotentCall[S]:
         backend = _sql.backend(conn.dialect)
         params = self._params()
-        if _CLAIM(conn, params) is not None:
+        # PostgreSQL: one statement claims the key or returns its record.
+        inserted, row = _CLAIM.insert_or_read(conn, params)
+        if inserted:
             return self._claimed()
         read = _READ_LOCKING if backend.locking_read else _READ
         for _ in range(_MAX_ROUNDS):
-            row = _write.execute(conn, read, params).first()
+            if row is None:
+                # Not read yet (MariaDB, SQLite; PostgreSQL after waiting for a twin that committed).
+                row = _write.execute(conn, read, params).first()
             if row is None:
                 # Purged (or its claimant rolled back) between our statements.
                 if _CLAIM(conn, params) is not None:
@@ -743,6 +804,7 @@ class _Claim(Generic[S]):
             call = self._decide(conn, row, params)
             if call is not None:
                 return call
+            row = None
         raise SerializationConflict(
             f"{self._name} changed {_MAX_ROUNDS} times while it was being claimed; retry the request"
         )
@@ -756,6 +818,7 @@ class _Claim(Generic[S]):
         now = row.db_now
         options = self.options
         if row.expires_ms <= now:
+            self._savepoint_now()
             if _write.execute(conn, _RECLAIM, {**params, "sg_old_owner": row.owner}).rowcount != 1:
                 return None
             return self._claimed()
@@ -795,6 +858,7 @@ class _Claim(Generic[S]):
                 f"{self._name} is being worked on by another request; retry after its lease ends",
                 retry_after=timedelta(milliseconds=locked_until - now),
             )
+        self._savepoint_now()
         if _write.execute(conn, _TAKEOVER, {**params, "sg_old_owner": row.owner}).rowcount != 1:
             return None
         call = IdempotentCall(self)
@@ -814,10 +878,10 @@ class _Claim(Generic[S]):
         text = extra.get("sg_text")
         try:
             if self.options.mode == "same_transaction":
-                conn = self._open(self._conn)
-                if text is not None:
-                    _write.check_statement_size(conn, text, f"the stored value of {self._name}")
-                matched = _write.execute(conn, stmt, params).rowcount
+                with self._open(self._savepoint).paused() as conn:
+                    if text is not None:
+                        _write.check_statement_size(conn, text, f"the stored value of {self._name}")
+                    matched = _write.execute(conn, stmt, params).rowcount
             else:
                 session = self.session
                 try:
@@ -853,7 +917,8 @@ class _Claim(Generic[S]):
             return  # this owner is completing, failing or releasing the claim: nothing to keep alive
         params = self._params()
         if self.options.mode == "same_transaction":
-            matched = _write.execute(self._open(self._conn), _HEARTBEAT, params).rowcount
+            with self._open(self._savepoint).paused() as conn:
+                matched = _write.execute(conn, _HEARTBEAT, params).rowcount
         elif dedicated is not None:
             with dedicated.begin():
                 matched = _write.execute(dedicated, _HEARTBEAT, params).rowcount
@@ -870,9 +935,8 @@ class _Claim(Generic[S]):
     def release(self, call: IdempotentCall[S], reason: str | None, forget: bool = False) -> None:
         if self.options.mode == "same_transaction":
             self._stop_heartbeat()
-            nested = self._open(self._nested)
-            if nested.is_active:
-                nested.rollback()
+            self._open(self._savepoint)
+            self._undo_same()
             call._state = "released"
             self._emit("released", call.attempt)
             return
@@ -960,12 +1024,14 @@ class _Claim(Generic[S]):
             if call._state == "open":
                 # The block finished without complete(): its work is done, the response is None.
                 call._complete(None)
-            if self._nested is not None and self._nested.is_active:
-                self._nested.commit()
+            savepoint, self._savepoint = self._savepoint, None
+            if savepoint is not None:
+                savepoint.close()
+                if savepoint.nested.is_active:
+                    savepoint.nested.commit()  # RELEASE only if it was sent
             return
         if self.options.mode == "same_transaction":
-            if self._nested is not None:
-                _write.abandon_savepoint(self._nested)
+            self._undo_same()
             if call._state == "open":
                 call._state = "released"
                 self._emit("released", call.attempt)

@@ -1,0 +1,308 @@
+"""What one idempotent() call sends, per backend (issue 19), and that the fewer statements still decide
+every case: a twin in flight, another payload, a dead claim, a block that fails.
+
+Same-transaction mode sends no SAVEPOINT for the claim (its INSERT cannot abort the transaction); the
+block gets one only when it sends a statement, so its writes still roll back when it raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import (
+    Column,
+    Connection,
+    Engine,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    event,
+    func,
+    insert,
+    select,
+    text,
+)
+from sqlalchemy.orm import Session
+
+from stateguard import (
+    IdempotencyKeyReused,
+    RequestInProgress,
+    create_tables,
+    drop_tables,
+    idempotent,
+)
+from stateguard.tables import idempotency_keys
+
+from .conftest import Backend, count_statements
+
+business = MetaData()
+orders = Table(
+    "idem_stmt_orders",
+    business,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("ref", String(50), nullable=False),
+)
+
+_DAY_MS = 86_400_000
+
+
+@pytest.fixture
+def engine(backend: Backend) -> Iterator[Engine]:
+    """stateguard's tables and a business table on each backend, dropped afterwards."""
+    eng = backend.engine
+    drop_tables(eng)
+    create_tables(eng)
+    backend.create(business)
+    yield eng
+    drop_tables(eng)
+
+
+def _verbs(statements: list[str]) -> list[str]:
+    """First word of each statement sent to the driver (BEGIN left out: the driver's own business)."""
+    return [s.split()[0].upper() for s in statements if s.split()[0].upper() != "BEGIN"]
+
+
+def _claim_verb(backend: Backend) -> str:
+    return "WITH" if backend.name == "postgresql" else "INSERT"
+
+
+def _orders(engine: Engine, ref: str) -> int:
+    with engine.connect() as conn:
+        return int(
+            conn.execute(select(func.count()).select_from(orders).where(orders.c.ref == ref)).scalar_one()
+        )
+
+
+def _record(engine: Engine, key: str) -> Any:
+    with engine.connect() as conn:
+        return conn.execute(
+            select(idempotency_keys).where(
+                idempotency_keys.c.scope == "s", idempotency_keys.c.idem_key == key
+            )
+        ).first()
+
+
+def _put_record(engine: Engine, key: str, **values: Any) -> None:
+    """A record as another worker left it (times on this machine's clock, which the database shares)."""
+    now = int(time.time() * 1000)
+    row = {
+        "scope": "s",
+        "idem_key": key,
+        "status": "in_progress",
+        "fingerprint": None,
+        "owner": "dead-worker",
+        "attempt": 1,
+        "locked_until_ms": now + _DAY_MS,
+        "expires_ms": now + _DAY_MS,
+        "created_ms": now,
+        "updated_ms": now,
+        **values,
+    }
+    with engine.begin() as conn:
+        conn.execute(insert(idempotency_keys).values(row))
+
+
+def _call(engine: Engine, key: str, body: Any = None, *, write: bool = False) -> tuple[bool, Any, list[str]]:
+    """One same-transaction call in its own committed transaction: (replayed, response or call, verbs)."""
+    with Session(engine) as session, session.begin():
+        # This session's connection only: a twin in another thread runs statements too.
+        with (
+            _statements_of(session.connection()) as seen,
+            idempotent(session, scope="s", key=key, fingerprint=body) as call,
+        ):
+            if call.replayed:
+                result: Any = call.response
+            else:
+                if write:
+                    session.execute(insert(orders).values(ref=key))
+                result = call.complete({"key": key, "attempt": call.attempt})
+            replayed = call.replayed
+    return replayed, result, _verbs(seen)
+
+
+@contextlib.contextmanager
+def _statements_of(conn: Connection) -> Iterator[list[str]]:
+    """The statements ``conn`` sends while active."""
+    seen: list[str] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, *args: Any) -> None:
+        seen.append(statement)
+
+    event.listen(conn, "before_cursor_execute", record)
+    try:
+        yield seen
+    finally:
+        event.remove(conn, "before_cursor_execute", record)
+
+
+def test_first_call_is_two_statements_and_a_replay_one_on_postgresql(
+    backend: Backend, engine: Engine
+) -> None:
+    """First call: claim + complete, no SAVEPOINT; replay: 1 statement on PostgreSQL, 2 elsewhere."""
+    replayed, first, verbs = _call(engine, "k", {"a": 1})
+    assert not replayed and verbs == [_claim_verb(backend), "UPDATE"]
+    replayed, again, verbs = _call(engine, "k", {"a": 1})
+    assert replayed and again == first
+    assert verbs == (["WITH"] if backend.name == "postgresql" else ["INSERT", "SELECT"])
+
+
+def test_a_block_that_writes_gets_one_savepoint_around_its_statements(
+    backend: Backend, engine: Engine
+) -> None:
+    """SAVEPOINT goes out just before the block's first statement, RELEASE at the end."""
+    replayed, _, verbs = _call(engine, "w", write=True)
+    assert not replayed
+    assert verbs == [_claim_verb(backend), "SAVEPOINT", "INSERT", "UPDATE", "RELEASE"]
+    assert _orders(engine, "w") == 1
+
+
+@pytest.mark.parametrize("how", ["session", "captured connection", "driver sql"])
+def test_a_failed_block_rolls_back_its_writes_however_it_sent_them(engine: Engine, how: str) -> None:
+    """Writes through the Session, a Connection fetched before the call, or exec_driver_sql all roll back."""
+    with Session(engine) as session, session.begin():
+        conn = session.connection()
+        session.execute(insert(orders).values(ref="before"))
+        with pytest.raises(RuntimeError), idempotent(session, scope="s", key="k") as call:
+            assert not call.replayed
+            if how == "session":
+                session.execute(insert(orders).values(ref="inside"))
+            elif how == "captured connection":
+                conn.execute(insert(orders).values(ref="inside"))
+            else:
+                conn.exec_driver_sql(f"INSERT INTO {orders.name} (ref) VALUES ('inside')")
+            call.complete("done")
+            raise RuntimeError("declined")
+    assert _orders(engine, "before") == 1 and _orders(engine, "inside") == 0
+    assert _record(engine, "k") is None
+    replayed, _, _ = _call(engine, "k")
+    assert not replayed
+
+
+def test_a_failed_block_that_sent_nothing_deletes_its_claim(backend: Backend, engine: Engine) -> None:
+    """No savepoint was needed: the new record is deleted, the caller's transaction commits its own work."""
+    with Session(engine) as session, session.begin():
+        session.execute(insert(orders).values(ref="before"))
+        with count_statements(engine) as seen, pytest.raises(ValueError):
+            with idempotent(session, scope="s", key="k"):
+                raise ValueError("bad input")
+    assert _verbs(seen.statements) == [_claim_verb(backend), "DELETE"]
+    assert _orders(engine, "before") == 1 and _record(engine, "k") is None
+
+
+def test_another_payload_is_still_refused_in_one_statement_on_postgresql(
+    backend: Backend, engine: Engine
+) -> None:
+    """The record the claim returns decides: IdempotencyKeyReused, nothing written."""
+    _call(engine, "k", {"amount": 1})
+    with Session(engine) as session, session.begin():
+        session.connection()
+        with count_statements(engine) as seen, pytest.raises(IdempotencyKeyReused):
+            with idempotent(session, scope="s", key="k", fingerprint={"amount": 2}):
+                raise AssertionError("the block must not run")
+    assert _verbs(seen.statements) == (["WITH"] if backend.name == "postgresql" else ["INSERT", "SELECT"])
+    assert _record(engine, "k").response == '{"key":"k","attempt":1}'
+
+
+def test_a_live_claim_of_another_worker_is_still_in_progress(backend: Backend, engine: Engine) -> None:
+    """A committed claim with a live lease (a separate-mode worker) is RequestInProgress."""
+    _put_record(engine, "busy")
+    with Session(engine) as session, session.begin(), pytest.raises(RequestInProgress) as caught:
+        with idempotent(session, scope="s", key="busy"):
+            raise AssertionError("the block must not run")
+    assert caught.value.retry_after is not None and caught.value.retry_after.total_seconds() > 3600
+    assert _record(engine, "busy").owner == "dead-worker"
+
+
+def test_a_dead_claim_is_taken_over_inside_the_savepoint(backend: Backend, engine: Engine) -> None:
+    """An expired lease is taken over (SAVEPOINT first); a takeover that fails gives the record back."""
+    past = int(time.time() * 1000) - 1000
+    _put_record(engine, "dead", locked_until_ms=past)
+    with Session(engine) as session, session.begin():
+        with pytest.raises(RuntimeError), idempotent(session, scope="s", key="dead") as call:
+            assert call.taken_over and call.attempt == 2
+            raise RuntimeError("the retry failed too")
+    row = _record(engine, "dead")
+    assert row.owner == "dead-worker" and row.attempt == 1 and row.status == "in_progress"
+    with Session(engine) as session, session.begin():
+        session.connection()
+        with count_statements(engine) as seen, idempotent(session, scope="s", key="dead") as call:
+            assert call.taken_over and call.attempt == 2
+            call.complete("recovered")
+    read = [] if backend.name == "postgresql" else ["SELECT"]
+    assert _verbs(seen.statements) == [
+        _claim_verb(backend),
+        *read,
+        "SAVEPOINT",
+        "UPDATE",
+        "UPDATE",
+        "RELEASE",
+    ]
+    row = _record(engine, "dead")
+    assert row.status == "completed" and row.attempt == 2 and row.response == '"recovered"'
+
+
+def test_an_expired_record_is_a_new_request(engine: Engine) -> None:
+    """A completed record past its ttl is reclaimed: the block runs again."""
+    past = int(time.time() * 1000) - 1000
+    _put_record(engine, "old", status="completed", locked_until_ms=None, expires_ms=past, response='"stale"')
+    replayed, result, _ = _call(engine, "old", write=True)
+    assert not replayed and result == {"key": "old", "attempt": 1}
+    assert _orders(engine, "old") == 1
+
+
+def test_a_twin_waiting_on_the_claim_replays_once_it_commits(backend: Backend, engine: Engine) -> None:
+    """Two same-transaction calls at once: the second waits for the first's row, then replays.
+
+    On PostgreSQL the second's one statement cannot see the row it waited for (its snapshot is older):
+    it reads again (WITH, SELECT) and replays; it never runs the block.
+    """
+    claimed = threading.Event()
+    release = threading.Event()
+    results: dict[str, Any] = {}
+
+    def first() -> None:
+        with Session(engine) as session, session.begin():
+            with idempotent(session, scope="s", key="twin", fingerprint=1) as call:
+                assert not call.replayed
+                session.execute(insert(orders).values(ref="twin"))
+                claimed.set()
+                release.wait(10)
+                call.complete("first")
+
+    def second() -> None:
+        claimed.wait(10)
+        results["replayed"], results["response"], results["verbs"] = _call(engine, "twin", 1)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    claimed.wait(10)
+    _wait_until_blocked(backend, engine)
+    release.set()
+    for t in threads:
+        t.join(30)
+    assert results["replayed"] is True and results["response"] == "first"
+    assert _orders(engine, "twin") == 1
+    if backend.name == "postgresql":
+        assert results["verbs"] == ["WITH", "SELECT"]
+
+
+def _wait_until_blocked(backend: Backend, engine: Engine) -> None:
+    """Until the second call waits for the first's lock (PostgreSQL: seen in pg_locks), else a pause."""
+    if backend.name != "postgresql":
+        time.sleep(0.5)
+        return
+    deadline = time.monotonic() + 10
+    with engine.connect() as conn:
+        while time.monotonic() < deadline:
+            if conn.execute(text("SELECT count(*) FROM pg_locks WHERE NOT granted")).scalar_one():
+                return
+            conn.rollback()
+            time.sleep(0.01)
+    raise AssertionError("the second call never waited for the first")
