@@ -86,7 +86,12 @@ def _dot_id(text_: str) -> str:
 
 
 def rows_label(name: str, count: int) -> str:
-    """A state's name with its row count, as drawn by ``stateguard inspect``: ``paid (12 rows)``."""
+    """A state's name with its row count, as drawn by ``stateguard inspect``.
+
+    ::
+
+        rows_label("paid", 12)   # 'paid (12 rows)'
+    """
     return f"{name} ({count} row{'' if count == 1 else 's'})"
 
 

@@ -196,7 +196,16 @@ class MachineCounts:
 
 @dataclass
 class Inspection:
-    """What :func:`inspect_database` found; ``stuck`` lists why the command exits 1 (empty: 0)."""
+    """What :func:`inspect_database` found; ``stuck`` lists why the command exits 1 (empty: 0).
+
+    Sections (``idempotency``, ``tokens``, ``worker_leases``, ``outbox``) are
+    ``None`` when their table is missing; ``row`` and ``ledger`` are filled by
+    ``--row`` and ``--ref``::
+
+        report = inspect_database(conn, [Order.flow])
+        if report.stuck:
+            print("; ".join(report.stuck))
+    """
 
     database: str
     db_now_ms: int
@@ -512,7 +521,15 @@ def inspect_database(
 
 
 class RowKeyError(ValueError):
-    """A ``--row`` key that does not fit the model's primary key (the message says why)."""
+    """A ``--row`` key that does not fit the model's primary key (the message says why).
+
+    ::
+
+        try:
+            parse_row_key(Order, "abc")
+        except RowKeyError as error:
+            print(error)   # Order.id is int: 'abc' is not one (...)
+    """
 
 
 def parse_row_key(model: type[Any], text: str) -> tuple[Any, ...]:
@@ -684,7 +701,12 @@ def _ago(ms: int | None) -> str:
 
 
 def render_text(report: Inspection, *, color: bool = False) -> str:
-    """The human report of ``stateguard inspect`` (what ``--json`` holds, as lines)."""
+    """The human report of ``stateguard inspect`` (what ``--json`` holds, as lines).
+
+    ::
+
+        print(render_text(inspect_database(conn, [Order.flow]), color=sys.stdout.isatty()))
+    """
     red, green, off = ("\x1b[31m", "\x1b[32m", "\x1b[0m") if color else ("", "", "")
     lines = [f"stateguard inspect: {report.database} (database clock {_iso(report.db_now_ms)})"]
     for m in report.machines:

@@ -14,6 +14,7 @@ import pytest
 from stateguard.tooling.demo import DemoOrder
 from stateguard.tooling.graph import GRAPHVIZ_HINT, graphviz_available, render_graph
 
+from ..conftest import unavailable
 from ._helpers import DEMO, MULTI, ROOT, run, write_module
 
 
@@ -124,8 +125,6 @@ def _svg_content(svg: str) -> list[tuple[str, str]]:
 
 
 def _graphviz_required() -> None:
-    from tests.conftest import unavailable
-
     if not graphviz_available():
         unavailable("graphviz (the dot program and the graphviz package)", RuntimeError(GRAPHVIZ_HINT))
 
