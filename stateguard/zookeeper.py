@@ -253,6 +253,7 @@ class ZooKeeperLock:
                 lock.release()
         """
         from kazoo.exceptions import LockTimeout
+        from kazoo.protocol.states import KazooState
         from kazoo.recipe.lock import Lock
 
         wait = _write.seconds(timeout, "timeout", allow_zero=True)
@@ -301,6 +302,8 @@ class ZooKeeperLock:
         self._session = session[0]
         self._fence = int(stat.czxid)
         self._held = True
+        if self.client.state != KazooState.CONNECTED:
+            self._suspended = True  # dropped again since exists() answered: not known to be held
         return self._fence
 
     def release(self) -> None:

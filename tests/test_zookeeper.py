@@ -180,6 +180,21 @@ def test_fence_grows_when_the_sequence_counter_restarts(zk: Any, path: str) -> N
     assert fences == sorted(set(fences))  # the fence never did
 
 
+def test_server_restart_keeps_the_lock_and_fences_grow(
+    server: ZooKeeperServer, clients: Callable[..., Any], path: str
+) -> None:
+    """A crash and restart of the server (data kept): the holder's session and lock survive, later fences
+    are bigger."""
+    lock = ZooKeeperLock(clients(timeout=10.0), path)
+    fence = lock.acquire()
+    server.restart()
+    wait_for(lock.is_held, 20, "the holder's session resumed")
+    assert lock.fence == fence
+    lock.release()
+    with ZooKeeperLock(clients(), path) as after:
+        assert after > fence
+
+
 def test_fences_strictly_increase_across_holders_and_paths(clients: Callable[..., Any], path: str) -> None:
     """Holders on three clients, on two lock paths, taking turns: every fence is above every earlier one."""
     zks = [clients() for _ in range(3)]
