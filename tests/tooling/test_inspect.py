@@ -631,3 +631,53 @@ def test_inspect_as_a_real_subprocess(engine: Engine, backend: Backend) -> None:
     )
     assert (done.returncode, done.stderr) == (1, "")
     _check_verdict(done.returncode, json.loads(done.stdout))
+
+
+def test_progress_through_the_command_on_a_terminal(
+    app: tuple[str, ModuleType, Backend], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A slow count draws its step on a terminal's stderr and clears it; with --json stderr stays empty."""
+    from stateguard.tooling import cli, inspection
+
+    name, module, backend = app
+    real = inspection.count_states
+
+    def slow(conn: Any, machine: Any) -> Any:
+        time.sleep(0.8)  # longer than the progress line's delay (0.5 s)
+        return real(conn, machine)
+
+    monkeypatch.setattr(inspection, "count_states", slow)
+    for argv, drawn in ([[], True], [["--json"], False]):
+        terminal = Terminal()
+        monkeypatch.setattr("sys.stderr", terminal)
+        assert cli.main(["inspect", "--db", backend.url, "--models", f"{name}:Order", *argv]) == 0
+        err = terminal.getvalue()
+        if drawn:
+            table = module.Order.__tablename__
+            assert f"\r\x1b[Kstateguard inspect: [1/5] counting {table}.status " in err
+            assert err.endswith("\r\x1b[K") and "\n" not in err
+        else:
+            assert err == ""
+    assert capsys.readouterr().err == ""
+
+
+def test_machine_table_missing(
+    engine: Engine,
+    backend: Backend,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A model whose table does not exist is reported as missing, not an error."""
+    name = write_module(tmp_path, monkeypatch, MODELS.format(table=f"m{uuid.uuid4().hex[:6]}"))
+    code, report, err = inspect_json(capsys, "--db", backend.url, "--models", f"{name}:Order")
+    assert (code, err) == (0, "")
+    (order,) = report["machines"]
+    assert order["table_missing"] is True and order["total"] == 0
+    code, out, _ = run(
+        ["inspect", "--db", backend.url, "--models", f"{name}:Order", "--format", "mermaid"], capsys
+    )
+    assert code == 0
+    assert (
+        f"({order['table']}.status): table {order['table']} is missing" in out and "stateDiagram" not in out
+    )
