@@ -253,7 +253,7 @@ class ZooKeeperLock:
                 lock.release()
         """
         from kazoo.exceptions import LockTimeout
-        from kazoo.protocol.states import KazooState
+        from kazoo.protocol.states import KazooState, KeeperState
         from kazoo.recipe.lock import Lock
 
         wait = _write.seconds(timeout, "timeout", allow_zero=True)
@@ -263,6 +263,11 @@ class ZooKeeperLock:
             raise InvalidArgument(
                 f"ZooKeeperLock {self.path!r} is already held by this object (it is not re-entrant); "
                 f"release() it first, or build one lock object per contender"
+            )
+        if self.client.client_state == KeeperState.CLOSED:
+            raise InvalidArgument(
+                f"ZooKeeperLock {self.path!r}: its KazooClient was stopped; start() it again (or build "
+                f"the lock on a started client)"
             )
         # A fresh recipe per acquisition: kazoo's keeps is_acquired after its
         # session expired, and would wait forever for itself on a second try.

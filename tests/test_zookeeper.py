@@ -246,7 +246,10 @@ def test_wrong_client_objects(server: ZooKeeperServer, zk: Any) -> None:
     with pytest.raises(InvalidArgument, match=r"call client.start\(\) first"):
         ZooKeeperLock(never_started, "/locks/x")
     stopped = client_for(server.hosts)
+    built_before = ZooKeeperLock(stopped, "/locks/x")
     stopped.stop()
+    with pytest.raises(InvalidArgument, match="was stopped"):
+        built_before.acquire(timeout=1)
     stopped.close()
     with pytest.raises(InvalidArgument, match="started, connected KazooClient"):
         ZooKeeperLock(stopped, "/locks/x")
