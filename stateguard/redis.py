@@ -257,10 +257,11 @@ def _write_and_wait(
         if cluster and _moved(reply) and attempt + 1 < _CLUSTER_ATTEMPTS:
             attempt += 1
             # Let the cluster settle (a failover takes the node timeout), then reload its slot map.
+            pause = min(1.0, 0.1 * 2**attempt)
             if asynchronous:
-                yield from asyncio.sleep(0.25 * 2**attempt).__await__()
+                yield from asyncio.sleep(pause).__await__()
             else:
-                time.sleep(0.25 * 2**attempt)
+                time.sleep(pause)
             with suppress(Exception):
                 yield from _awaited(asynchronous, client.nodes_manager.initialize())
             continue

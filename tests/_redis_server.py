@@ -158,6 +158,17 @@ class RedisServer:
             process.kill()
             process.wait(timeout=20)
 
+    def pause(self) -> None:
+        """SIGSTOP the process by its pid: a server that stalls (a replica falling behind its master)."""
+        if self.process is not None:
+            self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT the process by its pid after :meth:`pause`."""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGCONT)
+
     def restart(self) -> None:
         """Crash the server (SIGKILL) and start it again on the same port, empty."""
         self.kill()
@@ -235,6 +246,7 @@ class LocalCluster:
                     "--cluster-enabled", "yes",
                     "--cluster-config-file", "nodes.conf",
                     "--cluster-node-timeout", str(self.node_timeout_ms),
+                    "--repl-diskless-sync-delay", "0",  # a replica syncs at once (default: after 5 s)
                 ]
             )  # fmt: skip
             self.servers.append(server)  # stopped (and its directory removed) even if it fails to start
@@ -258,29 +270,35 @@ class LocalCluster:
     def nodes(self) -> list[dict[str, Any]]:
         """``CLUSTER NODES`` as seen by a live node: port, id, flags, master id, slots, of each node."""
         for server in self.live():
-            client = self._client(server)
-            try:
-                text = client.execute_command("CLUSTER", "NODES")
-            except Exception:
-                continue
-            finally:
-                client.close()
-            if isinstance(text, dict):  # some redis-py versions parse the reply
-                raise RuntimeError("CLUSTER NODES came back parsed; expected its text")
-            found = []
-            for line in str(text).splitlines():
-                fields = line.split()
-                found.append(
-                    {
-                        "id": fields[0],
-                        "port": int(fields[1].split("@")[0].rsplit(":", 1)[1]),
-                        "flags": set(fields[2].split(",")),
-                        "master": fields[3],
-                        "slots": fields[8:],
-                    }
-                )
-            return found
+            found = self.nodes_seen_by(server)
+            if found is not None:
+                return found
         raise RuntimeError("no cluster node answers CLUSTER NODES")
+
+    def nodes_seen_by(self, server: RedisServer) -> list[dict[str, Any]] | None:
+        """``CLUSTER NODES`` of ``server`` (``None`` if it does not answer)."""
+        client = self._client(server)
+        try:
+            text = client.execute_command("CLUSTER", "NODES")
+        except Exception:
+            return None
+        finally:
+            client.close()
+        if isinstance(text, dict):  # some redis-py versions parse the reply
+            raise RuntimeError("CLUSTER NODES came back parsed; expected its text")
+        found = []
+        for line in str(text).splitlines():
+            fields = line.split()
+            found.append(
+                {
+                    "id": fields[0],
+                    "port": int(fields[1].split("@")[0].rsplit(":", 1)[1]),
+                    "flags": set(fields[2].split(",")),
+                    "master": fields[3],
+                    "slots": fields[8:],
+                }
+            )
+        return found
 
     def server(self, port: int) -> RedisServer:
         return next(s for s in self.servers if s.port == port)
@@ -360,6 +378,14 @@ class LocalCluster:
         raise RuntimeError(f"the test cluster did not reach cluster_state:ok in {timeout}s: {self.nodes()}")
 
     def _replicas_synced(self) -> bool:
+        # Every live node must already see every node, none failing, each replica with its master.
+        bad = {"fail", "fail?", "handshake", "noaddr"}
+        for server in self.live():
+            seen = self.nodes_seen_by(server)
+            if seen is None or len(seen) != len(self.live()) or any(n["flags"] & bad for n in seen):
+                return False
+            if sum(1 for n in seen if n["master"] != "-") != self.masters * self.replicas:
+                return False
         masters = [n for n in self.nodes() if "master" in n["flags"] and n["slots"]]
         if len(masters) < self.masters:
             return False
