@@ -21,7 +21,7 @@ from typing import Any
 
 import sqlalchemy
 
-from . import idempotency, locks, observe, relay, scenarios
+from . import idempotency, locks, observe, relay, scenarios, striped
 from .models import Table, make_engine, server_version
 
 DEFAULT_DBS = [
@@ -50,6 +50,10 @@ SIZES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "events": ({"n": 1000}, {"n": 10}),
     "locks": ({"workers": 8, "ops": 50, "rounds": 3}, {"workers": 2, "ops": 3, "rounds": 1}),
     "observe": ({"n": 1500}, {"n": 20}),
+    "striped": (
+        {"buyers": 8, "per_buyer": 150, "rounds": 3, "stripes": 8},
+        {"buyers": 3, "per_buyer": 5, "rounds": 1, "stripes": 4},
+    ),
 }
 
 RUNNERS: dict[str, Any] = {
@@ -64,6 +68,7 @@ RUNNERS: dict[str, Any] = {
     "events": relay.events_cost,
     "locks": locks.lock_comparison,
     "observe": observe.observe_cost,
+    "striped": striped.striped_flash_sale,
 }
 
 #: Full runs of these scenarios only on these dialects (the issue states their targets there).
