@@ -25,6 +25,7 @@ eventlet), so there is no ``AsyncZooKeeperLock``: from asyncio, run
 from __future__ import annotations
 
 import re
+from contextlib import suppress
 from datetime import timedelta
 from types import TracebackType
 from typing import Any, Final
@@ -252,7 +253,7 @@ class ZooKeeperLock:
             finally:
                 lock.release()
         """
-        from kazoo.exceptions import LockTimeout
+        from kazoo.exceptions import KazooException, LockTimeout
         from kazoo.protocol.states import KazooState, KeeperState
         from kazoo.recipe.lock import Lock
 
@@ -294,7 +295,7 @@ class ZooKeeperLock:
             stat = self.client.retry(self.client.exists, node)
             session = self.client.client_id
             if stat is None or session is None or stat.ephemeralOwner != session[0] or self._lost:
-                with _suppress_kazoo():
+                with suppress(KazooException):  # best effort: the znode of a lost session is gone anyway
                     recipe.release()
                 raise LockNotAcquired(
                     f"ZooKeeperLock {self.path!r} lost its ZooKeeper session while it was being "
@@ -403,17 +404,3 @@ class ZooKeeperLock:
     def __repr__(self) -> str:
         state = "held" if self._held else "not held"
         return f"<ZooKeeperLock {self.path!r} {state} fence={self._fence}>"
-
-
-class _suppress_kazoo:
-    """``with _suppress_kazoo():`` swallows kazoo's errors (a best-effort cleanup)."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool:
-        from kazoo.exceptions import KazooException
-
-        return exc_type is not None and issubclass(exc_type, KazooException)
