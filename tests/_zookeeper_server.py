@@ -33,7 +33,7 @@ from types import TracebackType
 from ._redis_server import free_port
 from .conftest import IN_CI
 
-__all__ = ["Gate", "ZooKeeperEnsemble", "ZooKeeperServer", "zookeeper_command"]
+__all__ = ["Gate", "ZooKeeperEnsemble", "ZooKeeperServer", "zookeeper_available", "zookeeper_command"]
 
 #: Where Debian's ``zookeeperd`` (package ``zookeeper``) puts the server jar; its
 #: manifest's Class-Path names the other jars it needs.
@@ -44,12 +44,21 @@ _MAIN = "org.apache.zookeeper.server.quorum.QuorumPeerMain"
 TICK_MS = 200
 
 
+def _jar() -> str | None:
+    return os.environ.get("STATEGUARD_ZOOKEEPER_JAR") or next((j for j in _JARS if Path(j).exists()), None)
+
+
+def zookeeper_available() -> bool:
+    """Whether ``java`` and the ZooKeeper server jar are installed (a plain answer, for the benchmarks)."""
+    return shutil.which("java") is not None and _jar() is not None
+
+
 def zookeeper_command() -> list[str]:
     """``java ... QuorumPeerMain`` without the config path; skip loudly (fail in CI) when not installed."""
     import pytest
 
     java = shutil.which("java")
-    jar = os.environ.get("STATEGUARD_ZOOKEEPER_JAR") or next((j for j in _JARS if Path(j).exists()), None)
+    jar = _jar()
     if java is None or jar is None:
         missing = "java" if java is None else "the ZooKeeper server jar (/usr/share/java/zookeeper.jar)"
         message = f"{missing} is not installed (Debian package zookeeperd)"
