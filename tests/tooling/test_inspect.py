@@ -10,6 +10,7 @@ import re
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -18,7 +19,7 @@ import pytest
 from sqlalchemy import Engine, insert
 from sqlalchemy.orm import Session
 
-from stateguard import _write, decrement, drop_tables, release
+from stateguard import _write, create_tables, decrement, drop_tables, release
 from stateguard._sql import db_now_ms
 from stateguard.tables import idempotency_keys, metadata, outbox, tokens, worker_leases
 from stateguard.tooling.graph import GRAPHVIZ_HINT, graphviz_available
@@ -148,6 +149,9 @@ def test_counts_per_state_match_the_rows(
         assert module.Ticket.life.close(session, "t0").applied
     code, report, err = inspect_json(capsys, "--db", backend.url, "--models", f"{name}:Base")
     assert (code, err) == (0, "")
+    assert set(report) == TOP_KEYS and all(set(m) == MACHINE_KEYS for m in report["machines"])
+    assert isinstance(report["db_now_ms"], int) and abs(report["db_now_ms"] / 1000 - time.time()) < 600
+    assert report["row"] is None and report["ledger"] is None and report["stuck"] == []
     by_model = {m["model"]: m for m in report["machines"]}
     assert set(by_model) == {"Order", "Ticket"}
     order = by_model["Order"]
@@ -380,43 +384,6 @@ def test_tables_missing_are_reported_not_an_error(
             idempotency_keys.drop(conn)
 
 
-def test_json_shape(app: tuple[str, ModuleType, Backend], capsys: pytest.CaptureFixture[str]) -> None:
-    """``--json`` has the documented keys and types, every key always present."""
-    name, _, backend = app
-    code, report, err = inspect_json(capsys, "--db", backend.url, "--models", name)
-    assert (code, err) == (0, "")
-    assert set(report) == TOP_KEYS
-    assert isinstance(report["db_now_ms"], int) and abs(report["db_now_ms"] / 1000 - time.time()) < 600
-    assert report["row"] is None and report["ledger"] is None and report["stuck"] == []
-    assert set(report["tables"]) == {"present", "missing"}
-    assert all(set(m) == MACHINE_KEYS for m in report["machines"])
-    assert set(report["idempotency"]) == {
-        "total",
-        "in_progress",
-        "live",
-        "past_lease",
-        "released",
-        "completed",
-        "failed",
-        "expired",
-        "stuck",
-    }
-    assert set(report["tokens"]) == {"total", "live", "consumed", "expired", "oldest_expired_ms_ago"}
-    assert set(report["worker_leases"]) == {"live", "expired", "free", "namespaces", "leases"}
-    assert set(report["outbox"]) == {
-        "total",
-        "unpublished",
-        "published",
-        "leased",
-        "retried",
-        "oldest_unpublished_ms_ago",
-        "stale_after_ms",
-        "stale",
-        "unpublished_by_topic",
-    }
-    assert "password" not in json.dumps(report)
-
-
 # -- one row, one ref ----------------------------------------------------------
 
 
@@ -549,18 +516,13 @@ def test_progress_drawn_on_a_terminal_while_a_scan_runs_and_cleared() -> None:
     assert quick.getvalue() == ""
 
 
-def test_progress_is_quiet_off_a_terminal_and_with_json(
-    app: tuple[str, ModuleType, Backend], capsys: pytest.CaptureFixture[str]
-) -> None:
-    """Not a terminal, or --json: nothing on stderr, however long the step."""
+def test_progress_is_quiet_off_a_terminal_and_with_json() -> None:
+    """Not a terminal, or disabled (--json): nothing on the stream, however long the step."""
     for stream, enabled in [(io.StringIO(), True), (Terminal(), False)]:
         progress = ScanProgress(stream, enabled=enabled, delay=0.0, interval=0.01)
         with progress.step("counting"):
             time.sleep(0.1)
         assert stream.getvalue() == ""
-    name, _, backend = app
-    code, out, err = run(["inspect", "--db", backend.url, "--models", name], capsys)
-    assert (code, err) == (0, "") and "nothing stuck" in out
 
 
 def test_inspect_help_lists_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
@@ -614,14 +576,29 @@ def test_readme_documents_the_json_shape(
     assert seen == documented
 
 
-def test_inspect_as_a_real_subprocess(engine: Engine, backend: Backend) -> None:
+@pytest.fixture
+def sqlite_app(
+    sqlite: Backend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[str, ModuleType, Backend]]:
+    """The ``app`` fixture on SQLite only, for what does not depend on the backend."""
+    drop_tables(sqlite.engine)
+    create_tables(sqlite.engine)
+    name = write_module(tmp_path, monkeypatch, MODELS.format(table=f"s{uuid.uuid4().hex[:6]}"))
+    module = __import__(name)
+    sqlite.create(module.Base.metadata)
+    yield name, module, sqlite
+    drop_tables(sqlite.engine)
+
+
+def test_inspect_as_a_real_subprocess(sqlite_app: tuple[str, ModuleType, Backend]) -> None:
     """``python -m stateguard inspect --json`` exits 1 on stuck work, prints the report, nothing on stderr."""
     import subprocess
     import sys
 
     from ._helpers import ROOT
 
-    _stuck_and_not(engine)
+    _, _, backend = sqlite_app
+    _stuck_and_not(backend.engine)
     done = subprocess.run(
         [sys.executable, "-m", "stateguard", "inspect", "--db", backend.url, "--json"],
         capture_output=True,
@@ -634,12 +611,14 @@ def test_inspect_as_a_real_subprocess(engine: Engine, backend: Backend) -> None:
 
 
 def test_progress_through_the_command_on_a_terminal(
-    app: tuple[str, ModuleType, Backend], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    sqlite_app: tuple[str, ModuleType, Backend],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """A slow count draws its step on a terminal's stderr and clears it; with --json stderr stays empty."""
     from stateguard.tooling import cli, inspection
 
-    name, module, backend = app
+    name, module, backend = sqlite_app
     real = inspection.count_states
 
     def slow(conn: Any, machine: Any) -> Any:
