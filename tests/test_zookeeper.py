@@ -316,6 +316,34 @@ def test_session_expiry_while_holding(
     a.release()
 
 
+def test_session_lost_between_grant_and_fence_read(
+    server: ZooKeeperServer, clients: Callable[..., Any], path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session that expires after kazoo granted the lock but before its fence was read: LockNotAcquired,
+    no fence handed out, and the next acquisition works."""
+    zk = clients()
+    states: list[str] = []
+    zk.add_listener(states.append)
+    kazoo_retry = zk.retry
+
+    def expire_first(fn: Any, *args: Any, **kw: Any) -> Any:
+        if fn == zk.exists and KazooState.LOST not in states:
+            expire_session(zk, server.hosts)
+            wait_for(lambda: KazooState.LOST in states, 10, "LOST")
+        return kazoo_retry(fn, *args, **kw)
+
+    monkeypatch.setattr(zk, "retry", expire_first)
+    lock = ZooKeeperLock(zk, path)
+    with pytest.raises(LockNotAcquired, match="lost its ZooKeeper session while it was being acquired"):
+        lock.acquire(timeout=10)
+    assert not lock.is_held()
+    with pytest.raises(InvalidArgument, match="not held"):
+        lock.fence  # noqa: B018
+    monkeypatch.undo()
+    assert lock.acquire(timeout=10) > 0 and lock.is_held()
+    lock.release()
+
+
 def test_block_error_wins_over_lock_lost(
     server: ZooKeeperServer, clients: Callable[..., Any], path: str
 ) -> None:
