@@ -3,7 +3,7 @@
 Prints one table per scenario and database and writes them, with the machine
 and server versions, as JSON.  Every comparison runs in the same process, on
 the same database, in the same run.  ``python -m bench report [PATH]`` turns
-a JSON file into the Markdown of bench/README.md.
+a JSON file into the Markdown of bench/README.md (``--plots DIR``: and PNG charts).
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ def render(table: Table) -> str:
     return "\n".join(lines) + "\n"
 
 
-def markdown(data: dict[str, Any]) -> str:
-    """A results file (as written by ``run``) as Markdown."""
+def markdown(data: dict[str, Any], images: dict[str, str] | None = None) -> str:
+    """A results file (as written by ``run``) as Markdown; ``images``: {table title: PNG link}."""
     meta = data["meta"]
     out = [
         f"Command: `{meta['command']}`  ",
@@ -102,6 +102,8 @@ def markdown(data: dict[str, Any]) -> str:
     for t in data["tables"]:
         out.append(f"#### {t['title']}")
         out.append("")
+        if images and t["title"] in images:
+            out += [f"![{t['title']}]({images[t['title']]})", ""]
         if t["rows"]:
             cols = list(t["rows"][0])
             out.append("| " + " | ".join(cols) + " |")
@@ -112,6 +114,24 @@ def markdown(data: dict[str, Any]) -> str:
         out += [f"- {n}" for n in t["notes"]]
         out.append("")
     return "\n".join(out)
+
+
+def report(path: Path, plots: Path | None, relative_to: Path, out: Any = sys.stdout) -> int:
+    """Print ``path`` as Markdown; with ``plots``, write its PNG charts there and link them."""
+    data = json.loads(path.read_text())
+    images: dict[str, str] = {}
+    if plots:
+        from .plots import PlotsUnavailable, write_plots
+
+        try:
+            written = write_plots(data, plots)
+        except PlotsUnavailable as error:
+            print(f"bench report: {error}", file=sys.stderr)
+            return 2
+        images = {title: os.path.relpath(png, relative_to) for title, png in written.items()}
+        print(f"wrote {len(written)} charts to {plots}", file=sys.stderr)
+    print(markdown(data, images), file=out)
+    return 0
 
 
 def run(dbs: list[str], only: list[str] | None, quick: bool, out: Any = sys.stdout) -> list[Table]:
@@ -178,10 +198,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     rep = sub.add_parser("report", help="print a results file as Markdown")
     rep.add_argument("path", nargs="?", default=DEFAULT_JSON)
+    rep.add_argument(
+        "--plots", metavar="DIR", help="also write one PNG chart per table to DIR (needs matplotlib)"
+    )
+    rep.add_argument(
+        "--relative-to",
+        metavar="DIR",
+        default=".",
+        help="link the charts in the Markdown relative to DIR, where it will live (default: here)",
+    )
     args = parser.parse_args(argv)
     if args.command == "report":
-        print(markdown(json.loads(Path(args.path).read_text())))
-        return 0
+        return report(Path(args.path), args.plots and Path(args.plots), Path(args.relative_to))
     dbs = args.db or DEFAULT_DBS
     servers = {}
     for url in dbs:

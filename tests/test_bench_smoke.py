@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 from pathlib import Path
 
-from bench.__main__ import RUNNERS, main, markdown, run
+import pytest
+
+from bench.__main__ import RUNNERS, main, markdown, report, run
 
 from .conftest import IN_CI, Backend
 
@@ -108,3 +111,34 @@ def test_main_writes_json_and_report(sqlite: Backend, tmp_path: Path) -> None:
     assert [t["title"].split(" ")[0] for t in data["tables"]] == ["5a."]
     text = markdown(data)
     assert "| stateguard model |" in text and "#### 5a." in text
+
+
+def test_report_writes_png_charts(sqlite: Backend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench report --plots DIR` draws one real PNG per table and links it; without matplotlib, no charts."""
+    from PIL import Image
+
+    results = tmp_path / "r.json"
+    scenarios = ["--only", "single", "--only", "load"]
+    assert main(["run", "--quick", *scenarios, "--db", sqlite.url, "--json", str(results)]) == 0
+    out = io.StringIO()
+    assert report(results, tmp_path / "plots", tmp_path, out=out) == 0
+    pngs = sorted((tmp_path / "plots").glob("*.png"))
+    assert [p.name for p in pngs] == [
+        "1-single-transition-no-contention-sqlite.png",
+        "5a-loading-100-rows-sqlite.png",
+    ]
+    for png in pngs:
+        with Image.open(png) as image:
+            image.verify()  # a whole, valid PNG, not just a header
+        with Image.open(png) as image:
+            assert image.format == "PNG" and image.width > 600 and image.height > 150
+            colours = image.convert("RGB").getcolors(maxcolors=1 << 20)
+            assert colours is not None and len(colours) > 10  # bars and text drawn, not a blank page
+        assert f"](plots/{png.name})" in out.getvalue()
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails
+    plain = io.StringIO()
+    assert report(results, None, tmp_path, out=plain) == 0
+    assert "#### 1. single transition" in plain.getvalue() and "![" not in plain.getvalue()
+    assert report(results, tmp_path / "none", tmp_path, out=io.StringIO()) == 2
+    assert not (tmp_path / "none").exists()
