@@ -458,7 +458,26 @@ class RedisTokens(_RedisTokens):
     retries off it raises redis-py's ``ConnectionError``; call ``consume``
     again on the same object: it goes on under the failed call's identity.
 
-    :raises InvalidArgument: ``client`` is not a synchronous redis client.
+    Replicas: Redis acknowledges a write before its replicas have it, so a
+    failover can lose an issued token or bring a consumed one back.
+    ``wait_replicas=N`` sends each issue and each consume that wrote with a
+    Redis ``WAIT N wait_timeout`` on the same connection (on a
+    ``redis.cluster.RedisCluster``, to the master of the token's slot) and
+    raises :class:`~stateguard.ReplicationTimeout` when fewer than ``N``
+    replicas confirmed: the write happened on the master, ``error.value`` is
+    the token or the Result::
+
+        tokens = RedisTokens(redis.cluster.RedisCluster(host="redis-1"), wait_replicas=1)
+        try:
+            r = tokens.consume(token, scope="payout:42")
+        except ReplicationTimeout as error:
+            r = error.value      # consumed on the master, on no replica yet
+
+    ``wait_replicas`` is an int >= 0 (0, the default: no WAIT);
+    ``wait_timeout`` (seconds or a timedelta, 1 s by default) bounds each WAIT.
+
+    :raises InvalidArgument: ``client`` is not a synchronous redis client, or
+        a bad ``wait_replicas`` / ``wait_timeout``.
     """
 
     def issue(self, *, scope: str, ttl: timedelta) -> str:
@@ -495,8 +514,13 @@ class AsyncRedisTokens(_RedisTokens):
 
     Consuming is one script call, so any number of concurrent tasks (or
     processes) consuming one token get exactly one APPLIED.
+    ``wait_replicas`` / ``wait_timeout`` work as in :class:`RedisTokens`
+    (with a ``redis.asyncio.cluster.RedisCluster`` too)::
 
-    :raises InvalidArgument: ``client`` is not a ``redis.asyncio`` client.
+        tokens = AsyncRedisTokens(client, wait_replicas=1, wait_timeout=0.5)
+
+    :raises InvalidArgument: ``client`` is not a ``redis.asyncio`` client, or
+        a bad ``wait_replicas`` / ``wait_timeout``.
     """
 
     _asynchronous = True
@@ -1170,9 +1194,19 @@ class RedisLock(_RedisLock):
     braces the name holds; a name starting with ``}`` (which would make the
     tag empty) uses ``stateguard:lock:#{<sha256 of the name>}`` instead.
 
-    :raises InvalidArgument: a bad ``ttl``, ``blocking_timeout`` or name, a
-        ``fences`` that is not an ``Engine``, or (with ``fences``) a name over
-        255 characters.
+    Replicas: ``wait_replicas=N`` runs Redis ``WAIT N wait_timeout`` after
+    each acquisition, extension and release, on the same connection (on a
+    cluster, to the master of the lock's slot).  Fewer than ``N``
+    confirmations raise :class:`~stateguard.ReplicationTimeout`: an
+    acquisition gives the lock back first (a failover could hand it to a
+    second holder), an extension or release did happen on the master::
+
+        lock = RedisLock(cluster_client, "payout:42", ttl=30, fences=engine, wait_replicas=1)
+
+    :raises InvalidArgument: a bad ``ttl``, ``blocking_timeout``,
+        ``wait_replicas`` (an int >= 0, 0 by default: no WAIT),
+        ``wait_timeout`` or name, a ``fences`` that is not an ``Engine``, or
+        (with ``fences``) a name over 255 characters.
 
     Lost replies: an acquisition, release or extension that ran but whose
     reply was lost is recognised when it runs again (redis-py retries on a
