@@ -24,6 +24,7 @@ eventlet), so there is no ``AsyncZooKeeperLock``: from asyncio, run
 
 from __future__ import annotations
 
+import logging
 import re
 from contextlib import suppress
 from datetime import timedelta
@@ -31,9 +32,12 @@ from types import TracebackType
 from typing import Any, Final
 
 from . import _write
+from . import observe as _observe
 from .exceptions import InvalidArgument, LockLost, LockNotAcquired
 
 __all__ = ["ZooKeeperLock"]
+
+log = logging.getLogger(__name__)
 
 #: Characters ZooKeeper refuses in a path (PathUtils.validatePath).
 _BAD_PATH_CHARS: Final = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\uf8ff\ufff0-\uffff]")
@@ -253,6 +257,10 @@ class ZooKeeperLock:
             finally:
                 lock.release()
         """
+        with _observe.watch("zookeeper_lock.acquire", log, scope=self.path, backend="zookeeper"):
+            return self._acquire(timeout)
+
+    def _acquire(self, timeout: float | timedelta | None) -> int:
         from kazoo.exceptions import KazooException, LockTimeout
         from kazoo.protocol.states import KazooState, KeeperState
         from kazoo.recipe.lock import Lock
@@ -324,6 +332,10 @@ class ZooKeeperLock:
             finally:
                 lock.release()
         """
+        with _observe.watch("zookeeper_lock.release", log, scope=self.path, backend="zookeeper"):
+            self._release()
+
+    def _release(self) -> None:
         from kazoo.exceptions import NoNodeError
 
         if not self._held or self._node is None:

@@ -534,3 +534,25 @@ def test_storm_of_fenced_increments(server: ZooKeeperServer, pg: Backend) -> Non
     fences = [f for _, f in log]
     assert fences == sorted(set(fences)), "a write was accepted with an older (or repeated) fence"
     assert tally.fence == fences[-1]
+
+
+def test_acquire_and_release_report_outcome_events(clients: Callable[..., Any], path: str) -> None:
+    """stateguard.observe: one event per acquisition and release, LockNotAcquired included."""
+    from stateguard import GuardEvent, on_event
+
+    seen: list[GuardEvent] = []
+    remove = on_event(seen.append)
+    try:
+        holder = ZooKeeperLock(clients(), path)
+        holder.acquire()
+        with pytest.raises(LockNotAcquired):
+            ZooKeeperLock(clients(), path).acquire(timeout=0.05)
+        holder.release()
+    finally:
+        remove()
+    assert [(e.operation, e.outcome, e.scope, e.backend) for e in seen] == [
+        ("zookeeper_lock.acquire", "OK", path, "zookeeper"),
+        ("zookeeper_lock.acquire", "LockNotAcquired", path, "zookeeper"),
+        ("zookeeper_lock.release", "OK", path, "zookeeper"),
+    ]
+    assert seen[1].duration >= 0.05
