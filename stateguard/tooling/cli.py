@@ -133,6 +133,10 @@ def _safe(url: URL) -> str:
     return url.render_as_string(hide_password=True)
 
 
+def _plain(url: URL) -> str:
+    return url.render_as_string(hide_password=False)
+
+
 def _first_line(error: BaseException) -> str:
     orig = getattr(error, "orig", None) or error
     args: tuple[Any, ...] = tuple(getattr(orig, "args", ()))
@@ -245,27 +249,60 @@ _positive_float = _number(float, "a number", least=0.001, bound="at least 0.001"
 def _cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     # Only this command imports the demo: its mapped models (DemoBase, DemoOrder ...)
     # stay out of every other command's process.
-    from .demo import render, run_demo
+    from .demo import open_namespace, render, run_demo
 
-    engine = open_engine(args.db, workers=args.workers)
-    client: Any = None
     try:
-        client = _redis_client(args.redis) if args.redis is not None else None
-        report = run_demo(
-            engine,
-            workers=args.workers,
-            orders=args.orders,
-            seed=args.seed,
-            progress=StderrProgress(err),
-            redis=client,
-        )
-    except sa_exc.SQLAlchemyError as error:
-        err.write(f"stateguard demo: database error: {_first_line(error)}\n")
-        return EXIT_PROBLEMS
+        url = make_url(args.db)
+    except sa_exc.ArgumentError as error:
+        raise UsageError(f"not a database URL: {args.db!r} (e.g. {DEFAULT_DB})") from error
+    if url.get_backend_name() == "sqlite" and (url.database or "") in ("", ":memory:"):
+        raise UsageError(f"the demo needs a SQLite file, e.g. {DEFAULT_DB}")
+    client: Any = None
+    if args.redis is not None:
+        client = _redis_client(args.redis)
+    try:
+        try:
+            workers = args.workers
+            namespace = open_namespace(url, args.schema, lambda u: open_engine(_plain(u), workers=workers))
+        except StateguardError as error:
+            raise UsageError(str(error)) from error
+        except sa_exc.SQLAlchemyError as error:
+            message = f"cannot create the demo's namespace {args.schema!r}: {_first_line(error)}"
+            raise UsageError(message) from error
+        report = None
+        try:
+            report = run_demo(
+                namespace.engine,
+                workers=args.workers,
+                orders=args.orders,
+                seed=args.seed,
+                progress=StderrProgress(err),
+                redis=client,
+            )
+        except sa_exc.SQLAlchemyError as error:
+            err.write(f"stateguard demo: database error: {_first_line(error)}\n")
+        finally:
+            if args.keep:
+                namespace.close()
+                afterwards = f"kept the {namespace.where} for inspection (drop it: {namespace.drop_hint})"
+            else:
+                namespace.drop()
+                afterwards = f"dropped the {namespace.where} and everything in it"
+        if report is None:
+            return EXIT_PROBLEMS
+        report.namespace = namespace.where
+        report.afterwards = afterwards
     finally:
         if client is not None:
             client.close()
-        engine.dispose()
+    if args.html is not None:
+        from .report import write_html
+
+        try:
+            write_html(report, args.html)
+        except OSError as error:
+            err.write(f"stateguard demo: cannot write {args.html}: {error}\n")
+            return EXIT_USAGE
     out.write(render(report, color=use_color(out)) + "\n")
     out.flush()
     return EXIT_OK if report.ok else EXIT_PROBLEMS
@@ -778,7 +815,8 @@ def build_parser() -> argparse.ArgumentParser:
         _cmd_demo,
         help="fire duplicate and concurrent requests at a database and check the invariants",
         description=(
-            "Create the sg_demo_* tables (dropped and recreated on every run), then fire\n"
+            "Create the demo's own namespace (--schema: a schema, a database or a SQLite file,\n"
+            "dropped after the run unless --keep), then fire\n"
             "duplicate and concurrent pay / ship / cancel requests from many worker threads,\n"
             "as retries, redeliveries and double-clicks would, for each scheme: state machine,\n"
             "optimistic version check, insert-once, a flash sale on one hot stock row\n"
@@ -786,7 +824,10 @@ def build_parser() -> argparse.ArgumentParser:
             "IdempotencyMiddleware (skipped without starlette) and the outbox pipeline\n"
             "(idempotent requests -> transition + emit() -> 2 relays -> an in-process broker\n"
             "that loses acknowledgements -> 3 consumers with consume_once).  Prints one row per\n"
-            "scheme and checks that side effects ran exactly once per APPLIED call."
+            "scheme and checks that side effects ran exactly once per APPLIED call.  Each scheme\n"
+            "runs the same storm twice: the usual hand-written code, then stateguard, and the\n"
+            "damage (double charges, oversold units, lost updates, duplicate rows) is counted\n"
+            "in the database afterwards."
         ),
     )
     demo.add_argument(
@@ -805,6 +846,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--seed", type=int, default=None, metavar="N", help="seed of the request plan (default: random)"
+    )
+    demo.add_argument(
+        "--schema",
+        default="sg_demo",
+        metavar="NAME",
+        help=(
+            "the demo's own namespace, created for the run and dropped after it: a PostgreSQL schema, "
+            "a MariaDB/MySQL database, or on SQLite the file <db stem>.NAME.db next to --db's file "
+            "(default: sg_demo); an existing one not made by the demo is refused (exit 2)"
+        ),
+    )
+    demo.add_argument("--keep", action="store_true", help="keep the namespace after the run, for inspection")
+    demo.add_argument(
+        "--html",
+        default=None,
+        metavar="FILE",
+        help="also write the results as one self-contained HTML page with charts",
     )
     demo.add_argument(
         "--redis",

@@ -3,6 +3,7 @@ the result table, and ``python -m stateguard demo`` as a real process."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -10,19 +11,30 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import create_engine, func, select, update
+from sqlalchemy import Engine, create_engine, func, insert, select, text, update
+from sqlalchemy import inspect as sa_inspect
+from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
 import stateguard.asgi
 from stateguard import Outcome, Result
 from stateguard.tables import idempotency_keys, outbox
 from stateguard.tooling import cli, demo
-from stateguard.tooling.demo import DemoBase, DemoOrder, DemoRun, DemoSideEffect, Request, SchemeRow
+from stateguard.tooling.demo import (
+    DemoBase,
+    DemoOrder,
+    DemoRun,
+    DemoSideEffect,
+    DemoStock,
+    Request,
+    SchemeRow,
+)
 
 from ..conftest import REDIS_URL, Backend
 
@@ -35,19 +47,67 @@ SCHEMES = (
     "outbox pipeline",
 )
 ROW = re.compile(
-    r"^(?P<scheme>[a-z][a-z -]*?)\s{2,}(?P<attempts>\d+)\s+(?P<applied>\d+)\s+(?P<repeated>\d+)\s+"
-    r"(?P<rejected>\d+)\s+(?P<retried>\d+)\s+(?P<effects>\d+)\s+(?P<invariant>ok|VIOLATED)\b"
+    r"^(?P<scheme>[a-z][a-z -]*?)\s{2,}(?P<code>hand-written|stateguard)\s+(?P<attempts>\d+)\s+"
+    r"(?P<applied>\d+)\s+(?P<repeated>\d+)\s+(?P<rejected>\d+)\s+(?P<retried>\d+)\s+(?P<effects>\d+)\s+"
+    r"(?P<invariant>ok|VIOLATED)\s+(?P<damage>.*)$"
 )
+DAMAGE = re.compile(r"(\d+) ([a-z ]+?)(?:,|\)|$)")
 
 
-def table(out: str) -> dict[str, dict[str, str]]:
-    """The demo's result rows by scheme."""
+def table(out: str, code: str = "stateguard") -> dict[str, dict[str, str]]:
+    """The demo's result rows of one variant (``stateguard`` or ``hand-written``) by scheme."""
     rows = {}
     for line in out.splitlines():
         m = ROW.match(line)
-        if m:
+        if m and m["code"] == code:
             rows[m["scheme"]] = m.groupdict()
     return rows
+
+
+def damage(row: dict[str, str]) -> dict[str, int]:
+    """``{"double charges": 12, ...}`` from a row's damage cell (``none (0 ..., 0 ...)`` gives zeros)."""
+    return {kind: int(n) for n, kind in DAMAGE.findall(row["damage"])}
+
+
+def schema_name() -> str:
+    return f"sgd_{uuid.uuid4().hex[:10]}"
+
+
+def namespace_engine(backend: Backend, schema: str) -> Engine:
+    """An engine on the demo's namespace ``schema`` (kept by ``--keep``) on ``backend``'s server."""
+    url = demo.namespace_url(make_url(backend.url), schema)
+    if backend.name == "postgresql":
+        url = url.update_query_dict({"options": f"-csearch_path={schema}"})
+    return create_engine(url)
+
+
+def namespace_exists(backend: Backend, schema: str) -> bool:
+    """Whether the demo's namespace ``schema`` (or any file of it) is still there."""
+    if backend.name == "sqlite":
+        path = Path(demo.namespace_url(make_url(backend.url), schema).database or "")
+        return any(Path(f"{path}{suffix}").exists() for suffix in ("", "-wal", "-shm", "-journal"))
+    query = {
+        "postgresql": "SELECT count(*) FROM pg_namespace WHERE nspname = :n",
+        "mariadb": "SELECT count(*) FROM information_schema.schemata WHERE schema_name = :n",
+    }[backend.name]
+    with backend.engine.connect() as conn:
+        return bool(conn.scalar(text(query), {"n": schema}))
+
+
+def drop_namespace(backend: Backend, schema: str) -> None:
+    """Remove a namespace a test kept with ``--keep``."""
+    if backend.name == "sqlite":
+        path = Path(demo.namespace_url(make_url(backend.url), schema).database or "")
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            Path(f"{path}{suffix}").unlink(missing_ok=True)
+        return
+    statement = (
+        f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'
+        if backend.name == "postgresql"
+        else (f"DROP DATABASE IF EXISTS `{schema}`")
+    )
+    with backend.engine.begin() as conn:
+        conn.execute(text(statement))
 
 
 # --------------------------------------------------------------------------
@@ -56,44 +116,92 @@ def table(out: str) -> dict[str, dict[str, str]]:
 
 
 def test_demo_on_backend(backend: Backend, capsys: pytest.CaptureFixture[str]) -> None:
-    """The demo exits 0, prints one row per scheme with invariant "ok", and the database agrees."""
-    backend.create(DemoBase.metadata)  # dropped again after the test
-    code = cli.main(["demo", "--db", backend.url, "--orders", "30", "--workers", "8", "--seed", "11"])
-    captured = capsys.readouterr()
-    assert code == 0, captured.out + captured.err
-    assert "Traceback" not in captured.err
-    assert "\x1b[" not in captured.out  # not a terminal: no colour
-    rows = table(captured.out)
-    assert sorted(rows) == sorted(SCHEMES), captured.out
-    with Session(backend.engine) as s:
-        for scheme, row in rows.items():
-            assert row["invariant"] == "ok"
-            applied = int(row["applied"])
-            total = int(row["applied"]) + int(row["repeated"]) + int(row["rejected"])
-            if scheme == "flash sale":  # sold-out purchases are INSUFFICIENT (not a column)
-                assert int(row["attempts"]) > total, row
-            else:
-                assert int(row["attempts"]) == total, row
-            assert applied > 0 and int(row["repeated"]) > 0, row
-            assert int(row["effects"]) == applied, row
-            effects = s.scalar(
-                select(func.count()).select_from(DemoSideEffect).where(DemoSideEffect.scheme == scheme)
-            )
-            doubles = s.execute(
-                select(DemoSideEffect.order_id, DemoSideEffect.action)
-                .where(DemoSideEffect.scheme == scheme)
-                .group_by(DemoSideEffect.order_id, DemoSideEffect.action)
-                .having(func.count() > 1)
-            ).all()
-            assert effects == applied and doubles == []
+    """Each scheme runs hand-written and through stateguard on the same storm; the database agrees.
+
+    stateguard's rows hold the invariant with zero damage; the hand-written rows' damage is what
+    the tables say, recounted here with SQL in the kept namespace.
+    """
+    schema = schema_name()
+    argv = ["demo", "--db", backend.url, "--orders", "30", "--workers", "8", "--seed", "11"]
+    try:
+        code = cli.main([*argv, "--schema", schema, "--keep"])
+        captured = capsys.readouterr()
+        assert code == 0, captured.out + captured.err
+        assert "Traceback" not in captured.err
+        assert "\x1b[" not in captured.out  # not a terminal: no colour
+        rows, naive = table(captured.out), table(captured.out, "hand-written")
+        assert sorted(rows) == sorted(naive) == sorted(SCHEMES), captured.out
+        engine = namespace_engine(backend, schema)
+        try:
+            _check_rows(engine, rows, naive)
+            _check_http_storm(engine, rows["http retry storm"], captured.out, orders=30)
+            _check_pipeline(engine, rows["outbox pipeline"], captured.out)
+        finally:
+            engine.dispose()
+    finally:
+        drop_namespace(backend, schema)
     # 30 orders, a pay and a follow-up each, every request delivered at least twice.
     assert int(rows["state machine"]["attempts"]) >= 2 * 2 * 30
-    assert "invariant held" in captured.out
-    _check_http_storm(backend, rows["http retry storm"], captured.out, orders=30)
-    _check_pipeline(backend, rows["outbox pipeline"], captured.out)
+    assert "stateguard: invariant held in every scheme" in captured.out
+    if backend.name != "sqlite":
+        # Real races, nothing slowed down: read-check-write code loses to its own twins.
+        raced = ("state machine", "optimistic version", "insert-once", "flash sale")
+        assert sum(sum(damage(naive[s]).values()) for s in raced) > 0, captured.out
 
 
-def _check_pipeline(backend: Backend, row: dict[str, str], out: str) -> None:
+def _check_rows(engine: Engine, rows: dict[str, dict[str, str]], naive: dict[str, dict[str, str]]) -> None:
+    with Session(engine) as s:
+        for scheme in SCHEMES:
+            for code, row in (("stateguard", rows[scheme]), ("hand-written", naive[scheme])):
+                key = DemoRun.key(scheme, code)
+                total = int(row["applied"]) + int(row["repeated"]) + int(row["rejected"])
+                if scheme == "flash sale":  # sold-out purchases are INSUFFICIENT (not a column)
+                    assert int(row["attempts"]) >= total, row
+                else:
+                    assert int(row["attempts"]) == total, row
+                effects = s.scalar(
+                    select(func.count()).select_from(DemoSideEffect).where(DemoSideEffect.scheme == key)
+                )
+                doubles = s.execute(
+                    select(DemoSideEffect.order_id, DemoSideEffect.action, func.count())
+                    .where(DemoSideEffect.scheme == key)
+                    .group_by(DemoSideEffect.order_id, DemoSideEffect.action)
+                    .having(func.count() > 1)
+                ).all()
+                assert int(row["effects"]) == effects, row
+                extra = sum(n - 1 for _, _, n in doubles)
+                found = damage(row)
+                twice = sum(n for kind, n in found.items() if "twice" in kind or "double" in kind)
+                assert twice == extra, (row, doubles)
+                if code == "stateguard":
+                    assert row["invariant"] == "ok" and sum(found.values()) == 0, row
+                    assert int(row["applied"]) > 0 and int(row["repeated"]) > 0, row
+                    assert effects == int(row["applied"]) and doubles == []
+                else:
+                    assert row["invariant"] == ("VIOLATED" if doubles else "ok"), row
+    # Deliveries that double-charge no matter the backend: the handler without the middleware,
+    # the consumer without consume_once.
+    assert damage(naive["http retry storm"])["double charges"] > 0
+    assert sum(damage(naive["outbox pipeline"]).values()) > 0
+    # The flash sale's hand-written damage, recounted from the stock row.
+    with engine.connect() as conn:
+        stock = {i: n for i, n in conn.execute(select(DemoStock.id, DemoStock.amount))}
+        sold = int(
+            conn.scalar(
+                select(func.count())
+                .select_from(DemoSideEffect)
+                .where(DemoSideEffect.scheme == DemoRun.key("flash sale", "hand-written"))
+            )
+            or 0
+        )
+    initial = max(1, 30 // 4)
+    found = damage(naive["flash sale"])
+    assert found["oversold units"] == max(0, sold - initial)
+    assert found["lost updates"] == max(0, sold - (initial - stock[2]))
+    assert stock[1] == initial - int(rows["flash sale"]["applied"]) == 0
+
+
+def _check_pipeline(engine: Engine, row: dict[str, str], out: str) -> None:
     """The pipeline's numbers agree: an event and an effect per APPLIED transition, duplicates dropped."""
     also = re.search(
         r"^outbox pipeline: also deduplicated (\d+), published (\d+), redelivered (\d+)$", out, re.M
@@ -102,14 +210,17 @@ def _check_pipeline(backend: Backend, row: dict[str, str], out: str) -> None:
     deduplicated, published, redelivered = (int(n) for n in also.groups())
     assert published == int(row["applied"]) == int(row["effects"]), (row, also[0])
     assert redelivered > 0 and deduplicated >= redelivered, also[0]  # every 4th acknowledgement was lost
-    with backend.engine.connect() as conn:
+    with engine.connect() as conn:
         events = conn.execute(
             select(outbox.c.published_ms).where(outbox.c.topic.in_(demo.PIPELINE_TOPICS))
         ).all()
-    assert len(events) == published and all(p is not None for (p,) in events)
+    # Both variants' events, every one published.
+    naive = re.search(r"^outbox pipeline \[hand-written\]: also published (\d+), redelivered \d+$", out, re.M)
+    assert naive is not None, out
+    assert len(events) == published + int(naive[1]) and all(p is not None for (p,) in events)
 
 
-def _check_http_storm(backend: Backend, row: dict[str, str], out: str, *, orders: int) -> None:
+def _check_http_storm(engine: Engine, row: dict[str, str], out: str, *, orders: int) -> None:
     """The HTTP scenario's row, notes and key records agree: one execution per key, 422s, 409s, 503s."""
     assert int(row["applied"]) == int(row["effects"]) == orders, row
     assert int(row["rejected"]) == max(1, orders // 10), row  # every reused key refused with 422
@@ -118,7 +229,7 @@ def _check_http_storm(backend: Backend, row: dict[str, str], out: str, *, orders
     assert also is not None, out
     assert int(also[1]) > 0 and int(also[2]) == max(1, orders // 10)
     assert int(row["retried"]) == int(also[1]) + int(also[2])
-    with backend.engine.connect() as conn:
+    with engine.connect() as conn:
         keys = conn.execute(
             select(idempotency_keys.c.status, idempotency_keys.c.attempt).where(
                 idempotency_keys.c.scope.startswith(demo.DEMO_KEY_SCOPE)
@@ -128,23 +239,148 @@ def _check_http_storm(backend: Backend, row: dict[str, str], out: str, *, orders
     assert Counter(keys) == {("completed", 1): orders - int(also[2]), ("completed", 2): int(also[2])}
 
 
+def test_demo_leaves_tables_it_did_not_create_alone(
+    backend: Backend, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Same-named tables of the user's (the demo's and stateguard's) keep their rows.
+
+    Nothing the demo made remains after the run (its namespace is gone)."""
+    from stateguard import consume_once, create_tables, drop_tables, emit
+
+    backend.create(DemoBase.metadata)
+    create_tables(backend.engine)
+    try:
+        with backend.engine.begin() as conn:
+            conn.execute(insert(DemoOrder), [{"id": 1, "status": "paid"}, {"id": 2, "status": "pending"}])
+            conn.execute(insert(DemoStock), [{"id": 1, "amount": 5}])
+        with Session(backend.engine) as s, s.begin():
+            # The user's own stateguard rows: an outbox event and a consumed message.
+            emit(s, "app.invoice", {"id": 1}, key="invoice-1")
+            consume_once(s, "app-consumer", "message-1")
+        before = _user_rows(backend.engine)
+        schema = schema_name()
+        code = cli.main(["demo", "--db", backend.url, "--orders", "8", "--seed", "3", "--schema", schema])
+        out = capsys.readouterr().out
+        assert code == 0, out
+        assert _user_rows(backend.engine) == before
+        assert not namespace_exists(backend, schema), schema
+        assert "dropped the " in out and schema in out
+    finally:
+        drop_tables(backend.engine)
+
+
+def _user_rows(engine: Engine) -> dict[str, list[tuple[Any, ...]]]:
+    from stateguard.tables import consumed_messages
+
+    with engine.connect() as conn:
+        return {
+            table.name: sorted(tuple(r) for r in conn.execute(select(table)))
+            for table in (
+                *DemoBase.metadata.sorted_tables,
+                outbox,
+                idempotency_keys,
+                consumed_messages,
+            )
+        }
+
+
 def test_demo_reruns_on_the_default_sqlite_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Without --db the demo uses stateguard-demo.db in the current folder, and a rerun works."""
+    """Without --db the demo works in stateguard-demo.sg_demo.db here; --keep keeps it, a rerun replaces it,
+    and a run without --keep leaves the folder as it found it."""
     monkeypatch.chdir(tmp_path)
-    assert cli.main(["demo", "--orders", "10", "--seed", "1"]) == 0
-    assert cli.main(["demo", "--orders", "12", "--seed", "2"]) == 0
-    assert (tmp_path / "stateguard-demo.db").exists()
+    assert cli.main(["demo", "--orders", "10", "--seed", "1", "--keep"]) == 0
+    kept = tmp_path / "stateguard-demo.sg_demo.db"
+    assert kept.exists()
+    assert cli.main(["demo", "--orders", "12", "--seed", "2", "--keep"]) == 0
     out = capsys.readouterr().out
-    assert "sqlite:///stateguard-demo.db" in out
-    engine = create_engine(f"sqlite:///{tmp_path / 'stateguard-demo.db'}")
+    assert f"kept the SQLite file {kept} for inspection (drop it: rm {kept})" in out
+    engine = create_engine(f"sqlite:///{kept}")
     try:
         with engine.connect() as conn:
-            # Tables were dropped and recreated: only the second run's orders are there.
-            assert conn.scalar(select(func.count()).select_from(DemoOrder)) == len(SCHEMES) * 12
+            # The kept namespace of the first run was dropped: only the second run's orders (two variants).
+            assert conn.scalar(select(func.count()).select_from(DemoOrder)) == 2 * len(SCHEMES) * 12
     finally:
         engine.dispose()
+    assert cli.main(["demo", "--orders", "5", "--seed", "3"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert f"dropped the SQLite file {kept}" in capsys.readouterr().out
+
+
+def test_demo_refuses_a_namespace_it_did_not_make(
+    backend: Backend, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--schema naming an existing schema/database/file without the demo's marker is exit 2.
+
+    What was there stays as it was, and the demo's marker table was not added."""
+    schema = schema_name()
+    if backend.name == "sqlite":
+        import sqlite3
+
+        path = demo.namespace_url(make_url(backend.url), schema).database
+        with contextlib.closing(sqlite3.connect(str(path))) as mine:
+            mine.execute("CREATE TABLE sg_demo_orders (id INTEGER PRIMARY KEY)")
+            mine.execute("INSERT INTO sg_demo_orders VALUES (7)")
+            mine.commit()
+        setup: list[str] = []
+        check = f"sqlite:///{path}"
+    elif backend.name == "postgresql":
+        setup = [f'CREATE SCHEMA "{schema}"',
+                 f'CREATE TABLE "{schema}".sg_demo_orders (id INTEGER PRIMARY KEY)',
+                 f'INSERT INTO "{schema}".sg_demo_orders VALUES (7)']  # fmt: skip
+        check = (
+            make_url(backend.url)
+            .update_query_dict({"options": f"-csearch_path={schema}"})
+            .render_as_string(hide_password=False)
+        )
+    else:
+        setup = [f"CREATE DATABASE `{schema}`",
+                 f"CREATE TABLE `{schema}`.sg_demo_orders (id INTEGER PRIMARY KEY)",
+                 f"INSERT INTO `{schema}`.sg_demo_orders VALUES (7)"]  # fmt: skip
+        check = make_url(backend.url).set(database=schema).render_as_string(hide_password=False)
+    with backend.engine.connect() as conn:
+        for statement in setup:
+            conn.execute(text(statement))
+        conn.commit()
+    try:
+        assert cli.main(["demo", "--db", backend.url, "--orders", "5", "--schema", schema]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        assert "already exists and was not made by stateguard demo" in captured.err, captured.err
+        assert "pass another --schema NAME" in captured.err
+        engine = create_engine(check)
+        try:
+            with engine.connect() as conn:
+                assert conn.execute(text("SELECT id FROM sg_demo_orders")).all() == [(7,)]
+                assert "sg_demo_namespace" not in sa_inspect(conn).get_table_names()
+        finally:
+            engine.dispose()
+    finally:
+        drop_namespace(backend, schema)
+
+
+@pytest.mark.parametrize("name", ["Upper", "1st", "a-b", "x" * 49, "a;drop"])
+def test_demo_refuses_a_bad_schema_name(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--schema is an identifier the demo can quote safely on every backend, or exit 2."""
+    assert cli.main(["demo", "--db", f"sqlite:///{tmp_path / 'a.db'}", "--schema", name]) == 2
+    assert "--schema must be lower-case letters" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_progress_on_a_pipe_ends_at_100_percent(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """stderr that is not a terminal gets a line per scenario with the share done, the last at 100%."""
+    assert cli.main(["demo", "--db", f"sqlite:///{tmp_path / 'p.db'}", "--orders", "5", "--seed", "9"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    done = [line for line in lines if re.match(r"stateguard demo: \[\d/\d\] \d+% ", line)]
+    count = len(demo.SCENARIOS)
+    assert [int(re.findall(r"\] (\d+)%", line)[0]) for line in done] == [
+        100 * i // count for i in range(1, count + 1)
+    ]
+    assert lines[-1].startswith("stateguard demo: 100%: "), lines
+    assert "\r" not in "".join(lines) and "\x1b[" not in "".join(lines)
 
 
 def _side_effect_first(run: DemoRun) -> list[SchemeRow]:
@@ -438,22 +674,23 @@ def test_pipeline_through_a_redis_stream(
     backend: Backend, redis_client: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """With --redis the pipeline goes through a fresh Redis stream, holds its invariant, and deletes it."""
-    from stateguard import create_tables, drop_tables
-
     _pipeline_only(monkeypatch)
-    create_tables(backend.engine)
-    backend.create(DemoBase.metadata)
+    schema = schema_name()
     try:
         argv = ["demo", "--db", backend.url, "--orders", "20", "--seed", "8", "--redis", REDIS_URL]
-        code = cli.main(argv)
+        code = cli.main([*argv, "--schema", schema, "--keep"])
         out = capsys.readouterr().out
         assert code == 0, out
         stream = re.search(r"the broker is the Redis stream '([^']+)' \(deleted after the run\)", out)
         assert stream is not None, out
         assert redis_client.exists(stream[1]) == 0
-        _check_pipeline(backend, table(out)["outbox pipeline"], out)
+        engine = namespace_engine(backend, schema)
+        try:
+            _check_pipeline(engine, table(out)["outbox pipeline"], out)
+        finally:
+            engine.dispose()
     finally:
-        drop_tables(backend.engine)
+        drop_namespace(backend, schema)
 
 
 def test_demo_with_an_unreachable_redis_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
