@@ -879,9 +879,10 @@ def build_parser() -> argparse.ArgumentParser:
         _cmd_graph,
         help="draw a model's declared state graph (Mermaid, DOT, SVG, PNG)",
         description=(
-            "Draw the state graph a StateMachine declares, through the transitions package's\n"
-            "diagram support.  Mermaid and DOT are text and need nothing extra; SVG and PNG\n"
-            "need Graphviz (apt install graphviz, and pip install graphviz)."
+            "Draw the state graph a StateMachine declares: Mermaid through the transitions\n"
+            "package's diagram support, DOT text from the same markup; both need nothing extra.\n"
+            "SVG and PNG are that DOT drawn by Graphviz (apt install graphviz, and\n"
+            "pip install 'stateguard[graphviz]')."
         ),
     )
     graph.add_argument("target", metavar="MODULE:Model", help="e.g. stateguard.tooling.demo:DemoOrder")
