@@ -29,6 +29,7 @@ from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import BigInteger, Engine, select, text
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from stateguard import (
@@ -212,7 +213,8 @@ def lock_comparison(url: str, workers: int, ops: int, rounds: int = 1, zk: str |
                     r["kinds"].update(out["kinds"])
         finally:
             reset(engine)
-            with engine.begin() as conn:
+            # Another run sharing this database may have dropped stateguard's tables meanwhile.
+            with contextlib.suppress(sa_exc.ProgrammingError, sa_exc.OperationalError), engine.begin() as conn:
                 conn.execute(text("DELETE FROM stateguard_fences WHERE name LIKE :p"), {"p": f"{prefix}%"})
             engine.dispose()
     base = median(results["advisory_lock"]["rates"])
