@@ -214,7 +214,8 @@ def lock_comparison(url: str, workers: int, ops: int, rounds: int = 1, zk: str |
         finally:
             reset(engine)
             # Another run sharing this database may have dropped stateguard's tables meanwhile.
-            with contextlib.suppress(sa_exc.ProgrammingError, sa_exc.OperationalError), engine.begin() as conn:
+            gone = (sa_exc.ProgrammingError, sa_exc.OperationalError)
+            with contextlib.suppress(*gone), engine.begin() as conn:
                 conn.execute(text("DELETE FROM stateguard_fences WHERE name LIKE :p"), {"p": f"{prefix}%"})
             engine.dispose()
     base = median(results["advisory_lock"]["rates"])
