@@ -37,6 +37,7 @@ h1 { font-size: 1.5em; } h2 { font-size: 1.15em; margin-top: 2em; }
 table { border-collapse: collapse; margin: 1em 0; }
 th, td { padding: .25em .6em; border-bottom: 1px solid #ddd; text-align: right; white-space: nowrap; }
 th:first-child, td:first-child, td.text, th.text { text-align: left; }
+td.damage { white-space: normal; min-width: 18em; text-align: left; }
 td.damage.bad { color: #b00020; font-weight: 600; } td.damage.good { color: #1b7f3b; font-weight: 600; }
 .legend span { display: inline-block; margin-right: 1.5em; }
 .swatch { display: inline-block; width: .9em; height: .9em; margin-right: .3em; vertical-align: -1px; }
