@@ -167,6 +167,43 @@ def test_wait_replicas_on_a_master_with_one_replica(replicated: tuple[RedisServe
         on_replica.close()
 
 
+def test_writes_while_the_replica_stalls_raise_replication_timeout(
+    replicated: tuple[RedisServer, RedisServer],
+) -> None:
+    """Replica stalled (SIGSTOP): consume, extend and release run on the master, then ReplicationTimeout.
+
+    A second extend() after a ReplicationTimeout is a new extension (its time is added again), and
+    the released lock is gone from the master.
+    """
+    import redis
+
+    master, replica = replicated
+    client = redis.Redis(port=master.port)
+    tokens = RedisTokens(client, wait_replicas=1, wait_timeout=0.1)
+    lock = RedisLock(client, "stalled", ttl=10, wait_replicas=1, wait_timeout=0.1, blocking_timeout=0)
+    token = tokens.issue(scope="stall", ttl=MINUTE)
+    lock.acquire()
+    replica.pause()
+    try:
+        with pytest.raises(ReplicationTimeout) as caught:
+            tokens.consume(token, scope="stall")
+        assert caught.value.value.outcome is Outcome.APPLIED and caught.value.acknowledged == 0
+        assert tokens.consume(token, scope="stall").outcome is Outcome.REPEATED  # no write: no WAIT
+        with pytest.raises(ReplicationTimeout, match="was extended"):
+            lock.extend(100)
+        first = client.pttl(lock.key)
+        assert first > 100_000
+        with pytest.raises(ReplicationTimeout):
+            lock.extend(100)
+        assert client.pttl(lock.key) > first + 90_000  # added again: not taken for the first call's retry
+        with pytest.raises(ReplicationTimeout, match="was released"):
+            lock.release()
+        assert client.get(lock.key) is None and not lock.owned()
+    finally:
+        replica.resume()
+        client.close()
+
+
 def test_async_wait_replicas_on_a_master_with_one_replica(
     replicated: tuple[RedisServer, RedisServer],
 ) -> None:
