@@ -23,7 +23,8 @@ With it, for a machine declared in a class body with a literal
     Order.flow.pay(session, 42)          # fine: a Trigger
     Order.flow.pya(session, 42)          # error: "Order.flow" has no trigger "pya"
                                          # (declared: "cancel", "pay"); did you mean "pay"?  [attr-defined]
-    Order.flow.trigger("pya")            # the same error, for a literal name
+    Order.flow.trigger("pya")            # the same error, for a literal name (also in
+    Order.flow.fire(session, "pya", 42)  # fire, can and target_of)
 
 How it works: while mypy analyses a class body, the plugin reads the
 ``transitions=`` argument of each ``StateMachine(...)`` assignment and records
@@ -43,6 +44,7 @@ What it does not check (any name is allowed there, as without the plugin):
   ``*spread`` entries, ``**kwargs``;
 - a machine reached another way: ``m = Order.flow; m.pya``, a function
   parameter typed ``StateMachine[str]``, ``getattr(Order.flow, name)``;
+- a trigger name that is not a string literal (``Order.flow.fire(session, name, 42)``);
 - a machine declared outside a class body, or through a subclass call such
   as ``StateMachine[str](...)``.
 
@@ -58,6 +60,7 @@ from mypy.checker import TypeChecker
 from mypy.errorcodes import ATTR_DEFINED
 from mypy.nodes import (
     ARG_NAMED,
+    ARG_POS,
     ARG_STAR2,
     CallExpr,
     Context,
@@ -82,6 +85,8 @@ STATE_MACHINE = "stateguard.machine.declaration.StateMachine"
 METADATA_KEY = "stateguard"
 #: Methods whose first argument is a trigger name.
 _NAME_METHODS = frozenset({"trigger", "can", "target_of"})
+#: What mypy calls for ``Order.flow.fire(session, "pay", 42)`` (``fire`` is a dual sync/async method).
+_DUAL_CALL = "stateguard._async.Dual.__call__"
 
 
 def plugin(version: str) -> type[Plugin]:
@@ -119,6 +124,8 @@ class StateguardPlugin(Plugin):
         owner, _, method = fullname.rpartition(".")
         if owner == STATE_MACHINE and method in _NAME_METHODS:
             return _check_name_argument
+        if fullname == _DUAL_CALL:
+            return _check_fire
         return None
 
     def _is_machine_class(self, fullname: str) -> bool:
@@ -202,6 +209,20 @@ def _check_name_argument(ctx: MethodContext) -> Type:
     first = ctx.args[0] if ctx.args else []
     if len(first) == 1 and isinstance(first[0], StrExpr):
         _unknown(ctx.api, call.callee.expr, first[0].value, first[0])
+    return ctx.default_return_type
+
+
+def _check_fire(ctx: MethodContext) -> Type:
+    """``Order.flow.fire(session, "pya", 42)``: a literal name, second positional or ``trigger=``."""
+    call = ctx.context
+    callee = call.callee if isinstance(call, CallExpr) else None
+    if not isinstance(call, CallExpr) or not isinstance(callee, MemberExpr) or callee.name != "fire":
+        return ctx.default_return_type
+    named = [a for a, n in zip(call.args, call.arg_names, strict=True) if n == "trigger"]
+    positional = [a for a, k in zip(call.args, call.arg_kinds, strict=True) if k == ARG_POS]
+    name = named[0] if named else (positional[1] if len(positional) > 1 else None)
+    if isinstance(name, StrExpr):
+        _unknown(ctx.api, callee.expr, name.value, name)
     return ctx.default_return_type
 
 

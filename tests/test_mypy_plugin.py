@@ -104,6 +104,7 @@ def known(session: Session, order: Order, ticket: Ticket) -> None:
     trigger: Trigger = Order.flow.trigger("pay")
     names: list[str] = Order.flow.available(order)
     Order.flow.fire(session, "ship", 1)
+    Order.flow.fire(session, trigger="cancel", target=order)
     print(paid, trigger, names, Order.flow.states, Order.flow.can("ship", "paid"))
     Ticket.flow.go(session, 1)
     ticket.flow.go(session, ticket)
@@ -117,6 +118,8 @@ def typos(session: Session, order: Order, ticket: Ticket, cls: type[Order]) -> N
     Order.flow.trigger("pya")  # E: has no trigger "pya"
     Order.flow.can("shipp", "paid")  # E: has no trigger "shipp"
     Order.flow.target_of("refund", "paid")  # E: has no trigger "refund"
+    Order.flow.fire(session, "pya", 1)  # E: has no trigger "pya"
+    order.flow.fire(session, trigger="shipp", target=order)  # E: has no trigger "shipp"
     Ticket.flow.og(session, 1)  # E: "Ticket.flow" has no trigger "og" (declared: "go")
     ticket.flow.pay(session, ticket)  # E: "Ticket.flow" has no trigger "pay"
     Relabelled.flow.ship(session, 1)  # inherited machine shadowed by a non-literal one: not checked
@@ -131,6 +134,7 @@ def fallbacks(session: Session, machine: StateMachine[str], name: str) -> None:
     alias.pya(session, 1)  # reached through a variable: not checked
     machine.pya(session, 1)
     Order.flow.trigger(name)
+    Order.flow.fire(session, name, 1)
     print(getattr(Order.flow, "pya"))
 """
 
@@ -204,7 +208,7 @@ def test_misspelt_triggers_are_errors_and_everything_else_passes(tmp_path: Path)
     files = {"models.py": MODELS, "uses.py": USES}
     errors = by_location(run_mypy(tmp_path, files, plugin=True, cache="cache"))
     expected = expected_errors(tmp_path, "uses.py", USES)
-    assert len(expected) == 10
+    assert len(expected) == 12
     assert sorted(errors) == sorted(expected), "\n".join(errors.values())
     for location, fragment in expected.items():
         assert fragment in errors[location], (fragment, errors[location])
