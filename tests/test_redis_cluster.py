@@ -9,8 +9,6 @@ create``) and stops them by pid; without redis-server it skips loudly (fails und
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -29,8 +27,7 @@ from stateguard import (
 )
 from stateguard.redis import _acquire_call, _extend_call, _release_call
 
-from ._redis_server import RedisServer, redis_server_binary
-from .conftest import IN_CI
+from ._redis_server import LocalCluster, RedisServer
 
 #: Names an attacker (or an unlucky user) may pick: braces in every order and count.
 HOSTILE = [
@@ -121,60 +118,11 @@ def test_a_token_is_one_key_per_script_call() -> None:
 # --------------------------------------------------------------------------
 
 
-def _cluster_ok(port: int) -> bool:
-    out = subprocess.run(
-        ["redis-cli", "-p", str(port), "cluster", "info"], capture_output=True, text=True, timeout=10
-    ).stdout
-    return "cluster_state:ok" in out
-
-
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[list[RedisServer]]:
     """Three cluster-enabled masters on private ports, joined by redis-cli --cluster create."""
-    redis_server_binary()
-    if shutil.which("redis-cli") is None:  # pragma: no cover
-        message = "redis-cli is not installed (Debian package redis-tools)"
-        if IN_CI:
-            pytest.fail(message, pytrace=False)
-        pytest.skip(f"!!! SKIPPED: {message}")
-    servers: list[RedisServer] = []
-    try:
-        for _ in range(3):
-            server = RedisServer(
-                args=[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                    "--cluster-node-timeout",
-                    "5000",
-                ]
-            )
-            servers.append(server)  # stopped (and its directory removed) even if it fails to start
-            server.start()
-        subprocess.run(
-            [
-                "redis-cli",
-                "--cluster",
-                "create",
-                *(f"127.0.0.1:{s.port}" for s in servers),
-                "--cluster-replicas",
-                "0",
-                "--cluster-yes",
-            ],
-            check=True,
-            capture_output=True,
-            timeout=60,
-        )
-        deadline = time.monotonic() + 30
-        while not all(_cluster_ok(s.port) for s in servers):
-            if time.monotonic() > deadline:  # pragma: no cover
-                raise RuntimeError("the test cluster did not reach cluster_state:ok in 30 s")
-            time.sleep(0.1)
-        yield servers
-    finally:
-        for server in servers:
-            server.stop()
+    with LocalCluster(masters=3, replicas=0, node_timeout_ms=5000) as running:
+        yield running.servers
 
 
 def test_tokens_and_locks_with_hostile_names_work_on_a_cluster(cluster: list[RedisServer]) -> None:

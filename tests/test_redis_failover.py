@@ -340,6 +340,45 @@ def test_8_threads_never_hold_one_lock_together(cluster: LocalCluster, wait_repl
         client.close()
 
 
+def test_8_asyncio_clients_never_hold_one_lock_together(cluster: LocalCluster) -> None:
+    """8 threads, each an event loop with its own asyncio RedisCluster and AsyncRedisLock: one holder."""
+    from redis.asyncio.cluster import RedisCluster as AsyncCluster
+
+    holders = 0
+    most = 0
+    fences: list[int] = []
+    guard = threading.Lock()
+    barrier = threading.Barrier(THREADS)
+
+    async def worker() -> None:
+        nonlocal holders, most
+        client = AsyncCluster(host="127.0.0.1", port=cluster.port)
+        try:
+            await client.initialize()
+            lock = AsyncRedisLock(client, "a}exclusion", ttl=10, sleep=0.005, wait_replicas=1)
+            barrier.wait()
+            for _ in range(8):
+                async with lock as fence:
+                    with guard:
+                        holders += 1
+                        most = max(most, holders)
+                        fences.append(fence)
+                    await asyncio.sleep(0.002)
+                    with guard:
+                        holders -= 1
+        finally:
+            await client.aclose()
+
+    threads = [threading.Thread(target=lambda: asyncio.run(worker())) for _ in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert most == 1
+    assert len(fences) == THREADS * 8
+    assert fences == sorted(set(fences))
+
+
 # --------------------------------------------------------------------------
 # A failover in the middle of a storm
 # --------------------------------------------------------------------------
