@@ -45,8 +45,8 @@ What it does not check (any name is allowed there, as without the plugin):
 - a machine reached another way: ``m = Order.flow; m.pya``, a function
   parameter typed ``StateMachine[str]``, ``getattr(Order.flow, name)``;
 - a trigger name that is not a string literal (``Order.flow.fire(session, name, 42)``);
-- a machine declared outside a class body, or through a subclass call such
-  as ``StateMachine[str](...)``.
+- a machine declared outside a class body, or called with an explicit type
+  argument (``StateMachine[str](...)``; a subclass of StateMachine is read).
 
 The plugin only reads the source; it never imports the models.
 """

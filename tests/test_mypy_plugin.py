@@ -71,6 +71,17 @@ class Loose(Base):
     third = StateMachine("phase", states=["a", "b"], transitions=[*TRANSITIONS, ["back", "b", "a"]])
 
 
+class MyMachine(StateMachine[str]):
+    """A StateMachine subclass: its literal transitions are read too."""
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    status: Mapped[str] = mapped_column(String(20), default="queued")
+    run = MyMachine("status", states=["queued", "done"], transitions=[["finish", "queued", "done"]])
+
+
 class Relabelled(Order):
     """A subclass redeclaring the machine without literal transitions falls back for that machine."""
 
@@ -82,7 +93,7 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
-from models import Loose, Order, Relabelled, Ticket
+from models import Job, Loose, Order, Relabelled, Ticket
 from stateguard import Result, StateMachine, Trigger
 
 
@@ -108,6 +119,7 @@ def known(session: Session, order: Order, ticket: Ticket) -> None:
     print(paid, trigger, names, Order.flow.states, Order.flow.can("ship", "paid"))
     Ticket.flow.go(session, 1)
     ticket.flow.go(session, ticket)
+    Job.run.finish(session, 1)
 
 
 def typos(session: Session, order: Order, ticket: Ticket, cls: type[Order]) -> None:
@@ -122,6 +134,7 @@ def typos(session: Session, order: Order, ticket: Ticket, cls: type[Order]) -> N
     order.flow.fire(session, trigger="shipp", target=order)  # E: has no trigger "shipp"
     Ticket.flow.og(session, 1)  # E: "Ticket.flow" has no trigger "og" (declared: "go")
     ticket.flow.pay(session, ticket)  # E: "Ticket.flow" has no trigger "pay"
+    Job.run.finnish(session, 1)  # E: "Job.run" has no trigger "finnish" (declared: "finish")
     Relabelled.flow.ship(session, 1)  # inherited machine shadowed by a non-literal one: not checked
 
 
@@ -208,7 +221,7 @@ def test_misspelt_triggers_are_errors_and_everything_else_passes(tmp_path: Path)
     files = {"models.py": MODELS, "uses.py": USES}
     errors = by_location(run_mypy(tmp_path, files, plugin=True, cache="cache"))
     expected = expected_errors(tmp_path, "uses.py", USES)
-    assert len(expected) == 12
+    assert len(expected) == 13
     assert sorted(errors) == sorted(expected), "\n".join(errors.values())
     for location, fragment in expected.items():
         assert fragment in errors[location], (fragment, errors[location])
