@@ -299,7 +299,10 @@ _USED: Final = "used"
 #: the call that consumed it (``used:<call id>``): when that call's reply is
 #: lost and the call runs again (redis-py retries on a dropped connection),
 #: it finds its own id and is APPLIED again instead of REPEATED, so the only
-#: caller that consumed the token is still told to do the work.
+#: caller that consumed the token is still told to do the work.  That rerun
+#: writes the tombstone again (same value): with ``wait_replicas`` its WAIT
+#: runs on a new connection, which only covers writes made on it, so the
+#: rerun makes one, and a replica that has it has the first run's too.
 _CONSUME_SCRIPT: Final = """
 local v = redis.call('get', KEYS[1])
 if not v then return 0 end
@@ -308,7 +311,10 @@ if v == ARGV[1] then
     redis.call('set', KEYS[1], mine, 'KEEPTTL')
     return 1
 end
-if v == mine then return 1 end
+if v == mine then
+    redis.call('set', KEYS[1], mine, 'KEEPTTL')
+    return 1
+end
 return 2
 """
 
@@ -595,23 +601,33 @@ return fence
 #: for ARGV[2] ms, so that a release whose reply was lost and that runs again
 #: finds its own marker and succeeds instead of reporting the lock lost.  A
 #: missing lock without the marker really expired.  Acquirers never look at
-#: the marker: the lock key is gone, the lock is free.
+#: the marker: the lock key is gone, the lock is free.  A rerun that finds
+#: its marker writes it again, so that its WAIT (``wait_replicas``, on the
+#: rerun's connection) covers the first run's delete.
 _RELEASE_SCRIPT: Final = """
 if redis.call('get', KEYS[1]) == ARGV[1] then
     redis.call('del', KEYS[1], KEYS[3])
     redis.call('set', KEYS[2], '1', 'PX', ARGV[2])
     return 1
 end
-return redis.call('exists', KEYS[2])
+if redis.call('exists', KEYS[2]) == 1 then
+    redis.call('set', KEYS[2], '1', 'PX', ARGV[2])
+    return 1
+end
+return 0
 """
 
 #: Extend: add ARGV[2] ms to the remaining TTL (or set it, ARGV[3] == "1")
 #: while ARGV[1] holds the lock, recording the call's id ARGV[4] in KEYS[2]
 #: (``<lock>:extended:<token>``, with the lock's new TTL): an extension that
-#: runs again because its reply was lost finds its id and adds nothing twice.
+#: runs again because its reply was lost finds its id and adds nothing twice
+#: (it writes the id again, KEEPTTL, so that its WAIT covers the first run).
 _EXTEND_SCRIPT: Final = """
 if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end
-if redis.call('get', KEYS[2]) == ARGV[4] then return 1 end
+if redis.call('get', KEYS[2]) == ARGV[4] then
+    redis.call('set', KEYS[2], ARGV[4], 'KEEPTTL')
+    return 1
+end
 local ttl = tonumber(ARGV[2])
 if ARGV[3] ~= '1' then
     local left = redis.call('pttl', KEYS[1])
