@@ -644,6 +644,8 @@ class _Claim(Generic[S]):
         #: Same transaction: this call inserted the record (outside the savepoint).
         self._fresh = False
         self._conn: Connection | None = None
+        #: Same transaction: where the session runs statements on the keys table.
+        self._binds: dict[str, Any] = {}
         self._engine: Engine | None = None
         self._stop: threading.Event | None = None
         self._beater: threading.Thread | None = None
@@ -690,26 +692,23 @@ class _Claim(Generic[S]):
         # (none if it sends none): an exception rolls back the block's writes,
         # and the claim is deleted (a new record) or rolled back with the
         # savepoint (a takeover or reclaim, which opens it before its UPDATE).
+        # A replay wrote nothing and its block only returns the response: no savepoint.
         session = self.session
-        conn = self._conn = _write.own_connection(session, idempotency_keys)
+        self._binds = {"bind": _write.own_bind(session, idempotency_keys)}
+        conn = self._conn = session.connection(bind_arguments=self._binds)
         try:
             call = self._claim(conn)
         except BaseException:
             self._drop_savepoint()
             raise
-        if self._savepoint is None:
-            self._savepoint = _write.DeferredSavepoint(session, conn, self._bind_arguments())
+        if self._savepoint is None and call._state == "open":
+            self._savepoint = _write.DeferredSavepoint(session, conn, self._binds)
         return call
-
-    def _bind_arguments(self) -> dict[str, Any]:
-        return {"bind": _write.own_bind(self.session, idempotency_keys)}
 
     def _savepoint_now(self) -> None:
         """Same transaction: open the block's savepoint before an UPDATE of an existing record."""
         if self.options.mode == "same_transaction" and self._savepoint is None:
-            self._savepoint = _write.DeferredSavepoint(
-                self.session, self._open(self._conn), self._bind_arguments()
-            )
+            self._savepoint = _write.DeferredSavepoint(self.session, self._open(self._conn), self._binds)
             self._savepoint.open()
 
     def _drop_savepoint(self) -> None:
