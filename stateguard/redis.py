@@ -182,10 +182,14 @@ def _one_connection(
     """
     kind = _cluster_kind(client)
     if kind == "async":
+        # redis.asyncio's cluster client has no per-node Redis client to open a
+        # pipeline on: the node's own execute_pipeline (what its ClusterPipeline
+        # uses) sends the commands on one of its connections.  Not public API:
+        # tests/test_redis_failover.py exercises it with every redis-py upgrade.
         from redis.asyncio.cluster import PipelineCommand
 
         yield from _awaited(True, client.initialize())
-        node = client.get_node_from_key(key)
+        node = client.get_node_from_key(key)  # the slot's master
         sent = [PipelineCommand(i, *command) for i, command in enumerate(commands)]
         try:
             yield from _awaited(True, node.execute_pipeline(sent))
@@ -214,11 +218,10 @@ def _is_connection_error(reply: Any) -> bool:
 
 def _moved(reply: Any) -> bool:
     """Whether ``reply`` (an error) says the key's slot is served elsewhere or not at all right now."""
-    from redis.exceptions import AskError, ClusterDownError, MovedError, TryAgainError
+    from redis.exceptions import AskError, ClusterDownError, MovedError, SlotNotCoveredError, TryAgainError
 
-    return isinstance(reply, (AskError, ClusterDownError, MovedError, TryAgainError)) or _is_connection_error(
-        reply
-    )
+    moved = (AskError, ClusterDownError, MovedError, SlotNotCoveredError, TryAgainError)
+    return isinstance(reply, moved) or _is_connection_error(reply)
 
 
 def _write_and_wait(
