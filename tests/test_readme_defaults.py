@@ -23,7 +23,7 @@ from stateguard.asgi import IdempotencyMiddleware
 from stateguard.engine import async_sqlite_engine, sqlite_engine
 from stateguard.ids import Snowflake
 from stateguard.machine import bulk
-from stateguard.redis import AsyncRedisLock, RedisLock, RedisTokens
+from stateguard.redis import AsyncRedisLock, AsyncRedisTokens, RedisLock, RedisTokens
 from stateguard.tooling.cli import build_parser
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -37,6 +37,8 @@ CALLS: dict[str, Callable[..., Any]] = {
     "IdempotencyMiddleware": IdempotencyMiddleware.__init__,
     "issue_token()": stateguard.issue_token,
     "RedisTokens.issue()": RedisTokens.issue,
+    "RedisTokens": RedisTokens.__init__,
+    "AsyncRedisTokens": AsyncRedisTokens.__init__,
     "retry_on_conflict()": stateguard.retry_on_conflict,
     "RedisLock": RedisLock.__init__,
     "AsyncRedisLock": AsyncRedisLock.__init__,
