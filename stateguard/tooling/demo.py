@@ -44,6 +44,7 @@ import json
 import queue
 import random
 import re
+import textwrap
 import threading
 import time
 import uuid
@@ -1817,7 +1818,7 @@ def run_demo(
         url=engine.url.render_as_string(hide_password=True),
         elapsed=time.monotonic() - started,
         notes=run.notes,
-        dialect=engine.dialect.name,
+        dialect="mariadb" if engine.dialect.name == "mysql" else engine.dialect.name,
     )
 
 
@@ -1856,12 +1857,13 @@ _COLUMNS = (
     "damage (measured in the database afterwards)",
 )
 
+_BACKENDS = {"postgresql": "PostgreSQL", "mariadb": "MariaDB/MySQL", "sqlite": "SQLite"}
+
 #: What "retried" counts for the storms of one database unit of work per delivery, by dialect.
 _RETRIED = {
     "postgresql": "serialization failures and deadlocks PostgreSQL reported (40001, 40P01)",
-    "mysql": "deadlocks and lock wait timeouts InnoDB reported (1213, 1205)",
     "mariadb": "deadlocks and lock wait timeouts InnoDB reported (1213, 1205)",
-    "sqlite": "'database is locked' (SQLITE_BUSY): a transaction whose read went stale before it wrote",
+    "sqlite": "SQLITE_BUSY, 'database is locked': a transaction whose read went stale before it wrote",
 }
 
 
@@ -1877,34 +1879,40 @@ def damage_text(row: SchemeRow) -> str:
 
 
 def explanations(report: DemoReport) -> list[str]:
-    """The lines under the table that say what its numbers mean on this run's database."""
-    backend = report.dialect or "the database"
-    retried = _RETRIED.get(report.dialect, "conflicts the database reported")
+    """The lines under the table that say what its numbers mean on this run's database::
+
+    for line in explanations(report):
+        print(line)
+    """
+    here = _RETRIED.get(report.dialect)
+    others = [f"{name}: {_RETRIED[key]}" for key, name in _BACKENDS.items() if key != report.dialect]
     naive = [r for r in report.rows if r.naive]
-    damaged = sum(r.damage_total for r in naive)
     out = [
-        "code: hand-written = the usual load / check in Python / save (SELECT then INSERT, read-modify-write "
-        "stock), stateguard = the same requests, the same storm, through stateguard",
-        "attempts = deliveries (each request 2-4 times); APPLIED = calls that changed something and ran the "
-        "side effect; REPEATED = already done (a duplicate answered as such); REJECTED = not allowed now",
-        f"retried = deliveries re-run whole by retry_on_conflict after {backend} refused them: {retried}; "
-        "the optimistic row adds its STALE re-runs; the HTTP row counts 409/503 answers resent",
-        "damage = counted with SQL in the tables afterwards (side-effect rows, the stock row, row "
-        "versions, the inbox), never computed from the outcomes",
-        "no sleeps widen the race windows: the hand-written code is raced only by the storm's own twins and "
-        "redeliveries (the HTTP handler's 10 ms provider call is the same in both variants)",
+        "code: hand-written = the usual code (load, check in Python, save; SELECT then INSERT; "
+        "read-modify-write stock; the Idempotency-Key header ignored; a consumer without deduplication), "
+        "stateguard = the same requests, delivered the same way, through stateguard",
+        "attempts = deliveries (each request 2-4 times); APPLIED = calls that changed something and ran "
+        "the side effect; REPEATED = already done (a duplicate answered as such); REJECTED = not allowed "
+        "in the row's state any more",
+        "retried = deliveries re-run whole by retry_on_conflict because the database refused them"
+        + (f"; here ({_BACKENDS.get(report.dialect, report.dialect)}): {here}" if here else "")
+        + f"; on {'; on '.join(others)}; the optimistic row adds its STALE re-runs (the version moved "
+        "between read and write); the HTTP row counts 409 (in progress) and 503 answers resent",
+        "damage = counted with SQL in the tables afterwards (side-effect rows per order and action, the "
+        "stock row, row versions, the inbox), never computed from the outcomes; stateguard's rows are "
+        "counted the same way",
+        "nothing widens the race windows: no sleeps in the hand-written code, which is raced only by the "
+        "storm's own twins and redeliveries (the HTTP handler's 10 ms provider call is the same in both "
+        "variants)",
     ]
     if report.dialect == "sqlite" and naive:
         out.append(
             "on SQLite the hand-written code runs on a plain create_engine(), as most applications do: "
-            "pysqlite begins the transaction at the first write, so the SELECT reads outside it; SQLite "
-            "still lets one writer in at a time, so its races are fewer than on PostgreSQL or MariaDB "
-            f"({damaged} damage here)"
-        )
-        out.append(
-            "on SQLite stateguard runs on stateguard.sqlite_engine() (real BEGINs): there the same "
-            "hand-written code is refused at its first write whenever its read went stale and re-run, so it "
-            "does no damage, slowly"
+            "pysqlite begins the transaction at the first write, so the SELECT reads outside it and the "
+            "check can be stale; SQLite lets one writer in at a time, which does not help a check made "
+            "before the write. stateguard runs on stateguard.sqlite_engine() (real BEGINs); there the "
+            "hand-written code would be refused at its first write whenever its read went stale "
+            "(SQLITE_BUSY) and would have to be re-run whole"
         )
     return out
 
@@ -1945,11 +1953,14 @@ def render(report: DemoReport, *, color: bool = False) -> str:
         parts.append(values[-1])
         return "  ".join(parts).rstrip()
 
-    where = f" in the {report.namespace}" if report.namespace else ""
+    if report.namespace.startswith("SQLite"):
+        where = f"in the {report.namespace}"
+    else:
+        where = f"on {report.url}" + (f", in the {report.namespace}" if report.namespace else "")
     out = [
         paint(
             f"stateguard demo: {report.orders} orders per scheme and variant, {report.workers} workers, "
-            f"seed {report.seed}, on {report.url}{where}",
+            f"seed {report.seed}, {where}",
             _BOLD,
         ),
         "each request is sent 2-4 times: twins at the same instant, redeliveries later; every scheme",
@@ -1964,7 +1975,8 @@ def render(report: DemoReport, *, color: bool = False) -> str:
             code = _GREEN if row.held else (_RED if not row.naive else _BOLD)
         out.append(line(values, code))
     out.append("")
-    out.extend(explanations(report))
+    for text_line in explanations(report):
+        out.extend(textwrap.wrap(text_line, 100, subsequent_indent="    ", break_on_hyphens=False))
     for row in report.rows:
         if row.other:
             extra = ", ".join(f"{k} {v}" for k, v in sorted(row.other.items()))
@@ -1976,11 +1988,13 @@ def render(report: DemoReport, *, color: bool = False) -> str:
             out.extend(paint(p, _RED) for p in row.problems)
         elif row.other.get("errors"):
             out.extend(paint(p, _RED) for p in row.problems if p.split(": ", 1)[-1].startswith("unexpected"))
-    naive_damage = sum(r.damage_total for r in report.rows if r.naive)
+    naive = [r for r in report.rows if r.naive]
+    damaged = sum(1 for r in naive if r.damage_total)
     if report.ok:
         verdict = (
             "stateguard: invariant held in every scheme (side effects == APPLIED, at most one per (order, "
-            f"trigger), no damage); the hand-written code: {naive_damage} damage on the same storms"
+            f"trigger), no damage); the hand-written code did damage in {damaged} of {len(naive)} schemes "
+            "on the same storms"
         )
     else:
         verdict = "INVARIANT VIOLATED: see the problems above"

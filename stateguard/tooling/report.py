@@ -109,7 +109,8 @@ def render_html(report: DemoReport) -> str:
             if report.ok
             else "<strong>INVARIANT VIOLATED</strong> in a stateguard row: see the problems below."
         )
-        + f" The hand-written code did {sum(r.damage_total for r in report.rows if r.naive)} damage.</p>",
+        + f" The hand-written code did damage in {sum(1 for r in report.rows if r.naive and r.damage_total)}"
+        + f" of {sum(1 for r in report.rows if r.naive)} schemes on the same storms.</p>",
         '<table id="results"><thead><tr>'
         + "".join(f"<th{' class=text' if h in ('scheme', 'code') else ''}>{esc(h)}</th>" for h in head)
         + '<th class="text">damage (measured in the database)</th></tr></thead><tbody>',

@@ -291,20 +291,20 @@ def test_demo_reruns_on_the_default_sqlite_file(
     """Without --db the demo works in stateguard-demo.sg_demo.db here; --keep keeps it, a rerun replaces it,
     and a run without --keep leaves the folder as it found it."""
     monkeypatch.chdir(tmp_path)
-    assert cli.main(["demo", "--orders", "10", "--seed", "1", "--keep"]) == 0
+    assert cli.main(["demo", "--orders", "4", "--seed", "1", "--keep"]) == 0
     kept = tmp_path / "stateguard-demo.sg_demo.db"
     assert kept.exists()
-    assert cli.main(["demo", "--orders", "12", "--seed", "2", "--keep"]) == 0
+    assert cli.main(["demo", "--orders", "6", "--seed", "2", "--keep"]) == 0
     out = capsys.readouterr().out
     assert f"kept the SQLite file {kept} for inspection (drop it: rm {kept})" in out
     engine = create_engine(f"sqlite:///{kept}")
     try:
         with engine.connect() as conn:
             # The kept namespace of the first run was dropped: only the second run's orders (two variants).
-            assert conn.scalar(select(func.count()).select_from(DemoOrder)) == 2 * len(SCHEMES) * 12
+            assert conn.scalar(select(func.count()).select_from(DemoOrder)) == 2 * len(SCHEMES) * 6
     finally:
         engine.dispose()
-    assert cli.main(["demo", "--orders", "5", "--seed", "3"]) == 0
+    assert cli.main(["demo", "--orders", "3", "--seed", "3"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     assert f"dropped the SQLite file {kept}" in capsys.readouterr().out
 

@@ -35,22 +35,41 @@ def test_progress_on_a_terminal_is_one_line_redrawn_then_cleared() -> None:
     assert text.endswith("\r\x1b[K")
 
 
-def test_progress_in_a_log_is_one_line_per_scenario_after_a_second() -> None:
-    """Not on a terminal: nothing while the run is short, then one plain line per finished scenario."""
+def test_progress_in_a_log_is_one_line_per_scenario_ending_at_100_percent() -> None:
+    """Not on a terminal: a plain line per finished scenario at once, with the share of scenarios done,
+    a sign of life inside a long scenario, and a last line at 100%."""
     stream = io.StringIO()
-    progress = terminal.StderrProgress(stream, delay=1.0)
+    progress = terminal.StderrProgress(stream, delay=1.0, every=3600.0)
     progress.begin(1, 2, "state machine")
     progress.total(2)
     progress.advance()
     progress.end([])
-    assert stream.getvalue() == ""  # finished within the first second
-    progress.started -= 5  # the run has now lasted more than a second
+    (first,) = stream.getvalue().splitlines()  # at once, not after the first second
+    assert first.startswith("stateguard demo: [1/2] 50% state machine: 1 deliveries in ")
     progress.begin(2, 2, "insert-once")
     progress.total(3)
-    for _ in range(3):
+    progress.every = 0.0  # a long scenario: a line at each delivery now
+    progress.advance()
+    progress.every = 3600.0
+    for _ in range(2):
         progress.advance()
     progress.end([])
+    progress.done()
     lines = stream.getvalue().splitlines()
-    assert len(lines) == 1 and "\r" not in stream.getvalue()
-    assert lines[0].startswith("stateguard demo: [2/2] insert-once: 3 deliveries in ")
-    assert lines[0].endswith("invariant ok")
+    assert "\r" not in stream.getvalue() and "\x1b[" not in stream.getvalue()
+    assert lines[1] == "stateguard demo: [2/2] insert-once: 1/3 deliveries (33%)"
+    assert lines[2].startswith("stateguard demo: [2/2] 100% insert-once: 3 deliveries in ")
+    assert lines[2].endswith("invariant ok")
+    assert lines[3].startswith("stateguard demo: 100%: 2 scenarios in ") and len(lines) == 4
+
+
+def test_progress_on_a_terminal_ends_with_a_line_at_100_percent() -> None:
+    """On a terminal the redrawn line is cleared, and the run ends with one line at 100%."""
+    stream = Terminal()
+    progress = terminal.StderrProgress(stream, delay=0.0, interval=0.0)
+    progress.begin(1, 1, "flash sale")
+    progress.total(1)
+    progress.advance()
+    progress.end([])
+    progress.done()
+    assert stream.getvalue().endswith("\r\x1b[Kstateguard demo: 100%: 1 scenarios in 0.0s\n")
