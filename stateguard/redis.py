@@ -31,12 +31,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import inspect
+import logging
 import secrets
 import threading
 import time
 import weakref
 from collections.abc import Callable, Generator, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, suppress
 from datetime import timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, Literal, TypeVar, cast
@@ -44,6 +45,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, Literal, TypeVa
 from sqlalchemy import Connection, Engine, text
 
 from . import _sql, _write
+from . import observe as _observe
 from .exceptions import InvalidArgument, LockLost, LockNotAcquired, NotSupported, ReplicationTimeout
 from .result import Outcome, Result
 from .tables import MAX_KEY, MAX_SCOPE
@@ -58,6 +60,8 @@ if TYPE_CHECKING:
     from .outbox import OutboxEvent
 
 __all__ = ["AsyncRedisLock", "AsyncRedisTokens", "RedisLock", "RedisStreamSink", "RedisTokens"]
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -79,6 +83,11 @@ def _run(steps: _Steps[T]) -> T:
         result: T = done.value
         return result
     raise AssertionError("a synchronous redis call suspended")  # pragma: no cover
+
+
+def _watch(operation: str, scope: str) -> AbstractContextManager[dict[str, Any]]:
+    """The stateguard.observe report of one Redis call (a no-op block while nothing listens)."""
+    return _observe.watch(operation, log, scope=scope if isinstance(scope, str) else None, backend="redis")
 
 
 class _Awaited(Generic[T]):
@@ -496,7 +505,8 @@ class RedisTokens(_RedisTokens):
 
         :raises InvalidArgument: bad ``scope`` or a ``ttl`` under 1 ms.
         """
-        return _run(self._issue(scope, ttl))
+        with _watch("redis_token.issue", scope):
+            return _run(self._issue(scope, ttl))
 
     def consume(self, token: str, *, scope: str) -> Result:
         """Consume ``token`` once: APPLIED, REPEATED, or NOT_FOUND (unknown *or* expired)::
@@ -506,7 +516,9 @@ class RedisTokens(_RedisTokens):
 
         :raises InvalidArgument: bad ``token`` or ``scope``; Redis was not called.
         """
-        return _run(self._consume(token, scope))
+        with _watch("redis_token.consume", scope) as box:
+            box["outcome"] = (result := _run(self._consume(token, scope))).outcome.name
+            return result
 
 
 class AsyncRedisTokens(_RedisTokens):
@@ -541,7 +553,8 @@ class AsyncRedisTokens(_RedisTokens):
 
         :raises InvalidArgument: bad ``scope`` or a ``ttl`` under 1 ms.
         """
-        return await _Awaited(self._issue(scope, ttl))
+        with _watch("redis_token.issue", scope):
+            return await _Awaited(self._issue(scope, ttl))
 
     async def consume(self, token: str, *, scope: str) -> Result:
         """Consume ``token`` once: APPLIED, REPEATED, or NOT_FOUND (unknown *or* expired)::
@@ -551,7 +564,9 @@ class AsyncRedisTokens(_RedisTokens):
 
         :raises InvalidArgument: bad ``token`` or ``scope``; Redis was not called.
         """
-        return await _Awaited(self._consume(token, scope))
+        with _watch("redis_token.consume", scope) as box:
+            box["outcome"] = (result := await _Awaited(self._consume(token, scope))).outcome.name
+            return result
 
 
 # --------------------------------------------------------------------------
@@ -1249,7 +1264,8 @@ class RedisLock(_RedisLock):
             finally:
                 lock.release()
         """
-        return _run(self._acquire(blocking_timeout))
+        with _watch("redis_lock.acquire", self.name):
+            return _run(self._acquire(blocking_timeout))
 
     def release(self) -> None:
         """Release the lock if it is still ours; :class:`~stateguard.LockLost` if it expired.
@@ -1263,7 +1279,8 @@ class RedisLock(_RedisLock):
             finally:
                 lock.release()
         """
-        _run(self._release())
+        with _watch("redis_lock.release", self.name):
+            _run(self._release())
 
     def extend(self, additional: float | timedelta, *, replace_ttl: bool = False) -> None:
         """Add ``additional`` seconds to the remaining TTL (or set it, ``replace_ttl=True``).
@@ -1277,7 +1294,8 @@ class RedisLock(_RedisLock):
                     process(chunk, fence)
                     lock.extend(30)
         """
-        _run(self._extend(additional, replace_ttl))
+        with _watch("redis_lock.extend", self.name):
+            _run(self._extend(additional, replace_ttl))
 
     def owned(self) -> bool:
         """Whether this thread holds the lock right now (one ``GET``)::
@@ -1301,7 +1319,8 @@ class RedisLock(_RedisLock):
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        _run(self._exit(exc_type))
+        with _watch("redis_lock.release", self.name):
+            _run(self._exit(exc_type))
 
 
 class AsyncRedisLock(_RedisLock):
@@ -1348,7 +1367,8 @@ class AsyncRedisLock(_RedisLock):
             finally:
                 await lock.release()
         """
-        return await _Awaited(self._acquire(blocking_timeout))
+        with _watch("redis_lock.acquire", self.name):
+            return await _Awaited(self._acquire(blocking_timeout))
 
     async def release(self) -> None:
         """Release the lock if this task still holds it; :class:`~stateguard.LockLost` if it expired.
@@ -1361,7 +1381,8 @@ class AsyncRedisLock(_RedisLock):
             finally:
                 await lock.release()
         """
-        await _Awaited(self._release())
+        with _watch("redis_lock.release", self.name):
+            await _Awaited(self._release())
 
     async def extend(self, additional: float | timedelta, *, replace_ttl: bool = False) -> None:
         """Add ``additional`` seconds to the remaining TTL (or set it, ``replace_ttl=True``).
@@ -1374,7 +1395,8 @@ class AsyncRedisLock(_RedisLock):
                     await process(chunk, fence)
                     await lock.extend(30)
         """
-        await _Awaited(self._extend(additional, replace_ttl))
+        with _watch("redis_lock.extend", self.name):
+            await _Awaited(self._extend(additional, replace_ttl))
 
     async def owned(self) -> bool:
         """Whether this task holds the lock right now (one ``GET``)::
@@ -1398,7 +1420,8 @@ class AsyncRedisLock(_RedisLock):
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        await _Awaited(self._exit(exc_type))
+        with _watch("redis_lock.release", self.name):
+            await _Awaited(self._exit(exc_type))
 
 
 # --------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from stateguard import (
 )
 from stateguard import observe as observe_module
 
-from .conftest import Backend
+from .conftest import REDIS_URL, Backend
 from .models import Base, Order
 
 
@@ -354,3 +354,44 @@ def test_next_id_reports(sqlite: Backend, events: list[GuardEvent]) -> None:
         assert ids.next_id() > first
     found = [e for e in events if e.operation == "next_id"]
     assert [e.outcome for e in found] == ["OK", "OK"] and found[0].backend == "sqlite"
+
+
+def test_redis_tokens_and_locks_report(redis_client: Any, events: list[GuardEvent]) -> None:
+    import uuid
+    from datetime import timedelta
+
+    import redis.asyncio
+
+    from stateguard import AsyncRedisTokens, LockNotAcquired, RedisLock, RedisTokens
+
+    scope = f"observe-{uuid.uuid4().hex[:8]}"
+    tokens = RedisTokens(redis_client)
+    token = tokens.issue(scope=scope, ttl=timedelta(minutes=1))
+    assert tokens.consume(token, scope=scope).outcome is Outcome.APPLIED
+    tokens.consume(token, scope=scope)
+    name = f"{scope}-lock"
+    with RedisLock(redis_client, name, ttl=timedelta(seconds=10)):
+        with pytest.raises(LockNotAcquired):
+            RedisLock(redis_client, name, ttl=timedelta(seconds=10)).acquire(blocking_timeout=0)
+
+    async def consume_async() -> None:
+        client = redis.asyncio.Redis.from_url(REDIS_URL)
+        try:
+            other = AsyncRedisTokens(client)
+            await other.consume(await other.issue(scope=scope, ttl=timedelta(minutes=1)), scope=scope)
+        finally:
+            await client.aclose()
+
+    asyncio.run(consume_async())
+    assert [(e.operation, e.outcome) for e in events] == [
+        ("redis_token.issue", "OK"),
+        ("redis_token.consume", "APPLIED"),
+        ("redis_token.consume", "REPEATED"),
+        ("redis_lock.acquire", "OK"),
+        ("redis_lock.acquire", "LockNotAcquired"),
+        ("redis_lock.release", "OK"),
+        ("redis_token.issue", "OK"),
+        ("redis_token.consume", "APPLIED"),
+    ]
+    assert {e.backend for e in events} == {"redis"}
+    assert {e.scope for e in events} == {scope, name}
