@@ -38,10 +38,14 @@ item lacks it.  Everyone who waits takes the locks in the same order, and a
 fast-path buyer holds one stripe and waits for nothing, so they cannot
 deadlock one another.  One exception: a fast path that found no stripe may
 still hold a short stripe it examined (InnoDB, above; on PostgreSQL a
-stripe emptied by a commit just before it was locked), and two such slow
-paths can then deadlock: the database picks a victim and stateguard raises
-the retryable :class:`~stateguard.DeadlockDetected` (``retry_on_conflict``
-retries it).
+stripe emptied by a commit just before it was locked: the row stays locked
+when the re-check of its newest version fails), and two such slow paths
+can then deadlock.  The slow path runs in a savepoint: on PostgreSQL the
+victim rolls back to it, which releases what its sweep locked, and sweeps
+again (the caller sees no error, only the ``deadlock_timeout`` wait, 1 s by
+default); InnoDB rolls the victim's whole transaction back, and stateguard
+raises the retryable :class:`~stateguard.DeadlockDetected`
+(``retry_on_conflict`` retries it).  Both happen only when stock runs low.
 
 ``ref=`` uses the same idempotent ledger as the guarded counters
 (``stateguard_counter_ledger``, table name ``stateguard_counter_stripes``,
@@ -58,12 +62,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from sqlalchemy import Connection, bindparam, delete, desc, func, insert, select, update
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
 from . import _sql, _write
 from ._async import dual_method
 from .counters import LedgerTarget, ledger_claim, ledger_forget, ledger_take
-from .exceptions import InvalidArgument, RefConflict
+from .exceptions import DeadlockDetected, InvalidArgument, RefConflict
 from .result import Outcome, Result
 from .tables import DIGEST_PREFIX, MAX_REF, counter_stripes, row_key
 
@@ -81,6 +86,8 @@ SPACE: Final = 1 << 20
 MAX_AMOUNT: Final = (1 << 63) - 1
 #: Fresh reads of an item's stripes when they disagree with its stripe count (a concurrent restripe).
 _SWEEPS: Final = 5
+#: Sweeps of a slow-path decrement chosen as a deadlock victim where the transaction survives it.
+_DEADLOCK_SWEEPS: Final = 10
 
 _s = counter_stripes
 _same_item = (_s.c.counter == bindparam("sg_counter"), _s.c.item == bindparam("sg_item"))
@@ -344,7 +351,40 @@ class StripedCounter:
 
         ``floor=False`` (a released increment, unbounded as :func:`~stateguard.release` is): what
         the stripes lack is taken from stripe 0, below zero.
+
+        In a savepoint where there are row locks: a stripe this transaction's fast path examined
+        stays locked (see the module docstring), so two slow paths can deadlock.  PostgreSQL
+        aborts only the victim's statement, and ROLLBACK TO SAVEPOINT releases the locks its
+        sweep took, so the other one goes on and the victim sweeps again.  InnoDB rolls the
+        victim's whole transaction back: the rollback to the savepoint then fails, and the
+        retryable DeadlockDetected propagates.
         """
+        if not backend.row_locks:
+            return self._take_locked(conn, backend, item, by, floor)
+        for attempt in range(_DEADLOCK_SWEEPS):
+            savepoint = conn.begin_nested()
+            try:
+                found = self._take_locked(conn, backend, item, by, floor)
+            except DeadlockDetected as deadlock:
+                if attempt == _DEADLOCK_SWEEPS - 1:
+                    _write.abandon_savepoint(savepoint)
+                    raise
+                try:
+                    savepoint.rollback()
+                except sa_exc.DBAPIError:
+                    # The database ended the whole transaction (InnoDB): the caller retries it.
+                    raise deadlock from None
+                continue
+            except BaseException:
+                _write.abandon_savepoint(savepoint)
+                raise
+            savepoint.commit()
+            return found
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _take_locked(
+        self, conn: Connection, backend: _sql.Backend, item: str, by: int, floor: bool
+    ) -> tuple[Outcome, int | None]:
         rows = self._lock_all(conn, backend, item)
         if not rows:
             return Outcome.NOT_FOUND, None

@@ -388,6 +388,10 @@ def test_storm_sells_exactly_the_stock_once_per_ref(
     for r in reports:
         retries.update(r["counts"])
     print(f"{backend.name}: outcomes {dict(outcomes)}, retried conflicts {dict(retries)}")
+    if backend.name != "mariadb":
+        # PostgreSQL's slow path survives being a deadlock victim (a savepoint); MariaDB rolls the
+        # whole transaction back, and the worker retries it (counted, printed).
+        assert not retries, retries
 
 
 def test_large_decrements_compete_with_small_ones(
@@ -419,6 +423,8 @@ def test_large_decrements_compete_with_small_ones(
     for r in reports:
         retries.update(r["counts"])
     print(f"{backend.name}: large {dict(large)}, sold {sold}, retried conflicts {dict(retries)}")
+    if backend.name != "mariadb":
+        assert not retries, retries
 
 
 def test_restripe_under_concurrent_decrements_keeps_the_total(
