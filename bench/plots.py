@@ -149,16 +149,27 @@ def plot_table(table: dict[str, Any], meta: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def write_plots(data: dict[str, Any], directory: Path) -> dict[str, Path]:
-    """One PNG per table with numbers in ``directory``: ``{table title: path}``."""
-    written: dict[str, Path] = {}
-    used: set[str] = set()
+def file_names(data: dict[str, Any]) -> dict[str, str]:
+    """``{table title: PNG file name}`` for the tables of a results file that have numbers to draw."""
+    names: dict[str, str] = {}
     for table in data["tables"]:
+        if not table["rows"] or not columns(table["rows"])[1]:
+            continue
         name = slug(table["title"])
-        while name in used:
+        while f"{name}.png" in names.values():
             name += "-2"
-        used.add(name)
-        path = directory / f"{name}.png"
-        if plot_table(table, data["meta"], path):
-            written[table["title"]] = path
+        names[table["title"]] = f"{name}.png"
+    return names
+
+
+def write_plots(data: dict[str, Any], directory: Path, only: set[str] | None = None) -> dict[str, Path]:
+    """One PNG per table with numbers in ``directory`` (``only``: these titles): ``{title: path}``."""
+    written: dict[str, Path] = {}
+    names = file_names(data)
+    for table in data["tables"]:
+        title = table["title"]
+        if title in names and (only is None or title in only):
+            path = directory / names[title]
+            if plot_table(table, data["meta"], path):
+                written[title] = path
     return written

@@ -142,3 +142,22 @@ def test_report_writes_png_charts(sqlite: Backend, tmp_path: Path, monkeypatch: 
     assert "#### 1. single transition" in plain.getvalue() and "![" not in plain.getvalue()
     assert report(results, tmp_path / "none", tmp_path, out=io.StringIO()) == 2
     assert not (tmp_path / "none").exists()
+
+
+def test_committed_charts_are_drawn_from_the_committed_results(tmp_path: Path) -> None:
+    """bench/plots holds exactly the charts of bench/plots/results.json, each linked; one is redrawn."""
+    from PIL import Image
+
+    from bench.plots import file_names, write_plots
+
+    plots = Path(__file__).resolve().parent.parent / "bench" / "plots"
+    data = json.loads((plots / "results.json").read_text())
+    names = file_names(data)
+    committed = sorted(p.name for p in plots.glob("*.png"))
+    assert sorted(names.values()) == committed
+    readme = (plots.parent / "README.md").read_text()
+    assert all(f"(plots/{name})" in readme for name in committed)
+    flash = next(title for title in names if title.startswith("3. flash sale (postgresql)"))
+    [redrawn] = write_plots(data, tmp_path, only={flash}).values()
+    with Image.open(plots / names[flash]) as old, Image.open(redrawn) as new:
+        assert old.size == new.size
