@@ -70,7 +70,7 @@ from ._async import dual_method
 from .counters import LedgerTarget, ledger_claim, ledger_forget, ledger_take
 from .exceptions import DeadlockDetected, InvalidArgument, RefConflict
 from .result import Outcome, Result
-from .tables import DIGEST_PREFIX, MAX_REF, counter_stripes, row_key
+from .tables import DIGEST_PREFIX, MAX_REF, ROW_KEY_LENGTH, counter_stripes, row_key
 
 __all__ = ["MAX_ITEM", "MAX_STRIPES", "StripedCounter"]
 
@@ -285,10 +285,19 @@ class StripedCounter:
     # ----------------------------------------------------------------------
 
     def _item(self, item: Any) -> str:
-        _write.check_text(item, "item", MAX_ITEM)
-        if row_key((item,)).startswith(DIGEST_PREFIX):  # pragma: no cover - 200 characters always fit
-            raise InvalidArgument(f"item {item!r:.80} is too long for the counter ledger")
-        return str(item)
+        return _write.check_text(item, "item", MAX_ITEM)
+
+    def _ledger_item(self, item: str) -> None:
+        """Refuse, before any statement, an item the ledger could store only as a digest.
+
+        ``release`` reads a ref's items back from the ledger's ``row_key`` (JSON of at most 255
+        characters): 200 characters of quotes or backslashes escape to more.
+        """
+        if row_key((item,)).startswith(DIGEST_PREFIX):
+            raise InvalidArgument(
+                f"item {item!r:.80} is too long for a ref'd change: as JSON it exceeds the "
+                f"ledger's {ROW_KEY_LENGTH} characters; use a shorter item or no ref"
+            )
 
     def _conn(self, session: Session) -> Connection:
         if session.autoflush:
@@ -499,7 +508,8 @@ class StripedCounter:
         """
         item = self._item(item)
         _check_int(by, "by", 1, MAX_AMOUNT)
-        _check_ref(ref)
+        if _check_ref(ref) is not None:
+            self._ledger_item(item)
         conn = self._conn(session)
         return self._change(session, conn, _sql.backend(conn.dialect), item, by, -1, ref)
 
@@ -516,7 +526,8 @@ class StripedCounter:
         """
         item = self._item(item)
         _check_int(by, "by", 1, MAX_AMOUNT)
-        _check_ref(ref)
+        if _check_ref(ref) is not None:
+            self._ledger_item(item)
         conn = self._conn(session)
         return self._change(session, conn, _sql.backend(conn.dialect), item, by, 1, ref)
 
@@ -542,6 +553,7 @@ class StripedCounter:
         resolved: dict[str, int] = {}
         for item, by in amounts.items():
             resolved[self._item(item)] = _check_int(by, "an amount", 1, MAX_AMOUNT)
+            self._ledger_item(item)
         conn = self._conn(session)
         backend = _sql.backend(conn.dialect)
         _write.ensure_real_transaction(conn)

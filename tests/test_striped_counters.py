@@ -162,6 +162,26 @@ def test_restripe_keeps_the_total(engine: Any) -> None:
         assert list(stored) == stripe_ids(3)
 
 
+def test_the_longest_items_round_trip_through_the_ledger(engine: Any) -> None:
+    """200-character items (CJK, emoji, quotes) are stored exactly, and release finds them again."""
+    c = StripedCounter("long", stripes=2)
+    items = ["界" * 200, "😀" * 200, '"\\' * 40 + "x" * 80, "a" * 199 + " "]
+    with Session(engine) as s, s.begin():
+        for item in items:
+            c.create(s, item, amount=3)
+        r = c.reserve(s, dict.fromkeys(items, 2), ref="long-ref")
+        assert r.outcome is Outcome.APPLIED
+        assert c.release(s, "long-ref").value == dict.fromkeys(items, 2)
+        assert [c.total(s, item) for item in items] == [3, 3, 3, 3]
+        assert c.total(s, "a" * 199) is None
+        escaped = '"' * 200  # 402 characters of JSON: the ledger cannot store it readably
+        c.create(s, escaped, amount=1)
+        assert c.decrement(s, escaped, by=1).outcome is Outcome.APPLIED  # without a ref: fine
+        with count_statements(engine) as counted, pytest.raises(InvalidArgument, match="too long"):
+            c.decrement(s, escaped, by=1, ref="r")
+        assert len(counted) == 0
+
+
 def test_counters_share_the_table_without_mixing(engine: Any) -> None:
     """Two counters with the same item key are separate amounts and separate ref ledgers."""
     a, b = StripedCounter("a"), StripedCounter("b")
