@@ -842,7 +842,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--workers", type=_positive, default=8, metavar="N", help="worker threads (default: 8)")
     demo.add_argument(
-        "--orders", type=_positive, default=200, metavar="N", help="orders per scheme (default: 200)"
+        "--orders",
+        type=_positive,
+        default=120,
+        metavar="N",
+        help="orders per scheme and variant (default: 120)",
     )
     demo.add_argument(
         "--seed", type=int, default=None, metavar="N", help="seed of the request plan (default: random)"

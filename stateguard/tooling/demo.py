@@ -1771,7 +1771,7 @@ def run_demo(
     engine: Engine,
     *,
     workers: int = 8,
-    orders: int = 200,
+    orders: int = 120,
     seed: int | None = None,
     progress: Progress | None = None,
     scenarios: Sequence[Scenario] | None = None,
