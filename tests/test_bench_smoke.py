@@ -50,17 +50,18 @@ def test_every_scenario_runs_with_tiny_sizes(backend: Backend) -> None:
         assert row["gave_up"] == 0 and row["errors"] == 0
 
     # Idempotency keys: every variant at both sizes, with the statements the
-    # README documents (SQLite's driver is sent an explicit BEGIN before the SAVEPOINT).
+    # README documents (issue 19: no SAVEPOINT; a replay is one statement on PostgreSQL).
     idem = by_number["4."].rows
     assert sorted({r["keys"] for r in idem}) == [1000, 10_000]
-    begin = 1.0 if backend.name == "sqlite" else 0.0
+    replay = 1.0 if backend.name == "postgresql" else 2.0
     expected = {
         "PK SELECT (Core, baseline)": 1.0,
         "Core INSERT (floor for a first call)": 1.0,
-        "first call": 4.0 + begin,
-        "replay": 4.0 + begin,
+        "Core INSERT + UPDATE (two-statement floor)": 2.0,
+        "first call": 2.0,
+        "replay": replay,
         "first call, mode='separate'": 2.0,
-        "replay, mode='separate'": 2.0,
+        "replay, mode='separate'": replay,
     }
     for size in (1000, 10_000):
         assert {r["variant"]: r["stmts_per_call"] for r in idem if r["keys"] == size} == expected

@@ -196,9 +196,9 @@ def test_exit_without_complete_stores_a_null_response(engine: Engine) -> None:
 
 
 def test_statement_counts_first_call_and_replay(backend: Backend, engine: Engine) -> None:
-    """First call: the claim and the completing UPDATE; replay: one statement on PostgreSQL (the claim
-    returns the record: WITH ... INSERT), an INSERT attempt and a SELECT elsewhere; no SAVEPOINT for a block that sends
-    nothing (issue 19; tests/test_idempotency_statements.py pins the rest)."""
+    """First call: the claim and the completing UPDATE; replay: one statement on PostgreSQL (the
+    claim returns the record: WITH ... INSERT), an INSERT attempt and a SELECT elsewhere; no
+    SAVEPOINT for a block that sends nothing (issue 19; test_idempotency_statements.py pins more)."""
     pg = backend.name == "postgresql"
     for expected in (["WITH" if pg else "INSERT", "UPDATE"], ["WITH"] if pg else ["INSERT", "SELECT"]):
         with Session(engine) as session, session.begin():
