@@ -1,13 +1,25 @@
 """``stateguard demo``: a storm of retried, redelivered and double-clicked requests.
 
-The demo creates its own tables (``sg_demo_*``, dropped and recreated on every
-run), then fires each logical request 2-4 times from many worker threads, the
-way production traffic does: a client retries after a timeout while the first
-call is still running (two workers released together by a barrier), a queue
-redelivers a message later, a user double-clicks.  Every scheme records a
-side-effect row only when its call was APPLIED, in the same transaction, and
-the demo then counts them: the invariant is *side effects == APPLIED, and at
-most one side effect per (order, trigger)*.
+The demo works in its own namespace (:func:`open_namespace`: a PostgreSQL
+schema, a MariaDB/MySQL database or a SQLite file, ``--schema``, dropped after
+the run unless ``--keep``), creates its tables there (``sg_demo_*`` and
+stateguard's own), then fires each logical request 2-4 times from many worker
+threads, the way production traffic does: a client retries after a timeout
+while the first call is still running (two workers released together by a
+barrier), a queue redelivers a message later, a user double-clicks.  Every
+scheme records a side-effect row only when its call was APPLIED, in the same
+transaction, and the demo then counts them: the invariant is *side effects ==
+APPLIED, and at most one side effect per (order, trigger)*.
+
+Every scheme runs the same storm twice (:meth:`DemoRun.same_storm`, on fresh
+orders): first through the code people usually write (:data:`HAND_WRITTEN`:
+load, check in Python, save; ``SELECT`` then ``INSERT``; read-modify-write
+stock; an endpoint without the idempotency middleware; a consumer without
+``consume_once``), then through stateguard (:data:`STATEGUARD`).  Nothing
+slows the hand-written code down to widen its race windows.  The damage of
+both variants (double charges, oversold units, lost updates, duplicate rows)
+is counted with SQL in the tables afterwards (:attr:`SchemeRow.damage`); only
+a stateguard row that breaks its invariant makes the run fail.
 
 The HTTP scenario ("http retry storm") sends ``POST /payments`` with an
 ``Idempotency-Key`` through :class:`stateguard.asgi.IdempotencyMiddleware` on
