@@ -31,13 +31,14 @@ _METRICS = (
 )
 
 _CSS = """
-body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 72em; color: #1d1d1f;
+body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 90em; color: #1d1d1f;
        padding: 0 1em; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.15em; margin-top: 2em; }
 table { border-collapse: collapse; margin: 1em 0; }
 th, td { padding: .25em .6em; border-bottom: 1px solid #ddd; text-align: right; white-space: nowrap; }
 th:first-child, td:first-child, td.text, th.text { text-align: left; }
-td.damage { white-space: normal; min-width: 18em; text-align: left; }
+td.damage { white-space: normal; min-width: 16em; text-align: left; }
+.scroll { overflow-x: auto; }
 td.damage.bad { color: #b00020; font-weight: 600; } td.damage.good { color: #1b7f3b; font-weight: 600; }
 .legend span { display: inline-block; margin-right: 1.5em; }
 .swatch { display: inline-block; width: .9em; height: .9em; margin-right: .3em; vertical-align: -1px; }
@@ -100,8 +101,12 @@ def render_html(report: DemoReport) -> str:
         f"<style>{_CSS}</style></head><body>",
         "<h1>stateguard demo: hand-written code vs stateguard on the same storm</h1>",
         f"<p>{report.orders} orders per scheme and variant, {report.workers} workers, seed {report.seed}, "
-        f"on <code>{esc(report.url)}</code>"
-        + (f" in the {esc(report.namespace)}" if report.namespace else "")
+        + (
+            f"in the {esc(report.namespace)}"
+            if report.namespace.startswith("SQLite")
+            else f"on <code>{esc(report.url)}</code>"
+            + (f", in the {esc(report.namespace)}" if report.namespace else "")
+        )
         + f"; finished in {report.elapsed:.1f}s.</p>",
         '<p class="verdict" id="verdict">'
         + (
@@ -111,7 +116,7 @@ def render_html(report: DemoReport) -> str:
         )
         + f" The hand-written code did damage in {sum(1 for r in report.rows if r.naive and r.damage_total)}"
         + f" of {sum(1 for r in report.rows if r.naive)} schemes on the same storms.</p>",
-        '<table id="results"><thead><tr>'
+        '<div class="scroll"><table id="results"><thead><tr>'
         + "".join(f"<th{' class=text' if h in ('scheme', 'code') else ''}>{esc(h)}</th>" for h in head)
         + '<th class="text">damage (measured in the database)</th></tr></thead><tbody>',
     ]
@@ -127,7 +132,7 @@ def render_html(report: DemoReport) -> str:
             _damage_cell(row),
         ]
         out.append(f'<tr data-scheme="{esc(row.scheme)}" data-code="{row.code}">{"".join(cells)}</tr>')
-    out.append("</tbody></table>")
+    out.append("</tbody></table></div>")
     out.append(
         '<p class="legend"><span><span class="swatch hand-written"></span>hand-written</span>'
         '<span><span class="swatch stateguard"></span>stateguard</span></p>'
