@@ -1018,9 +1018,13 @@ def _on_before_cursor_execute(
 ) -> None:
     if conn.invalidated or conn.closed:
         return
-    deferred = conn.info.get(_DEFERRED)
+    info = conn.info
+    deferred = info.get(_DEFERRED)
     if deferred is None or deferred._paused or statement.lstrip()[:9].upper().startswith(_SAVEPOINT_VERBS):
         return
+    # Forgotten here, on the connection in use: one left behind by a Session that ended without
+    # closing it (and whose own Connection is closed) must not stay on the pooled connection.
+    del info[_DEFERRED]
     deferred.open()
 
 
