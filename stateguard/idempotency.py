@@ -89,6 +89,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
 from . import _compat, _sql, _write
+from . import observe as _observe
 from ._async import (
     AsyncSession,
     DualContext,
@@ -317,7 +318,12 @@ def on_idempotency_event(listener: Callable[[IdempotencyEvent], object]) -> Call
 
 
 def _emit(kind: str, scope: str, key: str, attempt: int | None, mode: Mode) -> None:
-    log.debug("idempotency key %s: scope=%r key=%r attempt=%s mode=%s", kind, scope, key, attempt, mode)
+    if _observe.hooked or log.isEnabledFor(logging.DEBUG):
+        # The generic outcome event (stateguard.observe), also the DEBUG log line with its extra fields.
+        _observe.deliver(
+            _observe.GuardEvent("idempotency", kind, 0.0, scope=scope, retries=max(0, (attempt or 1) - 1)),
+            log,
+        )
     if not _listeners:
         return
     event = IdempotencyEvent(kind, scope, key, attempt, mode)

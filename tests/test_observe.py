@@ -395,3 +395,19 @@ def test_redis_tokens_and_locks_report(redis_client: Any, events: list[GuardEven
     ]
     assert {e.backend for e in events} == {"redis"}
     assert {e.scope for e in events} == {scope, name}
+
+
+def test_idempotency_keys_report_their_kinds(sqlite: Backend, events: list[GuardEvent]) -> None:
+    from stateguard import create_tables, idempotent
+
+    create_tables(sqlite.engine)
+    for _ in range(2):
+        with (
+            Session(sqlite.engine) as s,
+            s.begin(),
+            idempotent(s, scope="pay", key="k-1", fingerprint=1) as call,
+        ):
+            if not call.replayed:
+                call.complete({"ok": True})
+    kinds = [(e.outcome, e.scope) for e in events if e.operation == "idempotency"]
+    assert kinds == [("claimed", "pay"), ("completed", "pay"), ("replayed", "pay")]
