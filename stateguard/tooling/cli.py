@@ -74,9 +74,11 @@ exit codes (each command's --help lists its own):
 """,
     "demo": """\
 exit codes:
-  0  ok: every invariant held
-  1  an invariant was violated (or the database failed during the run)
-  2  usage error (bad arguments, unreachable database, missing driver)
+  0  ok: every invariant of stateguard's rows held (the hand-written rows' damage is expected)
+  1  an invariant was violated in a stateguard row, a hand-written row raised an unexpected
+     error, or the database failed during the run
+  2  usage error (bad arguments, unreachable database, missing driver, a --schema namespace
+     that exists and was not made by the demo)
 """,
     "graph": """\
 exit codes:
@@ -815,9 +817,9 @@ def build_parser() -> argparse.ArgumentParser:
         _cmd_demo,
         help="fire duplicate and concurrent requests at a database and check the invariants",
         description=(
-            "Create the demo's own namespace (--schema: a schema, a database or a SQLite file,\n"
-            "dropped after the run unless --keep), then fire\n"
-            "duplicate and concurrent pay / ship / cancel requests from many worker threads,\n"
+            "Create the demo's own namespace (--schema: a schema, a database or a SQLite\n"
+            "file, dropped after the run unless --keep), then fire duplicate and concurrent\n"
+            "pay / ship / cancel requests from many worker threads,\n"
             "as retries, redeliveries and double-clicks would, for each scheme: state machine,\n"
             "optimistic version check, insert-once, a flash sale on one hot stock row\n"
             "(guarded decrement with a ref per purchase), an HTTP retry storm through\n"
