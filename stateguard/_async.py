@@ -240,10 +240,22 @@ def _observe_method(
 ) -> Any:
     # A trigger names its model and trigger up front, so a call that raises still reports them.
     machine = getattr(obj, "machine", None)
-    model = getattr(machine, "model", None) if machine is not None else getattr(obj, "model", None)
-    trigger = getattr(obj, "name", None) if machine is not None else None
+    if machine is not None:  # a Trigger
+        model, trigger, scope = machine.model, getattr(obj, "name", None), None
+    else:  # a StateMachine (its model) or a named object such as a StripedCounter
+        model, trigger, scope = getattr(obj, "model", None), None, getattr(obj, "name", None)
     return _observe.observe_session_call(
-        session, operation, logger, _call_method, fn, obj, *args, sg_model=model, sg_trigger=trigger, **kwargs
+        session,
+        operation,
+        logger,
+        _call_method,
+        fn,
+        obj,
+        *args,
+        sg_model=model,
+        sg_trigger=trigger,
+        sg_scope=scope if isinstance(scope, str) else None,
+        **kwargs,
     )
 
 

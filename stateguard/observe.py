@@ -244,17 +244,20 @@ def observe_session_call(
 ) -> Any:
     """Run ``fn(session, *args, **kwargs)`` and report it (the slow path of a dual call).
 
-    ``model`` / ``scope`` / ``trigger`` come from the returned Result, or from
-    keyword ``sg_model`` / ``sg_scope`` / ``sg_trigger`` hints given by the caller
-    (never passed on to ``fn``).
+    ``model`` / ``trigger`` come from the returned Result, or from keyword
+    ``sg_model`` / ``sg_trigger`` hints given by the caller; ``scope`` from
+    ``sg_scope`` (hints are never passed on to ``fn``).
     """
     model = kwargs.pop("sg_model", None)
     trigger = kwargs.pop("sg_trigger", None)
+    scope = kwargs.pop("sg_scope", None)
     attributes: dict[str, Any] = {"stateguard.operation": operation}
     if model is not None:
         attributes["stateguard.model"] = getattr(model, "__name__", str(model))
     if trigger is not None:
         attributes["stateguard.trigger"] = trigger
+    if scope is not None:
+        attributes["stateguard.scope"] = scope
     start = time.perf_counter()
     error: BaseException | None = None
     value: Any = None
@@ -279,6 +282,7 @@ def observe_session_call(
                     outcome=outcome,
                     duration=duration,
                     model=model_name,
+                    scope=scope,
                     trigger=trigger_name or trigger,
                     backend=_backend_of(session, model_obj),
                     error=error,

@@ -483,7 +483,7 @@ class StripedCounter:
             _write.execute(conn, _insert_rows(rows[1:]))
         return self._result(session, Outcome.APPLIED, item, amount)
 
-    create = dual_method(_create)
+    create = dual_method(_create, operation="striped.create")
 
     def _decrement(self, session: Session, item: str, *, by: int = 1, ref: str | None = None) -> Result:
         """Take ``by`` off ``item`` unless it has less in all: one statement on PostgreSQL and SQLite.
@@ -513,7 +513,7 @@ class StripedCounter:
         conn = self._conn(session)
         return self._change(session, conn, _sql.backend(conn.dialect), item, by, -1, ref)
 
-    decrement = dual_method(_decrement)
+    decrement = dual_method(_decrement, operation="striped.decrement")
 
     def _increment(self, session: Session, item: str, *, by: int = 1, ref: str | None = None) -> Result:
         """Add ``by`` to ``item`` (a restock), on a free stripe: APPLIED, NOT_FOUND, or with ``ref`` REPEATED.
@@ -531,7 +531,7 @@ class StripedCounter:
         conn = self._conn(session)
         return self._change(session, conn, _sql.backend(conn.dialect), item, by, 1, ref)
 
-    increment = dual_method(_increment)
+    increment = dual_method(_increment, operation="striped.increment")
 
     def _reserve(self, session: Session, amounts: Mapping[str, int], *, ref: str) -> Result:
         """Decrement several items all-or-nothing, idempotently per ``ref`` (as :func:`~stateguard.reserve`).
@@ -577,7 +577,7 @@ class StripedCounter:
         savepoint.commit()
         return self._result(session, outcomes.pop(), checked_ref, dict.fromkeys(sorted(resolved)))
 
-    reserve = dual_method(_reserve)
+    reserve = dual_method(_reserve, operation="striped.reserve")
 
     def _release(self, session: Session, ref: str) -> Result:
         """Give back everything ``ref`` took from this counter, exactly once (as :func:`~stateguard.release`).
@@ -602,7 +602,7 @@ class StripedCounter:
             self._give_back(conn, backend, item, undo[item])
         return self._result(session, Outcome.APPLIED, checked_ref, undo)
 
-    release = dual_method(_release)
+    release = dual_method(_release, operation="striped.release")
 
     def _give_back(self, conn: Connection, backend: _sql.Backend, item: str, delta: int) -> None:
         """Add ``delta`` back to ``item``: a free stripe if any, else stripe 0.
@@ -627,7 +627,7 @@ class StripedCounter:
         row: Any = _write.execute(conn, _totals(), self._params(item)).one()
         return None if not row[1] else int(row[0])
 
-    total = dual_method(_total)
+    total = dual_method(_total, operation="striped.total")
 
     def _stripe_amounts(self, session: Session, item: str) -> list[int]:
         """The amount of each stripe of ``item`` in stripe order (``[]``: no such item)::
@@ -638,7 +638,7 @@ class StripedCounter:
         conn = self._conn(session)
         return [int(a) for a in _write.execute(conn, _amounts(), self._params(item)).scalars()]
 
-    stripe_amounts = dual_method(_stripe_amounts)
+    stripe_amounts = dual_method(_stripe_amounts, operation="striped.stripe_amounts")
 
     def _restripe(self, session: Session, item: str, *, stripes: int) -> Result:
         """Spread ``item``'s total over ``stripes`` stripes (more for a flash sale, 1 after it).
@@ -680,4 +680,4 @@ class StripedCounter:
             _write.execute(conn, _insert_rows(added))
         return self._result(session, Outcome.APPLIED, item, total)
 
-    restripe = dual_method(_restripe)
+    restripe = dual_method(_restripe, operation="striped.restripe")

@@ -411,3 +411,23 @@ def test_idempotency_keys_report_their_kinds(sqlite: Backend, events: list[Guard
                 call.complete({"ok": True})
     kinds = [(e.outcome, e.scope) for e in events if e.operation == "idempotency"]
     assert kinds == [("claimed", "pay"), ("completed", "pay"), ("replayed", "pay")]
+
+
+def test_striped_counters_report_under_their_own_names(sqlite: Backend, events: list[GuardEvent]) -> None:
+    from stateguard import StripedCounter, create_tables
+
+    create_tables(sqlite.engine)
+    stock = StripedCounter("observe-stock", stripes=2)
+    with Session(sqlite.engine) as s, s.begin():
+        stock.create(s, "sku-1", amount=3)
+        stock.decrement(s, "sku-1", by=2, ref="o-1")
+        stock.decrement(s, "sku-1", by=2, ref="o-1")
+        stock.decrement(s, "sku-1", by=5)
+    got = [(e.operation, e.outcome, e.scope) for e in events]
+    assert got == [
+        ("striped.create", "APPLIED", "observe-stock"),
+        ("striped.decrement", "APPLIED", "observe-stock"),
+        ("striped.decrement", "REPEATED", "observe-stock"),
+        ("striped.decrement", "INSUFFICIENT", "observe-stock"),
+    ]
+    assert {e.backend for e in events} == {"sqlite"}
