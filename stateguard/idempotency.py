@@ -732,9 +732,11 @@ class _Claim(Generic[S]):
             self._fresh = False
             try:
                 _write.execute(conn, _UNCLAIM, self._params())
-            except sa_exc.DBAPIError:
-                # The transaction is aborted or gone (a deadlock on MariaDB, a lost connection):
-                # the record cannot be committed with it either.
+            except (sa_exc.DBAPIError, sa_exc.PendingRollbackError, sa_exc.ResourceClosedError):
+                # The transaction is aborted or gone (a deadlock on MariaDB, a lost connection, a
+                # statement cancelled by an asyncio task's cancellation, which invalidates the
+                # connection): the record cannot be committed with it either, and the block's own
+                # exception is what the caller must see.
                 log.warning(
                     "could not delete the claim of %s after its block failed", self._name, exc_info=True
                 )
