@@ -29,6 +29,7 @@ application turns that logger on.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -120,10 +121,14 @@ def on_event(listener: Listener) -> Callable[[], None]:
     A listener that raises is logged on ``stateguard.observe`` and skipped;
     the call it reports on is not affected.
     """
-    if not callable(listener):
+    if not callable(listener) or _is_async(listener):
         from .exceptions import InvalidArgument
 
-        raise InvalidArgument(f"on_event() needs a callable taking a GuardEvent, got {listener!r}")
+        raise InvalidArgument(
+            f"on_event() needs a plain (not async) callable taking a GuardEvent, got {listener!r}: "
+            f"listeners run synchronously after the call; hand the event to your loop yourself "
+            f"(e.g. loop.call_soon_threadsafe(queue.put_nowait, event))"
+        )
     _listeners.append(listener)
     _rehook()
 
@@ -133,6 +138,11 @@ def on_event(listener: Listener) -> Callable[[], None]:
         _rehook()
 
     return remove
+
+
+def _is_async(fn: Any) -> bool:
+    # An object whose __call__ is ``async def`` returns coroutines too.
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 def on_span(factory: SpanFactory) -> Callable[[], None]:

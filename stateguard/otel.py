@@ -42,6 +42,8 @@ from .observe import GuardEvent, on_event, on_span
 __all__ = ["instrument"]
 
 _SCOPE = "stateguard"
+#: The remover of the active instrumentation, if any (one at a time).
+_active: Callable[[], None] | None = None
 _current: contextvars.ContextVar[Span | None] = contextvars.ContextVar("stateguard_otel_span", default=None)
 
 
@@ -53,6 +55,10 @@ def instrument(
     metrics: bool = True,
 ) -> Callable[[], None]:
     """Record stateguard's calls as OpenTelemetry metrics and spans; return the function that stops it.
+
+    One instrumentation at a time: a second call before the first one's stop
+    function ran is :class:`~stateguard.InvalidArgument` (it would count every
+    call twice).
 
     :param meter_provider: where the metrics go (default: the global one).
     :param tracer_provider: where the spans go (default: the global one).
@@ -68,6 +74,13 @@ def instrument(
     """
     if not spans and not metrics:
         raise InvalidArgument("instrument() with spans=False and metrics=False records nothing; enable one")
+    global _active
+    if _active is not None:
+        # A second instrumentation would count every call twice (app factories, test fixtures).
+        raise InvalidArgument(
+            "stateguard.otel.instrument() is already active; call the function the first instrument() "
+            "returned before instrumenting again"
+        )
     removers: list[Callable[[], None]] = []
     if metrics:
         meter = (meter_provider or otel_metrics.get_meter_provider()).get_meter(_SCOPE, __version__)
@@ -122,10 +135,14 @@ def instrument(
         removers.append(on_event(finish))
 
     def uninstrument() -> None:
+        global _active
         for remove in removers:
             remove()
         removers.clear()
+        if _active is uninstrument:
+            _active = None
 
+    _active = uninstrument
     return uninstrument
 
 

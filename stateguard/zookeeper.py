@@ -46,6 +46,23 @@ _BAD_PATH_CHARS: Final = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\uf8ff\ufff0-\uff
 _MAX_IDENTIFIER: Final = 1024
 
 
+#: The longest finite wait (kazoo turns a timeout into a deadline that must fit a time_t).
+_MAX_WAIT: Final = 365 * 24 * 3600.0
+
+
+def _timeout(value: Any) -> float | None:
+    """A wait in seconds: ``None`` and infinity wait forever; over a year is InvalidArgument."""
+    wait = _write.seconds(value, "timeout", allow_zero=True)
+    if wait == float("inf"):
+        return None
+    if wait is not None and wait > _MAX_WAIT:
+        raise InvalidArgument(
+            f"ZooKeeperLock timeout must be at most one year ({_MAX_WAIT:.0f} s), got {value!r}; "
+            f"pass None (or float('inf')) to wait forever"
+        )
+    return wait
+
+
 def _check_path(path: Any) -> str:
     """``path`` if ZooKeeper accepts it as the parent of the lock's znodes, else InvalidArgument."""
     if not isinstance(path, str):
@@ -161,7 +178,7 @@ class ZooKeeperLock:
             _write.check_storable(identifier, "identifier")
         self.client = client
         self.identifier = identifier
-        self.timeout = _write.seconds(timeout, "timeout", allow_zero=True)
+        self.timeout = _timeout(timeout)
         self._recipe: Any = None
         self._node: str | None = None
         self._fence: int | None = None
@@ -265,7 +282,7 @@ class ZooKeeperLock:
         from kazoo.protocol.states import KazooState, KeeperState
         from kazoo.recipe.lock import Lock
 
-        wait = _write.seconds(timeout, "timeout", allow_zero=True)
+        wait = _timeout(timeout)
         if wait is None:
             wait = self.timeout
         if self._held:

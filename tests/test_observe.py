@@ -431,3 +431,33 @@ def test_striped_counters_report_under_their_own_names(sqlite: Backend, events: 
         ("striped.decrement", "INSUFFICIENT", "observe-stock"),
     ]
     assert {e.backend for e in events} == {"sqlite"}
+
+
+def test_on_event_refuses_an_async_listener() -> None:
+    async def listener(event: GuardEvent) -> None:  # pragma: no cover - never registered
+        pass
+
+    class AsyncCallable:
+        async def __call__(self, event: GuardEvent) -> None:  # pragma: no cover
+            pass
+
+    for bad in (listener, AsyncCallable()):
+        with pytest.raises(InvalidArgument, match="not async"):
+            on_event(bad)
+    assert observe_module.hooked is False
+
+
+def test_instrument_twice_is_refused_until_the_first_is_stopped() -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    from stateguard.otel import instrument
+
+    stop = instrument(meter_provider=MeterProvider(), spans=False)
+    try:
+        with pytest.raises(InvalidArgument, match="already active"):
+            instrument(meter_provider=MeterProvider(), spans=False)
+    finally:
+        stop()
+    stop()  # twice is harmless
+    instrument(meter_provider=MeterProvider(), spans=False)()
+    assert observe_module.hooked is False

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -556,3 +557,17 @@ def test_acquire_and_release_report_outcome_events(clients: Callable[..., Any], 
         ("zookeeper_lock.release", "OK", path, "zookeeper"),
     ]
     assert seen[1].duration >= 0.05
+
+
+def test_infinite_timeout_waits_forever_and_a_huge_one_is_refused(zk: Any, path: str) -> None:
+    lock = ZooKeeperLock(zk, path, timeout=float("inf"))
+    assert lock.timeout is None
+    fence = lock.acquire(timeout=float("inf"))
+    assert fence > 0
+    lock.release()
+    for huge in (2**70, 1e308, timedelta(days=10**6)):
+        with pytest.raises(InvalidArgument, match="at most one year"):
+            ZooKeeperLock(zk, path, timeout=huge)
+        with pytest.raises(InvalidArgument, match="at most one year"):
+            ZooKeeperLock(zk, path).acquire(timeout=huge)
+    assert zk.get_children(path) == []
