@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal
 from typing import Any, NamedTuple
 
@@ -289,12 +289,34 @@ def ledger_forget(conn: Connection, backend: _sql.Backend, ledger_id: Any) -> No
     _write.execute(conn, _ledger_stmt("forget", backend), {"sg_id": ledger_id})
 
 
-def ledger_take(conn: Connection, backend: _sql.Backend, target: LedgerTarget, ref: str) -> Any:
-    """Mark what ``ref`` changed in ``target`` released, exactly once.
+class Shortfall(NamedTuple):
+    """Why an undo could not apply: the units an increment's ref added are gone."""
 
-    Returns the entries to give back (rows with ``row_key`` and ``delta``),
-    or the Outcome NOT_FOUND (the ref changed nothing) or REPEATED (already
-    released).
+    #: The key (as errors show it) whose amount is short.
+    key: Any
+    #: The amount found there.
+    value: Any
+
+
+def ledger_release(
+    conn: Connection,
+    backend: _sql.Backend,
+    target: LedgerTarget,
+    ref: str,
+    undo_entries: Callable[[Sequence[Any]], list[tuple[Any, Any]]],
+    give_back: Callable[[Any, Any], Shortfall | None],
+) -> Any:
+    """Undo what ``ref`` changed in ``target``, exactly once and all or nothing.
+
+    The one release algorithm of guarded and striped counters.
+    ``undo_entries`` turns the ref's unreleased ledger rows (``row_key``,
+    ``delta``) into ``(key, amount)`` pairs in lock order; ``give_back``
+    adds ``amount`` to ``key``; a negative amount (the undo of an increment)
+    must respect floor 0 as a decrement does and returns a
+    :class:`Shortfall` when the units are gone.  Returns the pairs undone,
+    the Outcome NOT_FOUND (the ref changed nothing) or REPEATED (already
+    released), or a :class:`Shortfall`: then nothing changed and the ref is
+    not released (the undo ran in a savepoint).
     """
     params = {"sg_ref": ref, "sg_table_name": target.table_name, "sg_column_name": target.column_name}
     # Read the ref's entries without locking, then mark them released by
@@ -314,16 +336,40 @@ def ledger_take(conn: Connection, backend: _sql.Backend, target: LedgerTarget, r
     rows = [row for row in entries if row.released_at is None]
     if not rows:
         return Outcome.REPEATED
-    mark = _ledger_stmt("mark", backend)
-    marked = _write.execute(conn, mark, {"sg_ids": [row.id for row in rows]}).rowcount
-    if not marked:
-        return Outcome.REPEATED
-    if marked != len(rows):  # pragma: no cover - a ref's entries are marked together
-        raise SerializationConflict(
-            f"some ledger entries of ref {ref!r} were released by another transaction meanwhile; "
-            f"roll back and retry (retry_on_conflict() does this)"
-        )
-    return rows
+    undo = undo_entries(rows)
+    # Only an undo that takes units away can fail; then the mark and every
+    # undo before it roll back to this savepoint.
+    savepoint = None
+    if any(amount < 0 for _, amount in undo):
+        _write.ensure_real_transaction(conn)
+        savepoint = conn.begin_nested()
+    try:
+        mark = _ledger_stmt("mark", backend)
+        marked = _write.execute(conn, mark, {"sg_ids": [row.id for row in rows]}).rowcount
+        if not marked:
+            outcome: Any = Outcome.REPEATED
+        elif marked != len(rows):  # pragma: no cover - a ref's entries are marked together
+            raise SerializationConflict(
+                f"some ledger entries of ref {ref!r} were released by another transaction meanwhile; "
+                f"roll back and retry (retry_on_conflict() does this)"
+            )
+        else:
+            outcome = undo
+            for key, amount in undo:
+                short = give_back(key, amount)
+                if short is not None:
+                    outcome = short
+                    break
+    except BaseException:
+        if savepoint is not None:
+            _write.abandon_savepoint(savepoint)
+        raise
+    if savepoint is not None:
+        if isinstance(outcome, Shortfall):
+            savepoint.rollback()
+        else:
+            savepoint.commit()
+    return outcome
 
 
 def _target(counter: _Counter) -> LedgerTarget:
@@ -568,7 +614,12 @@ def release(session: Session, column: Any, ref: str) -> Result:
     back, the opposite of what the ref took), REPEATED after, NOT_FOUND for a
     ref that changed nothing.  Concurrent releases of the same ref serialise
     on its ledger rows, so exactly one gives anything back.  A released ref
-    stays used: a later :func:`decrement` with it is REPEATED::
+    stays used: a later :func:`decrement` with it is REPEATED.
+
+    Releasing an increment's ref takes its units back as a decrement would
+    (floor 0): INSUFFICIENT when they are gone (sold since), with ``.key``
+    the short row and ``.value`` its amount; then nothing changed and the
+    ref is not released (release it after a restock)::
 
         if release(session, Stock.amount, "order-42"):
             notify_restock()
@@ -580,22 +631,43 @@ def release(session: Session, column: Any, ref: str) -> Result:
     info = counter.info
     conn = _write.connection_for(session, info)
     backend = _sql.backend(conn.dialect)
-    rows = ledger_take(conn, backend, _target(counter), ref)
-    if isinstance(rows, Outcome):
-        same = rows is Outcome.REPEATED
-        return Result(rows, model=counter.model, key=ref, session=session, same_request=same)
-    undo: list[tuple[tuple[Any, ...], Any]] = []
-    for row in rows:
-        delta = -Decimal(row.delta)
-        key = _sql.decode_key(info, json.loads(row.row_key))
-        undo.append((key, int(delta) if counter.integer else delta))
-    # The same row order as reserve() (keys, not their JSON text: 10 sorts after
-    # 2), so a release and a reservation over the same rows cannot deadlock.
-    undo.sort(key=lambda item: _sql.key_order(item[0]))
-    stmt = _plan(counter, backend, 1, False, False)
-    given_back: dict[Any, Any] = {}
-    for key, amount in undo:
-        _write.execute(conn, stmt, {**info.key_params(key), "sg_delta": amount})
-        given_back[_sql.public_key(key)] = amount
+
+    def undo_entries(rows: Sequence[Any]) -> list[tuple[Any, Any]]:
+        undo: list[tuple[tuple[Any, ...], Any]] = []
+        for row in rows:
+            delta = -Decimal(row.delta)
+            key = _sql.decode_key(info, json.loads(row.row_key))
+            undo.append((key, int(delta) if counter.integer else delta))
+        # The same row order as reserve() (keys, not their JSON text: 10 sorts after
+        # 2), so a release and a reservation over the same rows cannot deadlock.
+        undo.sort(key=lambda item: _sql.key_order(item[0]))
+        return undo
+
+    def give_back(key: tuple[Any, ...], amount: Any) -> Shortfall | None:
+        params = {**info.key_params(key), "sg_delta": amount}
+        if amount >= 0:
+            _write.execute(conn, _plan(counter, backend, 1, False, False), params)
+        else:
+            # Taking an increment's units back: guarded by floor 0 as a decrement is.
+            stmt = _plan(counter, backend, -1, True, False)
+            applied, _ = _write.run_guarded(
+                conn, stmt, {**params, "sg_bound": 0}, returning=backend.returning
+            )
+            if not applied:
+                read = _write.read_back(info, [counter.column], backend)
+                row = _write.execute(conn, read, info.key_params(key)).first()
+                if row is not None:
+                    return Shortfall(_sql.public_key(key), row[0])
         _write.sync_loaded(session, info, key, None, {}, counter.changed)
+        return None
+
+    found = ledger_release(conn, backend, _target(counter), ref, undo_entries, give_back)
+    if isinstance(found, Outcome):
+        same = found is Outcome.REPEATED
+        return Result(found, model=counter.model, key=ref, session=session, same_request=same)
+    if isinstance(found, Shortfall):
+        return Result(
+            Outcome.INSUFFICIENT, model=counter.model, key=found.key, value=found.value, session=session
+        )
+    given_back = {_sql.public_key(key): amount for key, amount in found}
     return Result(Outcome.APPLIED, model=counter.model, key=ref, value=given_back, session=session)

@@ -67,7 +67,7 @@ from sqlalchemy.orm import Session
 
 from . import _sql, _write
 from ._async import dual_method
-from .counters import LedgerTarget, ledger_claim, ledger_forget, ledger_take
+from .counters import LedgerTarget, Shortfall, ledger_claim, ledger_forget, ledger_release
 from .exceptions import DeadlockDetected, InvalidArgument, RefConflict
 from .result import Outcome, Result
 from .tables import DIGEST_PREFIX, MAX_REF, ROW_KEY_LENGTH, counter_stripes, row_key
@@ -354,12 +354,9 @@ class StripedCounter:
         return rows
 
     def _slow_decrement(
-        self, conn: Connection, backend: _sql.Backend, item: str, by: int, floor: bool = True
+        self, conn: Connection, backend: _sql.Backend, item: str, by: int
     ) -> tuple[Outcome, int | None]:
         """Take ``by`` from as many stripes as needed, all of them locked in stripe order.
-
-        ``floor=False`` (a released increment, unbounded as :func:`~stateguard.release` is): what
-        the stripes lack is taken from stripe 0, below zero.
 
         In a savepoint where there are row locks: a stripe this transaction's fast path examined
         stays locked (see the module docstring), so two slow paths can deadlock.  PostgreSQL
@@ -369,11 +366,11 @@ class StripedCounter:
         retryable DeadlockDetected propagates.
         """
         if not backend.row_locks:
-            return self._take_locked(conn, backend, item, by, floor)
+            return self._take_locked(conn, backend, item, by)
         for attempt in range(_DEADLOCK_SWEEPS):
             savepoint = conn.begin_nested()
             try:
-                found = self._take_locked(conn, backend, item, by, floor)
+                found = self._take_locked(conn, backend, item, by)
             except DeadlockDetected as deadlock:
                 if attempt == _DEADLOCK_SWEEPS - 1:
                     _write.abandon_savepoint(savepoint)
@@ -392,13 +389,13 @@ class StripedCounter:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _take_locked(
-        self, conn: Connection, backend: _sql.Backend, item: str, by: int, floor: bool
+        self, conn: Connection, backend: _sql.Backend, item: str, by: int
     ) -> tuple[Outcome, int | None]:
         rows = self._lock_all(conn, backend, item)
         if not rows:
             return Outcome.NOT_FOUND, None
         total = sum(int(r.amount) for r in rows)
-        if floor and total < by:
+        if total < by:
             return Outcome.INSUFFICIENT, total
         # The fullest stripes first: the fewest UPDATEs, and stripes stay even.
         takes: dict[int, int] = {}
@@ -410,8 +407,6 @@ class StripedCounter:
                 left -= take
             if not left:
                 break
-        if left:
-            takes[0] = takes.get(0, 0) + left
         stmt = _by_stripe(backend, -1, False)
         for stripe, take in takes.items():
             _write.execute(conn, stmt, self._params(item, sg_by=take, sg_stripe=stripe))
@@ -583,7 +578,11 @@ class StripedCounter:
         """Give back everything ``ref`` took from this counter, exactly once (as :func:`~stateguard.release`).
 
         APPLIED the first time (``.value`` maps each item to the amount given
-        back), REPEATED after, NOT_FOUND for a ref that took nothing::
+        back), REPEATED after, NOT_FOUND for a ref that took nothing.  Releasing an
+        increment's ref takes its units back as :meth:`decrement` would (from stripes
+        that have them, never below zero): INSUFFICIENT when they are gone (``.key``
+        the item, ``.value`` its total); then nothing changed and the ref is not
+        released::
 
             if stock.release(session, "order-42"):
                 notify_restock()
@@ -591,31 +590,41 @@ class StripedCounter:
         checked_ref = _needed_ref(ref, "release")
         conn = self._conn(session)
         backend = _sql.backend(conn.dialect)
-        rows = ledger_take(conn, backend, self.target, checked_ref)
-        if isinstance(rows, Outcome):
-            return self._result(session, rows, checked_ref)
-        undo: dict[str, int] = {}
-        for row in rows:
-            item = json.loads(row.row_key)
-            undo[item] = undo.get(item, 0) - int(row.delta)
-        for item in sorted(undo):
-            self._give_back(conn, backend, item, undo[item])
-        return self._result(session, Outcome.APPLIED, checked_ref, undo)
+
+        def undo_entries(rows: Sequence[Any]) -> list[tuple[Any, Any]]:
+            undo: dict[str, int] = {}
+            for row in rows:
+                item = json.loads(row.row_key)
+                undo[item] = undo.get(item, 0) - int(row.delta)
+            return sorted(undo.items())
+
+        def give_back(item: str, delta: int) -> Shortfall | None:
+            return self._give_back(conn, backend, item, delta)
+
+        found = ledger_release(conn, backend, self.target, checked_ref, undo_entries, give_back)
+        if isinstance(found, Outcome):
+            return self._result(session, found, checked_ref)
+        if isinstance(found, Shortfall):
+            return self._result(session, Outcome.INSUFFICIENT, found.key, found.value)
+        return self._result(session, Outcome.APPLIED, checked_ref, dict(found))
 
     release = dual_method(_release, operation="striped.release")
 
-    def _give_back(self, conn: Connection, backend: _sql.Backend, item: str, delta: int) -> None:
+    def _give_back(self, conn: Connection, backend: _sql.Backend, item: str, delta: int) -> Shortfall | None:
         """Add ``delta`` back to ``item``: a free stripe if any, else stripe 0.
 
-        A released increment takes its amount back from the fullest stripes,
-        with no floor (what they lack goes below zero on stripe 0), as
-        :func:`~stateguard.release` does for a guarded counter.
+        A released increment (``delta < 0``) takes its units back as a decrement does: from
+        one free stripe holding them, else from as many stripes as needed (never below zero);
+        a :class:`~stateguard.counters.Shortfall` when the item has less in all.
         """
         if delta > 0 and not self._fast(conn, backend, item, delta, 1):
             stmt = _by_stripe(backend, 1, False)
             _write.execute(conn, stmt, self._params(item, sg_by=delta, sg_stripe=0))
-        elif delta < 0:
-            self._slow_decrement(conn, backend, item, -delta, floor=False)
+        elif delta < 0 and not self._fast(conn, backend, item, -delta, -1):
+            outcome, value = self._slow_decrement(conn, backend, item, -delta)
+            if outcome is Outcome.INSUFFICIENT:
+                return Shortfall(item, value)
+        return None
 
     def _total(self, session: Session, item: str) -> int | None:
         """The item's amount (the sum of its stripes, read without locks), or ``None`` for no such item::

@@ -294,6 +294,31 @@ def test_release_undoes_any_ref_once_and_the_ref_stays_used(engine: Any) -> None
     assert all(r.released_at is not None for r in _ledger(engine))
 
 
+def test_release_of_an_increment_whose_units_are_gone_is_insufficient(engine: Any) -> None:
+    """An increment's ref released after its units were sold: INSUFFICIENT, nothing changed, the ref
+    not released (never below floor 0); after a restock the same release applies, once."""
+    _bins(engine, {1: 0, 2: 5})
+    with Session(engine) as s, s.begin():
+        assert increment(s, Bin.qty, 1, by=3, ref="delivery").applied
+        assert increment(s, Bin.qty, 2, by=1, ref="delivery").applied
+    with Session(engine) as s, s.begin():
+        assert decrement(s, Bin.qty, 1, by=2).applied
+    with Session(engine) as s, s.begin():
+        r = release(s, Bin.qty, "delivery")
+        assert (r.outcome, r.key, r.value) == (Outcome.INSUFFICIENT, 1, 1)
+        with pytest.raises(InsufficientQuantity):
+            r.raise_for_outcome()
+        # The transaction stays usable, and the row released before the short one (2) was undone too.
+        assert decrement(s, Bin.qty, 2, by=1).applied
+    assert _qty(engine, 1, 2) == (1, 5)
+    assert all(r.released_at is None for r in _ledger(engine))
+    with Session(engine) as s, s.begin():
+        assert increment(s, Bin.qty, 1, by=2).applied
+        assert release(s, Bin.qty, "delivery").value == {1: -3, 2: -1}
+        assert release(s, Bin.qty, "delivery").outcome is Outcome.REPEATED
+    assert _qty(engine, 1, 2) == (0, 4)
+
+
 def test_bad_input_is_typed_and_sends_nothing(engine: Any) -> None:
     """Every kind of bad input raises InvalidArgument (a StateguardError) before any statement is sent."""
     _bins(engine, {1: 5, 2: 5})

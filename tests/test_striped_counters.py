@@ -111,6 +111,38 @@ def test_outcomes_and_ref_ledger(engine: Any) -> None:
     assert _ledger(engine, c) == {"o1": -2, "restock": 5, "o2": -9}
 
 
+def test_release_of_an_increment_whose_units_are_gone_is_insufficient(engine: Any) -> None:
+    """An increment's ref released after its units were sold: INSUFFICIENT with the stripes and the
+    ledger unchanged (no negative stripe, so no later decrement of a total of 0 applies); units
+    spread over several stripes are taken back from all of them, never below zero."""
+    c = StripedCounter("stock", stripes=4)
+    for _ in range(5):  # the stripe each change lands on is random
+        item = f"sku-{uuid.uuid4().hex[:8]}"
+        with Session(engine) as s, s.begin():
+            c.create(s, item, amount=0)
+            assert c.increment(s, item, by=3, ref="delivery-" + item).applied
+        with Session(engine) as s, s.begin():
+            assert c.decrement(s, item, by=3).applied
+        with Session(engine) as s, s.begin():
+            r = c.release(s, "delivery-" + item)
+            assert (r.outcome, r.key, r.value) == (Outcome.INSUFFICIENT, item, 0)
+        assert _stripes(engine, c, item) == [0, 0, 0, 0]
+        assert _ledger(engine, c)["delivery-" + item] == 3
+        with Session(engine) as s, s.begin():
+            assert c.increment(s, item, by=3).applied
+            assert c.decrement(s, item, by=1).applied
+            assert c.restripe(s, item, stripes=4).applied  # [1, 1, 0, 0]: no stripe holds 2
+            assert c.increment(s, item, by=1).applied
+        assert sorted(_stripes(engine, c, item)) in ([0, 1, 1, 1], [0, 0, 1, 2])
+        with Session(engine) as s, s.begin():
+            assert c.release(s, "delivery-" + item).value == {item: -3}
+            assert c.release(s, "delivery-" + item).outcome is Outcome.REPEATED
+        assert _stripes(engine, c, item) == [0, 0, 0, 0]
+        assert "delivery-" + item not in _ledger(engine, c)
+        with Session(engine) as s, s.begin():
+            assert c.decrement(s, item, by=1).outcome is Outcome.INSUFFICIENT
+
+
 def test_a_decrement_larger_than_any_stripe_takes_from_several(engine: Any) -> None:
     """8 stripes of 5: a decrement of 33 succeeds (slow path), 8 more is INSUFFICIENT, 7 empties it."""
     c = StripedCounter("big", stripes=8)
