@@ -229,10 +229,12 @@ class ReplicationTimeout(StateguardError):
     write **was applied** on the master and is not undone: it is *applied but
     not durable*, and a failover before it reaches a replica can still lose
     it.  ``value`` is what the call would have returned (the token of
-    ``issue``, the :class:`~stateguard.Result` of ``consume``, the fence of an
-    acquisition, ``None`` for a release or an extension); ``acknowledged`` and
-    ``wanted`` are the replica counts.  A lock acquisition that raises it has
-    given the lock back (best effort)::
+    ``issue``, the :class:`~stateguard.Result` of ``consume``, ``None`` for a
+    release or an extension); ``acknowledged`` and ``wanted`` are the
+    replica counts.  A lock acquisition is the exception: it has given the
+    lock back (released it on the master; its message says if that failed)
+    and the caller does not hold it; its ``value`` is the unused Redis fence
+    the master handed out, ``None`` with ``fences=engine``::
 
         try:
             r = tokens.consume(token, scope="payout:42")

@@ -150,16 +150,63 @@ DEFAULT_WAIT_TIMEOUT: Final = 1.0
 _CLUSTER_ATTEMPTS: Final = 4
 
 
+#: The largest ``wait_replicas``: Redis parses WAIT's count as a 64-bit
+#: integer and refuses more; no deployment has anywhere near this many.
+MAX_WAIT_REPLICAS: Final = 2**31 - 1
+
+#: The longest ``wait_timeout`` (seconds): one hour.  WAIT blocks the call
+#: (and holds its connection) that long when the replicas do not answer.
+MAX_WAIT_TIMEOUT: Final = 3600.0
+
+
 def _check_wait(wait_replicas: Any, wait_timeout: Any) -> tuple[int, int]:
     """``(replicas, timeout in ms)`` from the constructor's ``wait_replicas`` and ``wait_timeout``."""
-    if type(wait_replicas) is not int or wait_replicas < 0:
+    if type(wait_replicas) is not int or not 0 <= wait_replicas <= MAX_WAIT_REPLICAS:
         raise InvalidArgument(
-            f"wait_replicas must be an int >= 0 (0: do not wait for replicas), got {wait_replicas!r}"
+            f"wait_replicas must be an int from 0 (0: do not wait for replicas) to {MAX_WAIT_REPLICAS}, "
+            f"got {wait_replicas!r}; set it to at most the number of replicas each master has"
         )
     seconds = _write.required_seconds(wait_timeout, "wait_timeout")
-    if seconds < 0.001:
-        raise InvalidArgument(f"wait_timeout must be at least 1 millisecond, got {wait_timeout!r}")
+    if not 0.001 <= seconds <= MAX_WAIT_TIMEOUT:
+        raise InvalidArgument(
+            f"wait_timeout must be from 1 millisecond to {MAX_WAIT_TIMEOUT:g} s (one hour), "
+            f"got {wait_timeout!r}"
+        )
     return wait_replicas, max(1, int(seconds * 1000))
+
+
+def _socket_timeout(client: Any) -> float | None:
+    """The ``socket_timeout`` ``client`` was built with (a cluster's: its nodes'); ``None``: none, unknown."""
+    kind = _cluster_kind(client)
+    if kind == "sync":
+        kwargs = getattr(getattr(client, "nodes_manager", None), "connection_kwargs", None)
+    elif kind == "async":
+        kwargs = getattr(client, "connection_kwargs", None)
+    else:
+        kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
+    timeout = kwargs.get("socket_timeout") if isinstance(kwargs, dict) else None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        return None
+    return float(timeout)
+
+
+def _check_socket_timeout(owner: str, client: Any, wait_replicas: int, wait_ms: int) -> None:
+    """With ``wait_replicas``, the client must wait for WAIT's reply longer than WAIT may block.
+
+    Otherwise a WAIT that times out on the server times out in the socket
+    first: the call raises redis' TimeoutError (and redis-py sends it
+    again) instead of ReplicationTimeout.
+    """
+    if not wait_replicas:
+        return
+    timeout = _socket_timeout(client)
+    if timeout is not None and timeout * 1000 <= wait_ms:
+        raise InvalidArgument(
+            f"{owner}: the client's socket_timeout ({timeout:g} s) is not above wait_timeout "
+            f"({wait_ms / 1000:g} s): a WAIT that lasts its whole wait_timeout would time out in the socket. "
+            f"Build the client with a socket_timeout above wait_timeout (leave a margin for the round trip), "
+            f"or lower wait_timeout"
+        )
 
 
 def _awaited(asynchronous: bool, reply: Any) -> _Steps[Any]:
@@ -363,6 +410,7 @@ class _RedisTokens(_RedisClient):
     ) -> None:
         self._check_client(client)
         self.wait_replicas, self._wait_ms = _check_wait(wait_replicas, wait_timeout)
+        _check_socket_timeout(type(self).__name__, client, self.wait_replicas, self._wait_ms)
         self.client = client
         self._consume_script = client.register_script(_CONSUME_SCRIPT)
         # (caller, token key) -> the call id of a consume that raised (its reply may have been lost).
@@ -491,11 +539,17 @@ class RedisTokens(_RedisTokens):
         except ReplicationTimeout as error:
             r = error.value      # consumed on the master, on no replica yet
 
-    ``wait_replicas`` is an int >= 0 (0, the default: no WAIT);
-    ``wait_timeout`` (seconds or a timedelta, 1 s by default) bounds each WAIT.
+    ``wait_replicas`` is an int from 0 to 2**31 - 1 (0, the default: no
+    WAIT); ``wait_timeout`` (seconds or a timedelta, 1 ms to 1 hour, 1 s by
+    default) bounds each WAIT and must be below the client's
+    ``socket_timeout``.  A WAIT that fails itself (socket timeout, dropped
+    connection) raises redis' error: an issue's token, if stored, went to
+    nobody and expires with its ttl; a consume called again for the token
+    by the same thread recognises its own earlier run.
 
-    :raises InvalidArgument: ``client`` is not a synchronous redis client, or
-        a bad ``wait_replicas`` / ``wait_timeout``.
+    :raises InvalidArgument: ``client`` is not a synchronous redis client, a
+        bad ``wait_replicas`` / ``wait_timeout``, or (with ``wait_replicas``)
+        a client ``socket_timeout`` not above ``wait_timeout``.
     """
 
     def issue(self, *, scope: str, ttl: timedelta) -> str:
@@ -540,8 +594,9 @@ class AsyncRedisTokens(_RedisTokens):
 
         tokens = AsyncRedisTokens(client, wait_replicas=1, wait_timeout=0.5)
 
-    :raises InvalidArgument: ``client`` is not a ``redis.asyncio`` client, or
-        a bad ``wait_replicas`` / ``wait_timeout``.
+    :raises InvalidArgument: ``client`` is not a ``redis.asyncio`` client, a
+        bad ``wait_replicas`` / ``wait_timeout``, or (with ``wait_replicas``)
+        a client ``socket_timeout`` not above ``wait_timeout``.
     """
 
     _asynchronous = True
@@ -977,6 +1032,7 @@ class _RedisLock(_RedisClient):
         cls = _async_lock_class() if self._asynchronous else _lock_class()
         self._check_client(client)
         self.wait_replicas, wait_ms = _check_wait(wait_replicas, wait_timeout)
+        _check_socket_timeout(type(self).__name__, client, self.wait_replicas, wait_ms)
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"{type(self).__name__} needs a non-empty str name, got {name!r}")
         try:
@@ -1060,16 +1116,31 @@ class _RedisLock(_RedisClient):
         local.pending_token = token
         try:
             acquired = yield from self._call(self._lock.acquire, blocking_timeout=wait, token=token)
-        except ReplicationTimeout:
-            # Taken on the master only: give it back (best effort; a release
-            # that does not reach the replicas either only leaves the lock to
-            # its TTL after a failover), so no holder runs on a lock that a
-            # failover can hand to someone else.
-            local.pending_token = None
-            local.token = token.encode()
-            with suppress(Exception):
-                yield from self._call(self._lock.release)
-            local.token = None
+        except Exception as error:
+            if not self.wait_replicas:
+                raise
+            # The script may have taken the lock before its WAIT failed: too
+            # few replicas (ReplicationTimeout), or WAIT itself raised (the
+            # socket timed out, the connection dropped).  Give it back, so
+            # that no caller is left holding a lock it does not know about
+            # and no holder runs on a lock a failover can hand to someone
+            # else.  A give-back that fails keeps the owner token: this
+            # thread's (task's) next acquire() takes the lock over.
+            given_back = yield from self._give_back(token)
+            if given_back:
+                local.pending_token = None
+            if isinstance(error, ReplicationTimeout):
+                raise self._given_back(error, given_back) from None
+            error.add_note(
+                f"{type(self).__name__} {self.name!r}: "
+                + (
+                    "the lock this acquisition may have taken was given back (released on the Redis master)"
+                    if given_back
+                    else "giving back the lock this acquisition may have taken failed too: it stays held "
+                    f"until its ttl ({self.ttl:g}s) ends, or until this thread's (task's) next acquire() "
+                    "takes it over"
+                )
+            )
             raise
         local.pending_token = None
         if not acquired:
@@ -1107,6 +1178,44 @@ class _RedisLock(_RedisClient):
         if fence is None:
             raise LockLost(f"{type(self).__name__} {self.name!r} was acquired but no fencing token came back")
         return fence
+
+    def _give_back(self, token: str) -> _Steps[bool]:
+        """Release the lock if owner ``token`` holds it, on the master only (no WAIT); whether that ran.
+
+        The lock of an acquisition that raised: a WAIT here could fail the
+        same way as the acquisition's.  A release that does not reach the
+        replicas only leaves the lock to its TTL after a failover.
+        """
+        lock = self._lock
+        try:
+            yield from self._call(lock.lua_fenced_release, **_release_call(lock, token))
+        except Exception:
+            return False
+        return True
+
+    def _given_back(self, error: ReplicationTimeout, given_back: bool) -> ReplicationTimeout:
+        """An acquisition's ReplicationTimeout: says that the lock was given back and what ``.value`` is."""
+        if given_back:
+            state = "so the lock was given back (released on the master): this caller does not hold it"
+        else:
+            state = (
+                f"and giving the lock back failed too: this caller does not hold it, but it stays taken "
+                f"until its ttl ({self.ttl:g}s) ends or this thread's (task's) next acquire() takes it over"
+            )
+        value = (
+            "None (with fences=engine no fence is taken for a lock given back)"
+            if self._fences is not None
+            else "the unused Redis fence the master handed out for it"
+        )
+        return ReplicationTimeout(
+            f"{type(self).__name__} {self.name!r} was taken on the Redis master, but only "
+            f"{error.acknowledged} of the {error.wanted} replicas asked for (wait_replicas) confirmed it "
+            f"within {self._lock.wait_ms} ms, {state}. The error's .value is {value}. Retry later; check the "
+            f"replicas (INFO replication), lower wait_replicas or raise wait_timeout",
+            value=error.value,
+            acknowledged=error.acknowledged,
+            wanted=error.wanted,
+        )
 
     def _release(self) -> _Steps[None]:
         local = self._lock.local
@@ -1233,14 +1342,21 @@ class RedisLock(_RedisLock):
     cluster, to the master of the lock's slot).  Fewer than ``N``
     confirmations raise :class:`~stateguard.ReplicationTimeout`: an
     acquisition gives the lock back first (a failover could hand it to a
-    second holder), an extension or release did happen on the master::
+    second holder; its ``.value`` is the unused Redis fence, ``None`` with
+    ``fences``), an extension or release did happen on the master.  An
+    acquisition whose WAIT fails in any other way (socket timeout, dropped
+    connection) also gives the lock back, then re-raises redis' error.
+    ``wait_replicas`` is at most 2**31 - 1, ``wait_timeout`` at most one hour
+    and below the client's ``socket_timeout``::
 
         lock = RedisLock(cluster_client, "payout:42", ttl=30, fences=engine, wait_replicas=1)
 
     :raises InvalidArgument: a bad ``ttl``, ``blocking_timeout``,
-        ``wait_replicas`` (an int >= 0, 0 by default: no WAIT),
-        ``wait_timeout`` or name, a ``fences`` that is not an ``Engine``, or
-        (with ``fences``) a name over 255 characters.
+        ``wait_replicas`` (an int from 0 to 2**31 - 1, 0 by default: no
+        WAIT), ``wait_timeout`` (1 ms to 1 hour) or name, a client
+        ``socket_timeout`` not above ``wait_timeout`` (with
+        ``wait_replicas``), a ``fences`` that is not an ``Engine``, or (with
+        ``fences``) a name over 255 characters.
 
     Lost replies: an acquisition, release or extension that ran but whose
     reply was lost is recognised when it runs again (redis-py retries on a

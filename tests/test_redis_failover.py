@@ -24,6 +24,7 @@ import pytest
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
+import stateguard.redis
 from stateguard import (
     AsyncRedisLock,
     AsyncRedisTokens,
@@ -236,6 +237,171 @@ def test_async_wait_replicas_on_a_master_with_one_replica(
             await on_replica.aclose()
 
     asyncio.run(main())
+
+
+# --------------------------------------------------------------------------
+# wait_replicas / wait_timeout bounds, the client's socket_timeout, and the
+# lock given back when the acquisition's WAIT fails (review: the lock stayed
+# held with no owner)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"wait_replicas": 2**31},
+        {"wait_replicas": 2**70},
+        {"wait_replicas": 1, "wait_timeout": 3601},
+        {"wait_replicas": 1, "wait_timeout": 2**70},
+        {"wait_replicas": 1, "wait_timeout": timedelta(days=10**6)},
+    ],
+)
+def test_wait_replicas_and_wait_timeout_are_bounded(kwargs: dict[str, Any]) -> None:
+    """More than 2**31 - 1 replicas, or a wait_timeout over one hour: InvalidArgument, nothing sent."""
+    import redis
+    import redis.asyncio
+
+    sync, asynchronous = redis.Redis(socket_timeout=None), redis.asyncio.Redis(socket_timeout=None)
+    name = "wait_replicas" if "wait_timeout" not in kwargs else "wait_timeout"
+    for build in (
+        lambda: RedisTokens(sync, **kwargs),
+        lambda: AsyncRedisTokens(asynchronous, **kwargs),
+        lambda: RedisLock(sync, "x", ttl=1, **kwargs),
+        lambda: AsyncRedisLock(asynchronous, "x", ttl=1, **kwargs),
+    ):
+        with pytest.raises(InvalidArgument, match=name):
+            build()
+    # The bounds themselves are accepted.
+    assert RedisLock(sync, "x", ttl=1, wait_replicas=2**31 - 1, wait_timeout=3600).wait_replicas == 2**31 - 1
+
+
+@pytest.mark.parametrize("socket_timeout", [0.2, 1])
+def test_socket_timeout_must_be_above_wait_timeout(socket_timeout: float) -> None:
+    """With wait_replicas, a client socket_timeout at or below wait_timeout is refused by all four classes."""
+    import redis
+    import redis.asyncio
+    from redis.asyncio.cluster import RedisCluster as AsyncCluster
+
+    sync = redis.Redis(socket_timeout=socket_timeout)
+    asynchronous = redis.asyncio.Redis(socket_timeout=socket_timeout)
+    cluster = AsyncCluster(host="127.0.0.1", port=1, socket_timeout=socket_timeout)  # connects lazily
+    for build in (
+        lambda: RedisTokens(sync, wait_replicas=1, wait_timeout=1),
+        lambda: AsyncRedisTokens(asynchronous, wait_replicas=1, wait_timeout=1),
+        lambda: RedisLock(sync, "x", ttl=1, wait_replicas=1, wait_timeout=1),
+        lambda: AsyncRedisLock(asynchronous, "x", ttl=1, wait_replicas=1, wait_timeout=1),
+        lambda: AsyncRedisTokens(cluster, wait_replicas=1, wait_timeout=1),
+    ):
+        with pytest.raises(InvalidArgument, match="socket_timeout"):
+            build()
+    # Without WAIT the socket_timeout does not matter; above wait_timeout, or none at all, is fine.
+    RedisLock(sync, "x", ttl=1)
+    RedisTokens(redis.Redis(socket_timeout=1.5), wait_replicas=1, wait_timeout=1)
+    RedisTokens(redis.Redis(socket_timeout=None), wait_replicas=1, wait_timeout=1)
+
+
+def test_socket_timeout_of_a_cluster_client_is_checked(cluster: LocalCluster) -> None:
+    """A sync RedisCluster's socket_timeout (its nodes' connections') is checked as well."""
+    from redis.cluster import RedisCluster
+
+    client = RedisCluster(host="127.0.0.1", port=cluster.port, socket_timeout=0.5)
+    try:
+        with pytest.raises(InvalidArgument, match="socket_timeout"):
+            RedisLock(client, "x", ttl=1, wait_replicas=1, wait_timeout=1)
+        RedisLock(client, "x", ttl=1, wait_replicas=1, wait_timeout=0.2)
+    finally:
+        client.close()
+
+
+def test_acquisition_whose_wait_fails_gives_the_lock_back(
+    replicated: tuple[RedisServer, RedisServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """WAIT refused by Redis, or timed out in the socket: redis' error, and the lock is free again.
+
+    Both are made past the constructor's checks (they are what the checks now prevent): WAIT's
+    timeout out of Redis' range, then a client whose socket_timeout is below wait_timeout.
+    """
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    master, _ = replicated
+    client = redis.Redis(port=master.port, socket_timeout=5, retry=Retry(NoBackoff(), 0))
+    try:
+        lock = RedisLock(client, "wait-fails", ttl=30, wait_replicas=1, blocking_timeout=0)
+        lock._lock.wait_ms = 2**70  # WAIT replies "timeout is not an integer or out of range"
+        with pytest.raises(redis.ResponseError) as caught:
+            lock.acquire()
+        assert any("given back" in note for note in getattr(caught.value, "__notes__", []))
+        assert client.exists(lock.key) == 0 and not lock.owned()
+        other = RedisLock(client, "wait-fails", ttl=5, blocking_timeout=0)
+        with other:  # free at once, not held for 30 s by nobody
+            pass
+
+        # The constructor refuses this client now: skip its check to make the socket time out under WAIT.
+        monkeypatch.setattr(stateguard.redis, "_check_socket_timeout", lambda *args: None)
+        impatient = redis.Redis(port=master.port, socket_timeout=0.2, retry=Retry(NoBackoff(), 0))
+        slow = RedisLock(
+            impatient, "wait-times-out", ttl=30, wait_replicas=2, wait_timeout=1, blocking_timeout=0
+        )
+        with pytest.raises(redis.TimeoutError):
+            slow.acquire()
+        assert client.exists(slow.key) == 0 and not slow.owned()
+        impatient.close()
+        with RedisLock(client, "wait-times-out", ttl=5, blocking_timeout=0):
+            pass
+    finally:
+        client.close()
+
+
+def test_async_acquisition_whose_wait_fails_gives_the_lock_back(
+    replicated: tuple[RedisServer, RedisServer],
+) -> None:
+    """The same through redis.asyncio: WAIT refused, the lock is free again."""
+    import redis.asyncio
+
+    master, _ = replicated
+
+    async def main() -> None:
+        client = redis.asyncio.Redis(port=master.port)
+        try:
+            lock = AsyncRedisLock(client, "await-fails", ttl=30, wait_replicas=1, blocking_timeout=0)
+            lock._lock.wait_ms = 2**70
+            with pytest.raises(redis.asyncio.ResponseError):
+                await lock.acquire()
+            assert await client.exists(lock.key) == 0 and not await lock.owned()
+            async with AsyncRedisLock(client, "await-fails", ttl=5, blocking_timeout=0):
+                pass
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_replication_timeout_of_an_acquisition_says_the_lock_was_given_back(
+    replicated: tuple[RedisServer, RedisServer], fenced_db: Engine
+) -> None:
+    """The message says the lock was given back (not "applied but not durable") and what .value holds."""
+    import redis
+
+    master, _ = replicated
+    client = redis.Redis(port=master.port)
+    try:
+        plain = RedisLock(client, "given-back", ttl=30, wait_replicas=2, wait_timeout=0.05)
+        with pytest.raises(ReplicationTimeout, match="given back") as caught:
+            plain.acquire()
+        message = str(caught.value)
+        assert "not durable" not in message and "unused Redis fence" in message
+        assert isinstance(caught.value.value, int) and caught.value.value > 0
+        assert client.exists(plain.key) == 0
+
+        fenced = RedisLock(client, "given-back", ttl=30, fences=fenced_db, wait_replicas=2, wait_timeout=0.05)
+        with pytest.raises(ReplicationTimeout, match="given back") as caught:
+            fenced.acquire()
+        assert caught.value.value is None and "None (with fences=engine" in str(caught.value)
+        assert client.exists(fenced.key) == 0
+    finally:
+        client.close()
 
 
 # --------------------------------------------------------------------------
