@@ -102,13 +102,20 @@ def _memo(kind: str, backend: _sql.Backend, build: Any) -> Any:
     return _write.memo.get_or_build(("striped", kind, backend), build)
 
 
-def _pick(backend: _sql.Backend, wrap: bool | None, enough: bool) -> Any:
+def _fits(sign: int) -> Any:
+    """A stripe the change fits: holding ``:by`` (a decrement), or with room for it below
+    :data:`MAX_AMOUNT` (an increment: ``amount <= :room``, ``:room`` = MAX_AMOUNT - by, so the
+    statement never computes a value a BIGINT cannot hold)."""
+    if sign < 0:
+        return _s.c.amount >= bindparam("sg_by")
+    return _s.c.amount <= bindparam("sg_room")
+
+
+def _pick(backend: _sql.Backend, wrap: bool | None, sign: int) -> Any:
     """The stripe a change starts at: the last one at or below ``:start`` (``wrap``: above it;
-    ``None``: either, at or below first), free (``SKIP LOCKED``) and, if ``enough``, holding ``:by``."""
+    ``None``: either, at or below first), free (``SKIP LOCKED``) and one the change fits."""
     start: Any = bindparam("sg_start")
-    where = list(_same_item)
-    if enough:
-        where.append(_s.c.amount >= bindparam("sg_by"))
+    where = [*_same_item, _fits(sign)]
     if wrap is None:
         order: list[Any] = [_s.c.stripe > start, desc(_s.c.stripe)]
     else:
@@ -125,10 +132,8 @@ def _one_statement(backend: _sql.Backend, sign: int) -> Any:
 
     def build() -> Any:
         by: Any = bindparam("sg_by")
-        pick = _pick(backend, None, sign < 0).scalar_subquery()
-        where = [*_same_item, _s.c.stripe == pick]
-        if sign < 0:
-            where.append(_s.c.amount >= by)
+        pick = _pick(backend, None, sign).scalar_subquery()
+        where = [*_same_item, _s.c.stripe == pick, _fits(sign)]
         new = _s.c.amount - by if sign < 0 else _s.c.amount + by
         return update(_s).where(*where).values(amount=new).returning(_s.c.amount)
 
@@ -142,7 +147,7 @@ def _by_stripe(backend: _sql.Backend, sign: int, guarded: bool) -> Any:
         by: Any = bindparam("sg_by")
         where = [*_same_item, _s.c.stripe == bindparam("sg_stripe")]
         if guarded:
-            where.append(_s.c.amount >= by)
+            where.append(_fits(sign))
         new = _s.c.amount - by if sign < 0 else _s.c.amount + by
         stmt = update(_s).where(*where).values(amount=new)
         return stmt.returning(_s.c.amount) if backend.returning else stmt
@@ -158,6 +163,17 @@ def _sweep(backend: _sql.Backend) -> Any:
         return stmt.with_for_update() if backend.row_locks else stmt
 
     return _memo("sweep", backend, build)
+
+
+def _stripe_0(backend: _sql.Backend) -> Any:
+    """Stripe 0's amount (an increment's guarded UPDATE of it matched nothing: missing or full?)."""
+
+    def build() -> Any:
+        stmt = select(_s.c.amount).where(*_same_item, _s.c.stripe == 0)
+        # InnoDB: the UPDATE read the latest committed row; a plain SELECT would read the snapshot.
+        return stmt.with_for_update() if backend.locking_read else stmt
+
+    return _memo("stripe-0", backend, build)
 
 
 def _totals() -> Any:
@@ -323,18 +339,40 @@ class StripedCounter:
 
     def _fast(self, conn: Connection, backend: _sql.Backend, item: str, by: int, sign: int) -> bool:
         """Change one free stripe (holding ``by`` for a decrement); whether one was found."""
-        params = self._params(item, sg_by=by, sg_start=random.randrange(SPACE))
+        params = self._params(item, sg_by=by, sg_room=MAX_AMOUNT - by, sg_start=random.randrange(SPACE))
         if backend.returning:
             return _write.execute(conn, _one_statement(backend, sign), params).first() is not None
         for wrap in (False, True):
-            stripe = _write.execute(conn, _pick(backend, wrap, sign < 0), params).scalar()
+            stripe = _write.execute(conn, _pick(backend, wrap, sign), params).scalar()
             if stripe is not None:
                 # Locked by this transaction: the UPDATE cannot miss it.
                 update_params = {**params, "sg_stripe": stripe}
-                stmt = _by_stripe(backend, sign, sign < 0)
+                stmt = _by_stripe(backend, sign, True)
                 applied, _ = _write.run_guarded(conn, stmt, update_params, returning=backend.returning)
                 return applied
         return False
+
+    def _add_to_stripe_0(self, conn: Connection, backend: _sql.Backend, item: str, by: int) -> bool:
+        """An increment no free stripe took (all held by others, or too full): wait for stripe 0
+        (every item has one).  ``False``: no such item.
+
+        :raises InvalidArgument: stripe 0 holds more than ``MAX_AMOUNT - by`` (the change would
+            exceed the BIGINT range); nothing changed and the transaction stays usable (the
+            guard is in the statement, which the database never fails).
+        """
+        params = self._params(item, sg_by=by, sg_room=MAX_AMOUNT - by, sg_stripe=0)
+        applied, _ = _write.run_guarded(
+            conn, _by_stripe(backend, 1, True), params, returning=backend.returning
+        )
+        if applied:
+            return True
+        found = _write.execute(conn, _stripe_0(backend), params).scalar()
+        if found is None:
+            return False
+        raise InvalidArgument(
+            f"adding {by} to {self.target.name} item {item!r} would exceed the BIGINT range of a stripe "
+            f"(at most {MAX_AMOUNT}); nothing changed"
+        )
 
     def _lock_all(self, conn: Connection, backend: _sql.Backend, item: str) -> Sequence[Any]:
         """Every stripe of ``item``, locked in stripe order; ``[]`` when the item does not exist.
@@ -435,12 +473,13 @@ class StripedCounter:
         if sign < 0:
             outcome, value = self._slow_decrement(conn, backend, item, by)
         else:
-            # Every stripe is held by another transaction: wait for stripe 0 (every item has one).
-            params = self._params(item, sg_by=by, sg_stripe=0)
-            applied, _ = _write.run_guarded(
-                conn, _by_stripe(backend, 1, False), params, returning=backend.returning
-            )
-            outcome = Outcome.APPLIED if applied else Outcome.NOT_FOUND
+            try:
+                added = self._add_to_stripe_0(conn, backend, item, by)
+            except InvalidArgument:
+                if ledger_id is not None:
+                    ledger_forget(conn, backend, ledger_id)  # no trace: the database is unchanged
+                raise
+            outcome = Outcome.APPLIED if added else Outcome.NOT_FOUND
         if outcome is not Outcome.APPLIED and ledger_id is not None:
             # Nothing changed: forget the claim, so the same ref can apply later.
             ledger_forget(conn, backend, ledger_id)
@@ -517,7 +556,9 @@ class StripedCounter:
 
             stock.increment(session, "sku-1", by=50, ref="delivery-7")
 
-        :raises InvalidArgument: a bad item, ``by`` or ``ref``; nothing was sent.
+        :raises InvalidArgument: a bad item, ``by`` or ``ref`` (nothing was sent); or no stripe
+            has room for ``by`` below 2**63 - 1 (a BIGINT): the guard is in the statement, so
+            nothing changed and the transaction stays usable.
         """
         item = self._item(item)
         _check_int(by, "by", 1, MAX_AMOUNT)
@@ -618,8 +659,7 @@ class StripedCounter:
         a :class:`~stateguard.counters.Shortfall` when the item has less in all.
         """
         if delta > 0 and not self._fast(conn, backend, item, delta, 1):
-            stmt = _by_stripe(backend, 1, False)
-            _write.execute(conn, stmt, self._params(item, sg_by=delta, sg_stripe=0))
+            self._add_to_stripe_0(conn, backend, item, delta)
         elif delta < 0 and not self._fast(conn, backend, item, -delta, -1):
             outcome, value = self._slow_decrement(conn, backend, item, -delta)
             if outcome is Outcome.INSUFFICIENT:

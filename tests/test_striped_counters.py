@@ -31,7 +31,7 @@ from stateguard import (
     create_tables,
     drop_tables,
 )
-from stateguard.striped import SPACE, stripe_ids
+from stateguard.striped import MAX_AMOUNT, SPACE, stripe_ids
 from stateguard.tables import counter_ledger, counter_stripes
 
 from . import _striped_workers as w
@@ -141,6 +141,34 @@ def test_release_of_an_increment_whose_units_are_gone_is_insufficient(engine: An
         assert "delivery-" + item not in _ledger(engine, c)
         with Session(engine) as s, s.begin():
             assert c.decrement(s, item, by=1).outcome is Outcome.INSUFFICIENT
+
+
+def test_an_increment_past_the_bigint_range_is_refused_and_changes_nothing(engine: Any) -> None:
+    """A stripe never goes past 2**63 - 1: an increment lands on a stripe with room, and when none
+    has room it is InvalidArgument with nothing changed and the transaction usable (no driver error
+    on PostgreSQL/MariaDB, no REAL stripe on SQLite)."""
+    top = MAX_AMOUNT
+    c = StripedCounter("stock", stripes=2)
+    with Session(engine) as s, s.begin():
+        c.create(s, "big", amount=2**62)  # [2**61, 2**61]
+        assert c.increment(s, "big", by=top - 2**61).applied
+        assert c.increment(s, "big", by=top - 2**61, ref="last-room").applied
+        assert c.stripe_amounts(s, "big") == [top, top]
+        for ref in (None, "no-room"):
+            with pytest.raises(InvalidArgument, match="would exceed the BIGINT range"):
+                c.increment(s, "big", by=1, ref=ref)
+        assert c.stripe_amounts(s, "big") == [top, top]
+        assert c.decrement(s, "big", by=3).applied
+        assert sorted(c.stripe_amounts(s, "big")) == [top - 3, top]
+        with pytest.raises(InvalidArgument, match="would exceed the BIGINT range"):
+            c.increment(s, "big", by=4)
+        assert c.increment(s, "big", by=3, ref="no-room").applied  # the refused ref left no trace
+        assert c.stripe_amounts(s, "big") == [top, top]
+        c.create(s, "one", amount=top, stripes=1)
+        with pytest.raises(InvalidArgument, match="would exceed the BIGINT range"):
+            c.increment(s, "one", by=top)
+        assert c.total(s, "one") == top
+    assert _ledger(engine, c) == {"last-room": top - 2**61, "no-room": 3}
 
 
 def test_a_decrement_larger_than_any_stripe_takes_from_several(engine: Any) -> None:
