@@ -33,7 +33,7 @@ from typing import Any
 
 from .conftest import IN_CI
 
-__all__ = ["LocalCluster", "RedisServer", "free_port", "redis_server_binary"]
+__all__ = ["LocalCluster", "RedisServer", "free_port", "redis_server_binary", "stop_by_pid"]
 
 
 def redis_server_binary() -> str:
@@ -74,6 +74,19 @@ def free_port(*, cluster: bool = False) -> int:
         if _bindable(port) and _bindable(port + 10000):
             return port
     raise RuntimeError("no free port pair (port, port + 10000) for a cluster node")
+
+
+def stop_by_pid(process: subprocess.Popen[bytes] | None, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to a server process the tests started and reap it (SIGKILL after 20 s)."""
+    if process is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        process.send_signal(sig)
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=20)
 
 
 class RedisServer:
@@ -148,15 +161,7 @@ class RedisServer:
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Stop the process by its pid (SIGKILL: a crash; nothing is saved either way)."""
         process, self.process = self.process, None
-        if process is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(sig)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=20)
+        stop_by_pid(process, sig)
 
     def pause(self) -> None:
         """SIGSTOP the process by its pid: a server that stalls (a replica falling behind its master)."""

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from ._redis_server import free_port
+from ._redis_server import free_port, stop_by_pid
 from .conftest import IN_CI
 
 __all__ = ["Gate", "ZooKeeperEnsemble", "ZooKeeperServer", "zookeeper_available", "zookeeper_command"]
@@ -191,15 +191,7 @@ class ZooKeeperServer:
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Stop the process by its pid (SIGKILL: a crash).  The data directory stays."""
         process, self.process = self.process, None
-        if process is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(sig)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=20)
+        stop_by_pid(process, sig)
 
     def restart(self) -> None:
         """Crash the server (SIGKILL) and start it again on the same port with the same data."""
