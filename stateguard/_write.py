@@ -23,6 +23,7 @@ algorithms live in the feature modules and call into here.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import threading
 import time
@@ -42,6 +43,7 @@ from sqlalchemy import (
     event,
     false,
     insert,
+    lambda_stmt,
     literal,
     select,
     text,
@@ -51,7 +53,9 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
+from sqlalchemy.sql.base import Executable
 from sqlalchemy.sql.elements import ClauseElement, ColumnElement
+from sqlalchemy.sql.lambdas import StatementLambdaElement
 
 from . import _sql
 from .engine import BEGIN_MARK, PENDING
@@ -154,6 +158,24 @@ class Memo:
 
 #: The statement memo of every guarded write.
 memo: Final = Memo(4096)
+
+_frozen_ids = itertools.count(1)
+
+
+def frozen(stmt: Executable) -> StatementLambdaElement:
+    """``stmt`` with its SQL cache key computed once, for statements run on every call of a hot path.
+
+    SQLAlchemy looks up the compiled form of a statement by a cache key that
+    it recomputes, by walking the whole statement, at every execution: a few
+    microseconds for a one-table UPDATE, about 30 for the idempotency claim's
+    CTE.  A lambda statement (:func:`sqlalchemy.lambda_stmt`) is keyed by its
+    code and ``track_on`` instead: here a number unique to this call, so two
+    frozen statements never share a compiled form.  ``stmt`` must be complete
+    and never change (its bound parameters get their values at execution, as
+    usual); the result executes, compiles and renders exactly like ``stmt``
+    (``schema_translate_map`` and events included).
+    """
+    return lambda_stmt(lambda: stmt, track_on=[f"stateguard.frozen.{next(_frozen_ids)}"])
 
 
 # --------------------------------------------------------------------------
@@ -456,7 +478,10 @@ class InsertOnce:
                 .where(self.where)
                 .where(~select(literal(1)).select_from(inserted).exists())
             )
-            stmt = self._statements[name] = select(inserted, true().label("sg_inserted")).union_all(existing)
+            # Frozen: run on every claim, and its cache key is costly to compute (a CTE and a UNION).
+            stmt = self._statements[name] = frozen(
+                select(inserted, true().label("sg_inserted")).union_all(existing)
+            )
         return stmt
 
     def insert_or_read(self, conn: Connection, params: Mapping[str, Any]) -> tuple[bool, Any]:

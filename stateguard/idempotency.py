@@ -408,7 +408,7 @@ _TAKEOVER: Final = (
 
 def _owned_update(**values: Any) -> Any:
     """``UPDATE ... SET values, updated_ms = db_now WHERE key AND owner = :me AND status = 'in_progress'``."""
-    return update(_t).where(*_MINE).values(updated_ms=_NOW, **values)
+    return _write.frozen(update(_t).where(*_MINE).values(updated_ms=_NOW, **values))
 
 
 _COMPLETE: Final = _owned_update(
