@@ -30,22 +30,28 @@ and a decrement takes from one stripe that nobody else holds:
   Striping buys nothing there (every write holds the whole database until
   COMMIT); it stays correct.
 
-When no free stripe holds ``by`` (stock is spread thin, or ``by`` is more
-than any stripe), the slow path locks every stripe of the item in stripe
+When no free stripe holds ``by``, a read without locks tells why.  If some
+stripe holds it but another buyer has it locked (the common case under
+load), the decrement waits for that one stripe, as a single-row counter
+would: a guarded UPDATE of it (in a savepoint on PostgreSQL, rolled back
+when the stripe no longer holds ``by`` or the wait was a deadlock victim).
+Otherwise (stock is spread thin, or ``by`` is more than any stripe), or if
+that stripe ran short meanwhile, the slow path locks every stripe of the item in stripe
 order (``SELECT ... ORDER BY stripe FOR UPDATE``, waiting), and takes
 ``by`` from as many stripes as needed: INSUFFICIENT only when the whole
-item lacks it.  Everyone who waits takes the locks in the same order, and a
-fast-path buyer holds one stripe and waits for nothing, so they cannot
-deadlock one another.  One exception: a fast path that found no stripe may
-still hold a short stripe it examined (InnoDB, above; on PostgreSQL a
-stripe emptied by a commit just before it was locked: the row stays locked
-when the re-check of its newest version fails), and two such slow paths
-can then deadlock.  The slow path runs in a savepoint: on PostgreSQL the
-victim rolls back to it, which releases what its sweep locked, and sweeps
-again (the caller sees no error, only the ``deadlock_timeout`` wait, 1 s by
-default); InnoDB rolls the victim's whole transaction back, and stateguard
-raises the retryable :class:`~stateguard.DeadlockDetected`
-(``retry_on_conflict`` retries it).  Both happen only when stock runs low.
+item lacks it.  Everyone who locks several stripes takes them in the same
+order, a fast-path buyer holds one stripe and waits for nothing, and one
+waiting for a single stripe holds no other, so they cannot deadlock one
+another.  One exception: a fast path that found no stripe may still hold a
+short stripe it examined (InnoDB, above; on PostgreSQL a stripe emptied by
+a commit just before it was locked: the row stays locked when the re-check
+of its newest version fails), and its wait or sweep can then deadlock with
+a sweep.  Both run in a savepoint on PostgreSQL: the victim rolls back to
+it, which releases what it locked there, and goes on (the caller sees no
+error, only the ``deadlock_timeout`` wait, 1 s by default); InnoDB rolls
+the victim's whole transaction back, and stateguard raises the retryable
+:class:`~stateguard.DeadlockDetected` (``retry_on_conflict`` retries it).
+Both happen only when stock runs low.
 
 ``ref=`` uses the same idempotent ledger as the guarded counters
 (``stateguard_counter_ledger``, table name ``stateguard_counter_stripes``,
@@ -174,6 +180,14 @@ def _stripe_0(backend: _sql.Backend) -> Any:
         return stmt.with_for_update() if backend.locking_read else stmt
 
     return _memo("stripe-0", backend, build)
+
+
+def _hints() -> Any:
+    """Each stripe's amount, read without locks: which stripe is worth waiting for."""
+    return _write.memo.get_or_build(
+        ("striped", "hints"),
+        lambda: select(_s.c.stripe, _s.c.amount).where(*_same_item),
+    )
 
 
 def _totals() -> Any:
@@ -352,6 +366,56 @@ class StripedCounter:
                 return applied
         return False
 
+    def _take(
+        self, conn: Connection, backend: _sql.Backend, item: str, by: int
+    ) -> tuple[Outcome, int | None]:
+        """Take ``by`` off ``item``: from a free stripe, else a busy one that holds it, else from several.
+
+        ``(APPLIED, None)``, ``(INSUFFICIENT, total)`` or ``(NOT_FOUND, None)``.
+        """
+        if self._fast(conn, backend, item, by, -1):
+            return Outcome.APPLIED, None
+        if backend.row_locks and self._wait_for_one(conn, backend, item, by):
+            return Outcome.APPLIED, None
+        return self._slow_decrement(conn, backend, item, by)
+
+    def _wait_for_one(self, conn: Connection, backend: _sql.Backend, item: str, by: int) -> bool:
+        """A decrement no free stripe took: wait for one busy stripe that holds ``by``; whether it applied.
+
+        The fast path fails when every stripe that holds ``by`` is held by another buyer
+        (the common case under load) or when none holds it (stock low, ``by`` large).  A
+        read without locks tells them apart: for the first, wait for one such stripe, as a
+        single-row counter would, instead of locking every stripe (which would make everyone
+        after it wait for all of them).  ``False`` (nothing changed): no stripe seemed to hold
+        ``by``, or the one waited for no longer does; the sweep decides.
+
+        Where a deadlock aborts only the statement (PostgreSQL), the UPDATE runs in a
+        savepoint: a victim rolls back to it and falls to the sweep, with no error.
+        """
+        params = self._params(item, sg_by=by)
+        candidates = [r.stripe for r in _write.execute(conn, _hints(), params) if r.amount >= by]
+        if not candidates:
+            return False
+        params["sg_stripe"] = random.choice(candidates)
+        stmt = _by_stripe(backend, -1, True)
+        if backend.locking_read:
+            # InnoDB rolls a deadlock victim's whole transaction back: a savepoint cannot help.
+            return _write.run_guarded(conn, stmt, params, returning=backend.returning)[0]
+        savepoint = conn.begin_nested()
+        try:
+            applied = _write.run_guarded(conn, stmt, params, returning=backend.returning)[0]
+        except DeadlockDetected:
+            savepoint.rollback()
+            return False
+        except BaseException:
+            _write.abandon_savepoint(savepoint)
+            raise
+        if applied:
+            savepoint.commit()
+        else:
+            savepoint.rollback()  # a stripe that no longer holds ``by`` stays locked otherwise
+        return applied
+
     def _add_to_stripe_0(self, conn: Connection, backend: _sql.Backend, item: str, by: int) -> bool:
         """An increment no free stripe took (all held by others, or too full): wait for stripe 0
         (every item has one).  ``False``: no such item.
@@ -467,11 +531,11 @@ class StripedCounter:
             ledger_id = ledger_claim(conn, backend, self.target, row_key((item,)), item, ref, delta)
             if ledger_id is None:
                 return self._result(session, Outcome.REPEATED, item)
-        if self._fast(conn, backend, item, by, sign):
-            return self._result(session, Outcome.APPLIED, item)
         value: int | None = None
         if sign < 0:
-            outcome, value = self._slow_decrement(conn, backend, item, by)
+            outcome, value = self._take(conn, backend, item, by)
+        elif self._fast(conn, backend, item, by, sign):
+            return self._result(session, Outcome.APPLIED, item)
         else:
             try:
                 added = self._add_to_stripe_0(conn, backend, item, by)
@@ -660,8 +724,8 @@ class StripedCounter:
         """
         if delta > 0 and not self._fast(conn, backend, item, delta, 1):
             self._add_to_stripe_0(conn, backend, item, delta)
-        elif delta < 0 and not self._fast(conn, backend, item, -delta, -1):
-            outcome, value = self._slow_decrement(conn, backend, item, -delta)
+        elif delta < 0:
+            outcome, value = self._take(conn, backend, item, -delta)
             if outcome is Outcome.INSUFFICIENT:
                 return Shortfall(item, value)
         return None
