@@ -25,6 +25,7 @@ from stateguard import (
     Outcome,
     RequestInProgress,
     Result,
+    StripedCounter,
     consume_once,
     consume_token,
     create_tables,
@@ -331,3 +332,44 @@ def test_new_request_id_is_accepted_as_a_request_id(proxied: tuple[Engine, Fault
     assert (again.outcome, again.same_request) == (Outcome.REPEATED, True)
     again = retry(engine, lambda s: consume_token(s, token, scope="uuid", request_id=rid))
     assert (again.outcome, again.same_request) == (Outcome.REPEATED, True)
+
+
+def test_striped_decrement_retry_learns_its_lost_commit_applied(proxied: tuple[Engine, FaultProxy]) -> None:
+    """A StripedCounter decrement with ref, on the fast path and on the slow path (more than any
+    stripe holds), whose COMMIT reply was lost: the retry is REPEATED with same_request, the units
+    were taken once; its release, lost the same way, gives them back once."""
+    engine, proxy = proxied
+    stock = StripedCounter("lost", stripes=4)
+    with Session(engine) as s, s.begin():
+        stock.create(s, "sku", amount=40)  # stripes of 10
+    for ref, by, left in (("small", 3, 37), ("large", 25, 12)):
+        take = lambda s, ref=ref, by=by: stock.decrement(s, "sku", by=by, ref=ref)  # noqa: E731
+        assert lose_commit_reply(engine, proxy, take).applied
+        proxy.cuts = 0
+        again = retry(engine, take)
+        assert (again.outcome, again.same_request) == (Outcome.REPEATED, True)
+        with Session(engine) as s:
+            assert stock.total(s, "sku") == left
+    give_back = lambda s: stock.release(s, "large")  # noqa: E731
+    assert lose_commit_reply(engine, proxy, give_back).applied
+    again = retry(engine, give_back)
+    assert (again.outcome, again.same_request) == (Outcome.REPEATED, True)
+    with Session(engine) as s:
+        assert stock.total(s, "sku") == 37
+
+
+def test_striped_decrement_cut_before_commit_retry_applies(proxied: tuple[Engine, FaultProxy]) -> None:
+    """A striped decrement whose connection was lost before the COMMIT left nothing: the retry is
+    APPLIED and takes the units once."""
+    engine, proxy = proxied
+    stock = StripedCounter("lost", stripes=4)
+    with Session(engine) as s, s.begin():
+        stock.create(s, "sku", amount=40)
+    take = lambda s: stock.decrement(s, "sku", by=25, ref="order-1")  # noqa: E731
+    lose_connection_before_commit(engine, proxy, take)
+    with Session(engine) as s:
+        assert stock.total(s, "sku") == 40
+    again = retry(engine, take)
+    assert (again.outcome, again.same_request) == (Outcome.APPLIED, False)
+    with Session(engine) as s:
+        assert stock.total(s, "sku") == 15

@@ -376,6 +376,66 @@ def test_bad_input_sends_nothing(engine: Any, call: Any, why: str) -> None:
         assert c.stripe_amounts(s, "sku") == [3, 2]
 
 
+def test_an_engine_or_connection_where_a_session_belongs_is_refused(engine: Any) -> None:
+    """Every call refuses an Engine, a Connection or None with InvalidArgument naming what to pass,
+    and sends nothing."""
+    c = StripedCounter("wrong", stripes=2)
+    calls = [
+        lambda x: c.create(x, "sku", amount=1),
+        lambda x: c.decrement(x, "sku", by=1),
+        lambda x: c.increment(x, "sku", by=1),
+        lambda x: c.reserve(x, {"sku": 1}, ref="r"),
+        lambda x: c.release(x, "r"),
+        lambda x: c.total(x, "sku"),
+        lambda x: c.restripe(x, "sku", stripes=2),
+    ]
+    with engine.connect() as conn, count_statements(engine) as counted:
+        for wrong, hint in (
+            (engine, "Session\\(engine\\)"),
+            (conn, "Session\\(bind=connection\\)"),
+            (None, "Session"),
+        ):
+            for call in calls:
+                with pytest.raises(InvalidArgument, match=hint):
+                    call(wrong)
+    assert len(counted) == 0
+
+
+def test_savepoint_rollback_undoes_striped_changes_and_keeps_loaded_objects_right(engine: Any) -> None:
+    """Decrements, a reserve and a release inside a SAVEPOINT that is rolled back leave the stripes
+    and the ref ledger as they were (the refs apply again afterwards), and ORM objects the block
+    added or changed roll back with it."""
+    from .models import Invoice
+
+    c = StripedCounter("sp", stripes=3)
+    with Session(engine) as s, s.begin():
+        Invoice.metadata.create_all(s.connection(), tables=[Invoice.__table__])
+        c.create(s, "a", amount=30)
+        c.create(s, "b", amount=30)
+        s.add(Invoice(id=1, status="sent"))
+    with Session(engine) as s, s.begin():
+        inv = s.get_one(Invoice, 1)
+        assert c.decrement(s, "a", by=2, ref="kept").applied
+        before = c.stripe_amounts(s, "a"), c.stripe_amounts(s, "b")
+        sp = s.begin_nested()
+        inv.status = "void"
+        s.add(Invoice(id=2, status="sent"))
+        assert c.decrement(s, "a", by=25, ref="big").applied  # more than a stripe: the slow path
+        assert c.reserve(s, {"a": 1, "b": 2}, ref="order").applied
+        assert c.release(s, "kept").applied
+        s.flush()
+        sp.rollback()
+        assert (c.stripe_amounts(s, "a"), c.stripe_amounts(s, "b")) == before
+        assert inv.status == "sent" and s.get(Invoice, 2) is None
+        # The rolled-back refs were never applied; the kept one is still held.
+        assert c.decrement(s, "a", by=25, ref="big").applied
+        assert c.release(s, "kept").applied
+        assert c.total(s, "a") == 30 - 25
+    with Session(engine) as s:
+        assert c.total(s, "a") == 5 and c.total(s, "b") == 30
+    Invoice.metadata.drop_all(engine, tables=[Invoice.__table__])
+
+
 def test_bad_counter_definitions() -> None:
     """A blank or oversize name, or a stripe count outside 1..1024, is refused at definition."""
     for bad in ("", " ", "n" * 101):
