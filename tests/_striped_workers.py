@@ -96,3 +96,40 @@ def restriper(name: str, url: str, rounds: int, barrier: Any) -> dict[str, Any]:
     finally:
         eng.dispose()
     return {"totals": seen, "counts": counts}
+
+
+def restart_buyer(
+    name: str, url: str, worker: int, plan: list[tuple[str, int]], barrier: Any
+) -> dict[str, Any]:
+    """Send every (ref, quantity) purchase, riding out a server restart: a unit of work cut off by
+    a lost connection is run again with the same ref until it gets an answer.
+
+    Returns ``{"outcomes": [(ref, qty, outcome, same_request)], "counts": {...}}``; a retry whose
+    first attempt committed answers REPEATED with ``same_request``.
+    """
+    from sqlalchemy.exc import DBAPIError
+
+    eng = engine(name, url)
+    outcomes: list[tuple[str, int, str, bool]] = []
+    counts: dict[str, int] = {}
+    try:
+        barrier.wait()
+        for ref, qty in plan:
+            for _ in range(1200):
+                try:
+                    with Session(eng) as s, s.begin():
+                        r = COUNTER.decrement(s, ITEM, by=qty, ref=ref)
+                    outcomes.append((ref, qty, r.outcome.name, r.same_request))
+                    break
+                except (DeadlockDetected, SerializationConflict):
+                    counts["conflict"] = counts.get("conflict", 0) + 1
+                except DBAPIError:
+                    # The server went away (the restart): the pool's connections are dead.
+                    counts["reconnects"] = counts.get("reconnects", 0) + 1
+                    eng.dispose()
+                    time.sleep(0.1)
+            else:
+                raise AssertionError(f"{ref}: no answer after 1200 tries")
+    finally:
+        eng.dispose()
+    return {"outcomes": outcomes, "counts": counts}

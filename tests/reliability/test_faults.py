@@ -251,3 +251,86 @@ def test_postgresql_restart_mid_storm_loses_nothing(pg: Backend, sizes: Sizes) -
     check_counters(setup.engine, storm, setup.stock, setup.plan, exact=False)
     assert storm.untyped_conflicts() == {}, storm.messages()
     storm.check_no_savepoint_regression()
+
+
+def test_postgresql_restart_mid_striped_storm_sells_each_ref_once(pg: Backend) -> None:
+    """PostgreSQL restarted while 8 processes take stock from one striped item with refs (a fifth
+    of them redelivered to another process): every ref is taken at most once (a retry whose
+    COMMIT reply died with the server answers REPEATED with same_request), the ledger holds
+    exactly the refs taken, and the stripes hold the stock minus what they took."""
+    if not (IN_CI or os.environ.get(ALLOW_RESTART_ENV) == "1"):
+        pytest.skip(
+            f"restarts the PostgreSQL server under everyone using it: set CI=true or {ALLOW_RESTART_ENV}=1"
+        )
+    import multiprocessing
+    from collections import Counter
+    from concurrent.futures import ProcessPoolExecutor
+
+    from stateguard import create_tables, drop_tables
+
+    from .. import _striped_workers as sw
+
+    restart, start = cluster_commands(pg.url)
+    drop_tables(pg.engine)
+    create_tables(pg.engine)
+    stock = 600
+    with Session(pg.engine) as s, s.begin():
+        sw.COUNTER.create(s, sw.ITEM, amount=stock)
+    rng = random.Random(15)
+    purchases = [(f"r{i}", rng.randint(1, 3)) for i in range(480)]
+    plans: list[list[tuple[str, int]]] = [[] for _ in range(8)]
+    for i, p in enumerate(purchases):
+        plans[i % 8].append(p)
+        if rng.random() < 0.2:
+            plans[(i + rng.randint(1, 7)) % 8].append(p)
+
+    def taken() -> int:
+        try:
+            with pg.engine.connect() as conn:
+                return int(conn.execute(select(func.count()).select_from(counter_ledger)).scalar_one())
+        except sa_exc.DBAPIError:
+            return 0
+
+    ctx = multiprocessing.get_context("spawn")
+    try:
+        with ctx.Manager() as manager, ProcessPoolExecutor(8, mp_context=ctx) as pool:
+            barrier = manager.Barrier(8)
+            futures = [pool.submit(sw.restart_buyer, pg.name, pg.url, i, plans[i], barrier) for i in range(8)]
+            wait_for(lambda: taken() >= 40, "the storm to take stock", timeout=120)
+            subprocess.run(restart, check=True, capture_output=True, timeout=120)
+            wait_for(lambda: server_up(pg.url), "PostgreSQL to accept connections again", timeout=120)
+            pg.engine.dispose()
+            reports = [f.result(timeout=600) for f in futures]
+    finally:
+        if not server_up(pg.url) and start is not None:
+            subprocess.run(start, capture_output=True, timeout=120)
+        wait_for(lambda: server_up(pg.url), "PostgreSQL to be back up", timeout=120)
+        pg.engine.dispose()
+    applied: Counter[str] = Counter()
+    answered_taken: set[str] = set()
+    qty_of = dict(purchases)
+    for report in reports:
+        for ref, _qty, outcome, _same in report["outcomes"]:
+            if outcome == "APPLIED":
+                applied[ref] += 1
+            if outcome in ("APPLIED", "REPEATED"):
+                answered_taken.add(ref)
+    assert sum(r["counts"].get("reconnects", 0) for r in reports) >= 1, "the restart cut nobody off"
+    with Session(pg.engine) as s:
+        ledger = {
+            ref: int(delta)
+            for ref, delta in s.execute(
+                select(counter_ledger.c.ref, counter_ledger.c.delta).where(
+                    counter_ledger.c.column_name == sw.COUNTER.name
+                )
+            ).all()
+        }
+        left = sw.COUNTER.total(s, sw.ITEM)
+        amounts = sw.COUNTER.stripe_amounts(s, sw.ITEM)
+    # Each ref taken at most once; every ref some process was told is taken (APPLIED, or REPEATED:
+    # a redelivery, or a retry whose first COMMIT's reply died with the server) is in the ledger.
+    assert max(applied.values()) == 1, applied.most_common(3)
+    assert answered_taken == set(ledger)
+    assert all(ledger[ref] == -qty_of[ref] for ref in ledger)
+    assert left == stock + sum(ledger.values()) and min(amounts) >= 0
+    drop_tables(pg.engine)
