@@ -158,15 +158,50 @@ def _check_ref(ref: Any) -> None:
         _write.check_storable(ref, "ref")
 
 
-def _plan(counter: _Counter, backend: _sql.Backend, sign: int, has_bound: bool, lid: bool) -> Any:
-    """The guarded UPDATE for one backend, direction, bound kind and value-return mode (cached)."""
-    cache_key = ("counter", counter, backend, sign, has_bound, lid)
+def _int_range(counter: _Counter, conn: Connection, backend: _sql.Backend) -> tuple[int, int] | None:
+    """The integers ``counter``'s column holds on ``conn``'s database; ``None`` for other columns."""
+    if not counter.integer:
+        return None
+    memo_key = ("int-bounds", counter.column, backend)  # shared with _write.check_integer
+    limits = _write.memo.get(memo_key)
+    if limits is None:
+        limits = _write.memo.put(memo_key, _sql.integer_bounds(counter.column, conn.dialect) or ())
+    return limits or None
+
+
+def _room(limits: tuple[int, int] | None, sign: int, by: int) -> int | None:
+    """The ``sg_room`` of a change of ``by``: the farthest amount it may start from (``None``: no guard).
+
+    ``by`` fits the column (checked before), so this does too.
+    """
+    if limits is None:
+        return None
+    return limits[1] - by if sign > 0 else limits[0] + by
+
+
+def _plan(
+    counter: _Counter, backend: _sql.Backend, sign: int, has_bound: bool, lid: bool, guard: bool = False
+) -> Any:
+    """The guarded UPDATE for one backend, direction, bound kind and value-return mode (cached).
+
+    ``guard``: an integer column whose range is known gets ``amount <= :sg_room``
+    (``>=`` for a decrement), ``sg_room`` being the column's largest (smallest)
+    integer minus (plus) ``by``: the database then never computes a value the
+    column cannot hold (PostgreSQL's "bigint out of range" aborts the
+    transaction, MariaDB refuses it in strict mode, SQLite turns it into a
+    REAL), and a change that would leave the range matches no row.  It comes
+    before the bound's ``amount + :delta`` so that is not computed either.
+    """
+    cache_key = ("counter", counter, backend, sign, has_bound, lid, guard)
     found = _write.memo.get(cache_key)
     if found is not None:
         return found
     info, col = counter.info, counter.column
     new_value = col + bindparam("sg_delta", type_=col.type)
     conditions = [info.pk_where]
+    if guard:
+        room = bindparam("sg_room", type_=col.type)
+        conditions.append(col <= room if sign > 0 else col >= room)
     if has_bound:
         limit = (
             counter.bound_column
@@ -416,11 +451,15 @@ def _apply(
     # it can return the new value only when that is certainly a non-negative
     # integer: a decrement of an integer column with a number floor >= 0.
     lid = backend.last_insert_id and counter.integer and sign < 0 and numeric_bound and bound >= 0
-    stmt = _plan(counter, backend, sign, bound is not None, lid)
+    limits = _int_range(counter, conn, backend)
+    room = _room(limits, sign, by)
+    stmt = _plan(counter, backend, sign, bound is not None, lid, room is not None)
     params = info.key_params(key)
     params["sg_delta"] = delta
     if numeric_bound:
         params["sg_bound"] = bound
+    if room is not None:
+        params["sg_room"] = room
     applied, returned = _write.run_guarded(
         conn, stmt, params, returning=backend.returning, last_insert_id=lid
     )
@@ -439,6 +478,19 @@ def _apply(
     row = _write.execute(conn, read, info.key_params(key)).first()
     if row is None:
         return Result(Outcome.NOT_FOUND, model=counter.model, key=public, session=session)
+    if (
+        bound is None
+        and limits is not None
+        and room is not None
+        and (row[0] > room if sign > 0 else row[0] < room)
+    ):
+        # No bound to cross: the range guard stopped it.  (With a bound, which fits the
+        # column, leaving the range crosses the bound first: INSUFFICIENT.)
+        raise InvalidArgument(
+            f"{'adding' if sign > 0 else 'taking'} {by} {'to' if sign > 0 else 'from'} {counter.name} "
+            f"of {public!r} ({row[0]}) would exceed the column's range: on this database it holds "
+            f"integers from {limits[0]} to {limits[1]}; nothing changed"
+        )
     return Result(Outcome.INSUFFICIENT, model=counter.model, key=public, value=row[0], session=session)
 
 
@@ -648,8 +700,12 @@ def release(session: Session, column: Any, ref: str) -> Result:
         if amount >= 0:
             _write.execute(conn, _plan(counter, backend, 1, False, False), params)
         else:
-            # Taking an increment's units back: guarded by floor 0 as a decrement is.
-            stmt = _plan(counter, backend, -1, True, False)
+            # Taking an increment's units back: guarded by floor 0 as a decrement is (and by the
+            # range, which only an amount below the floor can leave).
+            room = _room(_int_range(counter, conn, backend), -1, -amount)
+            stmt = _plan(counter, backend, -1, True, False, room is not None)
+            if room is not None:
+                params["sg_room"] = room
             applied, _ = _write.run_guarded(
                 conn, stmt, {**params, "sg_bound": 0}, returning=backend.returning
             )
