@@ -470,3 +470,60 @@ def test_purging_20k_expired_keys_under_load_never_blocks_claims_long(engine: En
         fresh_status = Counter(conn.execute(select(t.c.status).where(t.c.scope == "purge:fresh")).scalars())
     assert counts == {"purge:live": len(live), "purge:fresh": len(claims)}
     assert fresh_status == {"completed": len(claims)}
+
+
+def test_twins_waiting_on_a_first_call_that_fails_run_the_block_once(
+    engine: Engine, backend: Backend
+) -> None:
+    """The first call of a key holds its claim while 6 twins wait on it, then its block raises and
+    its transaction rolls back.  The twins, each a whole unit of work in ``retry_on_conflict``:
+    exactly one runs the block, the others replay its response, none raises.  PostgreSQL and
+    SQLite need no retry; on MariaDB the waiting INSERTs deadlock with one another when the row
+    they wait for vanishes (InnoDB: each holds a shared lock on it and needs an exclusive one),
+    and the victims' retries replay."""
+    from stateguard import DeadlockDetected, retry_on_conflict
+
+    key = _key()
+    runs: list[str] = []
+    deadlocks: list[int] = []
+    claimed = threading.Event()
+    twins = 6
+    started = threading.Barrier(twins + 1)
+
+    def first() -> None:
+        with Session(engine) as s, s.begin():
+            with pytest.raises(RuntimeError), idempotent(s, scope="race", key=key, fingerprint="b"):
+                claimed.set()
+                started.wait(10)
+                time.sleep(0.5)  # the twins are now waiting on the claim
+                raise RuntimeError("the first call fails")
+            raise RuntimeError("and its transaction rolls back")
+
+    def twin(i: int) -> Any:
+        def unit() -> Any:
+            try:
+                with Session(engine) as s, s.begin():
+                    with idempotent(s, scope="race", key=key, fingerprint="b") as call:
+                        if call.replayed:
+                            return call.response
+                        runs.append(f"twin-{i}")
+                        return call.complete({"by": i})
+            except DeadlockDetected:
+                deadlocks.append(i)
+                raise
+
+        claimed.wait(10)
+        started.wait(10)
+        return retry_on_conflict(unit, attempts=10)
+
+    with ThreadPoolExecutor(twins + 1) as pool:
+        failing = pool.submit(first)
+        answers = [f.result(timeout=60) for f in [pool.submit(twin, i) for i in range(twins)]]
+        with pytest.raises(RuntimeError, match="rolls back"):
+            failing.result(timeout=60)
+    assert len(runs) == 1, runs
+    winner = int(runs[0].split("-")[1])
+    assert answers == [{"by": winner}] * twins
+    if backend.name != "mariadb":
+        assert not deadlocks
+    print(f"{backend.name}: {len(deadlocks)} twins were deadlock victims and replayed on retry")
