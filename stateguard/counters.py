@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from decimal import Decimal
 from typing import Any, NamedTuple
 
@@ -319,6 +319,26 @@ def ledger_claim(
     return None
 
 
+def ledger_same_reservation(
+    conn: Connection, backend: _sql.Backend, target: LedgerTarget, ref: str, stored_keys: Iterable[str]
+) -> None:
+    """A reservation found REPEATED row by row must name exactly the rows its ref took.
+
+    Every row of a basket already under ``ref`` is REPEATED, but the ref may also
+    hold rows the basket leaves out (a smaller basket sent with the ref of a
+    bigger one): that is another reservation, :class:`~stateguard.RefConflict`.
+    One read of the ref's ledger rows, only on this REPEATED path.
+    """
+    params = {"sg_ref": ref, "sg_table_name": target.table_name, "sg_column_name": target.column_name}
+    held = {row.row_key for row in _write.execute(conn, _ledger_stmt("entries", backend), params)}
+    asked = set(stored_keys)
+    if held != asked:
+        raise RefConflict(
+            f"ref {ref!r} reserved {len(held)} {target.name} row(s), not these {len(asked)}: it names a "
+            f"different reservation; use a new ref"
+        )
+
+
 def ledger_forget(conn: Connection, backend: _sql.Backend, ledger_id: Any) -> None:
     """Delete a claim whose change did not apply, so the same ref can apply later."""
     _write.execute(conn, _ledger_stmt("forget", backend), {"sg_id": ledger_id})
@@ -598,8 +618,8 @@ def reserve(session: Session, column: Any, amounts: Mapping[Any, Any], *, ref: s
       call did was undone (a savepoint), ``.key`` is that target and
       ``.value`` the amount found.
 
-    Reusing a ref for a different reservation (another amount, or rows of
-    which only some were reserved under it) raises
+    Reusing a ref for a different reservation (another amount, rows of
+    which only some were reserved under it, or fewer rows than it reserved) raises
     :class:`~stateguard.RefConflict` and changes nothing::
 
         r = reserve(session, Stock.amount, {sku_a: 2, sku_b: 1}, ref="order-42")
@@ -643,11 +663,14 @@ def reserve(session: Session, column: Any, amounts: Mapping[Any, Any], *, ref: s
                     f"(not {r.key!r}): it names a different reservation; use a new ref"
                 )
             values[r.key] = r.value
+        outcome = outcomes.pop()
+        if outcome is Outcome.REPEATED:
+            stored = [_ledger_key(counter, key) for key in resolved]
+            ledger_same_reservation(conn, backend, _target(counter), ref, stored)
     except BaseException:
         _write.abandon_savepoint(savepoint)
         raise
     savepoint.commit()
-    outcome = outcomes.pop()
     return Result(
         outcome,
         model=counter.model,

@@ -73,7 +73,14 @@ from sqlalchemy.orm import Session
 
 from . import _sql, _write
 from ._async import dual_method
-from .counters import LedgerTarget, Shortfall, ledger_claim, ledger_forget, ledger_release
+from .counters import (
+    LedgerTarget,
+    Shortfall,
+    ledger_claim,
+    ledger_forget,
+    ledger_release,
+    ledger_same_reservation,
+)
 from .exceptions import DeadlockDetected, InvalidArgument, RefConflict
 from .result import Outcome, Result
 from .tables import DIGEST_PREFIX, MAX_REF, ROW_KEY_LENGTH, counter_stripes, row_key
@@ -644,7 +651,7 @@ class StripedCounter:
             r = stock.reserve(session, {"sku-1": 2, "sku-2": 1}, ref="order-42")
             r.raise_for_outcome()
 
-        :raises RefConflict: the ref names a different reservation.
+        :raises RefConflict: the ref names a different reservation (other amounts, more or fewer items).
         :raises InvalidArgument: bad items, amounts or ref; nothing was sent.
         """
         checked_ref = _needed_ref(ref, "reserve")
@@ -671,11 +678,15 @@ class StripedCounter:
                         f"ref {ref!r} already reserved some but not all of these {self.target.name} items "
                         f"(not {item!r}): it names a different reservation; use a new ref"
                     )
+            outcome = outcomes.pop()
+            if outcome is Outcome.REPEATED:
+                stored = [row_key((item,)) for item in resolved]
+                ledger_same_reservation(conn, backend, self.target, checked_ref, stored)
         except BaseException:
             _write.abandon_savepoint(savepoint)
             raise
         savepoint.commit()
-        return self._result(session, outcomes.pop(), checked_ref, dict.fromkeys(sorted(resolved)))
+        return self._result(session, outcome, checked_ref, dict.fromkeys(sorted(resolved)))
 
     reserve = dual_method(_reserve, operation="striped.reserve")
 

@@ -267,6 +267,9 @@ def test_reserve_edge_cases(engine: Any) -> None:
             reserve(s, Bin.qty, {2: 1, 1: 2}, ref="o")
         again = reserve(s, Bin.qty, {2: 1, 1: 1}, ref="o")
         assert (again.outcome, again.key, again.value) == (Outcome.REPEATED, "o", {1: None, 2: None})
+        # A smaller basket under the ref of a bigger one is another reservation, not a repeat.
+        with pytest.raises(RefConflict, match="reserved 2"):
+            reserve(s, Bin.qty, {1: 1}, ref="o")
         missing = reserve(s, Bin.qty, {1: 1, 99: 1}, ref="p")
         assert (missing.outcome, missing.key) == (Outcome.NOT_FOUND, 99)
         short = reserve(s, Bin.qty, {1: 1, 3: 9}, ref="q")
