@@ -322,19 +322,23 @@ def ledger_claim(
 def ledger_same_reservation(
     conn: Connection, backend: _sql.Backend, target: LedgerTarget, ref: str, stored_keys: Iterable[str]
 ) -> None:
-    """A reservation found REPEATED row by row must name exactly the rows its ref took.
+    """A reservation found REPEATED row by row must not leave out rows its ref took.
 
     Every row of a basket already under ``ref`` is REPEATED, but the ref may also
     hold rows the basket leaves out (a smaller basket sent with the ref of a
     bigger one): that is another reservation, :class:`~stateguard.RefConflict`.
-    One read of the ref's ledger rows, only on this REPEATED path.
+    One read of the ref's ledger rows, only on this REPEATED path, without
+    locks (a locking range read would block other refs' inserts): at
+    REPEATABLE READ on InnoDB it may not see rows a twin committed after this
+    transaction's snapshot began (the claims saw them with locking reads), so
+    only rows it does see outside the basket decide.
     """
     params = {"sg_ref": ref, "sg_table_name": target.table_name, "sg_column_name": target.column_name}
     held = {row.row_key for row in _write.execute(conn, _ledger_stmt("entries", backend), params)}
-    asked = set(stored_keys)
-    if held != asked:
+    extra = held - set(stored_keys)
+    if extra:
         raise RefConflict(
-            f"ref {ref!r} reserved {len(held)} {target.name} row(s), not these {len(asked)}: it names a "
+            f"ref {ref!r} also reserved {len(extra)} other {target.name} row(s) than these: it names a "
             f"different reservation; use a new ref"
         )
 

@@ -268,7 +268,7 @@ def test_reserve_edge_cases(engine: Any) -> None:
         again = reserve(s, Bin.qty, {2: 1, 1: 1}, ref="o")
         assert (again.outcome, again.key, again.value) == (Outcome.REPEATED, "o", {1: None, 2: None})
         # A smaller basket under the ref of a bigger one is another reservation, not a repeat.
-        with pytest.raises(RefConflict, match="reserved 2"):
+        with pytest.raises(RefConflict, match="also reserved 1 other"):
             reserve(s, Bin.qty, {1: 1}, ref="o")
         missing = reserve(s, Bin.qty, {1: 1, 99: 1}, ref="p")
         assert (missing.outcome, missing.key) == (Outcome.NOT_FOUND, 99)
@@ -279,6 +279,24 @@ def test_reserve_edge_cases(engine: Any) -> None:
         assert (info.value.target, info.value.value) == (3, 5)
     assert _qty(engine, 1, 2, 3) == (4, 4, 5)
     assert sorted((r.ref, r.row_key) for r in _ledger(engine)) == [("o", "1"), ("o", "2")]
+
+
+def test_a_reservation_repeated_after_its_twin_committed_is_repeated(engine: Any) -> None:
+    """A transaction whose snapshot predates its twin's committed reservation (InnoDB at
+    REPEATABLE READ reads that snapshot without locks) still gets REPEATED for the same basket,
+    not RefConflict; a smaller basket is RefConflict once the twin's rows are visible."""
+    _bins(engine, {1: 5, 2: 5, 3: 5})
+    with Session(engine) as late:
+        late.begin()
+        assert late.get_one(Bin, 3).qty == 5  # the snapshot starts here
+        with Session(engine) as twin, twin.begin():
+            assert reserve(twin, Bin.qty, {1: 1, 2: 1}, ref="o").applied
+        again = reserve(late, Bin.qty, {2: 1, 1: 1}, ref="o")
+        assert (again.outcome, again.same_request) == (Outcome.REPEATED, True)
+        late.commit()
+    with Session(engine) as s, s.begin(), pytest.raises(RefConflict, match="also reserved 1 other"):
+        reserve(s, Bin.qty, {2: 1}, ref="o")
+    assert _qty(engine, 1, 2, 3) == (4, 4, 5)
 
 
 def test_release_undoes_any_ref_once_and_the_ref_stays_used(engine: Any) -> None:
