@@ -325,15 +325,20 @@ def key_bounds(conn: Connection, info: _sql.ModelInfo) -> tuple[tuple[int, int] 
     return found or None
 
 
+def integer_limits(conn: Connection, column: Column[Any]) -> tuple[int, int] | None:
+    """The integers ``column`` holds on ``conn``'s database (memoised); ``None`` for other columns."""
+    memo_key = ("int-bounds", column, _sql.backend(conn.dialect))
+    limits = memo.get(memo_key)
+    if limits is None:
+        limits = memo.put(memo_key, _sql.integer_bounds(column, conn.dialect) or ())
+    return limits or None
+
+
 def check_integer(conn: Connection, info: _sql.ModelInfo, column: Column[Any], value: Any, what: str) -> None:
     """Raise InvalidArgument when the int ``value`` does not fit ``column`` on ``conn``'s database."""
     if type(value) is not int:
         return
-    backend = _sql.backend(conn.dialect)
-    memo_key = ("int-bounds", column, backend)
-    limits = memo.get(memo_key)
-    if limits is None:
-        limits = memo.put(memo_key, _sql.integer_bounds(column, conn.dialect) or ())
+    limits = integer_limits(conn, column)
     if limits and not limits[0] <= value <= limits[1]:
         raise _out_of_range(info, column, value, limits, what)
     if not limits:

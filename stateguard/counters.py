@@ -158,17 +158,6 @@ def _check_ref(ref: Any) -> None:
         _write.check_storable(ref, "ref")
 
 
-def _int_range(counter: _Counter, conn: Connection, backend: _sql.Backend) -> tuple[int, int] | None:
-    """The integers ``counter``'s column holds on ``conn``'s database; ``None`` for other columns."""
-    if not counter.integer:
-        return None
-    memo_key = ("int-bounds", counter.column, backend)  # shared with _write.check_integer
-    limits = _write.memo.get(memo_key)
-    if limits is None:
-        limits = _write.memo.put(memo_key, _sql.integer_bounds(counter.column, conn.dialect) or ())
-    return limits or None
-
-
 def _room(limits: tuple[int, int] | None, sign: int, by: int) -> int | None:
     """The ``sg_room`` of a change of ``by``: the farthest amount it may start from (``None``: no guard).
 
@@ -475,7 +464,7 @@ def _apply(
     # it can return the new value only when that is certainly a non-negative
     # integer: a decrement of an integer column with a number floor >= 0.
     lid = backend.last_insert_id and counter.integer and sign < 0 and numeric_bound and bound >= 0
-    limits = _int_range(counter, conn, backend)
+    limits = _write.integer_limits(conn, counter.column)
     room = _room(limits, sign, by)
     stmt = _plan(counter, backend, sign, bound is not None, lid, room is not None)
     params = info.key_params(key)
@@ -729,7 +718,7 @@ def release(session: Session, column: Any, ref: str) -> Result:
         else:
             # Taking an increment's units back: guarded by floor 0 as a decrement is (and by the
             # range, which only an amount below the floor can leave).
-            room = _room(_int_range(counter, conn, backend), -1, -amount)
+            room = _room(_write.integer_limits(conn, counter.column), -1, -amount)
             stmt = _plan(counter, backend, -1, True, False, room is not None)
             if room is not None:
                 params["sg_room"] = room
