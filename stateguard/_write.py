@@ -33,6 +33,7 @@ from decimal import Decimal
 from typing import Any, Final, TypeVar
 
 from sqlalchemy import (
+    JSON,
     Column,
     Connection,
     CursorResult,
@@ -42,12 +43,15 @@ from sqlalchemy import (
     Table,
     event,
     false,
+    func,
     insert,
     lambda_stmt,
     literal,
+    null,
     select,
     text,
     true,
+    type_coerce,
 )
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql, sqlite
@@ -462,9 +466,13 @@ class InsertOnce:
     def _read_statement(self, backend: _sql.Backend) -> Any:
         """PostgreSQL: the INSERT in a CTE, and the existing row when it inserted nothing, in one statement.
 
-        ``WITH ins AS (INSERT ... ON CONFLICT DO NOTHING RETURNING read) SELECT * FROM ins UNION ALL
-        SELECT read FROM table WHERE key AND NOT EXISTS (SELECT 1 FROM ins)``, with a column
-        ``sg_inserted`` saying which of the two the row came from.
+        ``WITH ins AS (INSERT ... ON CONFLICT DO NOTHING RETURNING ...) SELECT true, NULL FROM ins
+        UNION ALL SELECT false, json_build_array(read) FROM table WHERE key AND NOT EXISTS (SELECT 1
+        FROM ins)``: two columns, ``sg_inserted`` saying which branch the row came from and
+        ``sg_record`` the existing row's ``read`` values as one JSON array.  One column for the
+        record rather than one per value: the driver describes every result column at every
+        execution (psycopg builds a Column object each), which on a claim that inserts costs
+        more than the server's whole JSON work on one that reads.
         """
         name = f"{backend.name}:read"
         stmt = self._statements.get(name)
@@ -475,39 +483,45 @@ class InsertOnce:
                 postgresql.insert(self.table)
                 .values(self.values)
                 .on_conflict_do_nothing()
-                .returning(*self.read)
+                .returning(*self.returning)
                 .cte("sg_inserted")
             )
+            new = select(
+                true().label("sg_inserted"), type_coerce(null(), JSON).label("sg_record")
+            ).select_from(inserted)
             existing = (
-                select(*self.read, false().label("sg_inserted"))
+                select(false().label("sg_inserted"), func.json_build_array(*self.read, type_=JSON))
                 .where(self.where)
                 .where(~select(literal(1)).select_from(inserted).exists())
             )
             # Frozen: run on every claim, and its cache key is costly to compute (a CTE and a UNION).
-            stmt = self._statements[name] = frozen(
-                select(inserted, true().label("sg_inserted")).union_all(existing)
-            )
+            stmt = self._statements[name] = frozen(new.union_all(existing))
         return stmt
 
-    def insert_or_read(self, conn: Connection, params: Mapping[str, Any]) -> tuple[bool, Any]:
-        """Insert the row, or read the one that holds its key: ``(inserted, row)``.
+    def insert_or_read(
+        self, conn: Connection, params: Mapping[str, Any]
+    ) -> tuple[bool, Sequence[Any] | None]:
+        """Insert the row, or read the one that holds its key: ``(inserted, values)``.
 
-        ``(True, row)``: this call inserted it (``row`` holds ``read`` on
-        PostgreSQL, else ``None``).  ``(False, row)``: the key was taken and
-        ``row`` is the holder as the statement saw it.  ``(False, None)``:
-        taken, but not read here: MySQL/MariaDB and SQLite always (no
-        single-statement form that does not write the existing row), and
-        PostgreSQL when the INSERT waited for a twin that committed meanwhile
-        (at READ COMMITTED the statement's snapshot predates the twin's row);
-        the caller reads it with its own statement.
+        ``(True, None)``: this call inserted it.  ``(False, values)``: the key
+        was taken and ``values`` are ``read`` of the holder (in order) as the
+        statement saw it.  ``(False, None)``: taken, but not read here:
+        MySQL/MariaDB and SQLite always (no single-statement form that does not
+        write the existing row), and PostgreSQL when the INSERT waited for a
+        twin that committed meanwhile (at READ COMMITTED the statement's
+        snapshot predates the twin's row); the caller reads it with its own
+        statement.  ``read`` values travel as JSON: strings, integers,
+        booleans and NULLs come back as they are.
         """
         backend = _sql.backend(conn.dialect)
         if not backend.dml_cte:
             return self(conn, params) is not None, None
-        row = execute(conn, self._read_statement(backend), params).first()
+        row: Any = execute(conn, self._read_statement(backend), params).first()
         if row is None:
             return False, None
-        return bool(row.sg_inserted), row
+        if row[0]:
+            return True, None
+        return False, row[1]
 
     def statement(self, backend: _sql.Backend) -> Any:
         """The INSERT this object runs on ``backend``."""

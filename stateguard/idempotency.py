@@ -82,7 +82,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
-from typing import Any, Final, Generic, Literal, ParamSpec, Protocol, TypeVar
+from typing import Any, Final, Generic, Literal, NamedTuple, ParamSpec, Protocol, TypeVar
 
 from sqlalchemy import Connection, Engine, and_, bindparam, delete, select, update
 from sqlalchemy import exc as sa_exc
@@ -372,6 +372,24 @@ _RECORD: Final = (
     _t.c.error,
     _NOW.label("db_now"),
 )
+
+
+class _Record(NamedTuple):
+    """The record as the claim's statement hands it back on PostgreSQL (``_RECORD``'s values, in order)."""
+
+    status: str
+    fingerprint: str | None
+    owner: str
+    attempt: int
+    locked_until_ms: int | None
+    expires_ms: int
+    response: str | None
+    checkpoint_name: str | None
+    checkpoint_data: str | None
+    error: str | None
+    db_now: int
+
+
 # One statement on PostgreSQL: the claim, or the record that holds the key (the kernel's CTE form).
 _CLAIM: Final = _write.InsertOnce(_t, _NEW_ROW, returning=[_t.c.scope], read=_RECORD, where=and_(*_THIS_KEY))
 _READ: Final = select(*_RECORD).where(*_THIS_KEY)
@@ -795,9 +813,10 @@ class _Claim(Generic[S]):
         backend = _sql.backend(conn.dialect)
         params = self._params()
         # PostgreSQL: one statement claims the key or returns its record.
-        inserted, row = _CLAIM.insert_or_read(conn, params)
+        inserted, values = _CLAIM.insert_or_read(conn, params)
         if inserted:
             return self._claimed()
+        row: Any = None if values is None else _Record._make(values)
         read = _READ_LOCKING if backend.locking_read else _READ
         for _ in range(_MAX_ROUNDS):
             if row is None:
