@@ -27,7 +27,7 @@ import itertools
 import json
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from decimal import Decimal
 from typing import Any, Final, TypeVar
@@ -827,7 +827,11 @@ def check_text(value: Any, what: str, limit: int) -> str:
 
 def dumps_json(value: Any) -> str:
     """Compact JSON text as stateguard stores it (no NaN or Infinity: other JSON readers refuse them)."""
-    return json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+    return _COMPACT_JSON.encode(value)
+
+
+#: One encoder for every call (``json.dumps`` with options builds a new one each time).
+_COMPACT_JSON: Final = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(",", ":"))
 
 
 def json_text(value: Any, what: str, max_depth: int) -> str:
@@ -914,11 +918,14 @@ def check_statement_size(conn: Connection, value: str, what: str) -> None:
         )
 
 
+_ONE_MS: Final = timedelta(milliseconds=1)
+
+
 def duration_ms(value: Any, what: str) -> int:
     """A positive :class:`~datetime.timedelta` as whole milliseconds, else InvalidArgument."""
     if not isinstance(value, timedelta):
         raise InvalidArgument(f"{what} must be a datetime.timedelta, got {value!r}")
-    ms = value // timedelta(milliseconds=1)
+    ms = value // _ONE_MS
     if ms < 1:
         raise InvalidArgument(f"{what} must be at least 1 millisecond, got {value!r}")
     return ms
@@ -1034,20 +1041,46 @@ class DeferredSavepoint:
             finally:
                 self._paused = False
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[Connection]:
-        """The connection, for statements of stateguard's own that must not open the savepoint."""
+    def paused(self) -> DeferredSavepoint:
+        """``with savepoint.paused() as conn``: the connection, for stateguard's own statements that
+        must not open the savepoint (a plain class, not a generator: it runs on every call)."""
+        return self
+
+    def __enter__(self) -> Connection:
         self._paused = True
-        try:
-            yield self._conn
-        finally:
-            self._paused = False
+        return self._conn
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._paused = False
 
     def close(self) -> None:
         """Stop watching the connection (the savepoint itself is left as it is)."""
         conn = self._conn
         if not (conn.invalidated or conn.closed) and conn.info.get(_DEFERRED) is self:
             del conn.info[_DEFERRED]
+
+    def end(self) -> None:
+        """The block succeeded: stop watching, and commit the savepoint (RELEASE only if it was sent).
+
+        A savepoint nothing ran in (no connection of any bind joined it, nothing is pending to
+        flush, and it is still the session's innermost transaction) is only closed:
+        ``SessionTransaction.commit()`` would flush, fire ``before_commit`` and merge an empty
+        snapshot into its parent, three times the cost of the whole bookkeeping.
+        """
+        self.close()
+        nested = self.nested
+        if not nested.is_active:
+            return
+        session = self.session
+        if (
+            not getattr(nested, "_connections", True)
+            and session.get_nested_transaction() is nested
+            and getattr(session, "_transaction", None) is nested
+            and not (session.new or session.deleted or session.identity_map.check_modified())
+        ):
+            nested.close()
+        else:
+            nested.commit()
 
 
 _DEFERRED: Final = "stateguard.deferred_savepoint"

@@ -113,9 +113,7 @@ _CONSUME: Final = (
 )
 _FIND: Final = select(
     tokens.c.consumed_ms, tokens.c.expires_ms, tokens.c.consumed_by, _NOW.label("db_now")
-).where(
-    tokens.c.token_hash == bindparam("sg_hash"), tokens.c.scope == bindparam("sg_scope")
-)
+).where(tokens.c.token_hash == bindparam("sg_hash"), tokens.c.scope == bindparam("sg_scope"))
 # InnoDB at REPEATABLE READ: a plain SELECT reads the transaction's snapshot,
 # which may predate the consumption that made our UPDATE match nothing; a
 # locking read sees the latest committed row, as the UPDATE did.

@@ -28,7 +28,7 @@ from sqlalchemy import (
     select,
     text,
 )
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, registry
 
 from stateguard import (
     IdempotencyKeyReused,
@@ -48,6 +48,20 @@ orders = Table(
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("ref", String(50), nullable=False),
 )
+
+
+
+class Order:
+    """``orders`` as an ORM class, for blocks that leave changes to the Session's flush."""
+
+    id: int
+    ref: str
+
+    def __init__(self, ref: str) -> None:
+        self.ref = ref
+
+
+registry().map_imperatively(Order, orders)
 
 _DAY_MS = 86_400_000
 
@@ -160,6 +174,54 @@ def test_a_block_that_writes_gets_one_savepoint_around_its_statements(
     assert not replayed
     assert verbs == [_claim_verb(backend), "SAVEPOINT", "INSERT", "UPDATE", "RELEASE"]
     assert _orders(engine, "w") == 1
+
+
+@pytest.mark.parametrize("change", ["added", "modified", "deleted"])
+def test_orm_changes_the_block_left_unflushed_are_flushed_inside_its_savepoint(
+    backend: Backend, engine: Engine, change: str
+) -> None:
+    """A block that only touched ORM objects sent nothing, yet its changes belong to it: the end of
+    the block flushes them inside the savepoint (SAVEPOINT, the write, RELEASE), not later outside it."""
+    with Session(engine) as session, session.begin():
+        existing = Order("existing")
+        session.add(existing)
+        session.flush()
+        existing_id = existing.id
+    with Session(engine) as session, session.begin():
+        order = session.get(Order, existing_id)
+        assert order is not None
+        with (
+            _statements_of(session.connection()) as seen,
+            idempotent(session, scope="s", key=change) as call,
+        ):
+            if change == "added":
+                session.add(Order(change))
+            elif change == "modified":
+                order.ref = change
+            else:
+                session.delete(order)
+            call.complete("done")
+        verbs = _verbs(seen)
+    write = {"added": "INSERT", "modified": "UPDATE", "deleted": "DELETE"}[change]
+    assert verbs == [_claim_verb(backend), "UPDATE", "SAVEPOINT", write, "RELEASE"]
+    assert _orders(engine, change) == (0 if change == "deleted" else 1)
+    assert _orders(engine, "existing") == (1 if change == "added" else 0)
+
+
+def test_a_block_that_sent_nothing_leaves_no_savepoint_behind(engine: Engine) -> None:
+    """Its savepoint is closed, not left open: the session's own nesting and ORM state are as before."""
+    ended: list[Any] = []
+    with Session(engine) as session, session.begin():
+        event.listen(session, "after_transaction_end", lambda _s, tx: ended.append(tx))
+        with idempotent(session, scope="s", key="quiet") as call:
+            assert session.get_nested_transaction() is not None
+            call.complete("done")
+        assert session.get_nested_transaction() is None
+        assert [tx.nested for tx in ended] == [True]
+        with session.begin_nested():
+            session.add(Order("after"))
+    assert _orders(engine, "after") == 1
+    assert _record(engine, "quiet").status == "completed"
 
 
 @pytest.mark.parametrize("how", ["session", "captured connection", "driver sql"])

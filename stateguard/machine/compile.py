@@ -54,9 +54,7 @@ class Plan:
 def _needed(column: Column[Any] | None, info: _sql.ModelInfo, role: str) -> Column[Any]:
     """The model's version or fence column; InvalidArgument when a call needs one the model lacks."""
     if column is None:
-        raise InvalidArgument(
-            f"{info.model.__name__} has no {role} column; declare one with {role}_column()"
-        )
+        raise InvalidArgument(f"{info.model.__name__} has no {role} column; declare one with {role}_column()")
     return column
 
 
