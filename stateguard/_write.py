@@ -88,6 +88,7 @@ __all__ = [
     "json_text",
     "key_bounds",
     "memo",
+    "needs_size_check",
     "now_ms",
     "own_bind",
     "own_connection",
@@ -893,6 +894,11 @@ _SIZE_CHECK_FROM: Final = 16 * 1024
 _STATEMENT_OVERHEAD: Final = 16 * 1024
 _PACKET_INFO: Final = "stateguard.max_allowed_packet"
 _MAX_PACKET: Final = text("SELECT @@max_allowed_packet")
+
+
+def needs_size_check(conn: Connection, value: str) -> bool:
+    """Whether :func:`check_statement_size` has anything to check (a large text on MySQL/MariaDB)."""
+    return len(value) >= _SIZE_CHECK_FROM and conn.dialect.name in ("mysql", "mariadb")
 
 
 def check_statement_size(conn: Connection, value: str, what: str) -> None:

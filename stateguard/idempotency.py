@@ -903,7 +903,8 @@ class _Claim(Generic[S]):
 
     def write(self, call: IdempotentCall[S], stmt: Any, extra: dict[str, Any], kind: str | None) -> None:
         """Run one owner-conditional UPDATE of the record (and in separate mode commit the session)."""
-        params = {**self._params(), **extra}
+        params = self._params()
+        params.update(extra)
         if kind is not None:
             self._finishing = True
         text = extra.get("sg_text")
@@ -911,14 +912,14 @@ class _Claim(Generic[S]):
             if self.options.mode == "same_transaction":
                 with self._open(self._savepoint).paused() as conn:
                     if text is not None:
-                        _write.check_statement_size(conn, text, f"the stored value of {self._name}")
+                        self._check_size(conn, text)
                     matched = _write.execute(conn, stmt, params).rowcount
             else:
                 session = self.session
                 try:
                     conn = _write.own_connection(session, idempotency_keys)
                     if text is not None:
-                        _write.check_statement_size(conn, text, f"the stored value of {self._name}")
+                        self._check_size(conn, text)
                     matched = _write.execute(conn, stmt, params).rowcount
                     if matched == 1:
                         session.commit()
@@ -938,6 +939,11 @@ class _Claim(Generic[S]):
             self._stop_heartbeat()
             call._state = kind
             self._emit(kind, call.attempt)
+
+    def _check_size(self, conn: Connection, text: str) -> None:
+        """InvalidArgument (nothing sent) when ``text`` cannot travel to the server in one statement."""
+        if _write.needs_size_check(conn, text):
+            _write.check_statement_size(conn, text, f"the stored value of {self._name}")
 
     def heartbeat(self, call: IdempotentCall[S], dedicated: Connection | None = None) -> None:
         """Extend the lease; LeaseLost when another owner took the key (not when this owner finished it).
@@ -1115,6 +1121,24 @@ def _options(
     """Check the options of :func:`idempotent` (nothing is written before they pass)."""
     _write.check_text(scope, "scope", MAX_SCOPE)
     _write.check_text(key, "idempotency key", MAX_KEY)
+    policy: tuple[Any, ...] = (lease, ttl, mode, serializer, heartbeat_every, non_retryable)
+    try:
+        checked = _checked_policy(*policy)
+    except TypeError:  # an unhashable argument: checked without the memo (and most likely refused)
+        checked = _check_policy(*policy)
+    return _Options(scope, key, *checked)
+
+
+def _check_policy(
+    lease: Any,
+    ttl: Any,
+    mode: Any,
+    serializer: Serializer | None,
+    heartbeat_every: Any,
+    non_retryable: Any,
+) -> tuple[int, int, Mode, Serializer, float | None, tuple[type[BaseException], ...]]:
+    """The options other than scope and key, checked: ``(lease_ms, ttl_ms, mode, serializer, heartbeat
+    interval in seconds, non_retryable)``."""
     lease_ms = _write.duration_ms(lease, "lease")
     ttl_ms = _write.duration_ms(ttl, "ttl")
     if ttl_ms < lease_ms:
@@ -1142,16 +1166,12 @@ def _options(
             "non_retryable needs mode='separate': in same_transaction mode a failure rolls back with the "
             "transaction, so there is no failure record to keep"
         )
-    return _Options(
-        scope,
-        key,
-        lease_ms,
-        ttl_ms,
-        mode,
-        _JSON if serializer is None else serializer,
-        interval,
-        non_retryable,
-    )
+    return lease_ms, ttl_ms, mode, _JSON if serializer is None else serializer, interval, non_retryable
+
+
+#: An application passes the same few policies (lease, ttl, mode ...) on every call: each is checked once.
+#: Only valid ones are kept (a refusal raises, and lru_cache keeps no exception).
+_checked_policy: Final = functools.lru_cache(maxsize=64)(_check_policy)
 
 
 def idempotent(
