@@ -33,7 +33,6 @@ from decimal import Decimal
 from typing import Any, Final, TypeVar
 
 from sqlalchemy import (
-    JSON,
     Column,
     Connection,
     CursorResult,
@@ -41,8 +40,9 @@ from sqlalchemy import (
     Enum,
     String,
     Table,
+    Text,
+    cast,
     event,
-    false,
     func,
     insert,
     lambda_stmt,
@@ -50,7 +50,6 @@ from sqlalchemy import (
     null,
     select,
     text,
-    true,
     type_coerce,
 )
 from sqlalchemy import exc as sa_exc
@@ -467,13 +466,13 @@ class InsertOnce:
     def _read_statement(self, backend: _sql.Backend) -> Any:
         """PostgreSQL: the INSERT in a CTE, and the existing row when it inserted nothing, in one statement.
 
-        ``WITH ins AS (INSERT ... ON CONFLICT DO NOTHING RETURNING ...) SELECT true, NULL FROM ins
-        UNION ALL SELECT false, json_build_array(read) FROM table WHERE key AND NOT EXISTS (SELECT 1
-        FROM ins)``: two columns, ``sg_inserted`` saying which branch the row came from and
-        ``sg_record`` the existing row's ``read`` values as one JSON array.  One column for the
-        record rather than one per value: the driver describes every result column at every
-        execution (psycopg builds a Column object each), which on a claim that inserts costs
-        more than the server's whole JSON work on one that reads.
+        ``WITH ins AS (INSERT ... ON CONFLICT DO NOTHING RETURNING ...) SELECT NULL FROM ins UNION ALL
+        SELECT CAST(json_build_array(read) AS TEXT) FROM table WHERE key AND NOT EXISTS (SELECT 1 FROM
+        ins)``: one text column, NULL when the row came from the INSERT, else the existing row's
+        ``read`` values as a JSON array.  One column rather than one per value, and text rather
+        than json: the driver describes every result column and builds a loader per column at every
+        execution (psycopg builds a Column object each, and a json loader costs more than a text
+        one), which on a claim that inserts costs more than the JSON work on one that reads.
         """
         name = f"{backend.name}:read"
         stmt = self._statements.get(name)
@@ -487,11 +486,9 @@ class InsertOnce:
                 .returning(*self.returning)
                 .cte("sg_inserted")
             )
-            new = select(
-                true().label("sg_inserted"), type_coerce(null(), JSON).label("sg_record")
-            ).select_from(inserted)
+            new = select(type_coerce(null(), Text).label("sg_record")).select_from(inserted)
             existing = (
-                select(false().label("sg_inserted"), func.json_build_array(*self.read, type_=JSON))
+                select(cast(func.json_build_array(*self.read), Text))
                 .where(self.where)
                 .where(~select(literal(1)).select_from(inserted).exists())
             )
@@ -520,9 +517,11 @@ class InsertOnce:
         row: Any = execute(conn, self._read_statement(backend), params).first()
         if row is None:
             return False, None
-        if row[0]:
+        record = row[0]
+        if record is None:
             return True, None
-        return False, row[1]
+        values: list[Any] = json.loads(record)
+        return False, values
 
     def statement(self, backend: _sql.Backend) -> Any:
         """The INSERT this object runs on ``backend``."""

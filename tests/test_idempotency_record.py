@@ -1,0 +1,128 @@
+"""What a retry reads of the record is exactly what was stored, whatever the text (issue 19).
+
+On PostgreSQL the claim hands the existing record back inside its own statement, packed as one JSON
+array (``InsertOnce.insert_or_read``): every stored text (response, checkpoint name and data, the
+error of a failed request) and every integer must come back unchanged through that packing, as they
+do through the plain read the other backends use.  Texts are stored as the serializer returned them,
+so an identity serializer puts arbitrary characters in the record: quotes, backslashes, control
+characters, U+2028, characters outside the BMP, text that looks like JSON.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from sqlalchemy import Engine, update
+from sqlalchemy.orm import Session
+
+from stateguard import RequestFailed, create_tables, drop_tables, idempotent, on_idempotency_event
+from stateguard.tables import idempotency_keys
+
+from .conftest import Backend
+
+
+class TextAsIs:
+    """A serializer that stores a str as it is (so the record holds exactly the test's text)."""
+
+    def dumps(self, value: Any) -> str:
+        """``value`` itself; it must be a str."""
+        if not isinstance(value, str):
+            raise TypeError("TextAsIs stores str only")
+        return value
+
+    def loads(self, text: str) -> Any:
+        """``text`` itself."""
+        return text
+
+
+#: Any text a database stores: no NUL (PostgreSQL) and no lone surrogates (no UTF-8 for them).
+storable = st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\x00"), max_size=300)
+
+_keys = itertools.count()
+
+
+@pytest.fixture
+def engine(backend: Backend) -> Iterator[Engine]:
+    eng = backend.engine
+    drop_tables(eng)
+    create_tables(eng)
+    yield eng
+    drop_tables(eng)
+
+
+def _key() -> str:
+    return f"record-{next(_keys)}"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(response=storable)
+@example(response='["not", "the", "record"]')
+@example(response='\\"\\\\\n\r\t\x01\x1f\x7f\u2028\u2029')
+@example(response="\U0001f600 \uffff \U0010ffff é ß")
+@example(response="")
+@example(response="null")
+def test_a_replay_returns_the_stored_text_exactly(engine: Engine, response: str) -> None:
+    key = _key()
+    for replay in (False, True):
+        with Session(engine) as session, session.begin():
+            with idempotent(session, scope="rec", key=key, serializer=TextAsIs()) as call:
+                assert call.replayed is replay
+                if replay:
+                    assert call.response == response
+                else:
+                    call.complete(response)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    name=st.text(
+        st.characters(exclude_categories=("Cs",), exclude_characters="\x00"), min_size=1, max_size=100
+    ).filter(str.strip),
+    data=storable,
+)
+@example(name="'\"\\", data='{"a": [1, "\\u0000"]}')
+def test_a_takeover_reads_the_checkpoint_exactly(engine: Engine, name: str, data: str) -> None:
+    """A released claim's checkpoint name and data reach the worker that takes it over unchanged."""
+    key = _key()
+    with Session(engine) as session:
+        with idempotent(session, scope="rec", key=key, mode="separate", serializer=TextAsIs()) as call:
+            call.checkpoint(name, data)
+            call.release()
+    with Session(engine) as session:
+        with idempotent(session, scope="rec", key=key, mode="separate", serializer=TextAsIs()) as call:
+            assert call.taken_over and call.attempt == 2
+            assert call.checkpoint_name == name and call.checkpoint_data == data
+            call.complete("done")
+
+
+@pytest.mark.parametrize("attempt", [1, 2**31 - 1])
+def test_a_failed_request_reports_its_stored_error_and_attempt(engine: Engine, attempt: int) -> None:
+    """The error text and the attempt count (up to the column's range) come back through the record."""
+    key = _key()
+    message = 'card declined: "insufficient funds" \\ \u2028 \U0001f4b3'
+    with Session(engine) as session:
+        with (
+            pytest.raises(ValueError),
+            idempotent(session, scope="rec", key=key, mode="separate", non_retryable=(ValueError,)),
+        ):
+            raise ValueError(message)
+    with engine.begin() as conn:
+        conn.execute(
+            update(idempotency_keys).where(idempotency_keys.c.idem_key == key).values(attempt=attempt)
+        )
+    seen: list[Any] = []
+    remove = on_idempotency_event(lambda event: seen.append((event.kind, event.attempt)))
+    try:
+        with Session(engine) as session, pytest.raises(RequestFailed) as failed:
+            with idempotent(session, scope="rec", key=key, mode="separate", ttl=timedelta(hours=1)):
+                pass
+    finally:
+        remove()
+    assert failed.value.error == f"ValueError: {message}"
+    assert seen == [("failed_replayed", attempt)]
