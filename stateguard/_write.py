@@ -1089,8 +1089,22 @@ class DeferredSavepoint:
 
 
 _DEFERRED: Final = "stateguard.deferred_savepoint"
-#: Statements that manage savepoints (SQLAlchemy's own, sent when the Session provisions one).
+#: The verbs of savepoint statements.
 _SAVEPOINT_VERBS: Final = ("SAVEPOINT", "RELEASE", "ROLLBACK")
+
+
+def _sqlalchemy_savepoint(statement: str) -> bool:
+    """Whether ``statement`` is SQLAlchemy's own savepoint management (``SAVEPOINT sa_savepoint_1``,
+    ``RELEASE SAVEPOINT ...``, ``ROLLBACK TO SAVEPOINT ...``), sent when a Session provisions one.
+
+    Those do not open the block's savepoint: a nested transaction the block begins is the block
+    savepoint's child, and SQLAlchemy sends the parent's SAVEPOINT first.  A savepoint the
+    application sends itself (``exec_driver_sql("SAVEPOINT mine")``) is a statement of the block
+    like any other: the block's savepoint goes out before it, so releasing or rolling back to it
+    cannot take the block's savepoint with it.
+    """
+    head = statement.lstrip()[:48].upper()
+    return head.startswith(_SAVEPOINT_VERBS) and "SA_SAVEPOINT_" in head
 
 
 # before_cursor_execute, not before_execute: exec_driver_sql() fires only this one.
@@ -1102,7 +1116,7 @@ def _on_before_cursor_execute(
         return
     info = conn.info
     deferred = info.get(_DEFERRED)
-    if deferred is None or deferred._paused or statement.lstrip()[:9].upper().startswith(_SAVEPOINT_VERBS):
+    if deferred is None or deferred._paused or _sqlalchemy_savepoint(statement):
         return
     # Forgotten here, on the connection in use: one left behind by a Session that ended without
     # closing it (and whose own Connection is closed) must not stay on the pooled connection.

@@ -208,6 +208,26 @@ def test_orm_changes_the_block_left_unflushed_are_flushed_inside_its_savepoint(
     assert _orders(engine, "existing") == (1 if change == "added" else 0)
 
 
+@pytest.mark.parametrize("end", ["release", "rollback to"])
+def test_a_savepoint_the_block_sends_itself_nests_inside_the_blocks_own(engine: Engine, end: str) -> None:
+    """The block's first statement is the application's own ``SAVEPOINT mine``: the block's savepoint
+    goes out before it, so ``RELEASE``/``ROLLBACK TO SAVEPOINT mine`` leave the block's savepoint in
+    place, and the block's write still rolls back when it raises and the caller commits anyway."""
+    with Session(engine) as session, session.begin():
+        conn = session.connection()
+        with pytest.raises(RuntimeError), idempotent(session, scope="s", key="own-savepoint") as call:
+            conn.exec_driver_sql("SAVEPOINT mine")
+            conn.execute(insert(orders).values(ref="inside-mine"))
+            conn.exec_driver_sql(f"{end.upper()} SAVEPOINT mine")
+            conn.execute(insert(orders).values(ref="after-mine"))
+            call.complete("done")
+            raise RuntimeError("declined")
+        session.execute(insert(orders).values(ref="caller"))
+    assert _orders(engine, "inside-mine") == 0 and _orders(engine, "after-mine") == 0
+    assert _orders(engine, "caller") == 1
+    assert _record(engine, "own-savepoint") is None
+
+
 def test_a_block_that_sent_nothing_leaves_no_savepoint_behind(engine: Engine) -> None:
     """Its savepoint is closed, not left open: the session's own nesting and ORM state are as before."""
     ended: list[Any] = []
