@@ -1121,23 +1121,32 @@ def _options(
     """Check the options of :func:`idempotent` (nothing is written before they pass)."""
     _write.check_text(scope, "scope", MAX_SCOPE)
     _write.check_text(key, "idempotency key", MAX_KEY)
-    policy: tuple[Any, ...] = (lease, ttl, mode, serializer, heartbeat_every, non_retryable)
+    policy: tuple[Any, ...] = (lease, ttl, mode, heartbeat_every, non_retryable)
     try:
-        checked = _checked_policy(*policy)
+        lease_ms, ttl_ms, mode, interval, non_retryable = _checked_policy(*policy)
     except TypeError:  # an unhashable argument: checked without the memo (and most likely refused)
-        checked = _check_policy(*policy)
-    return _Options(scope, key, *checked)
+        lease_ms, ttl_ms, mode, interval, non_retryable = _check_policy(*policy)
+    # The caller's own serializer object, never an equal one memoised from another call.
+    return _Options(
+        scope,
+        key,
+        lease_ms,
+        ttl_ms,
+        mode,
+        _JSON if serializer is None else serializer,
+        interval,
+        non_retryable,
+    )
 
 
 def _check_policy(
     lease: Any,
     ttl: Any,
     mode: Any,
-    serializer: Serializer | None,
     heartbeat_every: Any,
     non_retryable: Any,
-) -> tuple[int, int, Mode, Serializer, float | None, tuple[type[BaseException], ...]]:
-    """The options other than scope and key, checked: ``(lease_ms, ttl_ms, mode, serializer, heartbeat
+) -> tuple[int, int, Mode, float | None, tuple[type[BaseException], ...]]:
+    """The options other than scope, key and serializer, checked: ``(lease_ms, ttl_ms, mode, heartbeat
     interval in seconds, non_retryable)``."""
     lease_ms = _write.duration_ms(lease, "lease")
     ttl_ms = _write.duration_ms(ttl, "ttl")
@@ -1166,7 +1175,7 @@ def _check_policy(
             "non_retryable needs mode='separate': in same_transaction mode a failure rolls back with the "
             "transaction, so there is no failure record to keep"
         )
-    return lease_ms, ttl_ms, mode, _JSON if serializer is None else serializer, interval, non_retryable
+    return lease_ms, ttl_ms, mode, interval, non_retryable
 
 
 #: An application passes the same few policies (lease, ttl, mode ...) on every call: each is checked once.

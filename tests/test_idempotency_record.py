@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -21,7 +22,14 @@ from hypothesis import strategies as st
 from sqlalchemy import Engine, update
 from sqlalchemy.orm import Session
 
-from stateguard import RequestFailed, create_tables, drop_tables, idempotent, on_idempotency_event
+from stateguard import (
+    InvalidArgument,
+    RequestFailed,
+    create_tables,
+    drop_tables,
+    idempotent,
+    on_idempotency_event,
+)
 from stateguard.tables import idempotency_keys
 
 from .conftest import Backend
@@ -126,3 +134,48 @@ def test_a_failed_request_reports_its_stored_error_and_attempt(engine: Engine, a
         remove()
     assert failed.value.error == f"ValueError: {message}"
     assert seen == [("failed_replayed", attempt)]
+
+
+@dataclass(frozen=True)
+class Tagged:
+    """A serializer that marks what it stores; instances with different tags compare equal."""
+
+    tag: str = field(compare=False)
+
+    def dumps(self, value: Any) -> str:
+        """``value`` as ``tag:value``."""
+        return f"{self.tag}:{value}"
+
+    def loads(self, text: str) -> Any:
+        """The stored text."""
+        return text
+
+
+def test_each_call_stores_through_its_own_serializer(engine: Engine) -> None:
+    """The checked options are memoised per policy, but never the serializer: two serializers
+    that compare equal (and hash alike) still each store what they make."""
+    assert Tagged("a") == Tagged("b") and hash(Tagged("a")) == hash(Tagged("b"))
+    for tag in ("a", "b"):
+        with Session(engine) as session, session.begin():
+            with idempotent(session, scope="rec", key=f"tagged-{tag}", serializer=Tagged(tag)) as call:
+                call.complete("x")
+        with Session(engine) as session, session.begin():
+            with idempotent(session, scope="rec", key=f"tagged-{tag}", serializer=Tagged("z")) as call:
+                assert call.replayed and call.response == f"{tag}:x"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"lease": [1]},
+        {"mode": ["same_transaction"]},
+        {"non_retryable": [ValueError]},
+        {"ttl": timedelta(seconds=1), "lease": timedelta(seconds=2)},
+        {"heartbeat_every": timedelta(seconds=1)},
+    ],
+)
+def test_bad_options_are_refused_every_time(engine: Engine, options: dict[str, Any]) -> None:
+    """Unhashable or invalid options are InvalidArgument on every call, memo or not."""
+    for _ in range(2):
+        with Session(engine) as session, pytest.raises(InvalidArgument):
+            idempotent(session, scope="rec", key="bad", **options)
