@@ -11,7 +11,6 @@ characters, U+2028, characters outside the BMP, text that looks like JSON.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -25,14 +24,10 @@ from sqlalchemy.orm import Session
 from stateguard import (
     InvalidArgument,
     RequestFailed,
-    create_tables,
-    drop_tables,
     idempotent,
     on_idempotency_event,
 )
 from stateguard.tables import idempotency_keys
-
-from .conftest import Backend
 
 
 class TextAsIs:
@@ -53,15 +48,6 @@ class TextAsIs:
 storable = st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\x00"), max_size=300)
 
 _keys = itertools.count()
-
-
-@pytest.fixture
-def engine(backend: Backend) -> Iterator[Engine]:
-    eng = backend.engine
-    drop_tables(eng)
-    create_tables(eng)
-    yield eng
-    drop_tables(eng)
 
 
 def _key() -> str:
