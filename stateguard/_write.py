@@ -46,7 +46,7 @@ from sqlalchemy import (
     func,
     insert,
     lambda_stmt,
-    literal,
+    literal_column,
     null,
     select,
     text,
@@ -56,6 +56,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
+from sqlalchemy.sql import util as sql_util
 from sqlalchemy.sql.base import Executable
 from sqlalchemy.sql.elements import ClauseElement, ColumnElement
 from sqlalchemy.sql.lambdas import StatementLambdaElement
@@ -483,14 +484,20 @@ class InsertOnce:
                 postgresql.insert(self.table)
                 .values(self.values)
                 .on_conflict_do_nothing()
-                .returning(*self.returning)
+                .returning(literal_column("1"))
                 .cte("sg_inserted")
             )
+            # The read goes through an alias: its columns render as ``sg_row.col``, not each
+            # qualified by the table (with schema_translate_map, every qualified name is one more
+            # substitution in the SQL text at every execution).
+            row = self.table.alias("sg_row")
+            to_row = sql_util.ClauseAdapter(row)
             new = select(type_coerce(null(), Text).label("sg_record")).select_from(inserted)
             existing = (
-                select(cast(func.json_build_array(*self.read), Text))
-                .where(self.where)
-                .where(~select(literal(1)).select_from(inserted).exists())
+                select(cast(func.json_build_array(*(to_row.traverse(c) for c in self.read)), Text))
+                .select_from(row)
+                .where(to_row.traverse(self.where))
+                .where(~select(literal_column("1")).select_from(inserted).exists())
             )
             # Frozen: run on every claim, and its cache key is costly to compute (a CTE and a UNION).
             stmt = self._statements[name] = frozen(new.union_all(existing))
@@ -1025,15 +1032,18 @@ class DeferredSavepoint:
     back with it.  :meth:`close` (or the end of the transaction) forgets it.
     """
 
-    __slots__ = ("_bind_arguments", "_conn", "_paused", "nested", "session")
+    __slots__ = ("_bind_arguments", "_conn", "_info", "_paused", "nested", "session")
 
-    def __init__(self, session: Session, conn: Connection, bind_arguments: Mapping[str, Any]) -> None:
+    def __init__(self, session: Session, conn: Connection, bind_arguments: dict[str, Any]) -> None:
         self.session = session
         self._conn = conn
-        self._bind_arguments = dict(bind_arguments)
+        self._bind_arguments = bind_arguments
         self._paused = False
         self.nested = session.begin_nested()
-        conn.info[_DEFERRED] = self
+        # The pooled connection's info dict, kept: Connection.info is three properties deep, and
+        # raises once the Connection is closed, when close() must still be able to forget this.
+        self._info = info = conn.info
+        info[_DEFERRED] = self
 
     def open(self) -> None:
         """Send the SAVEPOINT now (no-op if it is out already or the savepoint has ended)."""
@@ -1060,9 +1070,9 @@ class DeferredSavepoint:
 
     def close(self) -> None:
         """Stop watching the connection (the savepoint itself is left as it is)."""
-        conn = self._conn
-        if not (conn.invalidated or conn.closed) and conn.info.get(_DEFERRED) is self:
-            del conn.info[_DEFERRED]
+        info = self._info
+        if info.get(_DEFERRED) is self:
+            del info[_DEFERRED]
 
     def end(self) -> None:
         """The block succeeded: stop watching, and commit the savepoint (RELEASE only if it was sent).
@@ -1077,11 +1087,15 @@ class DeferredSavepoint:
         if not nested.is_active:
             return
         session = self.session
+        # SQLAlchemy's own attributes, read with fallbacks that take the commit() path: the
+        # SessionTransaction's connections, the session's innermost transaction, and
+        # Session._is_clean() (nothing new, deleted or modified: what flush() checks first).
+        is_clean = getattr(session, "_is_clean", None)
         if (
             not getattr(nested, "_connections", True)
-            and session.get_nested_transaction() is nested
             and getattr(session, "_transaction", None) is nested
-            and not (session.new or session.deleted or session.identity_map.check_modified())
+            and is_clean is not None
+            and is_clean()
         ):
             nested.close()
         else:

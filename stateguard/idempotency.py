@@ -84,7 +84,19 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any, Final, Generic, Literal, NamedTuple, ParamSpec, Protocol, TypeVar
 
-from sqlalchemy import Connection, Engine, and_, bindparam, delete, select, update
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Integer,
+    String,
+    and_,
+    bindparam,
+    delete,
+    literal_column,
+    null,
+    select,
+    update,
+)
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
@@ -138,6 +150,11 @@ E = TypeVar("E", bound=BaseException)
 _IN_PROGRESS: Final = "in_progress"
 _COMPLETED: Final = "completed"
 _FAILED: Final = "failed"
+# The same constants as SQL literals in the statements: a bound parameter is converted
+# and sent at every execution, a literal is part of the (prepared) statement.
+_IN_PROGRESS_SQL: Final = literal_column(f"'{_IN_PROGRESS}'", String)
+_COMPLETED_SQL: Final = literal_column(f"'{_COMPLETED}'", String)
+_FAILED_SQL: Final = literal_column(f"'{_FAILED}'", String)
 #: Rounds of read-then-decide before giving up on a record that keeps changing.
 _MAX_ROUNDS: Final = 8
 #: Attempts of a separate-mode claim transaction that hit a deadlock or serialization failure.
@@ -191,6 +208,9 @@ _CANONICAL: Final = json.JSONEncoder(
 )
 
 
+_BYTES: Final = (bytes, bytearray, memoryview)
+
+
 def fingerprint_of(value: Any) -> str | None:
     """SHA-256 (hex) of a request fingerprint's canonical form, or ``None`` for ``None``.
 
@@ -204,7 +224,7 @@ def fingerprint_of(value: Any) -> str | None:
     """
     if value is None:
         return None
-    if isinstance(value, bytes | bytearray | memoryview):
+    if isinstance(value, _BYTES):
         data = b"bytes:" + bytes(value)
     else:
         try:
@@ -350,12 +370,12 @@ _NOW: Final = _sql.db_now_ms()
 _LEASE_END: Final = _NOW + bindparam("sg_lease")
 _EXPIRY: Final = _NOW + bindparam("sg_ttl")
 _THIS_KEY: Final = (_t.c.scope == bindparam("sg_scope"), _t.c.idem_key == bindparam("sg_key"))
-_MINE: Final = (*_THIS_KEY, _t.c.owner == bindparam("sg_owner"), _t.c.status == _IN_PROGRESS)
+_MINE: Final = (*_THIS_KEY, _t.c.owner == bindparam("sg_owner"), _t.c.status == _IN_PROGRESS_SQL)
 _FRESH: Final = {
-    "status": _IN_PROGRESS,
+    "status": _IN_PROGRESS_SQL,
     "fingerprint": bindparam("sg_fp"),
     "owner": bindparam("sg_owner"),
-    "attempt": 1,
+    "attempt": literal_column("1", Integer),
     "locked_until_ms": _LEASE_END,
     "expires_ms": _EXPIRY,
     "created_ms": _NOW,
@@ -415,7 +435,7 @@ _TAKEOVER: Final = (
     .where(
         *_THIS_KEY,
         _t.c.owner == bindparam("sg_old_owner"),
-        _t.c.status == _IN_PROGRESS,
+        _t.c.status == _IN_PROGRESS_SQL,
         _t.c.locked_until_ms <= _NOW,
         _t.c.expires_ms > _NOW,
     )
@@ -434,10 +454,10 @@ def _owned_update(**values: Any) -> Any:
 
 
 _COMPLETE: Final = _owned_update(
-    status=_COMPLETED, response=bindparam("sg_text"), locked_until_ms=None, expires_ms=_EXPIRY
+    status=_COMPLETED_SQL, response=bindparam("sg_text"), locked_until_ms=null(), expires_ms=_EXPIRY
 )
 _FAIL: Final = _owned_update(
-    status=_FAILED, error=bindparam("sg_text"), locked_until_ms=None, expires_ms=_EXPIRY
+    status=_FAILED_SQL, error=bindparam("sg_text"), locked_until_ms=null(), expires_ms=_EXPIRY
 )
 # Released: still in progress, with a lease that ended now, so the next
 # caller takes it over at once and reads the checkpoint.
@@ -666,7 +686,15 @@ class _Claim(Generic[S]):
         self.options = options
         self.fingerprint = fingerprint
         # 128 random bits as 32 hex characters (uuid4().hex without the UUID object: a third of the cost).
-        self.owner = os.urandom(16).hex()
+        self.owner = owner = os.urandom(16).hex()
+        self._base_params = {
+            "sg_scope": options.scope,
+            "sg_key": options.key,
+            "sg_fp": fingerprint,
+            "sg_owner": owner,
+            "sg_lease": options.lease_ms,
+            "sg_ttl": options.ttl_ms,
+        }
         self.call: IdempotentCall[S] | None = None
         #: Same transaction: the savepoint of the block (sent before its first statement).
         self._savepoint: _write.DeferredSavepoint | None = None
@@ -799,15 +827,8 @@ class _Claim(Generic[S]):
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _params(self) -> dict[str, Any]:
-        options = self.options
-        return {
-            "sg_scope": options.scope,
-            "sg_key": options.key,
-            "sg_fp": self.fingerprint,
-            "sg_owner": self.owner,
-            "sg_lease": options.lease_ms,
-            "sg_ttl": options.ttl_ms,
-        }
+        """The parameters every statement of this claim takes (a new dict each time)."""
+        return self._base_params.copy()
 
     def _claimed(self) -> IdempotentCall[S]:
         self._fresh = True
@@ -903,8 +924,7 @@ class _Claim(Generic[S]):
 
     def write(self, call: IdempotentCall[S], stmt: Any, extra: dict[str, Any], kind: str | None) -> None:
         """Run one owner-conditional UPDATE of the record (and in separate mode commit the session)."""
-        params = self._params()
-        params.update(extra)
+        params = {**self._base_params, **extra}
         if kind is not None:
             self._finishing = True
         text = extra.get("sg_text")
