@@ -824,7 +824,7 @@ def check_text(value: Any, what: str, limit: int) -> str:
     """
     if not isinstance(value, str):
         raise InvalidArgument(f"{what} must be a str, got {type(value).__name__}")
-    if not value.strip():
+    if not value or value.isspace():  # blank: what strip() would empty, without building a copy
         raise InvalidArgument(f"{what} must not be blank, got {value!r}")
     if len(value) > limit:
         raise InvalidArgument(f"{what} is {len(value)} characters long; the limit is {limit}")

@@ -109,7 +109,6 @@ from ._async import (
     as_session,
     dual_bind,
     dual_member,
-    sync_session_of,
 )
 from .exceptions import (
     DeadlockDetected,
@@ -1257,14 +1256,15 @@ def idempotent(
     :raises RequestFailed: on entering, the key's request failed for good.
     """
     options = _options(scope, key, lease, ttl, mode, serializer, heartbeat_every, non_retryable)
-    if isinstance(session, AsyncSession) and options.heartbeat_every is not None:
-        raise NotSupported(
-            "heartbeat_every runs a thread, which cannot use an AsyncSession's connections; "
-            "await call.heartbeat() from your own task instead"
-        )
-    if not isinstance(session, AsyncSession):
-        session = as_session(session, "idempotent()")
-    sync_session = sync_session_of(session)
+    if isinstance(session, AsyncSession):
+        if options.heartbeat_every is not None:
+            raise NotSupported(
+                "heartbeat_every runs a thread, which cannot use an AsyncSession's connections; "
+                "await call.heartbeat() from your own task instead"
+            )
+        sync_session = session.sync_session
+    else:
+        session = sync_session = as_session(session, "idempotent()")
     claim = _Claim(sync_session, session, options, fingerprint_of(fingerprint))
     return DualContext(session, lambda _sync: claim, name="idempotent()")
 
