@@ -361,10 +361,11 @@ def ledger_release(
     ``delta``) into ``(key, amount)`` pairs in lock order; ``give_back``
     adds ``amount`` to ``key``; a negative amount (the undo of an increment)
     must respect floor 0 as a decrement does and returns a
-    :class:`Shortfall` when the units are gone.  Returns the pairs undone,
+    :class:`Shortfall` when the units are gone; a positive amount that would
+    pass the column's range raises InvalidArgument.  Returns the pairs undone,
     the Outcome NOT_FOUND (the ref changed nothing) or REPEATED (already
     released), or a :class:`Shortfall`: then nothing changed and the ref is
-    not released (the undo ran in a savepoint).
+    not released (the undo runs in a savepoint; so does it when an undo raises).
     """
     params = {"sg_ref": ref, "sg_table_name": target.table_name, "sg_column_name": target.column_name}
     # Read the ref's entries without locking, then mark them released by
@@ -385,12 +386,11 @@ def ledger_release(
     if not rows:
         return Outcome.REPEATED
     undo = undo_entries(rows)
-    # Only an undo that takes units away can fail; then the mark and every
-    # undo before it roll back to this savepoint.
-    savepoint = None
-    if any(amount < 0 for _, amount in undo):
-        _write.ensure_real_transaction(conn)
-        savepoint = conn.begin_nested()
+    # Any undo can fail: one taking units away finds them gone (a Shortfall), one giving them
+    # back finds no room below the column's maximum (InvalidArgument).  Then the mark and
+    # every undo before it roll back to this savepoint, whatever the caller does next.
+    _write.ensure_real_transaction(conn)
+    savepoint = conn.begin_nested()
     try:
         mark = _ledger_stmt("mark", backend)
         marked = _write.execute(conn, mark, {"sg_ids": [row.id for row in rows]}).rowcount
@@ -409,14 +409,12 @@ def ledger_release(
                     outcome = short
                     break
     except BaseException:
-        if savepoint is not None:
-            _write.abandon_savepoint(savepoint)
+        _write.abandon_savepoint(savepoint)
         raise
-    if savepoint is not None:
-        if isinstance(outcome, Shortfall):
-            savepoint.rollback()
-        else:
-            savepoint.commit()
+    if isinstance(outcome, Shortfall):
+        savepoint.rollback()
+    else:
+        savepoint.commit()
     return outcome
 
 
@@ -691,6 +689,11 @@ def release(session: Session, column: Any, ref: str) -> Result:
 
         if release(session, Stock.amount, "order-42"):
             notify_restock()
+
+    :raises InvalidArgument: a bad ref; or giving the units back would take
+        an integer column past its range (the row was refilled to the top
+        since): nothing was given back and the ref is not released, even if
+        the caller commits.
     """
     counter = _counter(column, None, "floor")
     if ref is None:
@@ -714,7 +717,24 @@ def release(session: Session, column: Any, ref: str) -> Result:
     def give_back(key: tuple[Any, ...], amount: Any) -> Shortfall | None:
         params = {**info.key_params(key), "sg_delta": amount}
         if amount >= 0:
-            _write.execute(conn, _plan(counter, backend, 1, False, False), params)
+            # Guarded by the column's range: the row may have been refilled to the top since the
+            # ref took from it, and the database must not compute a value the column cannot hold.
+            limits = _write.integer_limits(conn, counter.column)
+            room = _room(limits, 1, amount)
+            stmt = _plan(counter, backend, 1, False, False, room is not None)
+            if room is not None:
+                params["sg_room"] = room
+            applied, _ = _write.run_guarded(conn, stmt, params, returning=backend.returning)
+            if not applied and limits is not None:
+                read = _write.read_back(info, [counter.column], backend)
+                row = _write.execute(conn, read, info.key_params(key)).first()
+                if row is not None:  # a missing row has nothing to give back to (as ever)
+                    raise InvalidArgument(
+                        f"releasing ref {ref!r} would add {amount} to {counter.name} of "
+                        f"{_sql.public_key(key)!r} ({row[0]}), past the column's range: on this database "
+                        f"it holds integers from {limits[0]} to {limits[1]}; nothing was given back and "
+                        f"the ref is not released (take units off the row, then release again)"
+                    )
         else:
             # Taking an increment's units back: guarded by floor 0 as a decrement is (and by the
             # range, which only an amount below the floor can leave).

@@ -702,6 +702,10 @@ class StripedCounter:
 
             if stock.release(session, "order-42"):
                 notify_restock()
+
+        :raises InvalidArgument: a bad ref; or an item has no stripe with room for its
+            units below 2**63 - 1: nothing was given back and the ref is not released,
+            even if the caller commits.
         """
         checked_ref = _needed_ref(ref, "release")
         conn = self._conn(session)

@@ -168,3 +168,41 @@ def test_reserve_stays_all_or_nothing_at_the_range_edge(engine: Any) -> None:
         s.commit()
     with Session(engine) as s:
         assert _read(s, 1) == (0, 7)
+
+
+def _unreleased(s: Session, ref: str) -> int:
+    return int(
+        s.execute(
+            select(func.count())
+            .select_from(counter_ledger)
+            .where(counter_ledger.c.ref == ref, counter_ledger.c.released_at.is_(None))
+        ).scalar_one()
+    )
+
+
+def test_a_release_past_the_maximum_is_refused_and_gives_nothing_back(engine: Any) -> None:
+    """Units given back to a row refilled to the top since: InvalidArgument, not the driver's error,
+    and all or nothing (the row given back first is undone too); the ref stays unreleased, so a
+    caller that catches the error and commits loses no units, and the release applies once there
+    is room."""
+    _rows(engine, k1=(100, 0), k2=(100, 0))
+    with Session(engine) as s:
+        assert reserve(s, Tally.big, {1: 30, 2: 40}, ref="order").outcome is Outcome.APPLIED
+        assert increment(s, Tally.big, 2, by=BIG_MAX - 60).outcome is Outcome.APPLIED
+        assert _read(s, 2) == (BIG_MAX, 0)
+        with pytest.raises(InvalidArgument) as info:
+            release(s, Tally.big, "order")
+        message = str(info.value)
+        assert "Tally.big" in message and str(BIG_MAX) in message and "order" in message, message
+        assert _read(s, 1) == (70, 0) and _read(s, 2) == (BIG_MAX, 0)
+        assert _unreleased(s, "order") == 2
+        s.commit()  # the caller swallowed the error and committed
+    with Session(engine) as s:
+        assert _read(s, 1) == (70, 0) and _read(s, 2) == (BIG_MAX, 0)
+        assert _unreleased(s, "order") == 2
+        assert decrement(s, Tally.big, 2, by=40).outcome is Outcome.APPLIED
+        r = release(s, Tally.big, "order")
+        assert r.outcome is Outcome.APPLIED and r.value == {1: 30, 2: 40}
+        assert _read(s, 1) == (100, 0) and _read(s, 2) == (BIG_MAX, 0)
+        assert release(s, Tally.big, "order").outcome is Outcome.REPEATED
+        s.commit()

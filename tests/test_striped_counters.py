@@ -68,6 +68,24 @@ def _ledger(engine: Any, counter: StripedCounter) -> dict[str, int]:
     return {ref: int(delta) for ref, delta in rows}
 
 
+def _unreleased(engine: Any, counter: StripedCounter, ref: str) -> tuple[int, int]:
+    """How many ledger entries of ``ref`` are not released, and the sum of their deltas."""
+    with engine.connect() as conn:
+        deltas = (
+            conn.execute(
+                select(counter_ledger.c.delta).where(
+                    counter_ledger.c.table_name == counter_stripes.name,
+                    counter_ledger.c.column_name == counter.name,
+                    counter_ledger.c.ref == ref,
+                    counter_ledger.c.released_at.is_(None),
+                )
+            )
+            .scalars()
+            .all()
+        )
+    return len(deltas), sum(int(d) for d in deltas)
+
+
 def _stripes(engine: Any, counter: StripedCounter, item: str) -> list[int]:
     with Session(engine) as s:
         return counter.stripe_amounts(s, item)
@@ -170,6 +188,32 @@ def test_an_increment_past_the_bigint_range_is_refused_and_changes_nothing(engin
             c.increment(s, "one", by=top)
         assert c.total(s, "one") == top
     assert _ledger(engine, c) == {"last-room": top - 2**61, "no-room": 3}
+
+
+def test_a_release_past_the_bigint_range_is_refused_and_gives_nothing_back(engine: Any) -> None:
+    """Units given back to an item whose stripes were refilled to the top since: InvalidArgument,
+    all or nothing (an item given back first is undone too), the ref stays unreleased (a caller
+    that catches the error and commits loses no units), and it applies once there is room."""
+    top = MAX_AMOUNT
+    c = StripedCounter("stock", stripes=1)
+    with Session(engine) as s:
+        c.create(s, "a", amount=100)
+        c.create(s, "b", amount=100)
+        assert c.reserve(s, {"a": 30, "b": 40}, ref="order").applied
+        assert c.increment(s, "b", by=top - 60).applied
+        assert c.stripe_amounts(s, "b") == [top]
+        with pytest.raises(InvalidArgument, match="would exceed the BIGINT range"):
+            c.release(s, "order")
+        assert c.stripe_amounts(s, "a") == [70] and c.stripe_amounts(s, "b") == [top]
+        s.commit()  # the caller swallowed the error and committed
+    assert _unreleased(engine, c, "order") == (2, -70)
+    with Session(engine) as s, s.begin():
+        assert c.stripe_amounts(s, "a") == [70]
+        assert c.decrement(s, "b", by=40).applied
+        r = c.release(s, "order")
+        assert r.outcome is Outcome.APPLIED and r.value == {"a": 30, "b": 40}
+        assert c.stripe_amounts(s, "a") == [100] and c.stripe_amounts(s, "b") == [top]
+    assert _unreleased(engine, c, "order") == (0, 0)
 
 
 def test_a_decrement_larger_than_any_stripe_takes_from_several(engine: Any) -> None:
