@@ -67,7 +67,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from sqlalchemy import Connection, bindparam, delete, desc, func, insert, select, update
+from sqlalchemy import Connection, bindparam, delete, desc, insert, select, update
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
@@ -194,13 +194,6 @@ def _hints() -> Any:
     return _write.memo.get_or_build(
         ("striped", "hints"),
         lambda: select(_s.c.stripe, _s.c.amount).where(*_same_item),
-    )
-
-
-def _totals() -> Any:
-    return _write.memo.get_or_build(
-        ("striped", "total"),
-        lambda: select(func.sum(_s.c.amount), func.count()).where(*_same_item),
     )
 
 
@@ -752,8 +745,10 @@ class StripedCounter:
         """
         item = self._item(item)
         conn = self._conn(session)
-        row: Any = _write.execute(conn, _totals(), self._params(item)).one()
-        return None if not row[1] else int(row[0])
+        # Summed here, not by SUM(): the stripes may hold more than a BIGINT in all (SQLite's SUM
+        # then fails with "integer overflow"); an item has at most MAX_STRIPES of them.
+        amounts = _write.execute(conn, _amounts(), self._params(item)).scalars().all()
+        return sum(int(a) for a in amounts) if amounts else None
 
     total = dual_method(_total, operation="striped.total")
 
@@ -777,7 +772,8 @@ class StripedCounter:
 
             stock.restripe(session, "sku-1", stripes=32)
 
-        :raises InvalidArgument: a bad item or ``stripes`` (1 to 1024).
+        :raises InvalidArgument: a bad item or ``stripes`` (1 to 1024), or too few stripes
+            to hold the total (each holds at most 2**63 - 1); nothing changed.
         """
         item = self._item(item)
         k = _check_int(stripes, "stripes", 1, MAX_STRIPES)
@@ -789,6 +785,12 @@ class StripedCounter:
         if not rows:
             return self._result(session, Outcome.NOT_FOUND, item)
         total = sum(int(r.amount) for r in rows)
+        if total > k * MAX_AMOUNT:
+            raise InvalidArgument(
+                f"{self.target.name} item {item!r} holds {total}, more than {k} stripe(s) of at most "
+                f"{MAX_AMOUNT} can: restripe it to at least {-(-total // MAX_AMOUNT)} stripes; nothing "
+                f"changed"
+            )
         new = dict(zip(stripe_ids(k), _split(total, k), strict=True))
         old = {r.stripe for r in rows}
         kept = [

@@ -187,6 +187,14 @@ def test_an_increment_past_the_bigint_range_is_refused_and_changes_nothing(engin
         with pytest.raises(InvalidArgument, match="would exceed the BIGINT range"):
             c.increment(s, "one", by=top)
         assert c.total(s, "one") == top
+        # A total past 2**63 - 1 is read exactly (SQLite's SUM would fail with "integer overflow"),
+        # and it cannot be restriped onto fewer stripes than it needs: refused, nothing changed.
+        assert c.total(s, "big") == 2 * top
+        with pytest.raises(InvalidArgument, match="at least 2 stripes"):
+            c.restripe(s, "big", stripes=1)
+        assert c.stripe_amounts(s, "big") == [top, top]
+        assert c.restripe(s, "big", stripes=3).value == 2 * top
+        assert c.total(s, "big") == 2 * top and max(c.stripe_amounts(s, "big")) <= top
     assert _ledger(engine, c) == {"last-room": top - 2**61, "no-room": 3}
 
 
