@@ -50,7 +50,6 @@ orders = Table(
 )
 
 
-
 class Order:
     """``orders`` as an ORM class, for blocks that leave changes to the Session's flush."""
 
