@@ -455,6 +455,14 @@ def _owned_update(**values: Any) -> Any:
 _COMPLETE: Final = _owned_update(
     status=_COMPLETED_SQL, response=bindparam("sg_text"), locked_until_ms=null(), expires_ms=_EXPIRY
 )
+# Same transaction, a record this call inserted: its expiry (the claim's time plus ttl) is kept, so
+# no indexed column changes (expires_ms is indexed, for purging) and PostgreSQL can update the row
+# in place (a HOT update: no new index entries, less WAL).  The claim and its completion commit
+# together, so the key is kept ttl from the claim rather than from the completion: the block's
+# duration less.
+_COMPLETE_FRESH: Final = _owned_update(
+    status=_COMPLETED_SQL, response=bindparam("sg_text"), locked_until_ms=null()
+)
 _FAIL: Final = _owned_update(
     status=_FAILED_SQL, error=bindparam("sg_text"), locked_until_ms=null(), expires_ms=_EXPIRY
 )
@@ -558,7 +566,8 @@ class IdempotentCall(DualObject[S]):
         self._check_open("complete")
         claim = self._claim
         text = _dump(claim.options.serializer, response, "response")
-        claim.write(self, _COMPLETE, {"sg_text": text}, "completed")
+        fresh = claim._fresh and claim.options.mode == "same_transaction"
+        claim.write(self, _COMPLETE_FRESH if fresh else _COMPLETE, {"sg_text": text}, "completed")
         return response
 
     def _checkpoint(self, name: str, data: Any = None) -> None:
@@ -1236,7 +1245,8 @@ def idempotent(
         the check.
     :param lease: how long a claim is held before another caller may take it
         over (separate mode).
-    :param ttl: how long the key and its response are kept (from completion).
+    :param ttl: how long the key and its response are kept: from completion
+        (same transaction: from the claim, which commits with the completion).
     :param mode: ``"same_transaction"`` (the claim, the block's writes and the
         response commit together; an exception frees the key) or
         ``"separate"`` (the claim commits first; for outside side effects).

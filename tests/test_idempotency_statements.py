@@ -11,6 +11,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -387,3 +388,34 @@ def _wait_until_blocked(backend: Backend, engine: Engine) -> None:
             conn.rollback()
             time.sleep(0.01)
     raise AssertionError("the second call never waited for the first")
+
+
+def test_a_fresh_claim_keeps_its_expiry_when_completed_in_the_same_transaction(engine: Engine) -> None:
+    """Same transaction, a record the call inserted: completing it leaves expires_ms (indexed, for
+    purging) as the claim set it, the claim's time plus ttl, so the UPDATE changes no indexed
+    column (PostgreSQL updates the row in place).  Separate mode, whose completion may come long
+    after its claim committed, still keeps the key ttl from the completion."""
+    ttl = timedelta(hours=2)
+    with Session(engine) as session, session.begin():
+        with idempotent(session, scope="s", key="same", ttl=ttl) as call:
+            time.sleep(0.05)  # the completion's clock is well past the claim's
+            call.complete({"ok": True})
+    same = _record(engine, "same")
+    assert same.status == "completed"
+    assert same.updated_ms - same.created_ms >= 40, same
+    assert same.expires_ms == same.created_ms + 2 * 3_600_000, same
+    with Session(engine) as session:
+        with idempotent(session, scope="s", key="separate", ttl=ttl, mode="separate") as call:
+            time.sleep(0.05)
+            call.complete({"ok": True})
+    separate = _record(engine, "separate")
+    assert separate.updated_ms - separate.created_ms >= 40, separate
+    assert separate.expires_ms == separate.updated_ms + 2 * 3_600_000, separate
+    # A takeover's completion (a record another worker claimed) counts from the completion too.
+    _put_record(engine, "taken", locked_until_ms=0, created_ms=0, expires_ms=int(time.time() * 1000) + 5000)
+    with Session(engine) as session, session.begin():
+        with idempotent(session, scope="s", key="taken", ttl=ttl) as call:
+            assert call.taken_over
+            call.complete({"ok": True})
+    taken = _record(engine, "taken")
+    assert taken.expires_ms == taken.updated_ms + 2 * 3_600_000, taken
