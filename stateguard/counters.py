@@ -702,6 +702,7 @@ def release(session: Session, column: Any, ref: str) -> Result:
     info = counter.info
     conn = _write.connection_for(session, info)
     backend = _sql.backend(conn.dialect)
+    limits = _write.integer_limits(conn, counter.column)
 
     def undo_entries(rows: Sequence[Any]) -> list[tuple[Any, Any]]:
         undo: list[tuple[tuple[Any, ...], Any]] = []
@@ -719,7 +720,6 @@ def release(session: Session, column: Any, ref: str) -> Result:
         if amount >= 0:
             # Guarded by the column's range: the row may have been refilled to the top since the
             # ref took from it, and the database must not compute a value the column cannot hold.
-            limits = _write.integer_limits(conn, counter.column)
             room = _room(limits, 1, amount)
             stmt = _plan(counter, backend, 1, False, False, room is not None)
             if room is not None:
@@ -738,7 +738,7 @@ def release(session: Session, column: Any, ref: str) -> Result:
         else:
             # Taking an increment's units back: guarded by floor 0 as a decrement is (and by the
             # range, which only an amount below the floor can leave).
-            room = _room(_write.integer_limits(conn, counter.column), -1, -amount)
+            room = _room(limits, -1, -amount)
             stmt = _plan(counter, backend, -1, True, False, room is not None)
             if room is not None:
                 params["sg_room"] = room

@@ -190,10 +190,15 @@ def test_a_release_past_the_maximum_is_refused_and_gives_nothing_back(engine: An
         assert reserve(s, Tally.big, {1: 30, 2: 40}, ref="order").outcome is Outcome.APPLIED
         assert increment(s, Tally.big, 2, by=BIG_MAX - 60).outcome is Outcome.APPLIED
         assert _read(s, 2) == (BIG_MAX, 0)
+        # Loaded ORM objects: row 1 is given back first (and synced), then the savepoint rolls
+        # back; the loaded object must not keep the undone 100.
+        t1, t2 = s.get(Tally, 1), s.get(Tally, 2)
+        assert t1 is not None and t2 is not None and (t1.big, t2.big) == (70, BIG_MAX)
         with pytest.raises(InvalidArgument) as info:
             release(s, Tally.big, "order")
         message = str(info.value)
         assert "Tally.big" in message and str(BIG_MAX) in message and "order" in message, message
+        assert (t1.big, t2.big) == (70, BIG_MAX)
         assert _read(s, 1) == (70, 0) and _read(s, 2) == (BIG_MAX, 0)
         assert _unreleased(s, "order") == 2
         s.commit()  # the caller swallowed the error and committed
