@@ -30,28 +30,45 @@ and a decrement takes from one stripe that nobody else holds:
   Striping buys nothing there (every write holds the whole database until
   COMMIT); it stays correct.
 
-When no free stripe holds ``by``, a read without locks tells why.  If some
-stripe holds it but another buyer has it locked (the common case under
-load), the decrement waits for that one stripe, as a single-row counter
-would: a guarded UPDATE of it (in a savepoint on PostgreSQL, rolled back
-when the stripe no longer holds ``by`` or the wait was a deadlock victim).
-Otherwise (stock is spread thin, or ``by`` is more than any stripe), or if
-that stripe ran short meanwhile, the slow path locks every stripe of the item in stripe
-order (``SELECT ... ORDER BY stripe FOR UPDATE``, waiting), and takes
-``by`` from as many stripes as needed: INSUFFICIENT only when the whole
-item lacks it.  Everyone who locks several stripes takes them in the same
-order, a fast-path buyer holds one stripe and waits for nothing, and one
-waiting for a single stripe holds no other, so they cannot deadlock one
-another.  One exception: a fast path that found no stripe may still hold a
-short stripe it examined (InnoDB, above; on PostgreSQL a stripe emptied by
-a commit just before it was locked: the row stays locked when the re-check
-of its newest version fails), and its wait or sweep can then deadlock with
-a sweep.  Both run in a savepoint on PostgreSQL: the victim rolls back to
-it, which releases what it locked there, and goes on (the caller sees no
-error, only the ``deadlock_timeout`` wait, 1 s by default); InnoDB rolls
-the victim's whole transaction back, and stateguard raises the retryable
-:class:`~stateguard.DeadlockDetected` (``retry_on_conflict`` retries it).
-Both happen only when stock runs low.
+When no free stripe holds ``by``, a read without locks tells why:
+
+- PostgreSQL (plain reads see the latest committed rows; those of
+  uncommitted decrements still show their units): a total below ``by`` is
+  INSUFFICIENT then and there, with no lock taken.  If some stripe holds
+  ``by`` but another buyer has it locked (the common case under load), the
+  decrement waits for that one stripe, as a single-row counter would.
+  Otherwise (stock spread thinner than ``by``) it locks the stripes nobody
+  holds (``SKIP LOCKED``) and takes ``by`` from them, the fullest first; if
+  they hold less, it gives them back and waits for a stripe with units
+  that another transaction holds, then reads again.  Each attempt runs in a
+  savepoint, rolled back when it does not apply (which frees what it locked)
+  or when it was a deadlock victim.  So a decrement waits only while holding
+  nothing of the item but what its transaction held before, and no two
+  decrements wait for each other's gathered stripes.  What a transaction
+  held before includes a stripe its fast path examined: PostgreSQL keeps
+  the lock of a row whose newest version, committed just before it was
+  locked, failed the re-check, and no savepoint taken after that can free
+  it.  Locking every stripe in order, as before, made two such decrements
+  wait for each other's stripe until one gave up with an error.
+- MariaDB: if some stripe holds ``by`` but is locked, the decrement waits
+  for it (REPEATABLE READ's plain reads show the transaction's first
+  snapshot: the read only picks the stripe).
+
+Otherwise, or after a few rounds on PostgreSQL, the slow path locks every
+stripe of the item in stripe order (``SELECT ... ORDER BY stripe FOR
+UPDATE``, waiting), and takes ``by`` from as many stripes as needed:
+INSUFFICIENT only when the whole item lacks it.  Everyone who locks several
+stripes takes them in the same order, a fast-path buyer holds one stripe
+and waits for nothing, and one waiting for a single stripe holds no other,
+so they cannot deadlock one another, except through a stripe a fast path
+left locked (InnoDB keeps the locks of the rows a locking read examined).
+On PostgreSQL the sweep runs in a savepoint: a victim rolls back to it,
+which frees what it locked there, and sweeps again (no error, one
+``deadlock_timeout`` of waiting); after ``_DEADLOCK_SWEEPS`` rounds, or at
+once on MariaDB (InnoDB rolls the victim's whole transaction back), it
+raises the retryable :class:`~stateguard.DeadlockDetected`
+(``retry_on_conflict`` retries it; the retry is a new transaction and holds
+nothing).  That happens only when stock runs low.
 
 ``ref=`` uses the same idempotent ledger as the guarded counters
 (``stateguard_counter_ledger``, table name ``stateguard_counter_stripes``,
@@ -99,8 +116,12 @@ SPACE: Final = 1 << 20
 MAX_AMOUNT: Final = (1 << 63) - 1
 #: Fresh reads of an item's stripes when they disagree with its stripe count (a concurrent restripe).
 _SWEEPS: Final = 5
-#: Sweeps of a slow-path decrement chosen as a deadlock victim where the transaction survives it.
-_DEADLOCK_SWEEPS: Final = 10
+#: Sweeps of a slow-path decrement chosen as a deadlock victim where the transaction survives it
+#: (each costs one ``deadlock_timeout``); then DeadlockDetected, for the caller to retry.
+_DEADLOCK_SWEEPS: Final = 3
+#: Rounds of a PostgreSQL decrement no free stripe took (read, then wait for one stripe or take
+#: from the free ones) before the ordered sweep.
+_WAITS: Final = 8
 
 _s = counter_stripes
 _same_item = (_s.c.counter == bindparam("sg_counter"), _s.c.item == bindparam("sg_item"))
@@ -176,6 +197,29 @@ def _sweep(backend: _sql.Backend) -> Any:
         return stmt.with_for_update() if backend.row_locks else stmt
 
     return _memo("sweep", backend, build)
+
+
+def _free() -> Any:
+    """PostgreSQL: the stripes of the item no other transaction holds, locked (``SKIP LOCKED``)."""
+    return _write.memo.get_or_build(
+        ("striped", "free"),
+        lambda: (
+            select(_s.c.stripe, _s.c.amount)
+            .where(*_same_item)
+            .order_by(_s.c.stripe)
+            .with_for_update(skip_locked=True)
+        ),
+    )
+
+
+def _lock_one() -> Any:
+    """PostgreSQL: lock one stripe (``:stripe``), waiting for the transaction that holds it."""
+    return _write.memo.get_or_build(
+        ("striped", "lock-one"),
+        lambda: (
+            select(_s.c.stripe).where(*_same_item, _s.c.stripe == bindparam("sg_stripe")).with_for_update()
+        ),
+    )
 
 
 def _stripe_0(backend: _sql.Backend) -> Any:
@@ -375,22 +419,27 @@ class StripedCounter:
         """
         if self._fast(conn, backend, item, by, -1):
             return Outcome.APPLIED, None
-        if backend.row_locks and self._wait_for_one(conn, backend, item, by):
-            return Outcome.APPLIED, None
+        if backend.row_locks:
+            if backend.locking_read:
+                if self._wait_for_one(conn, backend, item, by):
+                    return Outcome.APPLIED, None
+            else:
+                decided = self._settle(conn, backend, item, by)
+                if decided is not None:
+                    return decided
         return self._slow_decrement(conn, backend, item, by)
 
     def _wait_for_one(self, conn: Connection, backend: _sql.Backend, item: str, by: int) -> bool:
-        """A decrement no free stripe took: wait for one busy stripe that holds ``by``; whether it applied.
+        """MariaDB: a decrement no free stripe took waits for one busy stripe that holds ``by``.
 
         The fast path fails when every stripe that holds ``by`` is held by another buyer
         (the common case under load) or when none holds it (stock low, ``by`` large).  A
         read without locks tells them apart: for the first, wait for one such stripe, as a
         single-row counter would, instead of locking every stripe (which would make everyone
         after it wait for all of them).  ``False`` (nothing changed): no stripe seemed to hold
-        ``by``, or the one waited for no longer does; the sweep decides.
-
-        Where a deadlock aborts only the statement (PostgreSQL), the UPDATE runs in a
-        savepoint: a victim rolls back to it and falls to the sweep, with no error.
+        ``by``, or the one waited for no longer does; the sweep decides.  No savepoint: InnoDB
+        rolls a deadlock victim's whole transaction back.  The read only picks the stripe:
+        REPEATABLE READ's plain reads show the transaction's first snapshot.
         """
         params = self._params(item, sg_by=by)
         candidates = [r.stripe for r in _write.execute(conn, _hints(), params) if r.amount >= by]
@@ -398,23 +447,68 @@ class StripedCounter:
             return False
         params["sg_stripe"] = random.choice(candidates)
         stmt = _by_stripe(backend, -1, True)
-        if backend.locking_read:
-            # InnoDB rolls a deadlock victim's whole transaction back: a savepoint cannot help.
-            return _write.run_guarded(conn, stmt, params, returning=backend.returning)[0]
-        savepoint = conn.begin_nested()
-        try:
-            applied = _write.run_guarded(conn, stmt, params, returning=backend.returning)[0]
-        except DeadlockDetected:
-            savepoint.rollback()
-            return False
-        except BaseException:
-            _write.abandon_savepoint(savepoint)
-            raise
-        if applied:
-            savepoint.commit()
-        else:
-            savepoint.rollback()  # a stripe that no longer holds ``by`` stays locked otherwise
-        return applied
+        return _write.run_guarded(conn, stmt, params, returning=backend.returning)[0]
+
+    def _settle(
+        self, conn: Connection, backend: _sql.Backend, item: str, by: int
+    ) -> tuple[Outcome, int | None] | None:
+        """PostgreSQL: a decrement no free stripe took, never waiting while it holds what it took.
+
+        Each round reads the stripes without locks (READ COMMITTED: the latest committed
+        rows; those of uncommitted decrements still show their units).  A total below ``by``
+        is INSUFFICIENT then and there.  If a stripe holds ``by``, wait for it alone, as a
+        single-row counter would.  Otherwise (stock spread thinner than ``by``) lock the
+        stripes nobody holds (``SKIP LOCKED``) and take ``by`` from them if they hold it; if
+        not, give them back and wait for a stripe with units that another transaction holds,
+        then read again.  Every attempt runs in a savepoint and is rolled back when it does not
+        apply (which frees what it locked) or when it was a deadlock victim.
+
+        So this call waits only while holding nothing of the item but what its transaction
+        held before (a stripe its fast path re-checked after a concurrent commit stays
+        locked: PostgreSQL keeps the lock of a row whose newest version failed the
+        re-check): a transaction waiting for it never waits for this one's gathered stripes.
+        ``None`` (nothing changed) after ``_WAITS`` rounds or for an item that is not there:
+        the ordered sweep decides.
+        """
+        params = self._params(item, sg_by=by)
+        for _ in range(_WAITS):
+            rows = _write.execute(conn, _hints(), params).all()
+            if not rows:
+                return None
+            total = sum(int(r.amount) for r in rows)
+            if total < by:
+                return Outcome.INSUFFICIENT, total
+            holding = [r.stripe for r in rows if r.amount >= by]
+            savepoint = conn.begin_nested()
+            try:
+                if holding:
+                    one = {**params, "sg_stripe": random.choice(holding)}
+                    stmt = _by_stripe(backend, -1, True)
+                    applied = _write.run_guarded(conn, stmt, one, returning=backend.returning)[0]
+                else:
+                    free = _write.execute(conn, _free(), params).all()
+                    applied = self._take_from(conn, backend, item, free, by)
+                    if not applied:
+                        savepoint.rollback()
+                        savepoint = conn.begin_nested()
+                        mine = {r.stripe for r in free}
+                        busy = [r for r in rows if r.amount > 0 and r.stripe not in mine]
+                        if busy:
+                            # Any busy stripe will do (a commit there is what this waits for); a
+                            # random one, so a deadlock victim does not wait for the same again.
+                            one = {**params, "sg_stripe": random.choice(busy).stripe}
+                            _write.execute(conn, _lock_one(), one).all()
+            except DeadlockDetected:
+                savepoint.rollback()
+                continue
+            except BaseException:
+                _write.abandon_savepoint(savepoint)
+                raise
+            if applied:
+                savepoint.commit()
+                return Outcome.APPLIED, None
+            savepoint.rollback()  # frees a stripe that no longer holds ``by``, or the one waited for
+        return None
 
     def _add_to_stripe_0(self, conn: Connection, backend: _sql.Backend, item: str, by: int) -> bool:
         """An increment no free stripe took (all held by others, or too full): wait for stripe 0
@@ -463,9 +557,11 @@ class StripedCounter:
         In a savepoint where there are row locks: a stripe this transaction's fast path examined
         stays locked (see the module docstring), so two slow paths can deadlock.  PostgreSQL
         aborts only the victim's statement, and ROLLBACK TO SAVEPOINT releases the locks its
-        sweep took, so the other one goes on and the victim sweeps again.  InnoDB rolls the
-        victim's whole transaction back: the rollback to the savepoint then fails, and the
-        retryable DeadlockDetected propagates.
+        sweep took, so the other one goes on and the victim sweeps again; when what the other
+        waits for is a stripe the victim held before its savepoint, no rollback to it frees
+        that, and after ``_DEADLOCK_SWEEPS`` rounds the retryable DeadlockDetected propagates.
+        InnoDB rolls the victim's whole transaction back: the rollback to the savepoint then
+        fails, and DeadlockDetected propagates at once.
         """
         if not backend.row_locks:
             return self._take_locked(conn, backend, item, by)
@@ -497,9 +593,17 @@ class StripedCounter:
         if not rows:
             return Outcome.NOT_FOUND, None
         total = sum(int(r.amount) for r in rows)
-        if total < by:
+        if not self._take_from(conn, backend, item, rows, by):
             return Outcome.INSUFFICIENT, total
-        # The fullest stripes first: the fewest UPDATEs, and stripes stay even.
+        return Outcome.APPLIED, total - by
+
+    def _take_from(
+        self, conn: Connection, backend: _sql.Backend, item: str, rows: Sequence[Any], by: int
+    ) -> bool:
+        """Take ``by`` from ``rows`` (stripes this transaction locked), the fullest first: the fewest
+        UPDATEs, and stripes stay even.  ``False`` (nothing changed) when they hold less."""
+        if sum(int(r.amount) for r in rows) < by:
+            return False
         takes: dict[int, int] = {}
         left = by
         for row in sorted(rows, key=lambda r: -int(r.amount)):
@@ -512,7 +616,7 @@ class StripedCounter:
         stmt = _by_stripe(backend, -1, False)
         for stripe, take in takes.items():
             _write.execute(conn, stmt, self._params(item, sg_by=take, sg_stripe=stripe))
-        return Outcome.APPLIED, total - by
+        return True
 
     def _change(
         self,

@@ -133,3 +133,23 @@ def restart_buyer(
     finally:
         eng.dispose()
     return {"outcomes": outcomes, "counts": counts}
+
+
+def churn_buyer(name: str, url: str, worker: int, steps: list[int], barrier: Any) -> dict[str, Any]:
+    """Run each step in its own transaction: a positive step decrements by it, a negative one
+    restocks (increments by its size), so stock hovers near zero.  Reports (step, outcome, value)
+    and retry counts."""
+    eng = engine(name, url)
+    outcomes: list[tuple[int, str, Any]] = []
+    counts: dict[str, int] = {}
+    try:
+        barrier.wait()
+        for step in steps:
+            if step > 0:
+                r = attempt(eng, lambda s, step=step: COUNTER.decrement(s, ITEM, by=step), counts)
+            else:
+                r = attempt(eng, lambda s, step=step: COUNTER.increment(s, ITEM, by=-step), counts)
+            outcomes.append((step, r.outcome.name, r.value))
+    finally:
+        eng.dispose()
+    return {"outcomes": outcomes, "counts": counts}

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import event, func, select
+from sqlalchemy import event, func, select, text
 from sqlalchemy.orm import Session
 
 from stateguard import (
@@ -384,6 +384,97 @@ def test_a_buyer_finding_every_stripe_busy_waits_for_one_not_all(server: Backend
     drop_tables(eng)
 
 
+def _hold_stripe(session: Session, item: str, stripe: int) -> None:
+    """Lock one stripe in ``session``'s transaction, as PostgreSQL leaves a stripe locked when a
+    fast path's pick re-checked it after a concurrent commit had emptied it."""
+    session.execute(
+        select(counter_stripes.c.stripe)
+        .where(counter_stripes.c.item == item, counter_stripes.c.stripe == stripe)
+        .with_for_update()
+    ).all()
+
+
+@pytest.fixture
+def postgresql(namespaces: Any) -> Iterator[Backend]:
+    yield from _only("postgresql", namespaces)
+
+
+def test_two_buyers_each_holding_a_stripe_take_more_than_any_stripe_without_deadlock(
+    postgresql: Backend,
+) -> None:
+    """Two transactions each hold one stripe already (the first and the last of four stripes of 10)
+    and both decrement 15, more than any stripe.  Before, both locked every stripe in order and
+    each waited for the other's held stripe, which no savepoint can free: a deadlock every round
+    until one raised DeadlockDetected.  Now a decrement takes from the stripes nobody holds and
+    waits for a busy one only after giving back what it took: both apply, no error."""
+    eng = postgresql.engine
+    drop_tables(eng)
+    create_tables(eng)
+    c = StripedCounter("held", stripes=4)
+    with Session(eng) as s, s.begin():
+        c.create(s, "sku", amount=40)
+    first, last = stripe_ids(4)[0], stripe_ids(4)[-1]
+    barrier = threading.Barrier(2)
+    results: dict[int, Any] = {}
+
+    def buy(stripe: int) -> None:
+        try:
+            with Session(eng) as s, s.begin():
+                s.execute(text("SET LOCAL deadlock_timeout = '200ms'"))
+                _hold_stripe(s, "sku", stripe)
+                barrier.wait(10)
+                results[stripe] = c.decrement(s, "sku", by=15)
+        except Exception as e:
+            results[stripe] = e
+
+    threads = [threading.Thread(target=buy, args=(st_,)) for st_ in (first, last)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert [getattr(r, "outcome", r) for r in results.values()] == [Outcome.APPLIED] * 2, results
+    with Session(eng) as s:
+        assert c.total(s, "sku") == 10
+    drop_tables(eng)
+
+
+def test_a_decrement_past_the_total_is_insufficient_without_waiting_for_a_holder(server: Backend) -> None:
+    """A buyer holds a stripe (an open transaction that took 1 of 10); another asks for 11.  On
+    PostgreSQL a read without locks settles it: INSUFFICIENT at once, with the committed total (the
+    holder's uncommitted decrement still shows its unit).  MariaDB's plain reads show an older
+    snapshot, so its decrement locks every stripe: it waits for the holder, then reports 9."""
+    eng = server.engine
+    drop_tables(eng)
+    create_tables(eng)
+    c = StripedCounter("short", stripes=2)
+    with Session(eng) as s, s.begin():
+        c.create(s, "sku", amount=10)
+    done = threading.Event()
+    result: list[Any] = []
+
+    def buy() -> None:
+        with Session(eng) as s, s.begin():
+            result.append(c.decrement(s, "sku", by=11))
+        done.set()
+
+    with Session(eng) as holder, holder.begin():
+        assert c.decrement(holder, "sku", by=1).outcome is Outcome.APPLIED
+        buyer = threading.Thread(target=buy)
+        buyer.start()
+        if server.name == "postgresql":
+            assert done.wait(10), "the decrement waited for the holder"
+        else:
+            assert not done.wait(0.5), "MariaDB's decrement should wait for the holder's stripe"
+    assert done.wait(30)
+    buyer.join()
+    assert result[0].outcome is Outcome.INSUFFICIENT
+    assert result[0].value == (10 if server.name == "postgresql" else 9)
+    with Session(eng) as s:
+        assert c.total(s, "sku") == 9
+    drop_tables(eng)
+
+
 def test_each_stripe_is_picked_about_equally(engine: Any) -> None:
     """400 decrements of 1 from 4 stripes of 1000 take about 100 from each (a random start)."""
     c = StripedCounter("spread", stripes=4)
@@ -679,6 +770,45 @@ def test_large_decrements_compete_with_small_ones(
         retries.update(r["counts"])
     print(f"{backend.name}: large {dict(large)}, sold {sold}, retried conflicts {dict(retries)}")
     if backend.name != "mariadb":
+        assert not retries, retries
+
+
+def test_mixed_sizes_with_restocks_keep_stock_near_zero_without_deadlock(
+    engine: Any, backend: Backend, pool8: tuple[Any, ProcessPoolExecutor]
+) -> None:
+    """Every process mixes decrements of 1-3 units, decrements larger than any stripe, and restocks,
+    so stock hovers near zero for the whole storm: the state where a fast path finds its stripe
+    emptied by a commit just before locking it, and PostgreSQL keeps that stripe locked.  Nothing
+    is oversold or lost (stock + restocked - sold is what the stripes hold), no stripe goes below
+    zero, INSUFFICIENT reports less than was asked, and on PostgreSQL no decrement deadlocks."""
+    stock = 60
+    with Session(engine) as s, s.begin():
+        w.COUNTER.create(s, w.ITEM, amount=stock, stripes=12)
+    rng = random.Random(23)
+    sizes = [1, 1, 1, 2, 3, 7, 12, -6, -6]
+    plans = [[rng.choice(sizes) for _ in range(70)] for _ in range(WORKERS)]
+    reports = _run(pool8, w.churn_buyer, [(backend.name, backend.url, i, plans[i]) for i in range(WORKERS)])
+    sold = restocked = 0
+    outcomes = Counter[str]()
+    for report in reports:
+        for step, outcome, value in report["outcomes"]:
+            outcomes[outcome] += 1
+            if step < 0:
+                assert outcome == "APPLIED"
+                restocked -= step
+            elif outcome == "APPLIED":
+                sold += step
+            else:
+                assert outcome == "INSUFFICIENT" and value < step, (step, outcome, value)
+    amounts = _stripes(engine, w.COUNTER, w.ITEM)
+    assert stock + restocked - sold == sum(amounts)
+    assert min(amounts) >= 0
+    assert outcomes["INSUFFICIENT"] > 0 and outcomes["APPLIED"] > 0
+    retries = Counter[str]()
+    for r in reports:
+        retries.update(r["counts"])
+    print(f"{backend.name}: outcomes {dict(outcomes)}, sold {sold}, retried conflicts {dict(retries)}")
+    if backend.name == "postgresql":
         assert not retries, retries
 
 
