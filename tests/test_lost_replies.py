@@ -105,6 +105,21 @@ def lose_connection_before_commit(
             s.commit()
 
 
+def lose_reply_inside(
+    engine: Engine, proxy: FaultProxy, match: bytes, work: Callable[[Session], Result]
+) -> None:
+    """Run ``work`` in a transaction; the proxy forwards the first request containing ``match`` (a
+    statement inside the call) and cuts the connection before its reply: the call fails and nothing
+    is committed."""
+    with Session(engine) as s:
+        proxy.cut_after_next_request(match)
+        with pytest.raises(DBAPIError):
+            work(s)
+            s.commit()
+    assert proxy.wait_cut()
+    proxy.disarm()
+
+
 def retry(engine: Engine, work: Callable[[Session], Result]) -> Result:
     """Run ``work`` again in a new session and commit."""
     with Session(engine) as s, s.begin():
@@ -371,5 +386,46 @@ def test_striped_decrement_cut_before_commit_retry_applies(proxied: tuple[Engine
         assert stock.total(s, "sku") == 40
     again = retry(engine, take)
     assert (again.outcome, again.same_request) == (Outcome.APPLIED, False)
+    with Session(engine) as s:
+        assert stock.total(s, "sku") == 15
+
+
+def test_release_cut_at_its_savepoint_leaves_nothing_and_the_retry_gives_back_once(
+    proxied: tuple[Engine, FaultProxy],
+) -> None:
+    """release() runs in a savepoint; the connection dies after its RELEASE SAVEPOINT was sent, before
+    the reply: nothing was given back (the transaction died with it), the retry gives back once,
+    and a third call is REPEATED."""
+    engine, proxy = proxied
+    _seed(engine, Stock(id=1, amount=5), Stock(id=2, amount=5))
+    with Session(engine) as s, s.begin():
+        assert reserve(s, Stock.amount, {1: 2, 2: 1}, ref="order-1").applied
+    give_back = lambda s: release(s, Stock.amount, "order-1")  # noqa: E731
+    lose_reply_inside(engine, proxy, b"RELEASE SAVEPOINT", give_back)
+    assert (_amount(engine, 1), _amount(engine, 2)) == (3, 4)
+    again = retry(engine, give_back)
+    assert (again.outcome, again.same_request) == (Outcome.APPLIED, False)
+    assert retry(engine, give_back).outcome is Outcome.REPEATED
+    assert (_amount(engine, 1), _amount(engine, 2)) == (5, 5)
+
+
+@pytest.mark.parametrize("ref", [None, "order-1"])
+def test_striped_slow_path_cut_at_its_savepoint_leaves_nothing_and_the_retry_takes_once(
+    proxied: tuple[Engine, FaultProxy], ref: str | None
+) -> None:
+    """A striped decrement larger than any stripe takes from several inside a savepoint; the
+    connection dies after that savepoint's RELEASE was sent: nothing was taken, the retry takes
+    the units once (with a ref, a further retry is REPEATED)."""
+    engine, proxy = proxied
+    stock = StripedCounter("lost", stripes=4)
+    with Session(engine) as s, s.begin():
+        stock.create(s, "sku", amount=40)  # stripes of 10
+    take = lambda s: stock.decrement(s, "sku", by=25, ref=ref)  # noqa: E731
+    lose_reply_inside(engine, proxy, b"RELEASE SAVEPOINT", take)
+    with Session(engine) as s:
+        assert stock.total(s, "sku") == 40
+    assert retry(engine, take).outcome is Outcome.APPLIED
+    if ref is not None:
+        assert retry(engine, take).outcome is Outcome.REPEATED
     with Session(engine) as s:
         assert stock.total(s, "sku") == 15

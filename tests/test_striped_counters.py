@@ -394,20 +394,13 @@ def _hold_stripe(session: Session, item: str, stripe: int) -> None:
     ).all()
 
 
-@pytest.fixture
-def postgresql(namespaces: Any) -> Iterator[Backend]:
-    yield from _only("postgresql", namespaces)
-
-
-def test_two_buyers_each_holding_a_stripe_take_more_than_any_stripe_without_deadlock(
-    postgresql: Backend,
-) -> None:
+def test_two_buyers_each_holding_a_stripe_take_more_than_any_stripe_without_deadlock(pg: Backend) -> None:
     """Two transactions each hold one stripe already (the first and the last of four stripes of 10)
     and both decrement 15, more than any stripe.  Before, both locked every stripe in order and
     each waited for the other's held stripe, which no savepoint can free: a deadlock every round
     until one raised DeadlockDetected.  Now a decrement takes from the stripes nobody holds and
     waits for a busy one only after giving back what it took: both apply, no error."""
-    eng = postgresql.engine
+    eng = pg.engine
     drop_tables(eng)
     create_tables(eng)
     c = StripedCounter("held", stripes=4)
