@@ -28,7 +28,36 @@ T = TypeVar("T")
 _BLOCKING_SLEEP: Callable[[float], object] = time.sleep
 
 
+#: How far back through ``__context__`` a database error is followed to the conflict it hid.
+_CONTEXT_DEPTH = 8
+
+
 def _retryable(error: BaseException, lock_not_acquired: bool) -> bool:
+    """Whether ``error`` is a conflict worth running the unit of work again for.
+
+    A database error raised while a conflict was being handled counts as that conflict: on
+    MariaDB a deadlock rolls the whole transaction back, so leaving the caller's own
+    ``with session.begin_nested():`` block sends ROLLBACK TO SAVEPOINT for a savepoint that no
+    longer exists, and the driver's "SAVEPOINT ... does not exist" replaces the
+    DeadlockDetected (kept as ``__context__``).  Only SQLAlchemy's errors are followed back
+    (not stateguard's own): an application error raised from a conflict is the application's
+    answer, not retried.
+    """
+    seen = 0
+    while (
+        isinstance(error, sa_exc.SQLAlchemyError)
+        and not isinstance(error, StateguardError)  # stateguard's own errors say what they are
+        and not _retryable_here(error, lock_not_acquired)
+    ):
+        context = error.__context__
+        seen += 1
+        if context is None or seen > _CONTEXT_DEPTH:
+            return False
+        error = context
+    return _retryable_here(error, lock_not_acquired)
+
+
+def _retryable_here(error: BaseException, lock_not_acquired: bool) -> bool:
     kind: type[BaseException] | None
     if isinstance(error, StateguardError):
         if not (error.retryable or _is_stale(error)):

@@ -41,15 +41,19 @@ When no free stripe holds ``by``, a read without locks tells why:
   holds (``SKIP LOCKED``) and takes ``by`` from them, the fullest first; if
   they hold less, it gives them back and waits for a stripe with units
   that another transaction holds, then reads again.  Each attempt runs in a
-  savepoint, rolled back when it does not apply (which frees what it locked)
-  or when it was a deadlock victim.  So a decrement waits only while holding
-  nothing of the item but what its transaction held before, and no two
-  decrements wait for each other's gathered stripes.  What a transaction
-  held before includes a stripe its fast path examined: PostgreSQL keeps
-  the lock of a row whose newest version, committed just before it was
-  locked, failed the re-check, and no savepoint taken after that can free
-  it.  Locking every stripe in order, as before, made two such decrements
-  wait for each other's stripe until one gave up with an error.
+  savepoint, rolled back when it does not apply (which frees what it
+  locked).  So a decrement waits only while holding nothing of the item
+  but what its transaction held before, and no two decrements wait for
+  each other's gathered stripes.  What a transaction held before includes
+  a stripe its fast path examined: PostgreSQL keeps the lock of a row whose
+  newest version, committed just before it was locked, failed the
+  re-check, and no savepoint taken after that can free it.  A deadlock
+  met while waiting here runs through such an earlier lock (or the
+  caller's own): the victim raises the retryable
+  :class:`~stateguard.DeadlockDetected` at once, after one
+  ``deadlock_timeout``, since waiting again in the same transaction would
+  meet the same cycle.  Locking every stripe in order, as before, made two
+  decrements holding such stripes wait for each other every round.
 - MariaDB: if some stripe holds ``by`` but is locked, the decrement waits
   for it (REPEATABLE READ's plain reads show the transaction's first
   snapshot: the read only picks the stripe).
@@ -461,14 +465,19 @@ class StripedCounter:
         stripes nobody holds (``SKIP LOCKED``) and take ``by`` from them if they hold it; if
         not, give them back and wait for a stripe with units that another transaction holds,
         then read again.  Every attempt runs in a savepoint and is rolled back when it does not
-        apply (which frees what it locked) or when it was a deadlock victim.
+        apply (which frees what it locked).
 
         So this call waits only while holding nothing of the item but what its transaction
         held before (a stripe its fast path re-checked after a concurrent commit stays
         locked: PostgreSQL keeps the lock of a row whose newest version failed the
         re-check): a transaction waiting for it never waits for this one's gathered stripes.
+        A deadlock here therefore runs through such an earlier lock, which no savepoint frees:
+        the victim rolls back to its savepoint and raises DeadlockDetected at once (retrying
+        in the same transaction would meet the same cycle, one ``deadlock_timeout`` a round).
         ``None`` (nothing changed) after ``_WAITS`` rounds or for an item that is not there:
         the ordered sweep decides.
+
+        :raises DeadlockDetected: chosen as a deadlock victim; nothing changed by this call.
         """
         params = self._params(item, sg_by=by)
         for _ in range(_WAITS):
@@ -499,8 +508,12 @@ class StripedCounter:
                             one = {**params, "sg_stripe": random.choice(busy).stripe}
                             _write.execute(conn, _lock_one(), one).all()
             except DeadlockDetected:
+                # This call waited holding nothing taken in the savepoint, so the cycle runs
+                # through a lock its transaction held before (a stripe its fast path examined,
+                # an earlier decrement, the caller's own rows): waiting again would meet the same
+                # cycle.  The transaction stays usable; the caller's retry holds nothing.
                 savepoint.rollback()
-                continue
+                raise
             except BaseException:
                 _write.abandon_savepoint(savepoint)
                 raise

@@ -275,6 +275,120 @@ def test_deadlock_victim_retried_ends_repeated(server: str, request: pytest.Fixt
         assert {o.status for o in s.scalars(select(Order))} == {"paid"}
 
 
+@pytest.mark.parametrize("server", ["pg", "mariadb"])
+def test_deadlock_inside_the_callers_savepoint_is_retried(
+    server: str, request: pytest.FixtureRequest
+) -> None:
+    """The second payment runs inside the caller's own ``with session.begin_nested():`` block.  On
+    MariaDB the deadlock rolls the whole transaction back, so leaving that block sends ROLLBACK TO
+    SAVEPOINT for a savepoint that no longer exists and SQLAlchemy raises the driver's 1305 with the
+    DeadlockDetected as its ``__context__``: retry_on_conflict still re-runs the unit (it gave up
+    before), and the victim ends REPEATED.  PostgreSQL raises DeadlockDetected itself."""
+    backend: Backend = request.getfixturevalue(server)
+    engine = _seed(backend, Order(id=1), Order(id=2))
+    barrier = threading.Barrier(2, timeout=30)
+    final: dict[str, list[Outcome]] = {}
+    failures: list[BaseException] = []
+    errors: list[BaseException] = []
+
+    def worker(name: str, first: int, second: int) -> None:
+        tries: list[int] = []
+
+        def unit() -> list[Outcome]:
+            tries.append(1)
+            try:
+                with Session(engine) as s, s.begin():
+                    got = [Order.flow.pay(s, first).outcome]
+                    if len(tries) == 1:
+                        barrier.wait()
+                    with s.begin_nested():
+                        got.append(Order.flow.pay(s, second).outcome)
+                    return got
+            except Exception as error:
+                failures.append(error)
+                raise
+
+        try:
+            final[name] = retry_on_conflict(unit, attempts=10, backoff=0.05)
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=a) for a in (("a", 1, 2), ("b", 2, 1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert errors == []
+    assert failures, "the first round should deadlock"
+    for failure in failures:
+        chain: list[BaseException] = []
+        link: BaseException | None = failure
+        while link is not None:
+            chain.append(link)
+            link = link.__context__
+        assert any(isinstance(e, DeadlockDetected) for e in chain), failures
+    if server == "mariadb":
+        assert any(isinstance(f, DBAPIError) for f in failures), failures
+    counted = Counter(o for got in final.values() for o in got)
+    assert counted == Counter({Outcome.APPLIED: 2, Outcome.REPEATED: 2})
+
+
+def _raised(make: Callable[[], BaseException], context: BaseException) -> BaseException:
+    """``make()`` raised while ``context`` was being handled (so ``context`` is its ``__context__``)."""
+    try:
+        try:
+            raise context
+        except BaseException:
+            raise make()  # noqa: B904 - the context is the point
+    except BaseException as error:
+        return error
+
+
+def _driver_error(message: str) -> DBAPIError:
+    return DBAPIError(message, {}, Exception(message))
+
+
+@pytest.mark.parametrize(
+    ("error", "retried"),
+    [
+        (
+            lambda: _raised(
+                lambda: _driver_error("SAVEPOINT sa_savepoint_1 does not exist"), DeadlockDetected("x")
+            ),
+            True,
+        ),
+        (lambda: _raised(lambda: ValueError("the application's own answer"), DeadlockDetected("x")), False),
+        (
+            lambda: _raised(
+                lambda: _driver_error("SAVEPOINT sa_savepoint_1 does not exist"), ValueError("x")
+            ),
+            False,
+        ),
+        (lambda: _driver_error("no context at all"), False),
+    ],
+    ids=["db-error-hiding-a-deadlock", "app-error-from-a-deadlock", "db-error-from-an-app-error", "db-error"],
+)
+def test_what_retry_on_conflict_follows_back_to_a_conflict(
+    error: Callable[[], BaseException], retried: bool
+) -> None:
+    """Only a database error raised while a conflict was being handled is retried as that conflict;
+    an application error raised from one is the application's answer."""
+    calls: list[int] = []
+
+    def unit() -> str:
+        calls.append(1)
+        if len(calls) == 1:
+            raise error()
+        return "second"
+
+    if retried:
+        assert retry_on_conflict(unit, sleep=lambda _: None) == "second"
+    else:
+        with pytest.raises((ValueError, DBAPIError)):
+            retry_on_conflict(unit, sleep=lambda _: None)
+        assert len(calls) == 1
+
+
 # -- MariaDB with innodb_snapshot_isolation ---------------------------------------------
 
 
