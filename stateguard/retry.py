@@ -38,23 +38,24 @@ def _retryable(error: BaseException, lock_not_acquired: bool) -> bool:
     A database error raised while a conflict was being handled counts as that conflict: on
     MariaDB a deadlock rolls the whole transaction back, so leaving the caller's own
     ``with session.begin_nested():`` block sends ROLLBACK TO SAVEPOINT for a savepoint that no
-    longer exists, and the driver's "SAVEPOINT ... does not exist" replaces the
-    DeadlockDetected (kept as ``__context__``).  Only SQLAlchemy's errors are followed back
-    (not stateguard's own): an application error raised from a conflict is the application's
-    answer, not retried.
+    longer exists, and the driver's "SAVEPOINT ... does not exist" replaces the deadlock (kept
+    as ``__context__``; under asyncio with the driver's own exception in between).  Only
+    SQLAlchemy's errors and the driver errors they wrap are followed back (not stateguard's
+    own): an application error raised from a conflict is the application's answer, not retried.
     """
-    seen = 0
-    while (
-        isinstance(error, sa_exc.SQLAlchemyError)
-        and not isinstance(error, StateguardError)  # stateguard's own errors say what they are
-        and not _retryable_here(error, lock_not_acquired)
-    ):
+    wrapped: BaseException | None = None  # the driver error the previous link wrapped
+    for _ in range(_CONTEXT_DEPTH):
+        if _retryable_here(error, lock_not_acquired):
+            return True
+        database = isinstance(error, sa_exc.SQLAlchemyError) and not isinstance(error, StateguardError)
+        if not database and error is not wrapped:
+            return False
+        wrapped = error.orig if isinstance(error, sa_exc.DBAPIError) else None
         context = error.__context__
-        seen += 1
-        if context is None or seen > _CONTEXT_DEPTH:
+        if context is None:
             return False
         error = context
-    return _retryable_here(error, lock_not_acquired)
+    return False
 
 
 def _retryable_here(error: BaseException, lock_not_acquired: bool) -> bool:
@@ -197,7 +198,10 @@ def retry_on_conflict(
     :class:`SerializationConflict` / :class:`DeadlockDetected` /
     :class:`StaleVersion`, :class:`LockNotAcquired` (unless
     ``lock_not_acquired=False``), or a driver serialization failure, deadlock
-    or lock timeout (also when raised by COMMIT).  Serialization failures are
+    or lock timeout (also when raised by COMMIT), or a database error raised while
+    one of those was being handled (leaving a ``begin_nested()`` block after a
+    MariaDB deadlock ended the whole transaction raises "SAVEPOINT ... does not
+    exist"; an application's own exception is never retried).  Serialization failures are
     recognised by code: SQLSTATE 40001 (PostgreSQL, and CockroachDB's
     ``restart transaction`` errors such as ``RETRY_SERIALIZABLE`` and
     ``RETRY_WRITE_TOO_OLD``), 40P01 and MySQL/MariaDB 1213 (deadlocks),
