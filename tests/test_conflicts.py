@@ -3,6 +3,7 @@ driver errors, and retry_on_conflict re-runs the whole unit of work."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -230,60 +231,19 @@ def test_mariadb_deadlock_becomes_deadlock_detected(mariadb: Backend) -> None:
     assert list(outcomes.values()) == [[Outcome.APPLIED, Outcome.APPLIED]]
 
 
+@pytest.mark.parametrize("nested", [False, True], ids=["flat", "in-callers-savepoint"])
 @pytest.mark.parametrize("server", ["pg", "mariadb"])
-def test_deadlock_victim_retried_ends_repeated(server: str, request: pytest.FixtureRequest) -> None:
-    """With retry_on_conflict around each unit, the victim re-runs and sees REPEATED: one APPLIED per row."""
-    backend: Backend = request.getfixturevalue(server)
-    engine = _seed(backend, Order(id=1), Order(id=2))
-    barrier = threading.Barrier(2, timeout=30)
-    final: dict[str, list[Outcome]] = {}
-    conflicts: list[BaseException] = []
-    errors: list[BaseException] = []
-
-    def worker(name: str, first: int, second: int) -> None:
-        tries: list[int] = []
-
-        def unit() -> list[Outcome]:
-            tries.append(1)
-            try:
-                with Session(engine) as s, s.begin():
-                    got = [Order.flow.pay(s, first).outcome]
-                    if len(tries) == 1:
-                        barrier.wait()
-                    got.append(Order.flow.pay(s, second).outcome)
-                    return got
-            except DeadlockDetected as error:
-                conflicts.append(error)
-                raise
-
-        try:
-            final[name] = retry_on_conflict(unit, attempts=10, backoff=0.05)
-        except BaseException as error:
-            errors.append(error)
-
-    threads = [threading.Thread(target=worker, args=a) for a in (("a", 1, 2), ("b", 2, 1))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    assert errors == []
-    # At least the first round deadlocks; a retry may race the survivor for a row and deadlock again.
-    assert len(conflicts) >= 1
-    counted = Counter(o for got in final.values() for o in got)
-    assert counted == Counter({Outcome.APPLIED: 2, Outcome.REPEATED: 2})
-    with Session(engine) as s:
-        assert {o.status for o in s.scalars(select(Order))} == {"paid"}
-
-
-@pytest.mark.parametrize("server", ["pg", "mariadb"])
-def test_deadlock_inside_the_callers_savepoint_is_retried(
-    server: str, request: pytest.FixtureRequest
+def test_deadlock_victim_retried_ends_repeated(
+    server: str, nested: bool, request: pytest.FixtureRequest
 ) -> None:
-    """The second payment runs inside the caller's own ``with session.begin_nested():`` block.  On
-    MariaDB the deadlock rolls the whole transaction back, so leaving that block sends ROLLBACK TO
-    SAVEPOINT for a savepoint that no longer exists and SQLAlchemy raises the driver's 1305 with the
-    DeadlockDetected as its ``__context__``: retry_on_conflict still re-runs the unit (it gave up
-    before), and the victim ends REPEATED.  PostgreSQL raises DeadlockDetected itself."""
+    """With retry_on_conflict around each unit, the victim re-runs and sees REPEATED: one APPLIED per row.
+
+    ``in-callers-savepoint``: the second payment runs inside the caller's own ``with
+    session.begin_nested():`` block.  On MariaDB the deadlock rolls the whole transaction back, so
+    leaving that block sends ROLLBACK TO SAVEPOINT for a savepoint that no longer exists and
+    SQLAlchemy raises the driver's 1305 with the DeadlockDetected as its ``__context__``:
+    retry_on_conflict still re-runs the unit (it gave up before).  PostgreSQL raises
+    DeadlockDetected itself."""
     backend: Backend = request.getfixturevalue(server)
     engine = _seed(backend, Order(id=1), Order(id=2))
     barrier = threading.Barrier(2, timeout=30)
@@ -301,7 +261,7 @@ def test_deadlock_inside_the_callers_savepoint_is_retried(
                     got = [Order.flow.pay(s, first).outcome]
                     if len(tries) == 1:
                         barrier.wait()
-                    with s.begin_nested():
+                    with s.begin_nested() if nested else contextlib.nullcontext():
                         got.append(Order.flow.pay(s, second).outcome)
                     return got
             except Exception as error:
@@ -319,6 +279,7 @@ def test_deadlock_inside_the_callers_savepoint_is_retried(
     for t in threads:
         t.join(90)
     assert errors == []
+    # At least the first round deadlocks; a retry may race the survivor for a row and deadlock again.
     assert failures, "the first round should deadlock"
     for failure in failures:
         chain: list[BaseException] = []
@@ -327,10 +288,14 @@ def test_deadlock_inside_the_callers_savepoint_is_retried(
             chain.append(link)
             link = link.__context__
         assert any(isinstance(e, DeadlockDetected) for e in chain), failures
-    if server == "mariadb":
+    if not nested:
+        assert all(isinstance(f, DeadlockDetected) for f in failures), failures
+    elif server == "mariadb":
         assert any(isinstance(f, DBAPIError) for f in failures), failures
     counted = Counter(o for got in final.values() for o in got)
     assert counted == Counter({Outcome.APPLIED: 2, Outcome.REPEATED: 2})
+    with Session(engine) as s:
+        assert {o.status for o in s.scalars(select(Order))} == {"paid"}
 
 
 def _raised(make: Callable[[], BaseException], context: BaseException) -> BaseException:
