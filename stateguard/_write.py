@@ -47,10 +47,8 @@ from sqlalchemy import (
     insert,
     lambda_stmt,
     literal_column,
-    null,
     select,
     text,
-    type_coerce,
 )
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql, sqlite
@@ -467,13 +465,14 @@ class InsertOnce:
     def _read_statement(self, backend: _sql.Backend) -> Any:
         """PostgreSQL: the INSERT in a CTE, and the existing row when it inserted nothing, in one statement.
 
-        ``WITH ins AS (INSERT ... ON CONFLICT DO NOTHING RETURNING ...) SELECT NULL FROM ins UNION ALL
-        SELECT CAST(json_build_array(read) AS TEXT) FROM table WHERE key AND NOT EXISTS (SELECT 1 FROM
-        ins)``: one text column, NULL when the row came from the INSERT, else the existing row's
-        ``read`` values as a JSON array.  One column rather than one per value, and text rather
-        than json: the driver describes every result column and builds a loader per column at every
-        execution (psycopg builds a Column object each, and a json loader costs more than a text
-        one), which on a claim that inserts costs more than the JSON work on one that reads.
+        ``WITH ins AS (INSERT ... ON CONFLICT DO NOTHING RETURNING 1) SELECT (SELECT
+        CAST(json_build_array(read) AS TEXT) FROM table WHERE key) WHERE NOT EXISTS (SELECT 1 FROM
+        ins)``: no row when the INSERT created the row, else one row of one text column, the existing
+        row's ``read`` values as a JSON array (NULL when the row that stopped the INSERT is not
+        visible to the statement).  No row for the common case, one column rather than one per
+        value, and text rather than json: the driver describes every result column and builds a
+        loader per column at every execution (psycopg builds a Column object each, and a json
+        loader costs more than a text one), and SQLAlchemy builds a Row per row fetched.
         """
         name = f"{backend.name}:read"
         stmt = self._statements.get(name)
@@ -492,15 +491,17 @@ class InsertOnce:
             # substitution in the SQL text at every execution).
             row = self.table.alias("sg_row")
             to_row = sql_util.ClauseAdapter(row)
-            new = select(type_coerce(null(), Text).label("sg_record")).select_from(inserted)
             existing = (
                 select(cast(func.json_build_array(*(to_row.traverse(c) for c in self.read)), Text))
                 .select_from(row)
                 .where(to_row.traverse(self.where))
-                .where(~select(literal_column("1")).select_from(inserted).exists())
+                .scalar_subquery()
             )
-            # Frozen: run on every claim, and its cache key is costly to compute (a CTE and a UNION).
-            stmt = self._statements[name] = frozen(new.union_all(existing))
+            claim = select(existing.label("sg_record")).where(
+                ~select(literal_column("1")).select_from(inserted).exists()
+            )
+            # Frozen: run on every claim, and its cache key is costly to compute (a CTE and a subquery).
+            stmt = self._statements[name] = frozen(claim)
         return stmt
 
     def insert_or_read(
@@ -523,10 +524,10 @@ class InsertOnce:
             return self(conn, params) is not None, None
         row: Any = execute(conn, self._read_statement(backend), params).first()
         if row is None:
-            return False, None
+            return True, None
         record = row[0]
         if record is None:
-            return True, None
+            return False, None
         values: list[Any] = json.loads(record)
         return False, values
 
