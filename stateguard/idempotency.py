@@ -91,6 +91,7 @@ from sqlalchemy import (
     String,
     and_,
     bindparam,
+    column,
     delete,
     literal_column,
     null,
@@ -368,8 +369,15 @@ _t = idempotency_keys
 _NOW: Final = _sql.db_now_ms()
 _LEASE_END: Final = _NOW + bindparam("sg_lease")
 _EXPIRY: Final = _NOW + bindparam("sg_ttl")
-_THIS_KEY: Final = (_t.c.scope == bindparam("sg_scope"), _t.c.idem_key == bindparam("sg_key"))
-_MINE: Final = (*_THIS_KEY, _t.c.owner == bindparam("sg_owner"), _t.c.status == _IN_PROGRESS_SQL)
+# The statements below touch one table: their conditions name its columns unqualified
+# (``scope``, not ``stateguard_idempotency_keys.scope``), which SQLAlchemy renders as they are;
+# with a ``schema_translate_map``, every qualified name is one more substitution in the SQL text
+# at every execution.
+_scope, _idem_key, _owner, _status = (
+    column(c.name, c.type) for c in (_t.c.scope, _t.c.idem_key, _t.c.owner, _t.c.status)
+)
+_THIS_KEY: Final = (_scope == bindparam("sg_scope"), _idem_key == bindparam("sg_key"))
+_MINE: Final = (*_THIS_KEY, _owner == bindparam("sg_owner"), _status == _IN_PROGRESS_SQL)
 _FRESH: Final = {
     "status": _IN_PROGRESS_SQL,
     "fingerprint": bindparam("sg_fp"),
@@ -414,7 +422,13 @@ class _Record(NamedTuple):
 
 
 # One statement on PostgreSQL: the claim, or the record that holds the key (the kernel's CTE form).
-_CLAIM: Final = _write.InsertOnce(_t, _NEW_ROW, returning=[_t.c.scope], read=_RECORD, where=and_(*_THIS_KEY))
+_CLAIM: Final = _write.InsertOnce(
+    _t,
+    _NEW_ROW,
+    returning=[_t.c.scope],
+    read=_RECORD,
+    where=and_(_t.c.scope == bindparam("sg_scope"), _t.c.idem_key == bindparam("sg_key")),
+)
 _READ: Final = select(*_RECORD).where(*_THIS_KEY)
 # InnoDB at REPEATABLE READ: a plain SELECT reads the transaction's snapshot,
 # which may predate the twin whose row made our INSERT fail; a locking read
