@@ -134,8 +134,38 @@ def report(path: Path, plots: Path | None, relative_to: Path, out: Any = sys.std
     return 0
 
 
-def run(dbs: list[str], only: list[str] | None, quick: bool, out: Any = sys.stdout) -> list[Table]:
-    """Run the scenarios on every database in turn; print each table as it is done."""
+def overrides(pairs: list[str], only: list[str] | None, quick: bool) -> dict[str, Any]:
+    """``--set name=value`` pairs as keyword arguments (``value`` is JSON: ``calls=3000``,
+    ``sizes=[1000]``); each name must be a size of every scenario run (see :data:`SIZES`)."""
+    chosen = [name for name in RUNNERS if not only or name in only]
+    found: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--set takes name=value, got {pair!r}")
+        missing = [c for c in chosen if name not in SIZES[c][1 if quick else 0]]
+        if missing:
+            raise SystemExit(
+                f"--set {name}: not a size of {', '.join(missing)} (pick the scenario with --only)"
+            )
+        try:
+            found[name] = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise SystemExit(f"--set {name}: the value must be JSON ({error})") from None
+    return found
+
+
+def run(
+    dbs: list[str],
+    only: list[str] | None,
+    quick: bool,
+    out: Any = sys.stdout,
+    sizes: dict[str, Any] | None = None,
+) -> list[Table]:
+    """Run the scenarios on every database in turn; print each table as it is done.
+
+    ``sizes`` replace the scenarios' own (``--set``).
+    """
     tables: list[Table] = []
     for url in dbs:
         dialect = sqlalchemy.make_url(url).get_backend_name()
@@ -144,7 +174,7 @@ def run(dbs: list[str], only: list[str] | None, quick: bool, out: Any = sys.stdo
                 continue
             if not quick and name in ONLY_ON and dialect not in ONLY_ON[name]:
                 continue
-            kwargs = SIZES[name][1 if quick else 0]
+            kwargs = {**SIZES[name][1 if quick else 0], **(sizes or {})}
             t0 = time.perf_counter()
             table = runner(url, **kwargs)
             table.notes.append(f"took {time.perf_counter() - t0:.1f}s")
@@ -196,6 +226,14 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument(
         "--json", default=DEFAULT_JSON, help=f"where to write the results (default {DEFAULT_JSON})"
     )
+    r.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="replace one size of the scenarios run, e.g. --only idempotency --set calls=3000 "
+        "--set 'sizes=[1000]' (repeatable)",
+    )
     rep = sub.add_parser("report", help="print a results file as Markdown")
     rep.add_argument("path", nargs="?", default=DEFAULT_JSON)
     rep.add_argument(
@@ -210,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "report":
         return report(Path(args.path), args.plots and Path(args.plots), Path(args.relative_to))
+    sizes = overrides(args.set, args.only, args.quick)
     dbs = args.db or DEFAULT_DBS
     servers = {}
     for url in dbs:
@@ -228,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     print(f"{meta['machine']}; Python {meta['python']}, SQLAlchemy {meta['sqlalchemy']}", flush=True)
-    tables = run(dbs, args.only, args.quick)
+    tables = run(dbs, args.only, args.quick, sizes=sizes)
     meta["load_end"] = _load()
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -114,6 +114,24 @@ def test_main_writes_json_and_report(sqlite: Backend, tmp_path: Path) -> None:
     assert "| stateguard model |" in text and "#### 5a." in text
 
 
+def test_set_replaces_a_size_of_the_scenarios_run(sqlite: Backend, tmp_path: Path) -> None:
+    """`--set calls=3 --set 'sizes=[1000]'` runs the idempotency scenario with those sizes; a name no
+    scenario run takes, or a value that is not JSON, stops before anything runs."""
+    target = tmp_path / "r.json"
+    argv = ["run", "--only", "idempotency", "--db", sqlite.url, "--json", str(target), "--quick"]
+    assert main([*argv, "--set", "calls=3", "--set", "sizes=[1000]"]) == 0
+    [table] = json.loads(target.read_text())["tables"]
+    assert "1000 pre-filled keys, 3 calls each" in table["title"]
+    assert {r["keys"] for r in table["rows"]} == {1000}
+    for bad, message in (
+        ("stock=5", "not a size of idempotency"),
+        ("calls=x", "must be JSON"),
+        ("calls", "name=value"),
+    ):
+        with pytest.raises(SystemExit, match=message):
+            main([*argv, "--set", bad])
+
+
 def test_report_writes_png_charts(sqlite: Backend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`bench report --plots DIR` draws one real PNG per table and links it; without matplotlib, no charts."""
     from PIL import Image
