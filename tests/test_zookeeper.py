@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session
 
 from stateguard import InvalidArgument, LockLost, LockNotAcquired, ZooKeeperLock
 
+from ._faultproxy import FaultProxy
 from ._zk_workers import (
     ZkBase,
     ZkLog,
@@ -382,6 +383,29 @@ def test_suspended_is_not_held_then_reconnected(
         assert lock.is_held() and lock.fence == fence
         lock.release()
         assert zk.get_children(path) == []
+
+
+def test_release_whose_reply_was_lost_is_released_not_lost(
+    server: ZooKeeperServer, clients: Callable[..., Any], path: str
+) -> None:
+    """The delete ran on the server, its reply was cut: kazoo reconnects within the session, the retried
+    delete finds no znode, and release() knows that its own first try deleted it (no LockLost)."""
+    with FaultProxy("127.0.0.1", server.port) as proxy:
+        zk = clients(f"127.0.0.1:{proxy.port}", timeout=10.0)
+        lock = ZooKeeperLock(zk, path)
+        fence = lock.acquire()
+        (child,) = zk.get_children(path)
+        # Only the delete of this znode carries its name after the acquisition.
+        proxy.cut_after_next_request(child.encode())
+        lock.release()
+        assert proxy.cuts == 1, "the delete's reply was not cut"
+        assert not lock.is_held()
+        observer = clients()
+        assert observer.get_children(path) == []
+        # Nobody holds it: another contender takes it at once, with a bigger fence.
+        other = ZooKeeperLock(observer, path)
+        assert other.acquire(timeout=0) > fence
+        other.release()
 
 
 def test_suspended_then_lost(
