@@ -385,6 +385,28 @@ def test_suspended_is_not_held_then_reconnected(
         assert zk.get_children(path) == []
 
 
+def test_acquire_whose_create_reply_was_lost_holds_its_own_znode(
+    server: ZooKeeperServer, clients: Callable[..., Any], path: str
+) -> None:
+    """The lock znode was created but the reply was cut: the retried acquisition finds its own znode
+    (kazoo's recipe names it with a per-lock prefix) instead of queueing a second one behind it and
+    waiting for itself; exactly one znode, held, and none after release()."""
+    observer = clients()
+    observer.ensure_path(path)
+    with FaultProxy("127.0.0.1", server.port) as proxy:
+        zk = clients(f"127.0.0.1:{proxy.port}", timeout=10.0)
+        lock = ZooKeeperLock(zk, path)
+        proxy.cut_after_next_request(b"__lock__")
+        fence = lock.acquire(timeout=10)
+        assert proxy.cuts == 1, "the create's reply was not cut"
+        (child,) = observer.get_children(path)
+        stat = observer.exists(f"{path}/{child}")
+        assert stat.czxid == fence and stat.ephemeralOwner == zk.client_id[0]
+        assert lock.is_held()
+        lock.release()
+        assert observer.get_children(path) == []
+
+
 def test_release_whose_reply_was_lost_is_released_not_lost(
     server: ZooKeeperServer, clients: Callable[..., Any], path: str
 ) -> None:
