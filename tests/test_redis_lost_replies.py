@@ -11,6 +11,7 @@ recognises it.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -32,6 +33,7 @@ from stateguard import (
 from stateguard.tables import fences as fences_table
 
 from ._faultproxy import FaultProxy
+from ._redis_server import RedisServer
 from .conftest import REDIS_URL
 
 MINUTE = timedelta(minutes=1)
@@ -312,3 +314,63 @@ def test_after_a_lost_consume_other_threads_never_inherit_its_identity(proxy: Fa
     assert tokens.consume(token, scope=name).outcome is Outcome.APPLIED  # the caller's own effect
     assert tokens.consume(token, scope=name).outcome is Outcome.REPEATED
     client.close()
+
+
+# --------------------------------------------------------------------------
+# wait_replicas: the write and its WAIT travel in one pipeline; both replies lost
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def replicated() -> Iterator[tuple[RedisServer, RedisServer]]:
+    """A private master and one replica of it, synced (as in tests/test_redis_failover.py)."""
+    import redis
+
+    with RedisServer(args=["--repl-diskless-sync-delay", "0"]) as master:
+        with RedisServer(args=["--replicaof", master.host, str(master.port)]) as replica:
+            client = redis.Redis(port=master.port)
+            deadline = time.monotonic() + 20
+            while (client.info("replication").get("slave0") or {}).get("state") != "online":
+                assert time.monotonic() < deadline, "the private replica did not sync within 20 s"
+                time.sleep(0.05)
+            client.close()
+            yield master, replica
+
+
+def test_writes_with_wait_replicas_whose_replies_were_lost_apply_once(
+    replicated: tuple[RedisServer, RedisServer],
+) -> None:
+    """The script and its WAIT ran on the master, both replies were cut: redis-py sends the pipeline
+    again, the script recognises its own first run, and WAIT counts the replica again.  A consume is
+    APPLIED once (on the replica too), an acquisition holds the lock with one fence, a release frees it."""
+    import redis
+
+    master, replica = replicated
+    name = f"sgt-lost-wait-{uuid.uuid4().hex[:8]}"
+    on_replica = redis.Redis(port=replica.port)
+    with FaultProxy(master.host, master.port) as proxy:
+        client = redis.Redis(host=proxy.host, port=proxy.port)
+        try:
+            warm(client, name)
+            tokens = RedisTokens(client, wait_replicas=1, wait_timeout=2)
+            token = tokens.issue(scope=name, ttl=MINUTE)
+            cut_next_script(proxy)
+            assert tokens.consume(token, scope=name).outcome is Outcome.APPLIED
+            assert proxy.cuts == 1
+            assert on_replica.get(RedisTokens.key(name, token)).startswith(b"used:")
+            assert tokens.consume(token, scope=name).outcome is Outcome.REPEATED
+
+            lock = RedisLock(client, name, ttl=30, blocking_timeout=0, wait_replicas=1, wait_timeout=2)
+            cut_next_script(proxy)
+            fence = lock.acquire()
+            assert proxy.cuts == 2
+            assert lock.owned() and int(on_replica.get(lock.fence_key)) == fence
+            cut_next_script(proxy)
+            lock.release()
+            assert proxy.cuts == 3
+            assert not lock.locked() and on_replica.get(lock.key) is None
+            with RedisLock(client, name, ttl=30, blocking_timeout=0) as after:
+                assert after > fence
+        finally:
+            client.close()
+            on_replica.close()
