@@ -131,6 +131,22 @@ def _unit(
         return "ran", out
 
 
+@contextlib.contextmanager
+def _held_claim(
+    engine: Engine, scope: str, key: str, by: str, *, fingerprint: Any
+) -> Iterator[tuple[Session, int]]:
+    """A transaction that claimed ``key`` (a first claim, not a takeover), ran its work (a ``ca_work``
+    row labelled ``key``) and completed it, not committed yet: yields its session and backend pid."""
+    with Session(engine) as s:
+        s.begin()
+        pid = _pid(s)
+        with idempotent(s, scope=scope, key=key, fingerprint=fingerprint) as call:
+            assert not call.replayed and not call.taken_over
+            s.execute(insert(work).values(label=key, by=by))
+            call.complete({"by": by})
+        yield s, pid
+
+
 def _retrying(unit: Callable[[], Any], retried: list[str]) -> Any:
     """``unit`` in retry_on_conflict; each typed retryable error it met is appended to ``retried``."""
 
@@ -382,12 +398,7 @@ def test_twelve_twins_released_by_a_barrier_on_a_held_claim(
     out: dict[str, Any] = {}
 
     def owner() -> None:
-        with Session(eng) as s:
-            s.begin()
-            pid = _pid(s)
-            with idempotent(s, scope="ca3", key="k", fingerprint="b") as call:
-                s.execute(insert(work).values(label="k", by="owner"))
-                call.complete({"by": "owner"})
+        with _held_claim(eng, "ca3", "k", "owner", fingerprint="b") as (s, pid):
             barrier.wait(10)
             out["waited"] = _await_waiters(backend, probe, pid, n)
             if outcome == "commit":
@@ -622,13 +633,7 @@ def test_reclaim_of_an_expired_key_refuses_the_old_request_and_replays_the_new(
     retried: list[str] = []
 
     def reclaimer() -> None:
-        with Session(eng) as s:
-            s.begin()
-            pid = _pid(s)
-            with idempotent(s, scope="ca7", key="k", fingerprint="new") as call:
-                assert not call.replayed and not call.taken_over
-                s.execute(insert(work).values(label="k", by="new"))
-                call.complete({"by": "new"})
+        with _held_claim(eng, "ca7", "k", "new", fingerprint="new") as (s, pid):
             claimed.set()
             out["waited"] = _await_waiters(backend, probe, pid, 2)
             s.commit()
@@ -856,12 +861,7 @@ def _translate_attack(backend: Backend, base: Engine) -> None:
         out: dict[str, Any] = {}
 
         def first() -> None:
-            with Session(x) as s:
-                s.begin()
-                pid = _pid(s)
-                with idempotent(s, scope="ca11", key="tw", fingerprint="body") as call:
-                    s.execute(insert(work).values(label="tw", by="first"))
-                    call.complete({"by": "first"})
+            with _held_claim(x, "ca11", "tw", "first", fingerprint="body") as (s, pid):
                 claimed.set()
                 out["waited"] = _await_waiters(backend, probe, pid, 1)
                 s.commit()
