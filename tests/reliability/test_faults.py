@@ -334,3 +334,76 @@ def test_postgresql_restart_mid_striped_storm_sells_each_ref_once(pg: Backend) -
     assert all(ledger[ref] == -qty_of[ref] for ref in ledger)
     assert left == stock + sum(ledger.values()) and min(amounts) >= 0
     drop_tables(pg.engine)
+
+
+@pytest.mark.parametrize("mode", ["same_transaction", "separate"])
+def test_postgresql_restart_mid_idempotency_storm_runs_each_key_once(pg: Backend, mode: str) -> None:
+    """PostgreSQL restarted while 8 processes send the same 60 idempotency keys: claims, blocks and
+    COMMITs cut off by the restart are sent again with the same key, and each key ends with exactly
+    one committed payment, a completed record, and every caller told the one committed response
+    (a retry whose first COMMIT's reply died with the server replays it; in separate mode a claim
+    whose owner lost its connection is taken over after its lease)."""
+    if not (IN_CI or os.environ.get(ALLOW_RESTART_ENV) == "1"):
+        pytest.skip(
+            f"restarts the PostgreSQL server under everyone using it: set CI=true or {ALLOW_RESTART_ENV}=1"
+        )
+    import multiprocessing
+    from collections import Counter
+    from concurrent.futures import ProcessPoolExecutor
+
+    from stateguard import create_tables, drop_tables
+    from stateguard.tables import idempotency_keys
+
+    from .._idem_workers import metadata, payments
+    from . import _idem_storm
+
+    restart, start = cluster_commands(pg.url)
+    engine = pg.create(metadata)
+    drop_tables(engine)
+    create_tables(engine)
+    keys = [f"restart-{i:03d}" for i in range(60)]
+
+    def paid() -> int:
+        try:
+            with engine.connect() as conn:
+                return int(conn.execute(select(func.count()).select_from(payments)).scalar_one())
+        except sa_exc.DBAPIError:
+            return 0
+
+    ctx = multiprocessing.get_context("spawn")
+    try:
+        with ctx.Manager() as manager, ProcessPoolExecutor(8, mp_context=ctx) as pool:
+            barrier = manager.Barrier(8)
+            futures = [
+                pool.submit(_idem_storm.restart_worker, pg.name, pg.url, keys, seed, mode, 2.0, barrier)
+                for seed in range(8)
+            ]
+            wait_for(lambda: paid() >= 15, "the storm to complete keys", timeout=120)
+            subprocess.run(restart, check=True, capture_output=True, timeout=120)
+            wait_for(lambda: server_up(pg.url), "PostgreSQL to accept connections again", timeout=120)
+            engine.dispose()
+            reports = [f.result(timeout=600) for f in futures]
+    finally:
+        if not server_up(pg.url) and start is not None:
+            subprocess.run(start, capture_output=True, timeout=120)
+        wait_for(lambda: server_up(pg.url), "PostgreSQL to be back up", timeout=120)
+        engine.dispose()
+    with engine.connect() as conn:
+        rows = conn.execute(select(payments.c.idem_key, payments.c.worker)).all()
+        records = conn.execute(
+            select(idempotency_keys.c.idem_key, idempotency_keys.c.status, idempotency_keys.c.response).where(
+                idempotency_keys.c.scope == _idem_storm.SCOPE
+            )
+        ).all()
+    drop_tables(engine)
+    assert sum(r["counts"].get("reconnects", 0) for r in reports) >= 1, "the restart cut nobody off"
+    # Exactly one committed execution per key, and the record completed with its response.
+    assert Counter(k for k, _ in rows) == Counter(keys), Counter(k for k, _ in rows).most_common(3)
+    payer = dict(rows)
+    assert sorted(k for k, _, _ in records) == keys
+    for key, status, response in records:
+        assert status == "completed" and response == f'{{"worker":"{payer[key]}"}}', (key, status, response)
+    # Every process got an answer for every key, and it names the one committed execution.
+    for report in reports:
+        assert sorted(k for k, _ in report["answers"]) == keys
+        assert all(worker == payer[key] for key, worker in report["answers"]), report["answers"]
