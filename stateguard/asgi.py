@@ -57,8 +57,11 @@ and transactions, which the middleware cannot join.  So a handler that
 crashes half-way is not rolled back by the middleware: the key is released
 (the client may retry) and the handler must make its own writes atomic, as
 without the middleware.  The response is stored (``complete``) after the
-handler returned and before it is sent, so a client that sees a response can
-always get it again.
+handler sent it whole (before a Starlette background task runs) and before
+it is sent, so a client that sees a response can always get it again.  With
+the database unreachable before the claim the answer is 503 (the app does
+not run); a response the database cannot store is sent, and its replays
+answer a 500 problem saying so (the app does not run again).
 """
 
 from __future__ import annotations
@@ -69,11 +72,14 @@ import hashlib
 import json
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, fields, replace
 from datetime import timedelta
+from decimal import Decimal, InvalidOperation
 from typing import Any, TypeAlias, TypeVar
 
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
 from .exceptions import (
@@ -519,14 +525,27 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _exact_float(text: str) -> float:
+    # A number a double holds only approximately (12345678901234567890.5 is 12345678901234567168.0)
+    # has no single meaning: a handler parsing Decimals sees another amount than one parsing floats,
+    # so two such bodies that round to one double must not count as one request.  The double's
+    # shortest repr is compared by value: 0.1, 1.50 and 2e3 are exact in this sense; 1e400 is not.
+    value = float(text)
+    if not math.isfinite(value) or Decimal(text) != Decimal(repr(value)):
+        raise ValueError(f"the number {text[:40]} has no exact double")
+    return value
+
+
 def _json_digest(body: bytes) -> str | None:
     """The body's canonical JSON fingerprint (:func:`stateguard.fingerprint_of`), or ``None`` if not JSON."""
     try:
-        value = json.loads(body, parse_constant=_no_constant, object_pairs_hook=_unique_keys)
+        value = json.loads(
+            body, parse_float=_exact_float, parse_constant=_no_constant, object_pairs_hook=_unique_keys
+        )
         return fingerprint_of({"json": value})
-    except (ValueError, RecursionError):
-        # Not UTF-8 or not JSON, NaN/Infinity, a number too large, a lone
-        # surrogate, duplicate keys, nesting deeper than Python recurses.
+    except (ValueError, RecursionError, InvalidOperation):
+        # Not UTF-8 or not JSON, NaN/Infinity, a number too large or not exactly a
+        # double, a lone surrogate, duplicate keys, nesting deeper than Python recurses.
         return None
 
 
@@ -558,16 +577,24 @@ def _fingerprint_of(scope: Scope, body: bytes) -> dict[str, str]:
 
 
 class _Recorder:
-    """Buffers the app's response; switches to pass-through when it turns out to stream."""
+    """Buffers the app's response; switches to pass-through when it turns out to stream.
 
-    def __init__(self, send: Send) -> None:
+    Once the app sent its whole response (one body message without ``more_body``), ``settle``
+    is awaited with it (the middleware records the key, then sends the response), right then:
+    not after the app returns, which with Starlette is after the response's background tasks.
+    """
+
+    def __init__(self, send: Send, settle: Callable[[Message, bytes], Awaitable[None]]) -> None:
         self._send = send
+        self._settle = settle
         self.start: Message | None = None
         self.body: bytes | None = None
         self.streaming = False
+        #: The whole response was handed to ``settle``.
+        self.settled = False
 
     async def __call__(self, message: Message) -> None:
-        if self.streaming:
+        if self.streaming or self.settled:
             await self._send(message)
             return
         kind = message["type"]
@@ -582,7 +609,9 @@ class _Recorder:
             and self.body is None
             and not message.get("more_body", False)
         ):
-            self.body = bytes(message.get("body", b""))
+            self.body = body = bytes(message.get("body", b""))
+            self.settled = True
+            await self._settle(self.start, body)
             return
         # More than one body chunk, trailers, pathsend, ...: a streaming
         # response.  It is passed on as it comes and never stored.
@@ -608,6 +637,30 @@ def _stored_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[list[str]]:
         for k, v in pairs
         if k not in _HOP_BY_HOP and k not in CREDENTIAL_HEADERS and k not in named and k != REPLAYED_HEADER
     ]
+
+
+#: Tries of the write that records a response (the first, and two after a conflict or lost connection).
+_FINISH_ATTEMPTS = 3
+
+
+def _unstored(response: Mapping[str, Any], why: str) -> dict[str, Any]:
+    """What a retry is answered when the app's response itself cannot be stored: a 500 problem
+    saying that the request ran (so the client does not send it again under a new key)."""
+    status = int(response["status"])
+    problem = {
+        "type": "about:blank",
+        "title": "Response not stored",
+        "status": 500,
+        "detail": f"the request with this Idempotency-Key ran and answered HTTP {status}, but that response "
+        f"could not be stored for replay ({why}); it is not run again: look its result up instead",
+        "original_status": status,
+    }
+    body = json.dumps(problem).encode("utf-8")
+    return {
+        "status": 500,
+        "headers": [["content-type", "application/problem+json"], ["content-length", str(len(body))]],
+        "body": base64.b64encode(body).decode("ascii"),
+    }
 
 
 async def _send_response(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
@@ -845,6 +898,20 @@ class IdempotencyMiddleware:
                                 "concurrent requests with this Idempotency-Key kept changing it; retry later",
                                 [(b"retry-after", b"1")])  # fmt: skip
             return
+        except (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError):
+            # The database is unreachable (or the pool has no connection to give): nothing was
+            # claimed and the app did not run.
+            log.warning(
+                "idempotency key %r in scope %r could not be claimed; answered 503",
+                key,
+                idem_scope,
+                exc_info=True,
+            )
+            await self._problem(send, 503, "Idempotency store unavailable",
+                                "the request was not run: its Idempotency-Key could not be recorded (the "
+                                "database is unreachable); retry later with the same key",
+                                [(b"retry-after", b"1")])  # fmt: skip
+            return
         except IdempotencyKeyReused:
             await self._problem(send, 422, "Idempotency-Key reused",
                                 "this Idempotency-Key was already used for a different request "
@@ -854,42 +921,73 @@ class IdempotencyMiddleware:
             await _in_thread(manager.__exit__, None, None, None)
             await self._replay(send, call.response)
             return
-        recorder = _Recorder(send)
+        exited = False
+
+        async def settle(start: Message, body: bytes) -> None:
+            # The app's whole response: record the key (store, forget or release), then send it.
+            nonlocal exited
+            status = int(start["status"])
+            reason: str | None = None
+            forget = False
+            response: dict[str, Any] | None = None
+            if settings.store_status(status):
+                response = {
+                    "status": status,
+                    "headers": _stored_headers(start.get("headers", ())),
+                    "body": base64.b64encode(body).decode("ascii"),
+                }
+            else:
+                # A 4xx not stored was refused before it ran: forget the key, so that the
+                # corrected request may use it (not only a byte-identical retry).
+                reason, forget = f"HTTP {status}, not stored", 400 <= status < 500
+            try:
+                await _in_thread(self._finish, call, response, reason, forget)
+            except Exception as error:
+                # The database failed at the end (it is unreachable, say): the app ran and
+                # answered, so its answer is sent all the same.  The key is released, or, if
+                # the release fails too, stays in progress until its lease ends.
+                log.error(
+                    "could not record the response of idempotency key %r in scope %r; the app's "
+                    "response is sent unrecorded",
+                    key,
+                    idem_scope,
+                    exc_info=True,
+                )
+                await _in_thread(manager.__exit__, type(error), error, error.__traceback__)
+            else:
+                await _in_thread(manager.__exit__, None, None, None)
+            exited = True
+            await send(start)
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+
+        recorder = _Recorder(send, settle)
         try:
             await self.app(scope, receive, recorder)
         except Exception as error:
-            # idempotent() releases the key (marks it failed, retryable) and re-raises.
-            await _in_thread(manager.__exit__, type(error), error, error.__traceback__)
+            # Before the whole response was recorded: idempotent() releases the key and
+            # re-raises.  After it (a background task failed, the client went away while it
+            # was sent): the key is recorded already and the error is the server's to log.
+            if not exited:
+                await _in_thread(manager.__exit__, type(error), error, error.__traceback__)
             raise
         except BaseException as error:
             # Cancelled: the thread pool may refuse new work now, so finish the key record here.
-            manager.__exit__(type(error), error, error.__traceback__)
+            if not exited:
+                manager.__exit__(type(error), error, error.__traceback__)
             raise
-        start, stored_body = recorder.start, recorder.body
-        status = None if start is None else int(start["status"])
+        if exited:
+            return
+        # Streamed, or the app returned without a whole response: nothing to replay.
         try:
-            if recorder.streaming or status is None or stored_body is None:
-                await _in_thread(self._finish, call, None, "the response was streamed or incomplete")
-            elif settings.store_status(status):
-                response = {
-                    "status": status,
-                    "headers": _stored_headers(start.get("headers", ()) if start else ()),
-                    "body": base64.b64encode(stored_body).decode("ascii"),
-                }
-                await _in_thread(self._finish, call, response)
-            elif 400 <= status < 500:
-                # Refused before it ran: forget the key, so that the corrected
-                # request may use it (not only a byte-identical retry).
-                await _in_thread(self._finish, call, None, f"HTTP {status}, not stored", True)
-            else:
-                await _in_thread(self._finish, call, None, f"HTTP {status}, not stored")
+            await _in_thread(self._finish, call, None, "the response was streamed or incomplete")
         except BaseException as error:
             await _in_thread(manager.__exit__, type(error), error, error.__traceback__)
             raise
         await _in_thread(manager.__exit__, None, None, None)
-        if not recorder.streaming and start is not None:
-            await send(start)
-            await send({"type": "http.response.body", "body": stored_body or b"", "more_body": False})
+        if not recorder.streaming and recorder.start is not None:
+            # A start without its final body message: sent, with an empty body to end it.
+            await send(recorder.start)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     @staticmethod
     def _finish(
@@ -898,22 +996,43 @@ class IdempotencyMiddleware:
         reason: str | None = None,
         forget: bool = False,
     ) -> None:
-        """Store ``response``, or release the key (``forget``: delete this request's record)."""
-        try:
-            if response is None:
-                call.release(reason, forget=forget)
-            else:
-                call.complete(response)
-        except LeaseLost:
-            # The lease expired while the app ran and another request took the
-            # key over: its record wins.  This response is still sent.
-            log.warning(
-                "idempotency key %r in scope %r was taken over while the app ran; raise the lease "
-                "(or set heartbeat_every) above the slowest handler",
-                call.key,
-                call.scope,
-            )
-            return
+        """Store ``response``, or release the key (``forget``: delete this request's record).
+
+        A response the database cannot hold (larger than MariaDB's ``max_allowed_packet``) is
+        stored as a problem response saying so: the app ran, so a retry must not run it again.
+        A conflict or lost connection is tried again twice (the claim is this request's own).
+        """
+        for attempt in range(1, _FINISH_ATTEMPTS + 1):
+            try:
+                if response is None:
+                    call.release(reason, forget=forget)
+                else:
+                    try:
+                        call.complete(response)
+                    except InvalidArgument as error:
+                        log.warning(
+                            "the response of idempotency key %r in scope %r cannot be stored (%s); its "
+                            "replays answer 500 instead",
+                            call.key,
+                            call.scope,
+                            error,
+                        )
+                        call.complete(_unstored(response, str(error)))
+                return
+            except LeaseLost:
+                # The lease expired while the app ran and another request took the
+                # key over: its record wins.  This response is still sent.
+                log.warning(
+                    "idempotency key %r in scope %r was taken over while the app ran; raise the lease "
+                    "(or set heartbeat_every) above the slowest handler",
+                    call.key,
+                    call.scope,
+                )
+                return
+            except (SerializationConflict, sa_exc.OperationalError, sa_exc.InterfaceError):
+                if attempt == _FINISH_ATTEMPTS:
+                    raise
+                time.sleep(0.05 * attempt)
 
     async def _replay(self, send: Send, response: Any) -> None:
         status = int(response["status"])
