@@ -419,7 +419,8 @@ def _parse_key(values: list[bytes]) -> str:
 
     The draft defines the value as a Structured Field string (``"abc"``,
     RFC 8941); a bare token (``abc``) is accepted too, since many clients send
-    one.  The key is used exactly as sent: no trimming, no case folding.
+    one, but not with a comma in it (that is two headers a proxy joined).  The
+    key is used exactly as sent: no trimming, no case folding.
     """
     if len(values) != 1:
         raise _BadKey("send exactly one Idempotency-Key header")
@@ -430,6 +431,12 @@ def _parse_key(values: list[bytes]) -> str:
         raise _BadKey("the Idempotency-Key must be printable ASCII") from None
     if text.startswith('"'):
         text = _sf_string(text)
+    elif "," in text:
+        # Two header lines joined by a proxy (RFC 9110 section 5.3: "a, b"): not one key.
+        raise _BadKey(
+            "send exactly one Idempotency-Key header (a key with a comma must be sent quoted, as a "
+            'Structured Field string: "a,b")'
+        )
     if not text.strip():
         raise _BadKey("the Idempotency-Key is blank")
     if any(not (" " <= c <= "~") for c in text):

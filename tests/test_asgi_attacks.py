@@ -569,8 +569,21 @@ def test_other_methods_pass_through_even_on_a_required_path(world: World, method
         b'"' + b"k" * 256 + b'"',  # a quoted key that is one character too long once unquoted
         b'"   "',  # a quoted blank
         b"\t",
+        b"key-a, key-b",  # two headers a proxy joined into one line
+        b'"key-a", "key-b"',  # the same, quoted
     ],
-    ids=["nul", "surrogate", "not-utf8", "del", "huge", "quoted-oversize", "quoted-blank", "tab"],
+    ids=[
+        "nul",
+        "surrogate",
+        "not-utf8",
+        "del",
+        "huge",
+        "quoted-oversize",
+        "quoted-blank",
+        "tab",
+        "joined",
+        "joined-quoted",
+    ],
 )
 def test_hostile_key_bytes_are_400_problem_json(world: World, value: bytes) -> None:
     """Key values no database should see are answered 400 problem+json, and nothing runs or is stored."""
@@ -591,6 +604,18 @@ def test_a_quoted_key_of_255_characters_is_accepted(world: World) -> None:
 
     first, replay = asyncio.run(scenario())
     assert first.status == 201 and replay.replayed and world.calls == 1
+
+
+def test_a_comma_is_a_key_character_only_when_quoted(world: World) -> None:
+    """A bare ``a,b`` is two joined headers (400); the Structured Field string ``"a,b"`` is one key."""
+    app = middleware(world)
+
+    async def scenario() -> tuple[Answer, Answer]:
+        return await request(app, key=b'"a,b"'), await request(app, key=b'"a,b"')
+
+    first, replay = asyncio.run(scenario())
+    assert first.status == 201 and replay.replayed and world.calls == 1
+    assert [r.idem_key for r in world.key_rows()] == ["a,b"]
 
 
 def test_a_body_of_exactly_max_body_in_many_chunks_is_accepted_and_one_more_byte_is_413(world: World) -> None:
