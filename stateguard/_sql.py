@@ -319,6 +319,8 @@ _SQLITE_BUSY = 5  # primary result code; BUSY_SNAPSHOT is 517 (5 | 2 << 8)
 _MYSQL_DUPLICATE_KEY = 1062
 _MYSQL_NO_SUCH_TABLE = 1146
 _PG_UNDEFINED_TABLE = "42P01"
+_PG_OUT_OF_RANGE = "22003"  # numeric_value_out_of_range
+_MYSQL_OUT_OF_RANGE = frozenset({1264, 1690})  # out of range value for column / in an expression
 _MYSQL_DRIVERS = ("pymysql", "MySQLdb", "mysql", "mariadb", "asyncmy", "aiomysql")
 
 
@@ -387,6 +389,28 @@ def conflict_error(error: sa_exc.DBAPIError) -> StateguardError | None:
         f"the database aborted the statement because of {what} ({error.orig!r}); "
         f"roll the transaction back and run the unit of work again "
         f"(retry_on_conflict() does this)"
+    )
+
+
+def out_of_range(error: sa_exc.DBAPIError) -> StateguardError | None:
+    """A ConfigurationError when the database refused a value a stateguard statement computed.
+
+    Every value a call passes is checked against its column before it is sent,
+    and counters guard their amounts in SQL, so what is left is ``version =
+    version + 1`` on a row whose version is at its column type's maximum
+    (PostgreSQL 22003, MySQL/MariaDB 1264 and 1690).
+    """
+    orig = error.orig
+    if orig is None:
+        return None
+    sqlstate = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    if sqlstate != _PG_OUT_OF_RANGE and _mysql_errno(orig) not in _MYSQL_OUT_OF_RANGE:
+        return None
+    return ConfigurationError(
+        f"the database refused a value this statement computed ({str(orig).splitlines()[0]}): most "
+        f"likely a version column at its type's maximum (version_column() is INTEGER: 2,147,483,647 "
+        f"writes of one row).  Roll the transaction back, then widen the column to BIGINT "
+        f"(version_column(type_=BigInteger), and ALTER the table); nothing was written"
     )
 
 

@@ -53,7 +53,7 @@ from sqlalchemy import (
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
-from sqlalchemy.orm.attributes import set_committed_value
+from sqlalchemy.orm.attributes import instance_state, set_committed_value
 from sqlalchemy.sql import util as sql_util
 from sqlalchemy.sql.base import Executable
 from sqlalchemy.sql.elements import ClauseElement, ColumnElement
@@ -274,7 +274,8 @@ def own_bind(session: Session, table: Table | None) -> Engine | Connection:
 
 
 def value_integers(items: Iterable[tuple[str, Column[Any], Any]]) -> list[tuple[Column[Any], Any, str]]:
-    """The int and str values among ``(attr, column, value)`` items, as :func:`connection_for` checks them.
+    """The int, str, Decimal and float values among ``(attr, column, value)`` items, as
+    :func:`connection_for` checks them.
 
     A value of a plain ``String`` column that is not a str (bytes, an int, a
     UUID) is InvalidArgument here: drivers store it as they please (psycopg
@@ -295,7 +296,10 @@ def value_integers(items: Iterable[tuple[str, Column[Any], Any]]) -> list[tuple[
                 f"values[{attr!r}] is for the text column {col.name}, so it must be a str, "
                 f"got {kind.__name__} {value!r:.60}"
             )
-        if kind is int or kind is str:
+        if kind is int or kind is str or (kind is not bool and isinstance(value, Decimal | float)):
+            # A Decimal or float is checked against a NUMERIC(p, s) column's digits: the database
+            # would round away extra decimal places, or refuse too many digits with an error that
+            # aborts a PostgreSQL transaction.
             found.append((col, value, f"values[{attr!r}]"))
     return found
 
@@ -393,7 +397,7 @@ def execute(conn: Connection, stmt: Any, params: Mapping[str, Any] | None = None
     try:
         return conn.execute(stmt, params)
     except sa_exc.DBAPIError as error:
-        mapped = _sql.conflict_error(error) or _sql.missing_own_table(error)
+        mapped = _sql.conflict_error(error) or _sql.missing_own_table(error) or _sql.out_of_range(error)
         if mapped is None:
             raise
         raise mapped from error
@@ -595,8 +599,14 @@ def sync_loaded(
     committed state (so a later ORM flush's version check uses the new
     version); the ``expire`` attributes were changed by SQL expressions and
     reload on access.  Nothing happens when the row is not loaded.
+
+    Only an instance of this session is synced: one of another session, or a
+    detached one, only named the row (its session would not expire it when
+    this transaction or savepoint rolls back, so it would go on showing values
+    the database never kept); this session's own instance of the row, if
+    loaded, is synced instead.
     """
-    if instance is None:
+    if instance is None or instance_state(instance).session_id != session.hash_key:
         instance = identity_instance(session, info, key)
         if instance is None:
             return

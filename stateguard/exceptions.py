@@ -93,9 +93,11 @@ def _restore(cls: type[StateguardError], args: tuple[Any, ...], state: dict[str,
 
 
 class ConfigurationError(StateguardError):
-    """A declaration (state machine, version column, ...) is inconsistent.
+    """A declaration (state machine, version column, ...) or the set-up is inconsistent.
 
-    Raised while the mapped class is being defined, never during a flush.
+    Mostly raised while the mapped class is being defined; at run time when
+    stateguard's own tables are missing, or a row's version outgrew its
+    column (see :func:`~stateguard.version_column`).
     """
 
 

@@ -55,8 +55,12 @@ class _VersionColumn(MappedColumn[int]):
         type.__setattr__(owner, "__mapper_args__", {**args, "version_id_col": self.column})
 
 
-def version_column(*, name: str | None = None, **kw: Any) -> MappedColumn[int]:
+def version_column(*, name: str | None = None, type_: Any = Integer, **kw: Any) -> MappedColumn[int]:
     """An ``INTEGER NOT NULL`` version column with server default ``0``.
+
+    ``type_=BigInteger`` for a row written more than 2,147,483,647 times in
+    its life (a hot counter row: every guarded write increments the version);
+    a write past the type's maximum is :class:`~stateguard.ConfigurationError`.
 
     It is wired as SQLAlchemy's ``version_id_col``, so plain ORM updates of the
     model are version-checked too; every stateguard write increments it::
@@ -74,7 +78,13 @@ def version_column(*, name: str | None = None, **kw: Any) -> MappedColumn[int]:
     kw.setdefault("server_default", text("0"))
     info = dict(kw.pop("info", None) or {})
     info[_sql.INFO_KEY] = "version"
-    args: tuple[Any, ...] = (name, Integer) if name else (Integer,)
+    kind = type_() if isinstance(type_, type) else type_
+    if not isinstance(kind, Integer):
+        raise ConfigurationError(
+            f"version_column(type_=...) must be an integer type (Integer, BigInteger, SmallInteger), "
+            f"got {type_!r}"
+        )
+    args: tuple[Any, ...] = (name, kind) if name else (kind,)
     return _VersionColumn(*args, info=info, **kw)
 
 
