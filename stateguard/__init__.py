@@ -43,7 +43,7 @@ from .idempotency import (
     purge_expired,
 )
 from .ids import Snowflake, new_request_id
-from .inserts import consume_once, insert_once
+from .inserts import consume_once, insert_once, purge_consumed
 from .locks import advisory_lock, row_lock
 from .machine import HistoryEntry, StateMachine, Trigger
 from .observe import GuardEvent, on_event
@@ -124,6 +124,7 @@ __all__ = [
     "new_request_id",
     "on_event",
     "on_idempotency_event",
+    "purge_consumed",
     "purge_expired",
     "purge_expired_tokens",
     "purge_published",

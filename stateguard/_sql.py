@@ -762,9 +762,12 @@ def read_statement(info: ModelInfo, columns: Sequence[Column[Any]], backend: Bac
     return stmt
 
 
-def purge_statement(table: Table, backend: Backend, batch: int) -> Any:
-    """The batched DELETE of ``table``'s expired rows (``expires_ms`` passed on the database's clock)."""
-    expired = table.c.expires_ms <= db_now_ms()
+def purge_statement(
+    table: Table, backend: Backend, batch: int, old: ColumnElement[bool] | None = None
+) -> Any:
+    """The batched DELETE of ``table``'s rows matching ``old`` (default: ``expires_ms`` passed on the
+    database's clock), at most ``:sg_batch`` of them (``batch`` itself on MySQL/MariaDB)."""
+    expired = table.c.expires_ms <= db_now_ms() if old is None else old
     cols = list(table.primary_key.columns)
     pk: Any = tuple_(*cols) if len(cols) > 1 else cols[0]
     if backend.row_locks and not backend.delete_limit_literal:
@@ -783,7 +786,7 @@ def purge_statement(table: Table, backend: Backend, batch: int) -> Any:
         # MySQL/MariaDB: no LIMIT inside an IN subquery and no subquery on the
         # table being deleted from, but DELETE itself takes a LIMIT (a literal
         # in SQLAlchemy, hence one statement per batch size).
-        return delete(table).where(expired).with_dialect_options(mysql_limit=batch)
+        return delete(table).where(expired).with_dialect_options(mysql_limit=batch, mariadb_limit=batch)
     rowid: Any = literal_column("rowid")
     victims = select(rowid).select_from(table).where(expired).limit(bindparam("sg_batch"))
     return delete(table).where(expired, rowid.in_(victims.scalar_subquery()))

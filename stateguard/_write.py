@@ -984,11 +984,16 @@ def required_seconds(value: Any, what: str) -> float:
     return result
 
 
-def check_batch(batch: Any) -> int:
-    """``batch`` if it is a positive int, else InvalidArgument."""
+#: The largest LIMIT every database takes (a BIGINT); a larger batch or limit means "all" anyway.
+MAX_LIMIT: Final = 2**63 - 1
+
+
+def check_batch(batch: Any, what: str = "batch") -> int:
+    """``batch`` if it is a positive int (at most :data:`MAX_LIMIT`: a larger one is that), else
+    InvalidArgument."""
     if type(batch) is not int or batch < 1:
-        raise InvalidArgument(f"batch must be a positive int, got {batch!r}")
-    return batch
+        raise InvalidArgument(f"{what} must be a positive int, got {batch!r}")
+    return min(batch, MAX_LIMIT)
 
 
 def now_ms() -> int:

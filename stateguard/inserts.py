@@ -11,18 +11,19 @@ SAVEPOINT round trips.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any, Final
 
-from sqlalchemy import bindparam
+from sqlalchemy import Connection, Engine, bindparam
 from sqlalchemy.orm import Session
 
 from . import _sql, _write
-from ._async import dual
+from ._async import dual, dual_bind
 from .exceptions import InvalidArgument
 from .result import Outcome, Result
 from .tables import MAX_KEY, MAX_SCOPE, consumed_messages
 
-__all__ = ["ConsumedMessage", "consume_once", "insert_once"]
+__all__ = ["ConsumedMessage", "consume_once", "insert_once", "purge_consumed"]
 
 
 @dual
@@ -76,7 +77,8 @@ class ConsumedMessage:
 _CONSUME_ROW: Final[dict[str, Any]] = {
     "consumer": bindparam("sg_consumer"),
     "message_id": bindparam("sg_message"),
-    "consumed_ms": bindparam("sg_now"),
+    # The database's clock, as purge_consumed() judges ages on it.
+    "consumed_ms": _sql.db_now_ms(),
 }
 _CONSUME: Final = _write.InsertOnce(consumed_messages, _CONSUME_ROW, returning=[consumed_messages.c.consumer])
 
@@ -101,7 +103,7 @@ def consume_once(session: Session, consumer: str, message_id: str) -> Result:
     if session.autoflush:
         session.flush()
     conn = _write.own_connection(session, consumed_messages)
-    params = {"sg_consumer": consumer, "sg_message": message_id, "sg_now": _write.now_ms()}
+    params = {"sg_consumer": consumer, "sg_message": message_id}
     inserted = _CONSUME(conn, params) is not None
     return Result(
         Outcome.APPLIED if inserted else Outcome.REPEATED,
@@ -111,3 +113,46 @@ def consume_once(session: Session, consumer: str, message_id: str) -> Result:
         session=session,
         same_request=not inserted,
     )
+
+
+_c = consumed_messages
+
+
+@dual_bind
+def purge_consumed(bind: Engine | Connection | Session, *, older_than: timedelta, batch: int = 1000) -> int:
+    """Delete at most ``batch`` records of messages consumed more than ``older_than`` ago; return how many.
+
+    :func:`consume_once` keeps one row per message for good; purge them once
+    no redelivery can come any more: a message redelivered after its record
+    was purged is handled again.  So ``older_than`` must exceed the longest
+    your broker may redeliver (its retention, or your consumers' replay
+    window).  Ages are judged on the database's clock.  With an Engine the
+    batch runs in its own short transaction; with a Connection or Session in
+    the caller's.  Loop until it returns less than ``batch`` (``stateguard
+    purge --consumed-retention`` does)::
+
+        while purge_consumed(engine, older_than=timedelta(days=30)) == 1000:
+            pass
+
+    :raises InvalidArgument: ``older_than`` is not a positive timedelta or
+        ``batch`` not a positive int; nothing was deleted.
+    """
+    older = _write.duration_ms(older_than, "older_than")
+    size = _write.check_batch(batch)
+    params = {"sg_older": older, "sg_batch": size}
+
+    def run(conn: Connection) -> int:
+        backend = _sql.backend(conn.dialect)
+        key = ("consumed_purge", backend, size if backend.delete_limit_literal else 0)
+        stmt = _write.memo.get_or_build(
+            key,
+            lambda: _sql.purge_statement(
+                _c, backend, size, _c.c.consumed_ms <= _sql.db_now_ms() - bindparam("sg_older")
+            ),
+        )
+        return int(_write.execute(conn, stmt, params).rowcount)
+
+    if isinstance(bind, Engine):
+        with bind.begin() as conn:
+            return run(conn)
+    return run(_write.own_connection(bind, _c) if isinstance(bind, Session) else bind)

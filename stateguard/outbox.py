@@ -74,7 +74,6 @@ from sqlalchemy import (
     any_,
     bindparam,
     case,
-    delete,
     exists,
     func,
     insert,
@@ -831,17 +830,6 @@ def _keep_running(error: Exception) -> None:
 # --------------------------------------------------------------------------
 
 
-def _purge_statement(backend: _sql.Backend, batch: int) -> Any:
-    old = and_(_o.c.published_ms.is_not(None), _o.c.published_ms <= _sql.db_now_ms() - bindparam("sg_older"))
-    if backend.delete_limit_literal:
-        # MySQL/MariaDB: no LIMIT inside an IN subquery, but DELETE takes one (a literal).
-        return delete(_o).where(old).with_dialect_options(mysql_limit=batch, mariadb_limit=batch)
-    victims = select(_o.c.id).where(old).limit(bindparam("sg_batch"))
-    if backend.row_locks:
-        victims = victims.with_for_update(skip_locked=True)
-    return delete(_o).where(old, _o.c.id.in_(victims))
-
-
 @dual_bind
 def purge_published(bind: Engine | Connection | Session, *, older_than: timedelta, batch: int = 1000) -> int:
     """Delete at most ``batch`` events published more than ``older_than`` ago; return how many.
@@ -864,7 +852,18 @@ def purge_published(bind: Engine | Connection | Session, *, older_than: timedelt
     def run(conn: Connection) -> int:
         backend = _sql.backend(conn.dialect)
         key = ("outbox_purge", backend, size if backend.delete_limit_literal else 0)
-        stmt = _write.memo.get_or_build(key, lambda: _purge_statement(backend, size))
+        stmt = _write.memo.get_or_build(
+            key,
+            lambda: _sql.purge_statement(
+                _o,
+                backend,
+                size,
+                and_(
+                    _o.c.published_ms.is_not(None),
+                    _o.c.published_ms <= _sql.db_now_ms() - bindparam("sg_older"),
+                ),
+            ),
+        )
         return int(_write.execute(conn, stmt, params).rowcount)
 
     if isinstance(bind, Engine):

@@ -485,13 +485,23 @@ class _RedisTokens(_RedisClient):
         return result
 
 
+#: One marker object per thread: a thread's ident is reused once the thread has exited, and a new
+#: thread must not inherit a dead one's pending consume.
+_THREAD: Final = threading.local()
+
+
 def _caller() -> Any:
-    """Who is calling: the running asyncio task, else the thread."""
+    """Who is calling: the running asyncio task, else the thread (its own marker object)."""
     try:
         task = asyncio.current_task()
     except RuntimeError:  # no running event loop
         task = None
-    return task if task is not None else threading.get_ident()
+    if task is not None:
+        return task
+    marker = getattr(_THREAD, "marker", None)
+    if marker is None:
+        marker = _THREAD.marker = object()
+    return marker
 
 
 class RedisTokens(_RedisTokens):
@@ -526,12 +536,14 @@ class RedisTokens(_RedisTokens):
 
     Replicas: Redis acknowledges a write before its replicas have it, so a
     failover can lose an issued token or bring a consumed one back.
-    ``wait_replicas=N`` sends each issue and each consume that wrote with a
-    Redis ``WAIT N wait_timeout`` on the same connection (on a
-    ``redis.cluster.RedisCluster``, to the master of the token's slot) and
-    raises :class:`~stateguard.ReplicationTimeout` when fewer than ``N``
-    replicas confirmed: the write happened on the master, ``error.value`` is
-    the token or the Result::
+    ``wait_replicas=N`` sends each issue and each consume with a Redis ``WAIT
+    N wait_timeout`` on the same connection (on a ``redis.cluster.RedisCluster``,
+    to the master of the token's slot; one round trip with the command, so a
+    REPEATED or NOT_FOUND consume waits too, up to ``wait_timeout`` when
+    fewer replicas answer) and raises :class:`~stateguard.ReplicationTimeout`
+    when a write (an issue, an APPLIED consume) was confirmed by fewer than
+    ``N`` replicas: the write happened on the master, ``error.value`` is the
+    token or the Result::
 
         tokens = RedisTokens(redis.cluster.RedisCluster(host="redis-1"), wait_replicas=1)
         try:

@@ -67,6 +67,7 @@ EXPECTED = [
     "new_request_id",
     "on_event",
     "on_idempotency_event",
+    "purge_consumed",
     "purge_expired",
     "purge_expired_tokens",
     "purge_published",

@@ -52,6 +52,7 @@ CALLS: dict[str, Callable[..., Any]] = {
     "Relay.run()": stateguard.Relay.run,
     "AsyncRelay.run()": stateguard.AsyncRelay.run,
     "purge_published()": stateguard.purge_published,
+    "purge_consumed()": stateguard.purge_consumed,
     "sqlite_engine()": sqlite_engine,
     "async_sqlite_engine()": async_sqlite_engine,
 }

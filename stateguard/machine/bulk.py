@@ -327,8 +327,10 @@ def fire_where(
     info = m.info
     if not isinstance(condition, ColumnElement):
         raise InvalidArgument(f"where() takes a SQL expression over {info.model.__name__}, got {condition!r}")
-    if limit is not None and (type(limit) is not int or limit < 1):
-        raise InvalidArgument(f"limit must be a positive int or None, got {limit!r}")
+    if limit is not None:
+        if type(limit) is not int or limit < 1:
+            raise InvalidArgument(f"limit must be a positive int or None, got {limit!r}")
+        limit = _write.check_batch(limit, "limit")
     batch = _Batch(trigger, session, values)
     conn, backend, state_cond, npk, vcol = batch.conn, batch.backend, batch.state_cond, batch.npk, batch.vcol
     state_col = m.state_column

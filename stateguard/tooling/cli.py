@@ -44,6 +44,7 @@ from .. import __version__
 from ..engine import sqlite_engine
 from ..exceptions import StateguardError
 from ..idempotency import purge_expired as _purge_keys
+from ..inserts import purge_consumed as _purge_consumed
 from ..machine import StateMachine, machines_of
 from ..outbox import Relay
 from ..outbox import purge_published as _purge_outbox
@@ -322,13 +323,30 @@ _PURGERS: dict[str, tuple[str, Any]] = {
             engine, older_than=timedelta(hours=args.outbox_retention), batch=args.batch
         ),
     ),
+    "consumed": (
+        "consumed-message records",
+        lambda engine, args: _purge_consumed(
+            engine, older_than=timedelta(hours=args.consumed_retention), batch=args.batch
+        ),
+    ),
 }
+#: Purged only when asked for: a consumed-message record purged too early lets a redelivery apply again.
+_OPT_IN = {"consumed": "consumed_retention"}
 
 
 def _cmd_purge(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    if "consumed" in (args.what or ()) and args.consumed_retention is None:
+        err.write(
+            "stateguard purge: --only consumed needs --consumed-retention HOURS (longer than any "
+            "redelivery can come: a message redelivered after its record is purged is handled again)\n"
+        )
+        return EXIT_USAGE
+    wanted = args.what or sorted(
+        w for w in _PURGERS if w not in _OPT_IN or getattr(args, _OPT_IN[w]) is not None
+    )
     engine = open_engine(args.db, workers=1, purpose="stateguard purge", create=False)
     try:
-        for what in args.what or sorted(_PURGERS):
+        for what in wanted:
             label, purge = _PURGERS[what]
             total = batches = 0
             while True:
@@ -927,7 +945,8 @@ def build_parser() -> argparse.ArgumentParser:
             "claims are never held up for long (on PostgreSQL a batch also skips rows a\n"
             "claim holds).  Expired keys are already ignored by claims; purging reclaims space.\n"
             "Outbox events are deleted once published more than --outbox-retention hours ago\n"
-            "(unpublished events never are).\n"
+            "(unpublished events never are); consume_once() records only with\n"
+            "--consumed-retention (a redelivery after its record is gone is handled again).\n"
             "Run it from cron or a scheduler."
         ),
     )
@@ -957,11 +976,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep published outbox events this long, for audits and late replays (default: 168, a week)",
     )
     purge.add_argument(
+        "--consumed-retention",
+        type=_positive_float,
+        default=None,
+        metavar="HOURS",
+        help="also delete consume_once() records older than this; longer than any redelivery can come "
+        "(default: keep them)",
+    )
+    purge.add_argument(
         "--only",
         dest="what",
         choices=sorted(_PURGERS),
         action="append",
-        help="purge only this table (repeatable; default: keys, outbox and tokens)",
+        help="purge only this table (repeatable; default: keys, outbox and tokens, and consumed with "
+        "--consumed-retention)",
     )
     relay = _command(
         commands,

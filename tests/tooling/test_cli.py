@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 import stateguard.redis
 from stateguard import create_tables, drop_tables, emit
 from stateguard.redis import RedisStreamSink
-from stateguard.tables import idempotency_keys, outbox, tokens
+from stateguard.tables import consumed_messages, idempotency_keys, outbox, tokens
 from stateguard.tooling import cli
 from stateguard.tooling.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, main
 
@@ -250,6 +250,33 @@ def test_purge_deletes_published_outbox_events_older_than_the_retention(
         left = conn.execute(select(outbox.c.published_ms).order_by(outbox.c.id)).scalars().all()
     assert left == [now - 60_000, None]
     assert main(["purge", "--db", backend.url, "--outbox-retention", "0"]) == EXIT_USAGE
+
+
+def test_purge_deletes_consumed_records_only_with_a_retention(
+    backend: Backend, engine: Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """consume_once() records go only with --consumed-retention (hours), and only the older ones;
+    --only consumed without it is a usage error, and the default run keeps them."""
+    now = time.time_ns() // 1_000_000
+    rows = [
+        {"consumer": "billing", "message_id": f"m{i}", "consumed_ms": consumed}
+        for i, consumed in enumerate([now - 5 * 3_600_000] * 3 + [now - 60_000])
+    ]
+    with engine.begin() as conn:
+        conn.execute(insert(consumed_messages), rows)
+
+    def left() -> list[str]:
+        with engine.connect() as conn:
+            return sorted(conn.execute(select(consumed_messages.c.message_id)).scalars())
+
+    assert main(["purge", "--db", backend.url, "--pause", "0"]) == EXIT_OK
+    assert "consumed" not in capsys.readouterr().out and len(left()) == 4
+    assert main(["purge", "--db", backend.url, "--only", "consumed"]) == EXIT_USAGE
+    assert "--consumed-retention" in capsys.readouterr().err and len(left()) == 4
+    argv = ["purge", "--db", backend.url, "--consumed-retention", "4", "--batch", "2", "--pause", "0"]
+    assert main(argv) == EXIT_OK
+    assert "consumed-message records: 3 deleted in 2 batches" in capsys.readouterr().out
+    assert left() == ["m3"]
 
 
 def test_purge_without_tables_says_how_to_create_them(
