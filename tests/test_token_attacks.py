@@ -686,6 +686,9 @@ def test_redis_async_tasks_on_one_object_consume_once(redis_scope: str) -> None:
             return _outcomes(list(results))
         finally:
             await client.aclose()
+            # A pool passed in is not closed with its client: its connections' StreamWriters would
+            # outlive this event loop and warn "loop is closed" in a later test.
+            await pool.aclose()
 
     outcomes = asyncio.run(main())
     assert outcomes == Counter({"APPLIED": 1, "REPEATED": 199}), outcomes
