@@ -90,7 +90,7 @@ __all__ = [
     "now_ms",
     "own_bind",
     "own_connection",
-    "purge_expired_rows",
+    "purge_rows",
     "read_back",
     "required_seconds",
     "resolve_target",
@@ -1188,28 +1188,33 @@ _BEGIN_IMMEDIATE = text("BEGIN IMMEDIATE")
 # --------------------------------------------------------------------------
 
 
-def purge_expired_rows(table: Table, bind: Engine | Connection | Session, batch: Any) -> int:
-    """Delete at most ``batch`` rows of ``table`` whose ``expires_ms`` has passed; return how many.
+def purge_rows(
+    table: Table,
+    bind: Engine | Connection | Session,
+    batch: Any,
+    old: ColumnElement[bool] | None = None,
+    **params: Any,
+) -> int:
+    """Delete at most ``batch`` rows of ``table`` matching ``old`` (default: ``expires_ms`` has
+    passed); return how many.  ``params`` are the bound values ``old`` names.
 
-    Expiry is judged on the database's clock (:func:`~stateguard._sql.db_now_ms`),
-    as it was stored.  With an Engine the batch runs in its own short
-    transaction; with a Connection or Session in the caller's.
+    Ages are judged on the database's clock (:func:`~stateguard._sql.db_now_ms`),
+    as they were stored.  With an Engine the batch runs in its own short
+    transaction; with a Connection or Session in the caller's.  ``old`` is
+    the same for every call on ``table`` (its statement is built once).
     """
-    params = {"sg_batch": check_batch(batch)}
+    values = {"sg_batch": check_batch(batch), **params}
     if isinstance(bind, Engine):
         with bind.begin() as conn:
-            return _purge(table, conn, params)
-    conn = bind.connection() if isinstance(bind, Session) else bind
-    return _purge(table, conn, params)
+            return _purge(table, conn, values, old)
+    return _purge(table, own_connection(bind, table) if isinstance(bind, Session) else bind, values, old)
 
 
-def _purge(table: Table, conn: Connection, params: dict[str, Any]) -> int:
+def _purge(table: Table, conn: Connection, params: dict[str, Any], old: ColumnElement[bool] | None) -> int:
     backend = _sql.backend(conn.dialect)
     batch = params["sg_batch"]
     key = ("purge", table, backend, batch if backend.delete_limit_literal else 0)
-    stmt = memo.get(key)
-    if stmt is None:
-        stmt = memo.put(key, _sql.purge_statement(table, backend, batch))
+    stmt = memo.get_or_build(key, lambda: _sql.purge_statement(table, backend, batch, old))
     return int(execute(conn, stmt, params).rowcount)
 
 

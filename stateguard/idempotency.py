@@ -1400,7 +1400,7 @@ def purge_expired(bind: Engine | Connection | Session, *, batch: int = 1000) -> 
 
     :raises InvalidArgument: ``batch`` is not a positive int.
     """
-    return _write.purge_expired_rows(_t, bind, batch)
+    return _write.purge_rows(_t, bind, batch)
 
 
 #: Names this module defined before the 0.2 layout, and where they live now.

@@ -137,22 +137,5 @@ def purge_consumed(bind: Engine | Connection | Session, *, older_than: timedelta
     :raises InvalidArgument: ``older_than`` is not a positive timedelta or
         ``batch`` not a positive int; nothing was deleted.
     """
-    older = _write.duration_ms(older_than, "older_than")
-    size = _write.check_batch(batch)
-    params = {"sg_older": older, "sg_batch": size}
-
-    def run(conn: Connection) -> int:
-        backend = _sql.backend(conn.dialect)
-        key = ("consumed_purge", backend, size if backend.delete_limit_literal else 0)
-        stmt = _write.memo.get_or_build(
-            key,
-            lambda: _sql.purge_statement(
-                _c, backend, size, _c.c.consumed_ms <= _sql.db_now_ms() - bindparam("sg_older")
-            ),
-        )
-        return int(_write.execute(conn, stmt, params).rowcount)
-
-    if isinstance(bind, Engine):
-        with bind.begin() as conn:
-            return run(conn)
-    return run(_write.own_connection(bind, _c) if isinstance(bind, Session) else bind)
+    old = _c.c.consumed_ms <= _sql.db_now_ms() - bindparam("sg_older")
+    return _write.purge_rows(_c, bind, batch, old, sg_older=_write.duration_ms(older_than, "older_than"))

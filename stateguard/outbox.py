@@ -845,28 +845,5 @@ def purge_published(bind: Engine | Connection | Session, *, older_than: timedelt
     :raises InvalidArgument: ``older_than`` is not a positive timedelta or
         ``batch`` not a positive int.
     """
-    older = _write.duration_ms(older_than, "older_than")
-    size = _write.check_batch(batch)
-    params = {"sg_older": older, "sg_batch": size}
-
-    def run(conn: Connection) -> int:
-        backend = _sql.backend(conn.dialect)
-        key = ("outbox_purge", backend, size if backend.delete_limit_literal else 0)
-        stmt = _write.memo.get_or_build(
-            key,
-            lambda: _sql.purge_statement(
-                _o,
-                backend,
-                size,
-                and_(
-                    _o.c.published_ms.is_not(None),
-                    _o.c.published_ms <= _sql.db_now_ms() - bindparam("sg_older"),
-                ),
-            ),
-        )
-        return int(_write.execute(conn, stmt, params).rowcount)
-
-    if isinstance(bind, Engine):
-        with bind.begin() as conn:
-            return run(conn)
-    return run(_write.own_connection(bind, _o) if isinstance(bind, Session) else bind)
+    old = and_(_o.c.published_ms.is_not(None), _o.c.published_ms <= _sql.db_now_ms() - bindparam("sg_older"))
+    return _write.purge_rows(_o, bind, batch, old, sg_older=_write.duration_ms(older_than, "older_than"))

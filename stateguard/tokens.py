@@ -238,7 +238,7 @@ def purge_expired_tokens(bind: Engine | Connection | Session, *, batch: int = 10
 
     :raises InvalidArgument: ``batch`` is not a positive int.
     """
-    return _write.purge_expired_rows(tokens, bind, batch)
+    return _write.purge_rows(tokens, bind, batch)
 
 
 #: Names this module defined before the 0.2 layout, and where they live now.
