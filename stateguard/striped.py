@@ -20,12 +20,17 @@ and a decrement takes from one stripe that nobody else holds:
   ``:start``; stripe ids are spread evenly over ``[0, 2**20)``) and
   ``SKIP LOCKED`` passes over stripes another transaction holds.
 - MariaDB cannot UPDATE a table it reads in a subquery (error 1093), so the
-  same pick is a ``SELECT ... FOR UPDATE SKIP LOCKED`` (10.6+) in the
-  primary key's order, down from ``:start`` (its wrap-around, from the top,
-  only when nothing at or below ``:start`` fits), then ``UPDATE`` of that
-  stripe: two statements.  A short stripe that scan passes stays locked
-  until the end of the transaction (REPEATABLE READ keeps the locks of rows
-  a locking read examined): other buyers skip it.
+  same pick is a ``SELECT ... FOR UPDATE SKIP LOCKED`` (10.6+) of the
+  item's stripes named one by one (``stripe IN (...)``, those at or below
+  ``:start`` first, then the rest), then ``UPDATE`` of that stripe: two
+  statements.  Not a range: in REPEATABLE READ a locking range scan also
+  locks the record that ends it (a stripe it did not return, or the next
+  item's), until COMMIT, and two buyers holding such strays deadlocked
+  with plenty of stock.  The ids come from the stripe count this process
+  last saw on the item's rows (stripe 0 alone the first time).  A short
+  stripe the pick examines stays locked until the end of the transaction
+  (REPEATABLE READ keeps the locks of rows a locking read examined):
+  other buyers skip it.
 - SQLite has one writer: the PostgreSQL statement without ``FOR UPDATE``.
   Striping buys nothing there (every write holds the whole database until
   COMMIT); it stays correct.
@@ -83,6 +88,8 @@ took.
 
 from __future__ import annotations
 
+import bisect
+import functools
 import json
 import random
 from collections.abc import Mapping, Sequence
@@ -127,8 +134,19 @@ _DEADLOCK_SWEEPS: Final = 3
 #: from the free ones) before the ordered sweep.
 _WAITS: Final = 8
 
+#: InnoDB: each item's stripe count as this process last saw it, keyed by (counter, item), for
+#: naming the stripes one by one (see :func:`_pick_among`).  A hint: a stale one (another process
+#: restriped) costs a slower path once, never a wrong answer: stripe 0 is among every item's
+#: stripes and every row carries the true count, which the caller then remembers.
+_counts: Final = _write.Memo(4096)
+
 _s = counter_stripes
 _same_item = (_s.c.counter == bindparam("sg_counter"), _s.c.item == bindparam("sg_item"))
+
+
+@functools.lru_cache(maxsize=256)
+def _ids_of(stripes: int) -> tuple[int, ...]:
+    return tuple(stripe_ids(stripes))
 
 
 def stripe_ids(stripes: int) -> list[int]:
@@ -165,6 +183,40 @@ def _pick(backend: _sql.Backend, wrap: bool | None, sign: int) -> Any:
     return stmt
 
 
+def _named(stmt: Any) -> Any:
+    """InnoDB: ``stmt`` reads only the stripes named in ``:ids``, each looked up by its whole key.
+
+    Not a range of stripes: in REPEATABLE READ a locking range scan also locks the record
+    that ends it (a stripe it skipped past, or the next item's) until COMMIT, though it returned
+    nothing from it, and two buyers holding such strays waited for each other with plenty of
+    stock (a deadlock).  A whole key looked up by equality is locked alone, or (skipped or
+    missing) only the gap before the next record, which no UPDATE waits for.  The optimizer
+    must not turn the lookups back into a scan of the item: ``BETWEEN`` for the item's columns
+    leaves it no equality on a prefix of the key to scan by ("ref" access, which it chose for
+    some small tables), and ``FORCE INDEX`` no table scan.
+    """
+    return stmt.with_hint(_s, "FORCE INDEX (PRIMARY)").where(
+        _s.c.counter.between(bindparam("sg_counter"), bindparam("sg_counter")),
+        _s.c.item.between(bindparam("sg_item"), bindparam("sg_item")),
+        _s.c.stripe.in_(bindparam("sg_ids", expanding=True)),
+    )
+
+
+def _pick_among(sign: int) -> Any:
+    """InnoDB: the last free stripe of ``:ids`` the change fits, and the item's stripe count
+    (see :func:`_named`)."""
+    return _write.memo.get_or_build(
+        ("striped", "pick-among", sign),
+        lambda: (
+            _named(select(_s.c.stripe, _s.c.stripes))
+            .where(_fits(sign))
+            .order_by(desc(_s.c.stripe))
+            .limit(1)
+            .with_for_update(skip_locked=True)
+        ),
+    )
+
+
 def _one_statement(backend: _sql.Backend, sign: int) -> Any:
     """PostgreSQL and SQLite: pick a stripe and change it in one statement (RETURNING its amount)."""
 
@@ -194,10 +246,16 @@ def _by_stripe(backend: _sql.Backend, sign: int, guarded: bool) -> Any:
 
 
 def _sweep(backend: _sql.Backend) -> Any:
-    """Every stripe of the item, locked in stripe order (the slow path's and restripe's one order)."""
+    """Every stripe of the item, locked in stripe order (the slow path's and restripe's one order).
+
+    InnoDB: the stripes named in ``:ids`` (see :func:`_named`: a range would also lock the next
+    item's first stripe); the caller checks the stripe count on the rows found.
+    """
 
     def build() -> Any:
-        stmt = select(_s.c.stripe, _s.c.stripes, _s.c.amount).where(*_same_item).order_by(_s.c.stripe)
+        stmt = select(_s.c.stripe, _s.c.stripes, _s.c.amount)
+        stmt = _named(stmt) if backend.locking_read else stmt.where(*_same_item)
+        stmt = stmt.order_by(_s.c.stripe)
         return stmt.with_for_update() if backend.row_locks else stmt
 
     return _memo("sweep", backend, build)
@@ -241,7 +299,7 @@ def _hints() -> Any:
     """Each stripe's amount, read without locks: which stripe is worth waiting for."""
     return _write.memo.get_or_build(
         ("striped", "hints"),
-        lambda: select(_s.c.stripe, _s.c.amount).where(*_same_item),
+        lambda: select(_s.c.stripe, _s.c.amount, _s.c.stripes).where(*_same_item),
     )
 
 
@@ -399,20 +457,48 @@ class StripedCounter:
     # The algorithm (written once; the dialect differences are the statements above)
     # ----------------------------------------------------------------------
 
+    def _ids(self, item: str) -> tuple[int, ...]:
+        """InnoDB: the item's stripe ids as last seen; just stripe 0 (every item's) before that."""
+        k = _counts.get((self.name, item))
+        return _ids_of(k) if k is not None else (0,)
+
+    def _saw(self, item: str, stripes: int) -> None:
+        """Remember the stripe count a row of ``item`` carried (see :data:`_counts`)."""
+        if _counts.get((self.name, item)) != stripes:
+            _counts.put((self.name, item), stripes)
+
     def _fast(self, conn: Connection, backend: _sql.Backend, item: str, by: int, sign: int) -> bool:
         """Change one free stripe (holding ``by`` for a decrement); whether one was found."""
-        params = self._params(item, sg_by=by, sg_room=MAX_AMOUNT - by, sg_start=random.randrange(SPACE))
+        start = random.randrange(SPACE)
+        params = self._params(item, sg_by=by, sg_room=MAX_AMOUNT - by, sg_start=start)
         if backend.returning:
             return _write.execute(conn, _one_statement(backend, sign), params).first() is not None
+        if backend.locking_read:
+            ids = self._ids(item)
+            cut = bisect.bisect_right(ids, start)
+            for part in (ids[:cut], ids[cut:]):
+                row = (
+                    _write.execute(conn, _pick_among(sign), {**params, "sg_ids": part}).first()
+                    if part
+                    else None
+                )
+                if row is not None:
+                    if row.stripes != len(ids):
+                        self._saw(item, row.stripes)
+                    return self._change_picked(conn, backend, params, row.stripe, sign)
+            return False
         for wrap in (False, True):
             stripe = _write.execute(conn, _pick(backend, wrap, sign), params).scalar()
             if stripe is not None:
-                # Locked by this transaction: the UPDATE cannot miss it.
-                update_params = {**params, "sg_stripe": stripe}
-                stmt = _by_stripe(backend, sign, True)
-                applied, _ = _write.run_guarded(conn, stmt, update_params, returning=backend.returning)
-                return applied
+                return self._change_picked(conn, backend, params, stripe, sign)
         return False
+
+    def _change_picked(
+        self, conn: Connection, backend: _sql.Backend, params: dict[str, Any], stripe: int, sign: int
+    ) -> bool:
+        # Locked by this transaction: the UPDATE cannot miss it.
+        stmt = _by_stripe(backend, sign, True)
+        return _write.run_guarded(conn, stmt, {**params, "sg_stripe": stripe}, returning=backend.returning)[0]
 
     def _take(
         self, conn: Connection, backend: _sql.Backend, item: str, by: int
@@ -440,13 +526,21 @@ class StripedCounter:
         (the common case under load) or when none holds it (stock low, ``by`` large).  A
         read without locks tells them apart: for the first, wait for one such stripe, as a
         single-row counter would, instead of locking every stripe (which would make everyone
-        after it wait for all of them).  ``False`` (nothing changed): no stripe seemed to hold
+        after it wait for all of them).  When the read shows the fast path named the stripes of
+        a stale count, it tries them all first.  ``False`` (nothing changed): no stripe seemed to hold
         ``by``, or the one waited for no longer does; the sweep decides.  No savepoint: InnoDB
         rolls a deadlock victim's whole transaction back.  The read only picks the stripe:
         REPEATABLE READ's plain reads show the transaction's first snapshot.
         """
         params = self._params(item, sg_by=by)
-        candidates = [r.stripe for r in _write.execute(conn, _hints(), params) if r.amount >= by]
+        rows = _write.execute(conn, _hints(), params).all()
+        if rows and _counts.get((self.name, item)) != rows[0].stripes:
+            # The fast path named the stripes of a stale count (stripe 0 alone, the first time):
+            # name them all before waiting for one.
+            self._saw(item, rows[0].stripes)
+            if self._fast(conn, backend, item, by, -1):
+                return True
+        candidates = [r.stripe for r in rows if r.amount >= by]
         if not candidates:
             return False
         params["sg_stripe"] = random.choice(candidates)
@@ -552,13 +646,21 @@ class StripedCounter:
         stripes it inserted (PostgreSQL, READ COMMITTED: a locked row is
         re-read at its latest version, a new row is not seen); the stripe
         count on the rows then disagrees with the rows found, and a fresh
-        statement sees them all.
+        statement sees them all.  InnoDB: the stripes named by the stripe count last seen
+        (:meth:`_ids`; a locking range scan would also lock the next item's first stripe);
+        the rows found carry the true count, and a sweep that missed some goes again.
         """
         rows: Sequence[Any] = []
         for _ in range(_SWEEPS):
-            rows = _write.execute(conn, _sweep(backend), self._params(item)).all()
+            params = self._params(item)
+            if backend.locking_read:
+                params["sg_ids"] = self._ids(item)
+            rows = _write.execute(conn, _sweep(backend), params).all()
             # Stripe 0 is updated in place by a restripe, so a missing item is truly missing.
-            if not rows or len(rows) == rows[0].stripes:
+            if not rows:
+                break
+            self._saw(item, rows[0].stripes)
+            if len(rows) == rows[0].stripes:
                 break
         return rows
 
@@ -696,6 +798,7 @@ class StripedCounter:
             return self._result(session, Outcome.REPEATED, item)
         if rows[1:]:
             _write.execute(conn, _insert_rows(rows[1:]))
+        self._saw(item, k)
         return self._result(session, Outcome.APPLIED, item, amount)
 
     create = dual_method(_create, operation="striped.create")
@@ -925,6 +1028,7 @@ class StripedCounter:
         ]
         if added:
             _write.execute(conn, _insert_rows(added))
+        self._saw(item, k)
         return self._result(session, Outcome.APPLIED, item, total)
 
     restripe = dual_method(_restripe, operation="striped.restripe")

@@ -33,6 +33,7 @@ from stateguard import (
     create_tables,
     drop_tables,
     retry_on_conflict,
+    striped,
 )
 
 STRIPES = "stateguard_counter_stripes"
@@ -947,6 +948,69 @@ def test_plentiful_stock_never_deadlocks(backend: Any, engine: Engine) -> None:
     for it in items:
         assert_invariant(engine, counter, it, 40_000 - sum(b.get(it, 0) for b, _ in results))
     assert not stats.retryable, f"deadlocks with plentiful stock: {stats.retryable}"
+
+
+def _lockable(engine: Engine, counter: StripedCounter, item: str, stripe: int) -> bool:
+    """Whether another transaction could lock this stripe right now (``FOR UPDATE NOWAIT``)."""
+    sql = text(
+        f"SELECT amount FROM {STRIPES} WHERE counter = :c AND item = :i AND stripe = :s FOR UPDATE NOWAIT"
+    )
+    with engine.connect() as conn:
+        try:
+            conn.execute(sql, {"c": counter.name, "i": item, "s": stripe}).all()
+        except DBAPIError:
+            return False
+        finally:
+            conn.rollback()
+    return True
+
+
+@pytest.mark.parametrize("hint", [None, 3, 8])
+@pytest.mark.parametrize("busy", [(), (0,), (1,), (3,), (0, 1), (1, 2), (0, 3), (0, 1, 2), (1, 2, 3)])
+def test_decrement_locks_nothing_but_the_stripe_it_takes(
+    server_engine: Any, busy: tuple[int, ...], hint: int | None
+) -> None:
+    """The root of a deadlock CI met with plenty of stock on MariaDB: a locking range scan in
+    REPEATABLE READ also locks the record that ends it (a stripe the pick skipped past, or the
+    neighbouring item's), until COMMIT; two buyers holding such strays waited for each other.
+    Whatever stripes another buyer holds and wherever the pick starts (cold and warm stripe-count
+    hint), a fast-path decrement holds exactly one stripe of its item and none of its neighbours';
+    the slow path holds its own item's stripes and none of its neighbours'.  ``hint``: the
+    stripe count the process believes (MariaDB names the stripes it reads by it; a stale one
+    once made the optimizer scan the item, whose locks then held its neighbours)."""
+    eng = server_engine.engine
+    ids = [0, 1 << 18, 2 << 18, 3 << 18]
+    for round_ in range(4):
+        counter = StripedCounter(f"strays-{round_}-{hint}", stripes=4)
+        for item in ("a", "b", "c"):
+            new_item(eng, counter, item, 400)
+        striped._counts.clear()
+        if hint is not None:
+            striped._counts.put((counter.name, "b"), hint)
+        held = [ids[k] for k in busy]
+        sql = text(lock_stripes_sql(server_engine.name)).bindparams(bindparam("s", expanding=True))
+        lock = {"c": counter.name, "i": "b", "s": held}
+        holder = Holder(eng, lambda s, q=sql, p=lock: s.execute(q, p).all())
+        if held:
+            holder.start()
+        try:
+            for by, slow in ((1, False), (1, False), (150, True)):
+                with Session(eng) as s, s.begin():
+                    if slow and held:
+                        break  # the slow path waits for the held stripes: nothing to probe here
+                    r = counter.decrement(s, "b", by=by)
+                    assert r.outcome is Outcome.APPLIED, r
+                    for item in ("a", "c"):
+                        locked = [x for x in ids if not _lockable(eng, counter, item, x)]
+                        assert not locked, f"decrement of 'b' holds stripes {locked} of {item!r}"
+                    mine = [x for x in ids if x not in held and not _lockable(eng, counter, "b", x)]
+                    if slow:
+                        assert mine == ids, mine
+                    else:
+                        assert len(mine) == 1, f"busy {held}: the decrement holds {mine}"
+        finally:
+            if held:
+                holder.finish()
 
 
 # ---------------------------------------------------------------- release racing decrements
