@@ -120,7 +120,11 @@ _TIME_BITS: Final = 41
 _WORKER_BITS: Final = 10
 _SEQUENCE_BITS: Final = 12
 _MAX_SEQUENCE: Final = (1 << _SEQUENCE_BITS) - 1
+#: The longest single sleep of next_id() waiting for the clock to pass the last millisecond used.
+_MAX_NAP: Final = 0.05
 _MAX_NAMESPACE: Final = 100
+#: The longest lease a Snowflake takes: a worker id is meant to come back soon after its holder dies.
+_MAX_LEASE: Final = timedelta(days=365)
 
 
 def _wall_ms() -> int:
@@ -223,7 +227,7 @@ class Snowflake:
     leaves the parent's lease alone).
 
     :raises WorkerIdsExhausted: all 1024 worker ids of ``namespace`` are live.
-    :raises InvalidArgument: bad ``namespace``, ``lease`` (at least 1 s) or
+    :raises InvalidArgument: bad ``namespace``, ``lease`` (1 s to 365 days) or
         ``epoch_ms`` (not in the future).
     """
 
@@ -242,8 +246,11 @@ class Snowflake:
             raise InvalidArgument(f"Snowflake needs a SQLAlchemy Engine, got {type(engine).__name__}")
         # Non-blank, at most 100 characters, no NUL (PostgreSQL) or lone surrogate (no UTF-8).
         _write.check_text(namespace, "namespace", _MAX_NAMESPACE)
-        if not isinstance(lease, timedelta) or lease < timedelta(seconds=1):
-            raise InvalidArgument(f"lease must be a timedelta of at least 1 second, got {lease!r}")
+        if not isinstance(lease, timedelta) or not timedelta(seconds=1) <= lease <= _MAX_LEASE:
+            raise InvalidArgument(
+                f"lease must be a timedelta from 1 second to 365 days, got {lease!r}; a dead "
+                "holder's worker id comes back only when its lease ends"
+            )
         clock = _clock or _wall_ms
         if type(epoch_ms) is not int or not 0 <= epoch_ms <= clock():
             raise InvalidArgument(
@@ -420,6 +427,10 @@ class Snowflake:
                 self._renew(due_only=True)
                 now = self._clock()
             with self._lock:
+                if self._closed:
+                    # close() ran meanwhile and stored last_ms for the next holder of this worker id:
+                    # an id issued now could be one that holder issues too.
+                    raise InvalidArgument("this Snowflake was closed while next_id() ran; no id was issued")
                 last = self._last_ms
                 if now == last and self._sequence < _MAX_SEQUENCE:
                     self._sequence += 1
@@ -432,8 +443,10 @@ class Snowflake:
             if sequence >= 0:
                 break
             # The clock is behind the last millisecond used (it stepped back, or
-            # this millisecond's sequence is used up): wait until it passes it.
-            self._sleep(max(0.0005, (last - now) / 1000))
+            # this millisecond's sequence is used up): wait until it passes it, looking at
+            # the clock again at least every _MAX_NAP seconds (a clock stepped back by hours
+            # and corrected a moment later by NTP must not keep this asleep for hours).
+            self._sleep(min(max(0.0005, (last - now) / 1000), _MAX_NAP))
         elapsed = now - self.epoch_ms
         if elapsed >= 1 << _TIME_BITS:  # pragma: no cover - the year 2093 with the default epoch
             raise InvalidArgument(f"epoch_ms {self.epoch_ms} is more than 2**41 ms in the past")
@@ -446,9 +459,10 @@ class Snowflake:
 
             ids.close()
         """
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:  # a next_id() in another thread issues no id after this
+            if self._closed:
+                return
+            self._closed = True
         if os.getpid() != self._pid:
             return  # a forked copy: the lease is the parent's to release
         self._stop.set()
