@@ -9,27 +9,36 @@ pgbouncer skips loudly on a laptop and fails under CI=true (.ci/run installs it)
 
 from __future__ import annotations
 
+import json
 import random
 import threading
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, create_engine, func, select
+from sqlalchemy import Engine, String, create_engine, func, select
 from sqlalchemy.engine import make_url
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from stateguard import (
+    CallableSink,
     LockNotAcquired,
+    OutboxEvent,
     Outcome,
+    RedisLock,
+    Relay,
+    Snowflake,
+    StateMachine,
     advisory_lock,
     consume_once,
     consume_token,
     create_tables,
     decrement,
     drop_tables,
+    emit,
     guarded_update,
     idempotent,
     insert_once,
@@ -38,7 +47,9 @@ from stateguard import (
     reserve,
     retry_on_conflict,
     row_lock,
+    version_column,
 )
+from stateguard.tables import outbox
 
 from ._pgbouncer import PgBouncer, pgbouncer_binary
 from ._stock_workers import Stock, StockBase
@@ -314,3 +325,119 @@ def test_psycopg_prepared_statements_break_without_the_readme_advice(bouncer: Pg
         other.execute("SELECT 1")
         assert client.execute(query, [99]).fetchone() == (99,)
         other.rollback()
+
+
+# --------------------------------------------------------------------------
+# the outbox, fences and ids behind PgBouncer
+# --------------------------------------------------------------------------
+
+
+class EventBase(DeclarativeBase):
+    pass
+
+
+class Shipment(EventBase):
+    """events=True with a version column: 'pay' has one source (PostgreSQL's one-statement CTE), 'void'
+    two."""
+
+    __tablename__ = "pgb_shipments"
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    status: Mapped[str] = mapped_column(String(20), default="new")
+    version: Mapped[int] = version_column()
+
+    flow = StateMachine(
+        "status",
+        states=["new", "paid", "void"],
+        transitions=[["pay", "new", "paid"], ["void", ["new", "paid"], "void"]],
+        events=True,
+    )
+
+
+@pytest.fixture
+def bounced_events(pg: Backend, bounced: Engine) -> Engine:
+    """``bounced`` with the events=True model's table as well."""
+    pg.create(EventBase.metadata)
+    return bounced
+
+
+def _outbox_rows(engine: Engine) -> list[Any]:
+    with engine.connect() as conn:
+        return list(conn.execute(select(outbox).order_by(outbox.c.id)))
+
+
+def test_emit_and_transition_events_commit_or_roll_back_with_the_transaction(bounced_events: Engine) -> None:
+    """emit() and events=True write into the caller's transaction through PgBouncer: one event per
+    APPLIED transition (single call, two sources, many()), none for REPEATED, none after a rollback."""
+    engine = bounced_events
+    _seed(engine, *(Shipment(id=i) for i in range(1, 6)))
+    with Session(engine) as s:
+        s.begin()
+        emit(s, "rolled.back", {"n": 0})
+        assert Shipment.flow.pay(s, 1).applied
+        s.rollback()
+    assert _outbox_rows(engine) == []
+    with Session(engine) as s, s.begin():
+        first = emit(s, "order.note", {"n": 1}, key="k-1")
+        assert Shipment.flow.pay(s, 1).applied
+        assert Shipment.flow.pay(s, 1).outcome is Outcome.REPEATED
+        assert Shipment.flow.void(s, 2).applied
+        results = Shipment.flow.pay.many(s, [1, 3, 4])
+        assert {k: r.outcome for k, r in results.items()} == {
+            1: Outcome.REPEATED,
+            3: Outcome.APPLIED,
+            4: Outcome.APPLIED,
+        }
+    rows = _outbox_rows(engine)
+    assert rows[0].id == first and json.loads(rows[0].payload) == {"n": 1}
+    events = [(json.loads(r.payload)["trigger"], json.loads(r.payload)["key"]) for r in rows[1:]]
+    assert sorted(events) == sorted([("pay", 1), ("void", 2), ("pay", 3), ("pay", 4)])
+
+
+def test_relays_in_threads_publish_every_event_once_in_key_order(bounced_events: Engine) -> None:
+    """Four relays (threads) through PgBouncer share 400 events of 8 keys: each published once, each
+    key's events in id order (SKIP LOCKED claims and their marks run on pooled server connections)."""
+    engine = bounced_events
+    with Session(engine) as s, s.begin():
+        for n in range(400):
+            emit(s, "pgb.storm", {"n": n}, key=f"key-{n % 8}")
+    published: list[OutboxEvent] = []
+    lock = threading.Lock()
+
+    def sink(events: Any) -> None:
+        with lock:
+            published.extend(events)
+
+    barrier = threading.Barrier(4)
+
+    def relay(_: int) -> int:
+        r = Relay(engine, CallableSink(sink), batch=20)
+        barrier.wait()
+        total = 0
+        while (n := r.run_once()) or (total == 0 and not published):
+            total += n
+        return total
+
+    with ThreadPoolExecutor(4) as pool:
+        totals = list(pool.map(relay, range(4)))
+    assert sum(totals) == 400
+    ids = [e.id for e in published]
+    assert len(ids) == len(set(ids)) == 400
+    for k in range(8):
+        mine = [e.id for e in published if e.key == f"key-{k}"]
+        assert mine == sorted(mine) and len(mine) == 50
+    assert all(r.published_ms is not None for r in _outbox_rows(engine))
+
+
+def test_redis_lock_database_fences_and_snowflake_ids(bounced_events: Engine, redis_client: Any) -> None:
+    """RedisLock(fences=engine) takes its fences from the database through PgBouncer (strictly
+    growing), and a Snowflake leases its worker id and issues increasing ids there."""
+    engine = bounced_events
+    name = f"pgb-fence-{uuid.uuid4().hex}"
+    fences = []
+    for _ in range(5):
+        with RedisLock(redis_client, name, ttl=timedelta(seconds=10), fences=engine) as fence:
+            fences.append(fence)
+    assert fences == sorted(set(fences)) and len(fences) == 5
+    with Snowflake(engine, namespace="pgb") as ids:
+        issued = [ids.next_id() for _ in range(1000)]
+    assert issued == sorted(set(issued))
