@@ -111,7 +111,7 @@ from .counters import (
 )
 from .exceptions import DeadlockDetected, InvalidArgument, RefConflict
 from .result import Outcome, Result
-from .tables import DIGEST_PREFIX, MAX_REF, ROW_KEY_LENGTH, counter_stripes, row_key
+from .tables import DIGEST_PREFIX, MAX_REF, counter_stripes, row_key
 
 __all__ = ["MAX_ITEM", "MAX_STRIPES", "StripedCounter"]
 
@@ -139,6 +139,9 @@ _WAITS: Final = 8
 #: restriped) costs a slower path once, never a wrong answer: stripe 0 is among every item's
 #: stripes and every row carries the true count, which the caller then remembers.
 _counts: Final = _write.Memo(4096)
+
+#: Marks a ledger ``row_key`` that holds an item as given rather than as JSON (see :func:`_ledger_key`).
+_AS_GIVEN: Final = "="
 
 _s = counter_stripes
 _same_item = (_s.c.counter == bindparam("sg_counter"), _s.c.item == bindparam("sg_item"))
@@ -357,6 +360,28 @@ def _drop_stripes() -> Any:
     )
 
 
+def _ledger_key(item: str) -> str:
+    """The ledger's ``row_key`` of ``item``: its JSON when that fits the column, else ``=`` and the item.
+
+    The JSON form is what every ledger row held before the second form existed, so a ref
+    redelivered after an upgrade still finds its row.  200 characters of quotes, backslashes or
+    control characters escape to more JSON than the column's 255 characters hold (``row_key``
+    would store a digest, which ``release`` cannot read back); the item itself (at most
+    :data:`MAX_ITEM` characters, stored as given in the stripes table already) always fits.  No
+    JSON text and no digest starts with ``=``, so the two forms never name the same item.
+    """
+    stored = row_key((item,))
+    return _AS_GIVEN + item if stored.startswith(DIGEST_PREFIX) else stored
+
+
+def _item_of(stored: str) -> str:
+    """The item a ledger ``row_key`` written by :func:`_ledger_key` names."""
+    if stored.startswith(_AS_GIVEN):
+        return stored[len(_AS_GIVEN) :]
+    item: str = json.loads(stored)
+    return item
+
+
 def _split(total: int, stripes: int) -> list[int]:
     """``total`` over ``stripes`` as evenly as integers allow (the first ones get the remainder)."""
     share, extra = divmod(total, stripes)
@@ -422,18 +447,6 @@ class StripedCounter:
 
     def _item(self, item: Any) -> str:
         return _write.check_text(item, "item", MAX_ITEM)
-
-    def _ledger_item(self, item: str) -> None:
-        """Refuse, before any statement, an item the ledger could store only as a digest.
-
-        ``release`` reads a ref's items back from the ledger's ``row_key`` (JSON of at most 255
-        characters): 200 characters of quotes or backslashes escape to more.
-        """
-        if row_key((item,)).startswith(DIGEST_PREFIX):
-            raise InvalidArgument(
-                f"item {item!r:.80} is too long for a ref'd change: as JSON it exceeds the "
-                f"ledger's {ROW_KEY_LENGTH} characters; use a shorter item or no ref"
-            )
 
     def _conn(self, session: Session) -> Connection:
         if session.autoflush:
@@ -747,7 +760,7 @@ class StripedCounter:
         ledger_id = None
         if ref is not None:
             delta = -by if sign < 0 else by
-            ledger_id = ledger_claim(conn, backend, self.target, row_key((item,)), item, ref, delta)
+            ledger_id = ledger_claim(conn, backend, self.target, _ledger_key(item), item, ref, delta)
             if ledger_id is None:
                 return self._result(session, Outcome.REPEATED, item)
         value: int | None = None
@@ -826,8 +839,7 @@ class StripedCounter:
         """
         item = self._item(item)
         _check_int(by, "by", 1, MAX_AMOUNT)
-        if _check_ref(ref) is not None:
-            self._ledger_item(item)
+        _check_ref(ref)
         conn = self._conn(session)
         return self._change(session, conn, _sql.backend(conn.dialect), item, by, -1, ref)
 
@@ -846,8 +858,7 @@ class StripedCounter:
         """
         item = self._item(item)
         _check_int(by, "by", 1, MAX_AMOUNT)
-        if _check_ref(ref) is not None:
-            self._ledger_item(item)
+        _check_ref(ref)
         conn = self._conn(session)
         return self._change(session, conn, _sql.backend(conn.dialect), item, by, 1, ref)
 
@@ -873,7 +884,6 @@ class StripedCounter:
         resolved: dict[str, int] = {}
         for item, by in amounts.items():
             resolved[self._item(item)] = _check_int(by, "an amount", 1, MAX_AMOUNT)
-            self._ledger_item(item)
         conn = self._conn(session)
         backend = _sql.backend(conn.dialect)
         _write.ensure_real_transaction(conn)
@@ -893,7 +903,7 @@ class StripedCounter:
                     )
             outcome = outcomes.pop()
             if outcome is Outcome.REPEATED:
-                stored = [row_key((item,)) for item in resolved]
+                stored = [_ledger_key(item) for item in resolved]
                 ledger_same_reservation(conn, backend, self.target, checked_ref, stored)
         except BaseException:
             _write.abandon_savepoint(savepoint)
@@ -927,7 +937,7 @@ class StripedCounter:
         def undo_entries(rows: Sequence[Any]) -> list[tuple[Any, Any]]:
             undo: dict[str, int] = {}
             for row in rows:
-                item = json.loads(row.row_key)
+                item = _item_of(row.row_key)
                 undo[item] = undo.get(item, 0) - int(row.delta)
             return sorted(undo.items())
 
