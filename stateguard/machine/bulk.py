@@ -19,6 +19,10 @@ The locking read takes the batch's rows in key order (so two overlapping
 batches cannot deadlock each other) and evaluates the trigger's condition on
 the latest committed rows; with the rows locked, nobody can change them
 before the UPDATE, so the rows it matched are exactly those the read said.
+Both statements carry ``FORCE INDEX (PRIMARY)`` (:func:`stateguard._sql.by_primary_key`):
+InnoDB locks every row a plan visits, and for an IN list naming most of a
+small table the optimizer would scan the whole index, locking rows outside
+the batch out of key order.
 Two statements per chunk on every backend when some keys do not apply; one
 on PostgreSQL and SQLite when all of them do.  A trigger with events adds
 one multi-row INSERT into the outbox per chunk (:mod:`.events`), as
@@ -201,7 +205,9 @@ def fire_many(
     read_cols: list[Any] = [*info.pk_columns, state_col]
     if vcol is not None:
         read_cols.append(vcol)
-    update_stmt = update(info.table).where(keys_in, state_cond).ordered_values(*batch.pairs)
+    update_stmt = _sql.by_primary_key(
+        update(info.table).where(keys_in, state_cond).ordered_values(*batch.pairs), info.table, backend
+    )
     if backend.returning and backend.row_locks:
         # Lock the chunk's rows in key order before updating them: a plain
         # UPDATE locks rows in whatever order its plan visits them (physical
@@ -251,11 +257,13 @@ def fire_many(
             # No UPDATE RETURNING: lock the batch in key order and let the
             # database evaluate the trigger's condition on the latest rows.
             _write.sqlite_write_lock(conn)
-            probe = (
+            probe = _sql.by_primary_key(
                 select(*read_cols, state_cond.label("sg_ok"))
                 .where(keys_in)
                 .order_by(*info.pk_columns)
-                .with_for_update()
+                .with_for_update(),
+                info.table,
+                backend,
             )
             found = _write.execute(conn, probe, {"sg_keys": _key_param(chunk, single)}).all()
             by_key = {tuple(r[:npk]): r for r in found}
@@ -377,7 +385,11 @@ def fire_where(
         found = _write.execute(conn, pick.with_for_update(skip_locked=True), batch.params).all()
         keys = [tuple(r[:npk]) for r in found]
         if keys:
-            sweep = update(info.table).where(_keys_in(info), state_cond).ordered_values(*batch.pairs)
+            sweep = _sql.by_primary_key(
+                update(info.table).where(_keys_in(info), state_cond).ordered_values(*batch.pairs),
+                info.table,
+                backend,
+            )
             batch.update_locked(sweep, keys, "sweep")
         applied_rows = [batch.moved(k, r) for k, r in zip(keys, found, strict=True)]
     # One INSERT logs the whole sweep, one more writes its events.

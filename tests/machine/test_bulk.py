@@ -7,7 +7,7 @@ import threading
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select, update
+from sqlalchemy import event, func, select, update
 from sqlalchemy.orm import Session
 
 from stateguard import InvalidArgument, Outcome, retry_on_conflict
@@ -263,3 +263,37 @@ def test_where_limit_is_never_exceeded_by_concurrent_sweepers(backend: Backend) 
     assert not errors, errors[:3]
     assert max(sizes) <= limit, sorted(sizes)[-5:]
     assert sorted(swept) == list(range(1, n_orders + 1))  # each row by exactly one sweep
+
+
+def test_many_and_where_read_only_the_named_rows_on_mariadb(mariadb: Backend) -> None:
+    """On MariaDB every statement many() and where()'s sweep send that names rows by key is planned as
+    lookups on the primary key (EXPLAIN type range/const), never a scan that locks other rows."""
+    engine = mariadb.create(Base.metadata)
+    _orders(engine, {i: ("paid" if i in (4, 9) else "pending") for i in range(1, 11)})
+    sent: list[tuple[str, Any]] = []
+
+    def record(conn: Any, cursor: Any, statement: str, parameters: Any, *args: Any) -> None:
+        if statement.lstrip().upper().startswith(("SELECT", "UPDATE")):
+            sent.append((statement, parameters))
+
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        with Session(engine) as s, s.begin():
+            # 7 of 10 rows: left alone, MariaDB's optimizer scans the whole index for these.
+            paid = Order.flow.pay.many(s, [1, 2, 4, 5, 6, 7, 8])
+            swept = Order.flow.ship.where(s, Order.id > 0)
+            cancelled = Order.flow.cancel.many(s, [1, 2, 3, 5, 6, 7, 9, 10])
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+    assert [k for k, r in paid.items() if r.applied] == [1, 2, 5, 6, 7, 8]
+    assert swept == [1, 2, 4, 5, 6, 7, 8, 9]
+    assert [k for k, r in cancelled.items() if r.applied] == [3, 10]
+    by_key = [(st, p) for st, p in sent if " IN (" in st]
+    assert len(by_key) == 5  # two (probe + UPDATE) per many(), the sweep's UPDATE
+    with engine.connect() as conn:
+        for statement, parameters in by_key:
+            plans = conn.exec_driver_sql("EXPLAIN " + statement, parameters).mappings().all()
+            assert [(p["table"], p["type"], p["key"]) for p in plans] == [("orders", "range", "PRIMARY")], (
+                statement,
+                plans,
+            )
