@@ -852,50 +852,59 @@ def _lock_script(
 _fenced_classes: dict[str, Any] = {}
 
 
+class _Fenced:
+    """What the sync and the asyncio lock classes add to redis-py's lock: fencing scripts and options.
+
+    Mixed in before redis-py's ``Lock`` (:func:`_lock_class`, :func:`_async_lock_class`);
+    :class:`RedisLock` / :class:`AsyncRedisLock` set the options per lock.
+    """
+
+    asynchronous = False
+    lua_acquire: Any = None
+    lua_fenced_release: Any = None
+    lua_fenced_extend: Any = None
+    fences_from_database = False
+    wait_replicas = 0
+    wait_ms = 0
+    label = "RedisLock"
+
+    def register_scripts(self) -> None:
+        super().register_scripts()  # type: ignore[misc]  # redis-py's Lock, next in the MRO
+        _register_scripts(self)
+
+    def _acquire_steps(self, token: str | bytes) -> _Steps[Any]:
+        call = _acquire_call(self, token)
+        return _lock_script(self, self.asynchronous, self.lua_acquire, _ACQUIRE_SCRIPT, call, "was taken")
+
+    def _release_steps(self, token: str | bytes) -> _Steps[Any]:
+        call = _release_call(self, token)
+        return _lock_script(
+            self, self.asynchronous, self.lua_fenced_release, _RELEASE_SCRIPT, call, "was released"
+        )
+
+    def _extend_steps(self, additional_time: float, replace_ttl: bool) -> _Steps[Any]:
+        call = _extend_call(self, additional_time, replace_ttl)
+        return _lock_script(
+            self, self.asynchronous, self.lua_fenced_extend, _EXTEND_SCRIPT, call, "was extended"
+        )
+
+
 def _lock_class() -> type[Lock]:
     with _needs_redis("RedisLock"):
         from redis.lock import Lock
     if "sync" not in _fenced_classes:
 
-        class _FencedLock(Lock):
+        class _FencedLock(_Fenced, Lock):
             """redis-py's lock, acquiring with :data:`_ACQUIRE_SCRIPT` to get a fencing token."""
 
-            lua_acquire: Any = None
-            lua_fenced_release: Any = None
-            lua_fenced_extend: Any = None
-            fences_from_database = False
-            wait_replicas = 0
-            wait_ms = 0
-            label = "RedisLock"
-
-            def register_scripts(self) -> None:
-                super().register_scripts()
-                _register_scripts(self)
-
             def do_acquire(self, token: str) -> bool:
-                call = _acquire_call(self, token)
-                return _took(
-                    self,
-                    _run(_lock_script(self, False, self.lua_acquire, _ACQUIRE_SCRIPT, call, "was taken")),
-                )
+                return _took(self, _run(self._acquire_steps(token)))
 
             def do_release(self, expected_token: str) -> None:
-                call = _release_call(self, expected_token)
-                script = self.lua_fenced_release
-                _done(
-                    self,
-                    _run(_lock_script(self, False, script, _RELEASE_SCRIPT, call, "was released")),
-                    "release",
-                )
+                _done(self, _run(self._release_steps(expected_token)), "release")
 
             def do_extend(self, additional_time: float, replace_ttl: bool) -> Literal[True]:
-                call = _extend_call(self, additional_time, replace_ttl)
-                script = self.lua_fenced_extend
-                return _done(
-                    self,
-                    _run(_lock_script(self, False, script, _EXTEND_SCRIPT, call, "was extended")),
-                    "extend",
-                )
+                return _done(self, _run(self._extend_steps(additional_time, replace_ttl)), "extend")
 
         _fenced_classes["sync"] = _FencedLock
     cls: type[Lock] = _fenced_classes["sync"]
@@ -907,15 +916,10 @@ def _async_lock_class() -> type[AsyncLock]:
         from redis.asyncio.lock import Lock as AsyncLock
     if "async" not in _fenced_classes:
 
-        class _AsyncFencedLock(AsyncLock):
+        class _AsyncFencedLock(_Fenced, AsyncLock):
             """redis-py's asyncio lock, acquiring with :data:`_ACQUIRE_SCRIPT`; its token is per task."""
 
-            lua_acquire: Any = None
-            lua_fenced_release: Any = None
-            lua_fenced_extend: Any = None
-            fences_from_database = False
-            wait_replicas = 0
-            wait_ms = 0
+            asynchronous = True
             label = "AsyncRedisLock"
 
             def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -924,27 +928,14 @@ def _async_lock_class() -> type[AsyncLock]:
                 # it only ever gets and sets attributes on it.
                 self.local = cast(Any, _TaskLocal())
 
-            def register_scripts(self) -> None:
-                super().register_scripts()  # type: ignore[no-untyped-call]  # untyped in redis-py
-                _register_scripts(self)
-
             async def do_acquire(self, token: str | bytes) -> bool:
-                steps = _lock_script(
-                    self, True, self.lua_acquire, _ACQUIRE_SCRIPT, _acquire_call(self, token), "was taken"
-                )
-                return _took(self, await _Awaited(steps))
+                return _took(self, await _Awaited(self._acquire_steps(token)))
 
             async def do_release(self, expected_token: bytes) -> None:
-                call = _release_call(self, expected_token)
-                steps = _lock_script(
-                    self, True, self.lua_fenced_release, _RELEASE_SCRIPT, call, "was released"
-                )
-                _done(self, await _Awaited(steps), "release")
+                _done(self, await _Awaited(self._release_steps(expected_token)), "release")
 
             async def do_extend(self, additional_time: float, replace_ttl: bool) -> Literal[True]:
-                call = _extend_call(self, additional_time, replace_ttl)
-                steps = _lock_script(self, True, self.lua_fenced_extend, _EXTEND_SCRIPT, call, "was extended")
-                return _done(self, await _Awaited(steps), "extend")
+                return _done(self, await _Awaited(self._extend_steps(additional_time, replace_ttl)), "extend")
 
         _fenced_classes["async"] = _AsyncFencedLock
     cls: type[AsyncLock] = _fenced_classes["async"]
