@@ -26,6 +26,13 @@ Five shapes of call get their async face here, and nowhere else:
 - :class:`dual_member` on a :class:`DualObject`: methods of an object made for
   one session (what ``async with`` handed out), which take no session
   themselves: ``call.complete(r)`` / ``await call.complete(r)``.
+
+Code that talks to something other than a session (a Redis client, an
+Engine of its own: ``RedisLock``, ``Relay``) is written once as a generator of
+:data:`Steps` instead: each call it makes goes through ``yield from
+step(reply)``, which returns a synchronous reply at once and awaits an
+awaitable one.  A synchronous class runs the generator with :func:`run_steps`
+(it never suspends); an async class awaits it as :class:`Awaited`.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from __future__ import annotations
 import functools
 import logging
 import types
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Generator
 from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, cast, overload
@@ -63,6 +70,7 @@ from .exceptions import InvalidArgument
 
 __all__ = [
     "AsyncSession",
+    "Awaited",
     "Dual",
     "DualConnectable",
     "DualContext",
@@ -73,6 +81,8 @@ __all__ = [
     "dual_connectable",
     "dual_member",
     "dual_method",
+    "run_steps",
+    "step",
     "sync_session_of",
     "wrong_session",
 ]
@@ -85,6 +95,40 @@ T = TypeVar("T")
 S = TypeVar("S")
 S_co = TypeVar("S_co", covariant=True)
 S_contra = TypeVar("S_contra", contravariant=True)
+
+#: An operation written once for sync and async callers: it makes its calls
+#: with ``yield from step(reply)`` and returns its result.
+Steps = Generator[Any, Any, T]
+
+
+def step(reply: Any) -> Steps[Any]:
+    """``reply`` itself, or what it resolves to when it is awaitable; use as ``yield from step(...)``."""
+    if hasattr(reply, "__await__"):
+        reply = yield from reply.__await__()
+    return reply
+
+
+def run_steps(steps: Steps[T]) -> T:
+    """The result of an operation whose calls all returned at once (a synchronous client's)."""
+    try:
+        next(steps)
+    except StopIteration as done:
+        result: T = done.value
+        return result
+    steps.close()
+    raise RuntimeError("a synchronous call returned an awaitable: use the Async class")  # pragma: no cover
+
+
+class Awaited(Generic[T]):
+    """An operation as an awaitable: the event loop drives it through each awaited call."""
+
+    __slots__ = ("_steps",)
+
+    def __init__(self, steps: Steps[T]) -> None:
+        self._steps = steps
+
+    def __await__(self) -> Steps[T]:
+        return self._steps
 
 
 class Dual(Protocol[S_contra, P, R_co]):

@@ -60,10 +60,10 @@ import json
 import logging
 import threading
 import uuid
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar, runtime_checkable
 
 from sqlalchemy import (
     ARRAY,
@@ -86,7 +86,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Session
 
 from . import _sql, _write
-from ._async import dual, dual_bind
+from ._async import Awaited, Steps, dual, dual_bind, run_steps, step
 from .exceptions import InvalidArgument, SerializationConflict, StateguardError
 from .tables import MAX_KEY, outbox
 
@@ -104,6 +104,10 @@ __all__ = [
 ]
 
 log = logging.getLogger("stateguard.outbox")
+
+T = TypeVar("T")
+#: The engine a relay runs on: an Engine (Relay) or an AsyncEngine (AsyncRelay).
+E = TypeVar("E", "Engine", "AsyncEngine")
 
 #: Longest topic accepted (characters): the ``topic`` column's length.
 MAX_TOPIC: Final = 200
@@ -470,27 +474,6 @@ def _event(row: Any) -> OutboxEvent:
 # --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class _Db:
-    """A step of a relay cycle: run ``fn(conn, *args)`` in a short transaction of its own.
-
-    On PostgreSQL every such step is one statement (see :func:`_autocommit`).
-    """
-
-    fn: Callable[..., Any]
-    args: tuple[Any, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class _Publish:
-    """A step of a relay cycle: hand ``events`` to the sink."""
-
-    events: list[OutboxEvent]
-
-
-_Cycle = Generator[_Db | _Publish, Any, int]
-
-
 def _autocommit(dialect: Any) -> bool:
     """Whether a relay runs its steps in autocommit: each is one statement (PostgreSQL).
 
@@ -509,21 +492,25 @@ def _autocommit(dialect: Any) -> bool:
 _MARK_ATTEMPTS: Final = 3
 
 
-class _RelayCore:
-    """What :class:`Relay` and :class:`AsyncRelay` share: the options and the cycle, written once.
+class _RelayCore(Generic[E]):
+    """What :class:`Relay` and :class:`AsyncRelay` share: the options, the cycle and the loop, written once.
 
-    A cycle is a generator of steps (:class:`_Db`, :class:`_Publish`); the
-    sync relay runs each step at once, the async one awaits it.
+    The cycle and the loop are generators of steps (``stateguard._async.Steps``):
+    each database step and each publish goes through ``yield from``
+    :meth:`_db` / :meth:`_publish` / :meth:`_idle`, which the sync relay runs at
+    once and the async one awaits.
     """
 
     def __init__(
         self,
-        sink: Any,
+        engine: E,
+        sink: Sink | Any,
         *,
-        topics: Iterable[str] | None,
-        batch: int,
-        lease: timedelta,
+        topics: Iterable[str] | None = None,
+        batch: int = 100,
+        lease: timedelta = timedelta(seconds=30),
     ) -> None:
+        dialect = self._dialect_of(engine)
         if not callable(getattr(sink, "publish", None)):
             raise InvalidArgument(
                 f"{type(self).__name__} needs a sink with a publish(events) method (a Sink), got {sink!r}: "
@@ -542,6 +529,32 @@ class _RelayCore:
             self.topics = tuple(_write.check_text(t, "topic", MAX_TOPIC) for t in topics)
             if not self.topics:
                 raise InvalidArgument("topics must name at least one topic (or be None: every topic)")
+        self.engine: E = engine
+        #: What each step's transaction begins on: autocommit where each step is one statement.
+        self._steps_engine: E = (
+            engine.execution_options(isolation_level="AUTOCOMMIT") if _autocommit(dialect) else engine
+        )
+
+    @staticmethod
+    def _dialect_of(engine: Any) -> Any:
+        """The engine's dialect; :class:`InvalidArgument` for anything but the relay's kind of engine."""
+        raise NotImplementedError
+
+    def run_once(self) -> Any:
+        """One cycle: its count, or (AsyncRelay) a coroutine of it."""
+        raise NotImplementedError
+
+    def _db(self, fn: Callable[..., T], /, *args: Any) -> Steps[T]:
+        """``fn(conn, *args)`` in a short transaction of its own (on PostgreSQL one statement)."""
+        raise NotImplementedError
+
+    def _publish(self, events: list[OutboxEvent]) -> Steps[Any]:
+        """Hand ``events`` to the sink."""
+        raise NotImplementedError
+
+    def _idle(self, stop: Any, seconds: float) -> Steps[Any]:
+        """Wait ``seconds`` or until ``stop`` is set."""
+        raise NotImplementedError
 
     # -- the statements of one cycle, each in its own transaction ---------------
 
@@ -600,11 +613,11 @@ class _RelayCore:
             _write.execute(conn, _release_statement(backend), {"sg_ids": ids, "sg_owner": owner}).rowcount
         )
 
-    def _cycle(self) -> _Cycle:
+    def _cycle(self) -> Steps[int]:
         """Claim, publish, mark: the one algorithm of both relays."""
         owner = uuid.uuid4().hex
         try:
-            events: list[OutboxEvent] = yield _Db(self._claim, (owner,))
+            events = yield from self._db(self._claim, owner)
         except SerializationConflict as error:
             # The claim's transaction rolled back: nothing was claimed, the next cycle tries again.
             log.info("outbox relay: claim not made (%s), retrying on the next cycle", error)
@@ -613,11 +626,11 @@ class _RelayCore:
             return 0
         ids = [e.id for e in events]
         try:
-            yield _Publish(events)
+            yield from self._publish(events)
         except BaseException:
             # Nothing of the batch counts as published: free it for the next claim at once.
             try:
-                yield _Db(self._release, (owner, ids))
+                yield from self._db(self._release, owner, ids)
             except Exception:  # the lease frees it later; the sink's error matters
                 log.warning(
                     "releasing the claim of %d outbox events failed; they wait for the lease", len(ids)
@@ -625,7 +638,7 @@ class _RelayCore:
             raise
         for attempt in range(_MARK_ATTEMPTS):
             try:
-                marked: int = yield _Db(self._mark, (owner, ids))
+                marked = yield from self._db(self._mark, owner, ids)
                 break
             except SerializationConflict:
                 if attempt == _MARK_ATTEMPTS - 1:
@@ -642,8 +655,21 @@ class _RelayCore:
             )
         return len(events)
 
+    def _serve(self, stop: Any, idle_sleep: float) -> Steps[None]:
+        """Cycles until ``stop`` is set, waiting ``idle_sleep`` after one that published nothing."""
+        idle = _write.required_seconds(idle_sleep, "idle_sleep")
+        while not stop.is_set():
+            try:
+                # through run_once(), which a subclass may extend (the CLI counts with it)
+                published = yield from step(self.run_once())
+            except Exception as error:  # _keep_running decides
+                _keep_running(error)
+                published = 0
+            if published == 0:
+                yield from self._idle(stop, idle)
 
-class Relay(_RelayCore):
+
+class Relay(_RelayCore[Engine]):
     """Publish committed outbox events through a :class:`Sink`, at least once, per-key in order.
 
     ::
@@ -667,25 +693,14 @@ class Relay(_RelayCore):
         timedelta, or bad ``topics``.
     """
 
-    def __init__(
-        self,
-        engine: Engine,
-        sink: Sink | Any,
-        *,
-        topics: Iterable[str] | None = None,
-        batch: int = 100,
-        lease: timedelta = timedelta(seconds=30),
-    ) -> None:
+    @staticmethod
+    def _dialect_of(engine: Any) -> Any:
         if not isinstance(engine, Engine):
             raise InvalidArgument(
                 f"Relay needs an Engine, got {type(engine).__name__}"
                 + ("; use AsyncRelay with an AsyncEngine" if "Async" in type(engine).__name__ else "")
             )
-        super().__init__(sink, topics=topics, batch=batch, lease=lease)
-        self.engine = engine
-        self._steps_engine = (
-            engine.execution_options(isolation_level="AUTOCOMMIT") if _autocommit(engine.dialect) else engine
-        )
+        return engine.dialect
 
     def run_once(self) -> int:
         """Claim one batch, publish it, mark it published; return how many events were published.
@@ -697,33 +712,7 @@ class Relay(_RelayCore):
             :class:`~stateguard.SerializationConflict` from the database
             (retryable: run again).
         """
-        steps = self._cycle()
-        try:
-            step = next(steps)
-            while True:
-                try:
-                    value = self._do(step)
-                except BaseException as error:  # handed back to the cycle, which re-raises
-                    step = steps.throw(error)
-                    continue
-                step = steps.send(value)
-        except StopIteration as done:
-            published: int = done.value
-            return published
-
-    def _do(self, step: _Db | _Publish) -> Any:
-        if isinstance(step, _Db):
-            with self._steps_engine.begin() as conn:
-                return step.fn(conn, *step.args)
-        result = self.sink.publish(step.events)
-        if inspect.isawaitable(result):
-            if inspect.iscoroutine(result):
-                result.close()
-            raise InvalidArgument(
-                f"the sink {self.sink!r} returned an awaitable: an async sink needs AsyncRelay; "
-                f"the batch stays unpublished"
-            )
-        return result
+        return run_steps(self._cycle())
 
     def run(self, stop_event: threading.Event | None = None, *, idle_sleep: float = 1.0) -> None:
         """Run batches until ``stop_event`` is set (forever without one).
@@ -733,19 +722,29 @@ class Relay(_RelayCore):
         retryable database error is logged (logger ``stateguard.outbox``)
         and retried after ``idle_sleep``; other errors propagate.
         """
-        idle = _write.required_seconds(idle_sleep, "idle_sleep")
-        stop = stop_event if stop_event is not None else threading.Event()
-        while not stop.is_set():
-            try:
-                published = self.run_once()
-            except Exception as error:  # _keep_running decides
-                _keep_running(error)
-                published = 0
-            if published == 0:
-                stop.wait(idle)
+        run_steps(self._serve(stop_event if stop_event is not None else threading.Event(), idle_sleep))
+
+    def _db(self, fn: Callable[..., T], /, *args: Any) -> Steps[T]:
+        with self._steps_engine.begin() as conn:
+            return step(fn(conn, *args))
+
+    def _publish(self, events: list[OutboxEvent]) -> Steps[Any]:
+        result = self.sink.publish(events)
+        if inspect.isawaitable(result):
+            if inspect.iscoroutine(result):
+                result.close()
+            raise InvalidArgument(
+                f"the sink {self.sink!r} returned an awaitable: an async sink needs AsyncRelay; "
+                f"the batch stays unpublished"
+            )
+        return step(result)
+
+    def _idle(self, stop: threading.Event, seconds: float) -> Steps[None]:
+        stop.wait(seconds)
+        return step(None)
 
 
-class AsyncRelay(_RelayCore):
+class AsyncRelay(_RelayCore["AsyncEngine"]):
     """:class:`Relay` on an :class:`~sqlalchemy.ext.asyncio.AsyncEngine`: the same cycle, awaited.
 
     ::
@@ -759,63 +758,37 @@ class AsyncRelay(_RelayCore):
     runs in the event loop's thread.
     """
 
-    def __init__(
-        self,
-        engine: AsyncEngine,
-        sink: Sink | Any,
-        *,
-        topics: Iterable[str] | None = None,
-        batch: int = 100,
-        lease: timedelta = timedelta(seconds=30),
-    ) -> None:
+    @staticmethod
+    def _dialect_of(engine: Any) -> Any:
         if type(engine).__name__ != "AsyncEngine" or not hasattr(engine, "sync_engine"):
             raise InvalidArgument(f"AsyncRelay needs an AsyncEngine, got {type(engine).__name__}")
-        super().__init__(sink, topics=topics, batch=batch, lease=lease)
-        self.engine = engine
-        self._steps_engine = (
-            engine.execution_options(isolation_level="AUTOCOMMIT")
-            if _autocommit(engine.sync_engine.dialect)
-            else engine
-        )
+        return engine.sync_engine.dialect
 
     async def run_once(self) -> int:
         """Claim one batch, publish it, mark it published; return how many events were published."""
-        steps = self._cycle()
-        try:
-            step = next(steps)
-            while True:
-                try:
-                    value = await self._do(step)
-                except BaseException as error:  # handed back to the cycle, which re-raises
-                    step = steps.throw(error)
-                    continue
-                step = steps.send(value)
-        except StopIteration as done:
-            published: int = done.value
-            return published
-
-    async def _do(self, step: _Db | _Publish) -> Any:
-        if isinstance(step, _Db):
-            async with self._steps_engine.begin() as conn:
-                return await conn.run_sync(step.fn, *step.args)
-        result = self.sink.publish(step.events)
-        if inspect.isawaitable(result):
-            result = await result
-        return result
+        return await Awaited(self._cycle())
 
     async def run(self, stop_event: asyncio.Event | None = None, *, idle_sleep: float = 1.0) -> None:
         """Run batches until ``stop_event`` is set (forever without one); see :meth:`Relay.run`."""
-        idle = _write.required_seconds(idle_sleep, "idle_sleep")
-        stop = stop_event if stop_event is not None else asyncio.Event()
-        while not stop.is_set():
-            try:
-                published = await self.run_once()
-            except Exception as error:  # _keep_running decides
-                _keep_running(error)
-                published = 0
-            if published == 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), idle)
+        await Awaited(self._serve(stop_event if stop_event is not None else asyncio.Event(), idle_sleep))
+
+    def _db(self, fn: Callable[..., T], /, *args: Any) -> Steps[T]:
+        return step(self._in_transaction(fn, args))
+
+    async def _in_transaction(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        async with self._steps_engine.begin() as conn:
+            return await conn.run_sync(fn, *args)
+
+    def _publish(self, events: list[OutboxEvent]) -> Steps[Any]:
+        return step(self.sink.publish(events))
+
+    def _idle(self, stop: asyncio.Event, seconds: float) -> Steps[None]:
+        return step(self._wait(stop, seconds))
+
+    @staticmethod
+    async def _wait(stop: asyncio.Event, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), seconds)
 
 
 def _keep_running(error: Exception) -> None:

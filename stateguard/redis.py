@@ -15,15 +15,15 @@ redis-py (the ``stateguard[redis]`` extra) is imported only by this module,
 and only when a lock is built or an error mapped: ``import stateguard`` works
 without it.
 
-Each operation is written once, for both kinds of client: a generator
-(``_issue``, ``_acquire`` ...) that makes every Redis call through
-``yield from self._call(fn, ...)``.  A synchronous client's reply comes back
-at once, so the generator never suspends and :func:`_run` runs it to its end;
-an async client returns a coroutine, which ``_call`` awaits by delegating to
-its ``__await__``, and the async method awaits the whole generator
-(:class:`_Awaited`).  Keys, scripts, validation, fencing and outcomes are
-therefore decided in one place; the public classes only say whether they
-block or await.
+Each operation is written once, for both kinds of client, as a generator of
+steps (``_issue``, ``_acquire`` ...; the bridge is ``stateguard._async``'s
+``Steps``) that makes every Redis call through ``yield from self._call(fn,
+...)``.  A synchronous client's reply comes back at once, so the generator
+never suspends and ``run_steps`` runs it to its end; an async client returns
+a coroutine, which ``step`` awaits by delegating to its ``__await__``, and the
+async method awaits the whole generator (``Awaited``).  Keys, scripts,
+validation, fencing and outcomes are therefore decided in one place; the
+public classes only say whether they block or await.
 """
 
 from __future__ import annotations
@@ -36,16 +36,17 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, suppress
 from datetime import timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal, TypeVar, cast
 
 from sqlalchemy import Connection, Engine, text
 
 from . import _sql, _write
 from . import observe as _observe
+from ._async import Awaited, Steps, run_steps, step
 from .exceptions import InvalidArgument, LockLost, LockNotAcquired, NotSupported, ReplicationTimeout
 from .result import Outcome, Result
 from .tables import MAX_KEY, MAX_SCOPE
@@ -65,41 +66,15 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: One operation, written once: it makes its Redis calls with
-#: ``yield from self._call(...)`` and returns its result.
-_Steps = Generator[Any, Any, T]
-
 
 # --------------------------------------------------------------------------
 # Sync or async: the one place a Redis call is made
 # --------------------------------------------------------------------------
 
 
-def _run(steps: _Steps[T]) -> T:
-    """The result of a synchronous class's operation (its calls return at once: it never suspends)."""
-    try:
-        next(steps)
-    except StopIteration as done:
-        result: T = done.value
-        return result
-    raise AssertionError("a synchronous redis call suspended")  # pragma: no cover
-
-
 def _watch(operation: str, scope: str) -> AbstractContextManager[dict[str, Any]]:
     """The stateguard.observe report of one Redis call (a no-op block while nothing listens)."""
     return _observe.watch(operation, log, scope=scope if isinstance(scope, str) else None, backend="redis")
-
-
-class _Awaited(Generic[T]):
-    """An async class's operation as an awaitable: the event loop drives it through each awaited call."""
-
-    __slots__ = ("_steps",)
-
-    def __init__(self, steps: _Steps[T]) -> None:
-        self._steps = steps
-
-    def __await__(self) -> _Steps[T]:
-        return self._steps
 
 
 class _RedisClient:
@@ -128,12 +103,9 @@ class _RedisClient:
                 f"got {client!r}; use {other} with this client"
             )
 
-    def _call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> _Steps[Any]:
+    def _call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Steps[Any]:
         """``fn(*args, **kwargs)``'s reply, awaited for an async client; use as ``yield from``."""
-        reply = fn(*args, **kwargs)
-        if self._asynchronous:
-            reply = yield from reply.__await__()
-        return reply
+        return (yield from step(fn(*args, **kwargs)))
 
 
 # --------------------------------------------------------------------------
@@ -209,12 +181,6 @@ def _check_socket_timeout(owner: str, client: Any, wait_replicas: int, wait_ms: 
         )
 
 
-def _awaited(asynchronous: bool, reply: Any) -> _Steps[Any]:
-    if asynchronous:
-        reply = yield from reply.__await__()
-    return reply
-
-
 def _cluster_kind(client: Any) -> str:
     """``"sync"`` / ``"async"`` for a redis-py cluster client, ``""`` for one server."""
     from redis.asyncio.cluster import RedisCluster as AsyncCluster
@@ -229,7 +195,7 @@ def _cluster_kind(client: Any) -> str:
 
 def _one_connection(
     client: Any, asynchronous: bool, key: str, commands: list[tuple[Any, ...]]
-) -> _Steps[list[Any]]:
+) -> Steps[list[Any]]:
     """Send ``commands`` in order on one connection to the master of ``key``; their replies (errors included).
 
     WAIT counts the replicas that have every write made *on its own
@@ -244,24 +210,24 @@ def _one_connection(
         # tests/test_redis_failover.py exercises it with every redis-py upgrade.
         from redis.asyncio.cluster import PipelineCommand
 
-        yield from _awaited(True, client.initialize())
+        yield from step(client.initialize())
         node = client.get_node_from_key(key)  # the slot's master
         sent = [PipelineCommand(i, *command) for i, command in enumerate(commands)]
         try:
-            yield from _awaited(True, node.execute_pipeline(sent))
+            yield from step(node.execute_pipeline(sent))
         except BaseException:
             with suppress(Exception):
-                yield from _awaited(True, node.disconnect())
+                yield from step(node.disconnect())
             raise
         if any(_is_connection_error(c.result) for c in sent):
             with suppress(Exception):
-                yield from _awaited(True, node.disconnect())
+                yield from step(node.disconnect())
         return [c.result for c in sent]
     target = client.get_redis_connection(client.get_node_from_key(key)) if kind == "sync" else client
     pipe = target.pipeline(transaction=False)
     for command in commands:
         pipe.execute_command(*command)
-    replies: list[Any] = yield from _awaited(asynchronous, pipe.execute(raise_on_error=False))
+    replies: list[Any] = yield from step(pipe.execute(raise_on_error=False))
     return replies
 
 
@@ -288,7 +254,7 @@ def _write_and_wait(
     script: str | None,
     replicas: int,
     timeout_ms: int,
-) -> _Steps[tuple[Any, int]]:
+) -> Steps[tuple[Any, int]]:
     """Run ``command`` (a SET, or an EVALSHA of ``script``) and ``WAIT replicas ms`` on one connection.
 
     Returns the command's reply and how many replicas acknowledged.  On a
@@ -322,7 +288,7 @@ def _write_and_wait(
             else:
                 time.sleep(pause)
             with suppress(Exception):
-                yield from _awaited(asynchronous, client.nodes_manager.initialize())
+                yield from step(client.nodes_manager.initialize())
             continue
         if isinstance(reply, BaseException):
             raise reply
@@ -424,7 +390,7 @@ class _RedisTokens(_RedisClient):
         """
         return _token_key(scope, token_digest(token))
 
-    def _issue(self, scope: str, ttl: timedelta) -> _Steps[str]:
+    def _issue(self, scope: str, ttl: timedelta) -> Steps[str]:
         _write.check_text(scope, "scope", MAX_SCOPE)
         ttl_ms = _write.duration_ms(ttl, "ttl")
         while True:
@@ -447,7 +413,7 @@ class _RedisTokens(_RedisClient):
                     )
                 return token
 
-    def _consume(self, token: str, scope: str) -> _Steps[Result]:
+    def _consume(self, token: str, scope: str) -> Steps[Result]:
         _write.check_text(token, "token", MAX_KEY)
         _write.check_text(scope, "scope", MAX_SCOPE)
         digest = token_digest(token)
@@ -572,7 +538,7 @@ class RedisTokens(_RedisTokens):
         :raises InvalidArgument: bad ``scope`` or a ``ttl`` under 1 ms.
         """
         with _watch("redis_token.issue", scope):
-            return _run(self._issue(scope, ttl))
+            return run_steps(self._issue(scope, ttl))
 
     def consume(self, token: str, *, scope: str) -> Result:
         """Consume ``token`` once: APPLIED, REPEATED, or NOT_FOUND (unknown *or* expired)::
@@ -583,7 +549,7 @@ class RedisTokens(_RedisTokens):
         :raises InvalidArgument: bad ``token`` or ``scope``; Redis was not called.
         """
         with _watch("redis_token.consume", scope) as box:
-            box["outcome"] = (result := _run(self._consume(token, scope))).outcome.name
+            box["outcome"] = (result := run_steps(self._consume(token, scope))).outcome.name
             return result
 
 
@@ -621,7 +587,7 @@ class AsyncRedisTokens(_RedisTokens):
         :raises InvalidArgument: bad ``scope`` or a ``ttl`` under 1 ms.
         """
         with _watch("redis_token.issue", scope):
-            return await _Awaited(self._issue(scope, ttl))
+            return await Awaited(self._issue(scope, ttl))
 
     async def consume(self, token: str, *, scope: str) -> Result:
         """Consume ``token`` once: APPLIED, REPEATED, or NOT_FOUND (unknown *or* expired)::
@@ -632,7 +598,7 @@ class AsyncRedisTokens(_RedisTokens):
         :raises InvalidArgument: bad ``token`` or ``scope``; Redis was not called.
         """
         with _watch("redis_token.consume", scope) as box:
-            box["outcome"] = (result := await _Awaited(self._consume(token, scope))).outcome.name
+            box["outcome"] = (result := await Awaited(self._consume(token, scope))).outcome.name
             return result
 
 
@@ -828,7 +794,7 @@ def _needs_redis(owner: str) -> Iterator[None]:
 
 def _lock_script(
     lock: Any, asynchronous: bool, script: Any, source: str, call: dict[str, Any], what: str
-) -> _Steps[Any]:
+) -> Steps[Any]:
     """One of the lock's scripts; with ``wait_replicas``, sent with a WAIT on one connection to its master.
 
     A script that wrote (an acquisition: any reply but nil; a release or an
@@ -836,7 +802,7 @@ def _lock_script(
     :class:`~stateguard.ReplicationTimeout`.
     """
     if not lock.wait_replicas:
-        return (yield from _awaited(asynchronous, script(**call)))
+        return (yield from step(script(**call)))
     keys, args = call["keys"], call["args"]
     reply, acknowledged = yield from _write_and_wait(
         lock.redis, asynchronous, keys[0], ("EVALSHA", script.sha, len(keys), *keys, *args), source,
@@ -872,17 +838,17 @@ class _Fenced:
         super().register_scripts()  # type: ignore[misc]  # redis-py's Lock, next in the MRO
         _register_scripts(self)
 
-    def _acquire_steps(self, token: str | bytes) -> _Steps[Any]:
+    def _acquire_steps(self, token: str | bytes) -> Steps[Any]:
         call = _acquire_call(self, token)
         return _lock_script(self, self.asynchronous, self.lua_acquire, _ACQUIRE_SCRIPT, call, "was taken")
 
-    def _release_steps(self, token: str | bytes) -> _Steps[Any]:
+    def _release_steps(self, token: str | bytes) -> Steps[Any]:
         call = _release_call(self, token)
         return _lock_script(
             self, self.asynchronous, self.lua_fenced_release, _RELEASE_SCRIPT, call, "was released"
         )
 
-    def _extend_steps(self, additional_time: float, replace_ttl: bool) -> _Steps[Any]:
+    def _extend_steps(self, additional_time: float, replace_ttl: bool) -> Steps[Any]:
         call = _extend_call(self, additional_time, replace_ttl)
         return _lock_script(
             self, self.asynchronous, self.lua_fenced_extend, _EXTEND_SCRIPT, call, "was extended"
@@ -898,13 +864,13 @@ def _lock_class() -> type[Lock]:
             """redis-py's lock, acquiring with :data:`_ACQUIRE_SCRIPT` to get a fencing token."""
 
             def do_acquire(self, token: str) -> bool:
-                return _took(self, _run(self._acquire_steps(token)))
+                return _took(self, run_steps(self._acquire_steps(token)))
 
             def do_release(self, expected_token: str) -> None:
-                _done(self, _run(self._release_steps(expected_token)), "release")
+                _done(self, run_steps(self._release_steps(expected_token)), "release")
 
             def do_extend(self, additional_time: float, replace_ttl: bool) -> Literal[True]:
-                return _done(self, _run(self._extend_steps(additional_time, replace_ttl)), "extend")
+                return _done(self, run_steps(self._extend_steps(additional_time, replace_ttl)), "extend")
 
         _fenced_classes["sync"] = _FencedLock
     cls: type[Lock] = _fenced_classes["sync"]
@@ -929,13 +895,13 @@ def _async_lock_class() -> type[AsyncLock]:
                 self.local = cast(Any, _TaskLocal())
 
             async def do_acquire(self, token: str | bytes) -> bool:
-                return _took(self, await _Awaited(self._acquire_steps(token)))
+                return _took(self, await Awaited(self._acquire_steps(token)))
 
             async def do_release(self, expected_token: bytes) -> None:
-                _done(self, await _Awaited(self._release_steps(expected_token)), "release")
+                _done(self, await Awaited(self._release_steps(expected_token)), "release")
 
             async def do_extend(self, additional_time: float, replace_ttl: bool) -> Literal[True]:
-                return _done(self, await _Awaited(self._extend_steps(additional_time, replace_ttl)), "extend")
+                return _done(self, await Awaited(self._extend_steps(additional_time, replace_ttl)), "extend")
 
         _fenced_classes["async"] = _AsyncFencedLock
     cls: type[AsyncLock] = _fenced_classes["async"]
@@ -1105,7 +1071,7 @@ class _RedisLock(_RedisClient):
             fence: int = await conn.run_sync(_take_fence, self.name)
             return fence
 
-    def _acquire(self, blocking_timeout: float | timedelta | None) -> _Steps[int]:
+    def _acquire(self, blocking_timeout: float | timedelta | None) -> Steps[int]:
         wait = _write.seconds(blocking_timeout, "blocking_timeout", allow_zero=True)
         if wait is None:
             wait = self.blocking_timeout
@@ -1182,7 +1148,7 @@ class _RedisLock(_RedisClient):
             raise LockLost(f"{type(self).__name__} {self.name!r} was acquired but no fencing token came back")
         return fence
 
-    def _give_back(self, token: str) -> _Steps[bool]:
+    def _give_back(self, token: str) -> Steps[bool]:
         """Release the lock if owner ``token`` holds it, on the master only (no WAIT); whether that ran.
 
         The lock of an acquisition that raised: a WAIT here could fail the
@@ -1220,7 +1186,7 @@ class _RedisLock(_RedisClient):
             wanted=error.wanted,
         )
 
-    def _release(self) -> _Steps[None]:
+    def _release(self) -> Steps[None]:
         local = self._lock.local
         token = local.token
         with self._owner_errors("was released"):
@@ -1236,7 +1202,7 @@ class _RedisLock(_RedisClient):
                     local.token = token
                 raise
 
-    def _extend(self, additional: float | timedelta, replace_ttl: bool) -> _Steps[None]:
+    def _extend(self, additional: float | timedelta, replace_ttl: bool) -> Steps[None]:
         seconds = _write.required_seconds(additional, "additional")
         local = self._lock.local
         # The call's identity, kept after an error for a second extend() with
@@ -1253,13 +1219,13 @@ class _RedisLock(_RedisClient):
                 raise
         local.pending_extend = None
 
-    def _owned(self) -> _Steps[bool]:
+    def _owned(self) -> Steps[bool]:
         return bool((yield from self._call(self._lock.owned)))
 
-    def _locked(self) -> _Steps[bool]:
+    def _locked(self) -> Steps[bool]:
         return bool((yield from self._call(self._lock.locked)))
 
-    def _exit(self, exc_type: type[BaseException] | None) -> _Steps[None]:
+    def _exit(self, exc_type: type[BaseException] | None) -> Steps[None]:
         """The end of the block: release unless already released in it; the block's own error wins."""
         if self._lock.local.token is None:
             return
@@ -1384,7 +1350,7 @@ class RedisLock(_RedisLock):
                 lock.release()
         """
         with _watch("redis_lock.acquire", self.name):
-            return _run(self._acquire(blocking_timeout))
+            return run_steps(self._acquire(blocking_timeout))
 
     def release(self) -> None:
         """Release the lock if it is still ours; :class:`~stateguard.LockLost` if it expired.
@@ -1399,7 +1365,7 @@ class RedisLock(_RedisLock):
                 lock.release()
         """
         with _watch("redis_lock.release", self.name):
-            _run(self._release())
+            run_steps(self._release())
 
     def extend(self, additional: float | timedelta, *, replace_ttl: bool = False) -> None:
         """Add ``additional`` seconds to the remaining TTL (or set it, ``replace_ttl=True``).
@@ -1414,7 +1380,7 @@ class RedisLock(_RedisLock):
                     lock.extend(30)
         """
         with _watch("redis_lock.extend", self.name):
-            _run(self._extend(additional, replace_ttl))
+            run_steps(self._extend(additional, replace_ttl))
 
     def owned(self) -> bool:
         """Whether this thread holds the lock right now (one ``GET``)::
@@ -1422,7 +1388,7 @@ class RedisLock(_RedisLock):
         if not lock.owned():
             raise RuntimeError("lost the lock")
         """
-        return _run(self._owned())
+        return run_steps(self._owned())
 
     def locked(self) -> bool:
         """Whether anyone holds the lock right now (one ``GET``)::
@@ -1430,7 +1396,7 @@ class RedisLock(_RedisLock):
         if lock.locked():
             print("someone is running the payout")
         """
-        return _run(self._locked())
+        return run_steps(self._locked())
 
     def __enter__(self) -> int:
         return self.acquire()
@@ -1439,7 +1405,7 @@ class RedisLock(_RedisLock):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         with _watch("redis_lock.release", self.name):
-            _run(self._exit(exc_type))
+            run_steps(self._exit(exc_type))
 
 
 class AsyncRedisLock(_RedisLock):
@@ -1487,7 +1453,7 @@ class AsyncRedisLock(_RedisLock):
                 await lock.release()
         """
         with _watch("redis_lock.acquire", self.name):
-            return await _Awaited(self._acquire(blocking_timeout))
+            return await Awaited(self._acquire(blocking_timeout))
 
     async def release(self) -> None:
         """Release the lock if this task still holds it; :class:`~stateguard.LockLost` if it expired.
@@ -1501,7 +1467,7 @@ class AsyncRedisLock(_RedisLock):
                 await lock.release()
         """
         with _watch("redis_lock.release", self.name):
-            await _Awaited(self._release())
+            await Awaited(self._release())
 
     async def extend(self, additional: float | timedelta, *, replace_ttl: bool = False) -> None:
         """Add ``additional`` seconds to the remaining TTL (or set it, ``replace_ttl=True``).
@@ -1515,7 +1481,7 @@ class AsyncRedisLock(_RedisLock):
                     await lock.extend(30)
         """
         with _watch("redis_lock.extend", self.name):
-            await _Awaited(self._extend(additional, replace_ttl))
+            await Awaited(self._extend(additional, replace_ttl))
 
     async def owned(self) -> bool:
         """Whether this task holds the lock right now (one ``GET``)::
@@ -1523,7 +1489,7 @@ class AsyncRedisLock(_RedisLock):
         if not await lock.owned():
             raise RuntimeError("lost the lock")
         """
-        return await _Awaited(self._owned())
+        return await Awaited(self._owned())
 
     async def locked(self) -> bool:
         """Whether anyone holds the lock right now (one ``GET``)::
@@ -1531,7 +1497,7 @@ class AsyncRedisLock(_RedisLock):
         if await lock.locked():
             print("someone is running the payout")
         """
-        return await _Awaited(self._locked())
+        return await Awaited(self._locked())
 
     async def __aenter__(self) -> int:
         return await self.acquire()
@@ -1540,7 +1506,7 @@ class AsyncRedisLock(_RedisLock):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         with _watch("redis_lock.release", self.name):
-            await _Awaited(self._exit(exc_type))
+            await Awaited(self._exit(exc_type))
 
 
 # --------------------------------------------------------------------------
