@@ -269,17 +269,23 @@ def _lease_free() -> Any:
     return or_(_o.c.claimed_until_ms.is_(None), _o.c.claimed_until_ms <= _sql.db_now_ms())
 
 
+def _head_conditions(topics: bool) -> list[Any]:
+    """Unpublished, not leased, and its key's earliest unpublished event (or keyless); of ``:sg_topics``."""
+    earlier = _o.alias("sg_earlier")
+    earlier_pending = exists().where(
+        earlier.c.key == _o.c.key, earlier.c.published_ms.is_(None), earlier.c.id < _o.c.id
+    )
+    conditions = [_o.c.published_ms.is_(None), _lease_free(), or_(_o.c.key.is_(None), ~earlier_pending)]
+    if topics:
+        conditions.append(_o.c.topic.in_(bindparam("sg_topics", expanding=True)))
+    return conditions
+
+
 def _heads_statement(backend: _sql.Backend, topics: bool) -> Any:
     """Free unpublished events that are their key's earliest unpublished one (or have no key)."""
 
     def build() -> Any:
-        earlier = _o.alias("sg_earlier")
-        earlier_pending = exists().where(
-            earlier.c.key == _o.c.key, earlier.c.published_ms.is_(None), earlier.c.id < _o.c.id
-        )
-        conditions = [_o.c.published_ms.is_(None), _lease_free(), or_(_o.c.key.is_(None), ~earlier_pending)]
-        if topics:
-            conditions.append(_o.c.topic.in_(bindparam("sg_topics", expanding=True)))
+        conditions = _head_conditions(topics)
         stmt = select(*_EVENT_COLUMNS).where(*conditions).order_by(_o.c.id).limit(bindparam("sg_batch"))
         if backend.row_locks:
             # PostgreSQL re-checks the WHERE of a row it locks that changed since its snapshot
@@ -338,13 +344,7 @@ def _claim_once_statement(backend: _sql.Backend, topics: bool) -> Any:
     """
 
     def build() -> Any:
-        earlier = _o.alias("sg_earlier")
-        earlier_pending = exists().where(
-            earlier.c.key == _o.c.key, earlier.c.published_ms.is_(None), earlier.c.id < _o.c.id
-        )
-        conditions = [_o.c.published_ms.is_(None), _lease_free(), or_(_o.c.key.is_(None), ~earlier_pending)]
-        if topics:
-            conditions.append(_o.c.topic.in_(bindparam("sg_topics", expanding=True)))
+        conditions = _head_conditions(topics)
         # ORDER BY (published_ms, id), all NULL: id order, and the order of ix_stateguard_outbox_pending,
         # so the planner walks that index from the first unpublished event instead of the primary key
         # through every published one (what it chose for ORDER BY id while its statistics were stale).
