@@ -5,9 +5,11 @@ PostgreSQL and SQLite (``UPDATE ... RETURNING``), per chunk::
     UPDATE t SET ... WHERE pk IN (:keys) AND state IN (:sources) RETURNING pk, version
     SELECT pk, state, version FROM t WHERE pk IN (:keys that did not apply)
 
-The returned keys are exactly the rows this statement changed (PostgreSQL
-re-checks each waiting row's WHERE at READ COMMITTED); only keys that did not
-apply are read back, once, to tell REPEATED, REJECTED and NOT_FOUND apart.
+On PostgreSQL the UPDATE first locks the chunk's rows in key order and
+judges the locked rows, the latest committed ones (see :func:`_locked_update`).
+The returned keys are exactly the rows this statement changed; only keys that
+did not apply are read back, once, to tell REPEATED, REJECTED and NOT_FOUND
+apart (SQLite has one writer; on PostgreSQL the rows are locked).
 
 MySQL/MariaDB have no ``UPDATE ... RETURNING``, so each chunk is::
 
@@ -37,6 +39,9 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import ColumnElement, Connection, any_, bindparam, select, tuple_, update
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
+from sqlalchemy.schema import Column
+from sqlalchemy.sql import util as sql_util
+from sqlalchemy.sql import visitors
 
 from .. import _sql, _write
 from ..exceptions import InvalidArgument
@@ -156,6 +161,56 @@ class _Batch:
         return out
 
 
+def _locked_update(batch: _Batch, keys_in: ColumnElement[bool]) -> Any:
+    """PostgreSQL: the chunk's UPDATE of rows it first locks in key order, judged on the locked rows.
+
+    ::
+
+        WITH sg_locked AS MATERIALIZED (SELECT pk AS sg_0, <columns the condition reads> FROM t
+                                        WHERE pk = ANY(:keys) ORDER BY pk FOR UPDATE)
+        UPDATE t SET ... FROM sg_locked
+        WHERE t.pk = sg_locked.sg_0 AND t.pk = ANY(:keys) AND <condition over sg_locked>
+
+    Locked in key order: a plain UPDATE locks rows in whatever order its plan
+    visits them (physical order under a sequential scan), and two overlapping
+    batches locking in different orders deadlock; with the keys sorted across
+    chunks too, every batch takes its locks in ascending key order.
+
+    Judged on the locked rows, not on ``t``: at READ COMMITTED a condition on
+    ``t`` filters on the statement's snapshot, so a row that a transaction this
+    one waited for moved *into* a source state (a refund back to ``pending``)
+    was left out, and read back in its new state as REJECTED.  A row FOR UPDATE
+    waited for comes out of the lock as its latest committed version, so the
+    condition over ``sg_locked`` sees what the row holds; the UPDATE of an
+    outdated ``t`` row re-checks it on the latest one (EvalPlanQual).  The CTE
+    is MATERIALIZED so that PostgreSQL cannot push the condition below the
+    lock (it does into a plain subquery, which filters on the snapshot again).
+    It selects every key of the chunk whatever its state, so no row can be
+    left out before it is locked.
+    """
+    info = batch.trigger.machine.info
+    table = info.table
+    pks = info.pk_columns
+    read = [c for c in visitors.iterate(batch.state_cond) if isinstance(c, Column) and c.table is table]
+    cols = [*pks, *dict.fromkeys(c for c in read if c not in pks)]
+    # Named apart from the table's columns: PostgreSQL does not qualify a column in SET
+    # (``balance = balance - 100``), which the FROM item would make ambiguous.
+    locked = (
+        select(*(c.label(f"sg_{i}") for i, c in enumerate(cols)))
+        .where(keys_in)
+        .order_by(*pks)
+        .with_for_update()
+        .cte("sg_locked")
+        .prefix_with("MATERIALIZED")
+    )
+    on_locked = sql_util.ClauseAdapter(locked).traverse(batch.state_cond)
+    return (
+        update(table)
+        .where(*(c == locked.c[f"sg_{i}"] for i, c in enumerate(pks)), keys_in, on_locked)
+        .ordered_values(*batch.pairs)
+    )
+
+
 def fire_many(
     trigger: Trigger,
     session: Session,
@@ -209,19 +264,7 @@ def fire_many(
         update(info.table).where(keys_in, state_cond).ordered_values(*batch.pairs), info.table, backend
     )
     if backend.returning and backend.row_locks:
-        # Lock the chunk's rows in key order before updating them: a plain
-        # UPDATE locks rows in whatever order its plan visits them (physical
-        # order under a sequential scan), and two overlapping batches locking
-        # in different orders deadlock.  With the keys sorted across chunks
-        # too, every batch takes its locks in ascending key order.
-        locked = (
-            select(*info.pk_columns).where(keys_in).order_by(*info.pk_columns).with_for_update().subquery()
-        )
-        update_stmt = (
-            update(info.table)
-            .where(*(c == locked.c[c.key] for c in info.pk_columns), state_cond)
-            .ordered_values(*batch.pairs)
-        )
+        update_stmt = _locked_update(batch, keys_in)
 
     for start in range(0, len(keys), chunk_size):
         chunk = keys[start : start + chunk_size]

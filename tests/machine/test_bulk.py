@@ -297,3 +297,70 @@ def test_many_and_where_read_only_the_named_rows_on_mariadb(mariadb: Backend) ->
                 statement,
                 plans,
             )
+
+
+def _wait_until_waiting(engine: Any, name: str, conn_id: int, done: threading.Event) -> None:
+    """Poll the server until connection ``conn_id`` waits on a row lock (or ``done`` is set)."""
+    if name == "postgresql":
+        q = f"SELECT count(*) FROM pg_stat_activity WHERE pid = {conn_id} AND wait_event_type = 'Lock'"
+    else:
+        q = (
+            "SELECT count(*) FROM information_schema.innodb_trx "
+            f"WHERE trx_mysql_thread_id = {conn_id} AND trx_state = 'LOCK WAIT'"
+        )
+    for _ in range(300):
+        with engine.connect() as c:
+            if c.exec_driver_sql(q).scalar():
+                return
+        # MariaDB refreshes innodb_trx at most every 0.1 s.
+        if done.wait(0.12):
+            return
+
+
+@pytest.mark.parametrize("server", ["pg", "mariadb"])
+def test_many_waits_for_rows_moved_into_its_source_and_applies_to_them(
+    server: str, request: pytest.FixtureRequest
+) -> None:
+    """Another transaction holds rows it moved into close's source (a reopen) or made pass its guard
+    (priority): the batch waits for them and, after that COMMIT, closes them (APPLIED), however the
+    rows stood in the snapshot the batch started from."""
+    backend: Backend = request.getfixturevalue(server)
+    engine = backend.create(Base.metadata)
+    with Session(engine) as s, s.begin():
+        s.add_all([Ticket(id=1, state="closed"), Ticket(id=2, state="closed")])
+        s.add_all([Ticket(id=3, state="open", priority=9), Ticket(id=4, state="closed")])
+    holder = Session(engine)
+    holder.begin()
+    assert Ticket.flow.reopen(holder, 2).applied
+    holder.execute(update(Ticket).where(Ticket.id == 3).values(priority=1))
+    out: dict[Any, Any] = {}
+    ids: list[int] = []
+    started, done = threading.Event(), threading.Event()
+    pid = "SELECT pg_backend_pid()" if backend.name == "postgresql" else "SELECT CONNECTION_ID()"
+
+    def batch() -> None:
+        with Session(engine) as s, s.begin():
+            ids.append(int(s.connection().exec_driver_sql(pid).scalar_one()))
+            started.set()
+            out.update(Ticket.flow.close.many(s, [1, 2, 3, 4]))
+        done.set()
+
+    t = threading.Thread(target=batch)
+    t.start()
+    try:
+        assert started.wait(60)
+        _wait_until_waiting(engine, backend.name, ids[0], done)
+        waited = not done.is_set()
+    finally:
+        holder.commit()
+        holder.close()
+        t.join(60)
+    assert done.is_set() and waited
+    assert {k: (r.outcome, r.state) for k, r in out.items()} == {
+        1: (Outcome.REPEATED, "closed"),
+        2: (Outcome.APPLIED, "closed"),
+        3: (Outcome.APPLIED, "closed"),
+        4: (Outcome.REPEATED, "closed"),
+    }
+    with Session(engine) as s:
+        assert set(s.scalars(select(Ticket.state))) == {"closed"}
