@@ -94,6 +94,7 @@ from ..result import Outcome, Result
 from ..retry import retry_on_conflict
 from ..tables import create_tables, idempotency_keys
 from ..versioning import guarded_update, version_column
+from .report import COLUMNS
 from .terminal import Progress
 
 if TYPE_CHECKING:
@@ -1856,18 +1857,7 @@ _BOLD = "\x1b[1m"
 _DIM = "\x1b[2m"
 _RESET = "\x1b[0m"
 
-_COLUMNS = (
-    "scheme",
-    "code",
-    "attempts",
-    "APPLIED",
-    "REPEATED",
-    "REJECTED",
-    "retried",
-    "side effects",
-    "invariant",
-    "damage (measured in the database afterwards)",
-)
+_COLUMNS = (*COLUMNS, "damage (measured in the database afterwards)")
 
 _BACKENDS = {"postgresql": "PostgreSQL", "mariadb": "MariaDB/MySQL", "sqlite": "SQLite"}
 

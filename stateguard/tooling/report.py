@@ -18,7 +18,20 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .demo import DemoReport, SchemeRow
 
-__all__ = ["render_html", "write_html"]
+__all__ = ["COLUMNS", "render_html", "write_html"]
+
+#: The columns of the results table before the damage (the terminal's and the page's).
+COLUMNS = (
+    "scheme",
+    "code",
+    "attempts",
+    "APPLIED",
+    "REPEATED",
+    "REJECTED",
+    "retried",
+    "side effects",
+    "invariant",
+)
 
 #: The numbers charted per scheme, in order: (title, attribute of SchemeRow).
 _METRICS = (
@@ -82,17 +95,7 @@ def render_html(report: DemoReport) -> str:
     for row in report.rows:
         if row.scheme not in schemes:
             schemes.append(row.scheme)
-    head = [
-        "scheme",
-        "code",
-        "attempts",
-        "APPLIED",
-        "REPEATED",
-        "REJECTED",
-        "retried",
-        "side effects",
-        "invariant",
-    ]
+    head = COLUMNS
     out = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
