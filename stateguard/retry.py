@@ -14,6 +14,7 @@ from sqlalchemy import exc as sa_exc
 
 from . import _sql
 from . import observe as _observe
+from ._async import Awaited, Steps, run_steps, step
 from .exceptions import LockNotAcquired, StateguardError
 from .result import Outcome, Result
 
@@ -235,50 +236,66 @@ def retry_on_conflict(
     """
     policy = _Policy(attempts, backoff, max_backoff, max_time, lock_not_acquired)
     if inspect.iscoroutinefunction(fn):
-        return _retry_async(fn, policy, sleep, None)
+        return _retry_async(fn, policy, sleep, _NOTHING)
+    policy.attempt += 1
+    try:
+        first = fn()
+    except Exception as error:
+        first = _Failed(error)
+    if inspect.isawaitable(first):
+        # fn is a lambda or partial around a coroutine function: the
+        # caller awaits what we return, so the retries go there.
+        return _retry_async(fn, policy, sleep, first)
+    return run_steps(_attempts(fn, policy, sleep, first))
+
+
+class _Failed:
+    """The first attempt's error, made by the caller's call to ``fn`` before the loop began."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+#: No attempt made yet: the loop makes the first one itself.
+_NOTHING: Any = object()
+
+
+def _attempts(
+    fn: Callable[[], Any], policy: _Policy, sleep: Callable[[float], object], first: Any
+) -> Steps[Any]:
+    """The retry loop, written once for both forms: each attempt and each wait is a step.
+
+    ``first`` is the first attempt's reply when the caller already made it
+    (a value, an awaitable, or :class:`_Failed`), else :data:`_NOTHING`.
+    """
     while True:
-        policy.attempt += 1
         try:
-            result = fn()
+            if first is _NOTHING:
+                policy.attempt += 1
+                reply = fn()
+            else:
+                reply, first = first, _NOTHING
+            if isinstance(reply, _Failed):
+                raise reply.error
+            result = yield from step(reply)
         except Exception as error:
             if not policy.retry_error(error):
                 policy.report(error)
                 raise
         else:
-            if inspect.isawaitable(result):
-                # fn is a lambda or partial around a coroutine function: the
-                # caller awaits what we return, so the retries go there.
-                return _retry_async(fn, policy, sleep, result)
             if not policy.retry_result(result):
                 policy.report(result)
                 return result
         delay = policy.delay()
         if delay > 0:
-            sleep(delay)
+            yield from step(sleep(delay))
 
 
 async def _retry_async(
-    fn: Callable[[], Any], policy: _Policy, sleep: Callable[[float], object], first: Awaitable[Any] | None
+    fn: Callable[[], Any], policy: _Policy, sleep: Callable[[float], object], first: Any
 ) -> Any:
+    """The loop awaited: attempts are awaited, and the default sleep is :func:`asyncio.sleep`."""
     wait: Callable[[float], object] = asyncio.sleep if sleep is _BLOCKING_SLEEP else sleep
-    while True:
-        try:
-            if first is None:
-                policy.attempt += 1
-                pending = fn()
-            else:
-                pending, first = first, None
-            result = await pending
-        except Exception as error:
-            if not policy.retry_error(error):
-                policy.report(error)
-                raise
-        else:
-            if not policy.retry_result(result):
-                policy.report(result)
-                return result
-        delay = policy.delay()
-        if delay > 0:
-            waited = wait(delay)
-            if inspect.isawaitable(waited):
-                await waited
+    return await Awaited(_attempts(fn, policy, wait, first))
