@@ -65,7 +65,8 @@ When no free stripe holds ``by``, a read without locks tells why:
 
 Otherwise, or after a few rounds on PostgreSQL, the slow path locks every
 stripe of the item in stripe order (``SELECT ... ORDER BY stripe FOR
-UPDATE``, waiting), and takes ``by`` from as many stripes as needed:
+UPDATE``, waiting; on MariaDB stripe 0 first, then the stripes its count
+names, never a stripe a restripe deleted), and takes ``by`` from as many stripes as needed:
 INSUFFICIENT only when the whole item lacks it.  Everyone who locks several
 stripes takes them in the same order, a fast-path buyer holds one stripe
 and waits for nothing, and one waiting for a single stripe holds no other,
@@ -480,14 +481,25 @@ class StripedCounter:
         if _counts.get((self.name, item)) != stripes:
             _counts.put((self.name, item), stripes)
 
-    def _fast(self, conn: Connection, backend: _sql.Backend, item: str, by: int, sign: int) -> bool:
-        """Change one free stripe (holding ``by`` for a decrement); whether one was found."""
+    def _fast(
+        self,
+        conn: Connection,
+        backend: _sql.Backend,
+        item: str,
+        by: int,
+        sign: int,
+        ids: tuple[int, ...] | None = None,
+    ) -> bool:
+        """Change one free stripe (holding ``by`` for a decrement); whether one was found.
+
+        InnoDB: ``ids`` are the stripes to name (default: those of the count last seen).
+        """
         start = random.randrange(SPACE)
         params = self._params(item, sg_by=by, sg_room=MAX_AMOUNT - by, sg_start=start)
         if backend.returning:
             return _write.execute(conn, _one_statement(backend, sign), params).first() is not None
         if backend.locking_read:
-            ids = self._ids(item)
+            ids = self._ids(item) if ids is None else ids
             cut = bisect.bisect_right(ids, start)
             for part in (ids[:cut], ids[cut:]):
                 row = (
@@ -547,12 +559,13 @@ class StripedCounter:
         """
         params = self._params(item, sg_by=by)
         rows = _write.execute(conn, _hints(), params).all()
-        if rows and _counts.get((self.name, item)) != rows[0].stripes:
-            # The fast path named the stripes of a stale count (stripe 0 alone, the first time):
-            # name them all before waiting for one.
-            self._saw(item, rows[0].stripes)
-            if self._fast(conn, backend, item, by, -1):
-                return True
+        # The fast path named the stripes of another count (stripe 0 alone, the first time): name
+        # the snapshot's before waiting for one.  Not remembered: the snapshot may predate a
+        # restripe whose count this process already saw.  The pick's locked row carries the
+        # latest count, which _fast remembers.
+        stale = rows and _counts.get((self.name, item)) != rows[0].stripes
+        if stale and self._fast(conn, backend, item, by, -1, _ids_of(rows[0].stripes)):
+            return True
         candidates = [r.stripe for r in rows if r.amount >= by]
         if not candidates:
             return False
@@ -659,16 +672,16 @@ class StripedCounter:
         stripes it inserted (PostgreSQL, READ COMMITTED: a locked row is
         re-read at its latest version, a new row is not seen); the stripe
         count on the rows then disagrees with the rows found, and a fresh
-        statement sees them all.  InnoDB: the stripes named by the stripe count last seen
-        (:meth:`_ids`; a locking range scan would also lock the next item's first stripe);
-        the rows found carry the true count, and a sweep that missed some goes again.
+        statement sees them all.  InnoDB: stripe 0, then the stripes its count names
+        (:meth:`_lock_named`; a locking range scan would also lock the next item's first stripe).
         """
         rows: Sequence[Any] = []
         for _ in range(_SWEEPS):
             params = self._params(item)
             if backend.locking_read:
-                params["sg_ids"] = self._ids(item)
-            rows = _write.execute(conn, _sweep(backend), params).all()
+                rows = self._lock_named(conn, backend, item)
+            else:
+                rows = _write.execute(conn, _sweep(backend), params).all()
             # Stripe 0 is updated in place by a restripe, so a missing item is truly missing.
             if not rows:
                 break
@@ -676,6 +689,30 @@ class StripedCounter:
             if len(rows) == rows[0].stripes:
                 break
         return rows
+
+    def _lock_named(self, conn: Connection, backend: _sql.Backend, item: str) -> Sequence[Any]:
+        """InnoDB: lock stripe 0, then the other stripes of the count it carries, by name.
+
+        Stripe 0 is every item's and a restripe changes the stripes only while holding it, so
+        while this transaction holds it the count on it names exactly the stripes that exist.
+        Stripes named from a count seen earlier may have been deleted by a restripe since, and
+        the locks of deleted rows live on: a buyer whose wait for such a stripe ended when the
+        restripe committed keeps it (InnoDB locks the delete-marked record and REPEATABLE READ
+        keeps the lock), so a sweep naming it waited for that buyer while holding stripe 0, which
+        the buyer's own sweep then waited for (deadlocks of decrements queued behind a restripe).
+        Two statements where the stripe count last seen would have done with one: the sweep is the
+        slow path.
+        """
+        params = self._params(item, sg_ids=(0,))
+        first = _write.execute(conn, _sweep(backend), params).all()
+        if not first:
+            return first
+        self._saw(item, first[0].stripes)
+        rest = _ids_of(first[0].stripes)[1:]
+        if not rest:
+            return first
+        params["sg_ids"] = rest
+        return [*first, *_write.execute(conn, _sweep(backend), params).all()]
 
     def _slow_decrement(
         self, conn: Connection, backend: _sql.Backend, item: str, by: int

@@ -293,7 +293,6 @@ def test_the_longest_items_round_trip_through_the_ledger(engine: Any) -> None:
         assert c.total(s, "a" * 199) is None
 
 
-
 def test_items_whose_json_outgrows_the_ledger_column_are_stored_as_given(engine: Any) -> None:
     """An item whose JSON passes the ledger's 255 characters is stored as ``=`` and the item, applies once
     and is released exactly; an item whose JSON fits is still stored as JSON (rows written before match)."""
