@@ -508,8 +508,8 @@ class StripedCounter:
                     else None
                 )
                 if row is not None:
-                    if row.stripes != len(ids):
-                        self._saw(item, row.stripes)
+                    # The locked row's count is the latest (the ids named may be the snapshot's).
+                    self._saw(item, row.stripes)
                     return self._change_picked(conn, backend, params, row.stripe, sign)
             return False
         for wrap in (False, True):
