@@ -83,6 +83,7 @@ __all__ = [
     "ensure_real_transaction",
     "execute",
     "identity_instance",
+    "insert_rows",
     "json_text",
     "key_bounds",
     "memo",
@@ -401,6 +402,35 @@ def execute(conn: Connection, stmt: Any, params: Mapping[str, Any] | None = None
         if mapped is None:
             raise
         raise mapped from error
+
+
+#: Bytes of values one multi-row INSERT of :func:`insert_rows` carries at most (beyond its first
+#: row): well under MySQL 5.7's default max_allowed_packet (4 MiB; MariaDB's is 16 MiB).
+_INSERT_BYTES: Final = 2 << 20
+#: What a row of :func:`insert_rows` takes besides its large value (other values, SQL, escapes).
+_ROW_OVERHEAD: Final = 512
+
+
+def insert_rows(conn: Connection, table: Any, rows: Sequence[Mapping[str, Any]], row_bytes: int = 0) -> None:
+    """INSERT ``rows`` (mappings with the same keys) in as few multi-row statements as will go.
+
+    Values may be SQL expressions (``db_now_ms()``).  One statement takes at
+    most the dialect's bind-parameter limit (SQLAlchemy's
+    ``insertmanyvalues_max_parameters``: 32,700, 999 on SQLite before 3.32;
+    psycopg refuses a statement of more than 65,535) and, for rows carrying
+    ``row_bytes`` of values each, about :data:`_INSERT_BYTES` (MySQL/MariaDB
+    drop the connection on a statement over ``max_allowed_packet``, error 2006).
+    """
+    if not rows:
+        return
+    per = max(1, conn.dialect.insertmanyvalues_max_parameters // max(1, len(rows[0])))
+    per = min(per, max(1, _INSERT_BYTES // (row_bytes + _ROW_OVERHEAD)))
+    for start in range(0, len(rows), per):
+        part = rows[start : start + per]
+        if len(part) == 1:
+            execute(conn, insert(table).values(part[0]))
+        else:
+            execute(conn, insert(table).values(list(part)))
 
 
 def run_guarded(

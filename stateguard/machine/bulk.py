@@ -28,7 +28,9 @@ the batch out of key order.
 Two statements per chunk on every backend when some keys do not apply; one
 on PostgreSQL and SQLite when all of them do.  A trigger with events adds
 one multi-row INSERT into the outbox per chunk (:mod:`.events`), as
-``history=True`` adds one into the transition log.
+``history=True`` adds one into the transition log; more when the rows
+outgrow one statement (the driver's parameter limit, about 2 MiB of
+metadata: :func:`stateguard._write.insert_rows`).
 """
 
 from __future__ import annotations

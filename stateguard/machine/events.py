@@ -185,21 +185,26 @@ def record(
     request_id: str | None,
     meta: Any,
 ) -> None:
-    """Insert the events of ``(key, source, dest, version)`` with one (multi-row) INSERT."""
+    """Insert the events of ``(key, source, dest, version)``: one (multi-row) INSERT, more when the
+    rows outgrow one statement (:func:`stateguard._write.insert_rows`)."""
     if not entries:
         return
     info = trigger.machine.info
+    payloads = [
+        _dumps(payload(trigger, key, source, dest, version, request_id, meta))
+        for key, source, dest, version in entries
+    ]
     rows = [
         {
             "topic": trigger.topic,
-            "key": event_key(info, key),
-            "payload": _dumps(payload(trigger, key, source, dest, version, request_id, meta)),
+            "key": event_key(info, entry[0]),
+            "payload": text,
             "created_ms": _sql.db_now_ms(),
             "attempts": 0,
         }
-        for key, source, dest, version in entries
+        for entry, text in zip(entries, payloads, strict=True)
     ]
-    _write.execute(conn, insert(outbox).values(rows))
+    _write.insert_rows(conn, outbox, rows, max(len(p.encode("utf-8")) for p in payloads))
 
 
 class CtePlan:

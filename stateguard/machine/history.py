@@ -129,7 +129,8 @@ def record(
     request_id: str | None,
     meta: Any,
 ) -> None:
-    """Insert log rows ``(key, source, dest, version)`` with one (multi-row) INSERT."""
+    """Insert log rows ``(key, source, dest, version)``: one (multi-row) INSERT, more when the rows
+    outgrow one statement (:func:`stateguard._write.insert_rows`)."""
     if not entries:
         return
     m = trigger.machine
@@ -153,7 +154,8 @@ def record(
         if len(rows) == 1:
             _write.execute(conn, insert(transition_log), rows[0])
         else:
-            _write.execute(conn, insert(transition_log).values(rows))
+            meta_bytes = 0 if meta is None else len(_write.dumps_json(meta).encode("utf-8"))
+            _write.insert_rows(conn, transition_log, rows, meta_bytes)
     except sa_exc.IntegrityError as error:
         # Two calls with the same request id raced after the row came back to a
         # source state: the unique index refused the second.  A retry of the

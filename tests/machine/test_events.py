@@ -562,3 +562,29 @@ def test_rows_of_different_tables_with_the_same_key_have_different_event_keys() 
     assert event_key(a, (7,)) == "ev_parcels:7" and event_key(b, (7, "x")) == 'ev_slots:[7,"x"]'
     long = event_key(b, (7, "x" * 300))
     assert len(long) <= MAX_KEY and long.startswith("ev_slots:#sha256:")
+
+
+def test_events_of_a_batch_that_outgrow_one_insert_are_all_written(engine: Any) -> None:
+    """where() over 16,400 rows (4 parameters an event: over psycopg's 65,535 for one statement) and
+    many() with 500 KB of metadata on 40 rows (20 MB: over MariaDB's 16 MiB packet) write every event,
+    in several INSERTs."""
+    n = 16_400
+    with engine.begin() as conn:
+        conn.execute(
+            Parcel.__table__.insert(), [{"id": i, "status": "new", "version": 1} for i in range(1, n + 1)]
+        )
+    with Session(engine) as s, s.begin():
+        s.connection()
+        with count_statements(engine) as c:
+            assert len(Parcel.flow.pay.where(s, Parcel.id > 0)) == n
+        assert len(_inserts(c.statements)) > 1
+    assert _count(engine) == n
+    blob = {"blob": "é" * 250_000}
+    with Session(engine) as s, s.begin():
+        s.connection()
+        with count_statements(engine) as c:
+            results = Parcel.flow.ship.many(s, range(1, 41), metadata=blob)
+        assert all(r.applied for r in results.values())
+        assert len(_inserts(c.statements)) > 1
+    shipped = [p for t, _, p in _events(engine) if t == "parcel.shipped"]
+    assert len(shipped) == 40 and all(p["metadata"] == blob for p in shipped)

@@ -197,3 +197,30 @@ def test_same_request_racing_after_a_cycle_is_refused_by_the_unique_index(engine
 
         conn = s.connection()
         history.record(conn, Invoice.flow.send, [((1,), "draft", "sent", 9)], "dup", None)
+
+
+def test_log_rows_of_a_batch_that_outgrow_one_insert_are_all_written(engine: Any) -> None:
+    """where() over 7,300 rows (9 parameters each: over psycopg's 65,535 for one statement) and many()
+    with 500 KB of metadata on 40 rows (20 MB: over MariaDB's 16 MiB packet) log every row, in several
+    INSERTs, with its metadata."""
+    n = 7300
+    with engine.begin() as conn:
+        conn.execute(
+            Invoice.__table__.insert(), [{"id": i, "status": "draft", "version": 1} for i in range(1, n + 1)]
+        )
+    with Session(engine) as s, s.begin():
+        s.connection()
+        with count_statements(engine) as c:
+            assert len(Invoice.flow.send.where(s, Invoice.id > 0)) == n
+        assert len([x for x in c.statements if "stateguard_transition_log" in x]) > 1
+    assert _log_count(engine) == n
+    blob = {"blob": "é" * 250_000}
+    with Session(engine) as s, s.begin():
+        s.connection()
+        with count_statements(engine) as c:
+            results = Invoice.flow.pay.many(s, range(1, 41), metadata=blob)
+        assert all(r.applied for r in results.values())
+        assert len([x for x in c.statements if "stateguard_transition_log" in x]) > 1
+    with Session(engine) as s:
+        assert all(Invoice.flow.history(s, k)[-1].metadata == blob for k in (1, 20, 40))
+    assert _log_count(engine) == n + 40
