@@ -37,7 +37,7 @@ import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from decimal import Decimal
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from sqlalchemy import (
     Connection,
@@ -57,6 +57,8 @@ from .result import Outcome, Result
 from .tables import DIGEST_PREFIX, MAX_REF, ROW_KEY_LENGTH, counter_ledger, row_key
 
 __all__ = ["counter_ledger", "decrement", "increment", "release", "reserve"]
+
+K = TypeVar("K")
 
 _LEDGER_FIELDS = ("ref", "table_name", "row_key", "column_name", "delta")
 
@@ -330,6 +332,51 @@ def ledger_same_reservation(
             f"ref {ref!r} also reserved {len(extra)} other {target.name} row(s) than these: it names a "
             f"different reservation; use a new ref"
         )
+
+
+def reserve_all(
+    conn: Connection,
+    backend: _sql.Backend,
+    target: LedgerTarget,
+    ref: str,
+    keys: Sequence[K],
+    apply: Callable[[K], Result],
+    stored_key: Callable[[K], str],
+) -> Result | dict[Any, Any]:
+    """All or nothing: ``apply`` each of ``keys`` (in the order given) inside one savepoint.
+
+    The first INSUFFICIENT / NOT_FOUND Result rolls the savepoint back and is
+    returned; otherwise every key must have had the same outcome (else
+    :class:`~stateguard.RefConflict`: the ref names another reservation), a
+    REPEATED basket must cover every row the ref holds
+    (:func:`ledger_same_reservation`), and ``{result.key: result.value}`` of
+    the applied keys is returned with the savepoint released; the outcome is
+    every Result's.  What :func:`reserve` and ``StripedCounter.reserve`` share.
+    """
+    _write.ensure_real_transaction(conn)
+    savepoint = conn.begin_nested()
+    values: dict[Any, Any] = {}
+    outcomes: set[Outcome] = set()
+    try:
+        for key in keys:
+            r = apply(key)
+            if r.outcome in (Outcome.INSUFFICIENT, Outcome.NOT_FOUND):
+                savepoint.rollback()
+                return r
+            outcomes.add(r.outcome)
+            if len(outcomes) > 1:
+                raise RefConflict(
+                    f"ref {ref!r} already reserved some but not all of these {target.name} rows "
+                    f"(not {r.key!r}): it names a different reservation; use a new ref"
+                )
+            values[r.key] = r
+        if outcomes == {Outcome.REPEATED}:
+            ledger_same_reservation(conn, backend, target, ref, [stored_key(key) for key in keys])
+    except BaseException:
+        _write.abandon_savepoint(savepoint)
+        raise
+    savepoint.commit()
+    return values
 
 
 def ledger_forget(conn: Connection, backend: _sql.Backend, ledger_id: Any) -> None:
@@ -636,32 +683,19 @@ def reserve(session: Session, column: Any, amounts: Mapping[Any, Any], *, ref: s
     amounts_checked = [(counter.column, by, "an amount") for by, _ in resolved.values()]
     conn = _write.connection_for(session, counter.info, list(resolved), amounts_checked)
     backend = _sql.backend(conn.dialect)
-    _write.ensure_real_transaction(conn)
-    savepoint = conn.begin_nested()
-    values: dict[Any, Any] = {}
-    outcomes: set[Outcome] = set()
-    try:
-        for key in sorted(resolved, key=_sql.key_order):
-            by, instance = resolved[key]
-            r = _apply(session, conn, backend, counter, key, instance, by, -1, 0, ref)
-            if r.outcome in (Outcome.INSUFFICIENT, Outcome.NOT_FOUND):
-                savepoint.rollback()
-                return r
-            outcomes.add(r.outcome)
-            if len(outcomes) > 1:
-                raise RefConflict(
-                    f"ref {ref!r} already reserved some but not all of these {counter.name} rows "
-                    f"(not {r.key!r}): it names a different reservation; use a new ref"
-                )
-            values[r.key] = r.value
-        outcome = outcomes.pop()
-        if outcome is Outcome.REPEATED:
-            stored = [_ledger_key(counter, key) for key in resolved]
-            ledger_same_reservation(conn, backend, _target(counter), ref, stored)
-    except BaseException:
-        _write.abandon_savepoint(savepoint)
-        raise
-    savepoint.commit()
+
+    def apply(key: tuple[Any, ...]) -> Result:
+        by, instance = resolved[key]
+        return _apply(session, conn, backend, counter, key, instance, by, -1, 0, ref)
+
+    done = reserve_all(
+        conn, backend, _target(counter), ref, sorted(resolved, key=_sql.key_order), apply,
+        lambda key: _ledger_key(counter, key),
+    )  # fmt: skip
+    if isinstance(done, Result):
+        return done
+    outcome = next(iter(done.values())).outcome
+    values = {key: r.value for key, r in done.items()}
     return Result(
         outcome,
         model=counter.model,

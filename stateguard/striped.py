@@ -108,9 +108,9 @@ from .counters import (
     ledger_claim,
     ledger_forget,
     ledger_release,
-    ledger_same_reservation,
+    reserve_all,
 )
-from .exceptions import DeadlockDetected, InvalidArgument, RefConflict
+from .exceptions import DeadlockDetected, InvalidArgument
 from .result import Outcome, Result
 from .tables import DIGEST_PREFIX, MAX_REF, counter_stripes, row_key
 
@@ -923,29 +923,14 @@ class StripedCounter:
             resolved[self._item(item)] = _check_int(by, "an amount", 1, MAX_AMOUNT)
         conn = self._conn(session)
         backend = _sql.backend(conn.dialect)
-        _write.ensure_real_transaction(conn)
-        savepoint = conn.begin_nested()
-        outcomes: set[Outcome] = set()
-        try:
-            for item in sorted(resolved):
-                r = self._change(session, conn, backend, item, resolved[item], -1, checked_ref)
-                if r.outcome in (Outcome.INSUFFICIENT, Outcome.NOT_FOUND):
-                    savepoint.rollback()
-                    return r
-                outcomes.add(r.outcome)
-                if len(outcomes) > 1:
-                    raise RefConflict(
-                        f"ref {ref!r} already reserved some but not all of these {self.target.name} items "
-                        f"(not {item!r}): it names a different reservation; use a new ref"
-                    )
-            outcome = outcomes.pop()
-            if outcome is Outcome.REPEATED:
-                stored = [_ledger_key(item) for item in resolved]
-                ledger_same_reservation(conn, backend, self.target, checked_ref, stored)
-        except BaseException:
-            _write.abandon_savepoint(savepoint)
-            raise
-        savepoint.commit()
+        done = reserve_all(
+            conn, backend, self.target, checked_ref, sorted(resolved),
+            lambda item: self._change(session, conn, backend, item, resolved[item], -1, checked_ref),
+            _ledger_key,
+        )  # fmt: skip
+        if isinstance(done, Result):
+            return done
+        outcome = next(iter(done.values())).outcome
         return self._result(session, outcome, checked_ref, dict.fromkeys(sorted(resolved)))
 
     reserve = dual_method(_reserve, operation="striped.reserve")
