@@ -12,7 +12,6 @@ import asyncio
 import random
 import threading
 import time
-import traceback
 import unicodedata
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -34,6 +33,8 @@ from stateguard import (
     drop_tables,
 )
 from tests.conftest import count_statements
+from tests.test_striped_attacks import Stats, run_threads
+from tests.test_striped_attacks import unit as _unit
 
 MAX = 2**63 - 1
 LEDGER = "stateguard_counter_ledger"
@@ -42,54 +43,9 @@ LEDGER = "stateguard_counter_ledger"
 # ---------------------------------------------------------------- helpers
 
 
-def run_threads(n: int, fn: Callable[[int], Any], timeout: float = 60) -> list[Any]:
-    """Run ``fn(i)`` in ``n`` threads started together; re-raise the first worker error."""
-    barrier = threading.Barrier(n)
-    results: list[Any] = [None] * n
-    errors: list[tuple[int, BaseException, str]] = []
-
-    def wrap(i: int) -> None:
-        try:
-            barrier.wait(timeout=30)
-            results[i] = fn(i)
-        except BaseException as error:
-            errors.append((i, error, traceback.format_exc()))
-
-    threads = [threading.Thread(target=wrap, args=(i,), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    assert not [t for t in threads if t.is_alive()], "workers still running (hang?)"
-    if errors:
-        i, error, tb = errors[0]
-        raise AssertionError(f"{len(errors)} worker(s) failed; worker {i}:\n{tb}") from error
-    return results
-
-
-class Stats:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.retryable: Counter[str] = Counter()
-
-    def add(self, name: str) -> None:
-        with self.lock:
-            self.retryable[name] += 1
-
-
 def unit(engine: Engine, op: Callable[[Session], Any], stats: Stats, attempts: int = 60) -> Any:
-    """``op`` in its own transaction; typed retryable errors are counted and retried."""
-    for attempt in range(attempts):
-        with Session(engine) as s:
-            try:
-                with s.begin():
-                    return op(s)
-            except SerializationConflict as error:
-                assert error.retryable
-                stats.add(type(error).__name__)
-                time.sleep(random.uniform(0, 0.005 * (attempt + 1)))
-    raise AssertionError(f"gave up after {attempts} attempts: {stats.retryable}")
+    """``op`` in its own transaction; typed retryable errors are counted and retried (up to 60 times)."""
+    return _unit(engine, op, stats, attempts)
 
 
 def totals(engine: Engine, counter: StripedCounter, items: list[str]) -> dict[str, int | None]:
