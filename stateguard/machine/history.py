@@ -65,8 +65,10 @@ class HistoryEntry(NamedTuple):
 
 #: Largest ``metadata`` (JSON, UTF-8 bytes) one log row takes: well under MariaDB's default packet limit.
 MAX_META_BYTES = 1 << 20
-#: Deepest nesting of ``metadata`` (as for an outbox payload).
-MAX_META_DEPTH = 100
+#: Deepest nesting of ``metadata`` (objects and lists), on every backend: MariaDB's JSON columns
+#: (``CHECK (JSON_VALID(meta))``) refuse a document of more than 32 levels, a scalar in the innermost
+#: container counting as one (JSON_DEPTH), and refused it only after the transition's UPDATE ran.
+MAX_META_DEPTH = 31
 
 
 def check_request(request_id: Any, meta: Any) -> None:

@@ -224,3 +224,43 @@ def test_log_rows_of_a_batch_that_outgrow_one_insert_are_all_written(engine: Any
     with Session(engine) as s:
         assert all(Invoice.flow.history(s, k)[-1].metadata == blob for k in (1, 20, 40))
     assert _log_count(engine) == n + 40
+
+
+def _nested(containers: int, innermost: Any) -> Any:
+    value = innermost
+    for i in range(containers):
+        value = {"d": value} if i % 2 else [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("meta", "stored"),
+    [
+        ({"d": _nested(30, 1)}, True),  # 31 levels of objects and lists: MariaDB's JSON depth 32
+        ({"d": _nested(29, [])}, True),
+        ({"d": _nested(31, 1)}, False),
+        ({"d": _nested(30, {})}, False),
+        ({"d": _nested(99, 1)}, False),
+    ],
+    ids=["31-levels", "31-levels-empty-innermost", "32-levels", "32-levels-empty-innermost", "100-levels"],
+)
+def test_metadata_depth_limit_is_the_same_on_every_backend(engine: Any, meta: Any, stored: bool) -> None:
+    """Metadata of 31 nested objects/lists is logged and read back on every backend (MariaDB's JSON
+    column included); 32 is InvalidArgument before any statement, on every backend, nothing written."""
+    _invoices(engine, 2)
+    with Session(engine) as s, s.begin():
+        if stored:
+            Invoice.flow.send(s, 1, metadata=meta)
+            Invoice.flow.send.many(s, [2], metadata=meta)
+        else:
+            with count_statements(engine) as c:
+                with pytest.raises(InvalidArgument, match="nests deeper than 31 levels"):
+                    Invoice.flow.send(s, 1, metadata=meta)
+                with pytest.raises(InvalidArgument, match="nests deeper than 31 levels"):
+                    Invoice.flow.send.many(s, [2], metadata=meta)
+            assert c.statements == []
+    with Session(engine) as s:
+        assert [e.metadata for k in (1, 2) for e in Invoice.flow.history(s, k)] == (
+            [meta, meta] if stored else []
+        )
+        assert set(s.scalars(select(Invoice.status))) == {"sent" if stored else "draft"}
