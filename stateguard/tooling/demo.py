@@ -94,7 +94,6 @@ from ..result import Outcome, Result
 from ..retry import retry_on_conflict
 from ..tables import create_tables, idempotency_keys
 from ..versioning import guarded_update, version_column
-from .report import COLUMNS
 from .terminal import Progress
 
 if TYPE_CHECKING:
@@ -1857,7 +1856,19 @@ _BOLD = "\x1b[1m"
 _DIM = "\x1b[2m"
 _RESET = "\x1b[0m"
 
-_COLUMNS = (*COLUMNS, "damage (measured in the database afterwards)")
+#: The columns of the results table (the terminal's and the HTML page's).
+COLUMNS = (
+    "scheme",
+    "code",
+    "attempts",
+    "APPLIED",
+    "REPEATED",
+    "REJECTED",
+    "retried",
+    "side effects",
+    "invariant",
+    "damage (measured in the database afterwards)",
+)
 
 _BACKENDS = {"postgresql": "PostgreSQL", "mariadb": "MariaDB/MySQL", "sqlite": "SQLite"}
 
@@ -1943,7 +1954,7 @@ def render(report: DemoReport, *, color: bool = False) -> str:
         )
         for row in report.rows
     ]
-    widths = [max(len(c[i]) for c in [_COLUMNS, *cells]) for i in range(len(_COLUMNS))]
+    widths = [max(len(c[i]) for c in [COLUMNS, *cells]) for i in range(len(COLUMNS))]
 
     def line(values: Sequence[str], verdict_code: str | None = None) -> str:
         # scheme and code left, counts right, verdict and damage left; the long
@@ -1969,7 +1980,7 @@ def render(report: DemoReport, *, color: bool = False) -> str:
         "runs the same storm twice, through hand-written code and through stateguard; only an APPLIED",
         "call records its side effect (in the same transaction)",
         "",
-        paint(line(_COLUMNS), _BOLD),
+        paint(line(COLUMNS), _BOLD),
     ]
     for row, values in zip(report.rows, cells, strict=True):
         code = None
