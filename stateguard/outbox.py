@@ -414,34 +414,26 @@ def _ids_in(backend: _sql.Backend) -> Any:
     return _o.c.id.in_(bindparam("sg_ids", expanding=True))
 
 
-def _mark_statement(backend: _sql.Backend) -> Any:
-    def build() -> Any:
-        return (
-            update(_o)
-            .where(
-                _ids_in(backend),
-                _o.c.claimed_by == bindparam("sg_owner"),
-                _o.c.published_ms.is_(None),
-            )
-            .values(published_ms=_sql.db_now_ms(), claimed_until_ms=None)
-        )
+def _owned_update(backend: _sql.Backend, what: str, values: Callable[[], dict[str, Any]]) -> Any:
+    """``UPDATE`` of the batch ``:sg_ids`` this relay (``:sg_owner``) still holds unpublished (built once)."""
 
-    return _write.memo.get_or_build(("outbox_mark", backend), build)
+    def build() -> Any:
+        mine = (_ids_in(backend), _o.c.claimed_by == bindparam("sg_owner"), _o.c.published_ms.is_(None))
+        return update(_o).where(*mine).values(**values())
+
+    return _write.memo.get_or_build((f"outbox_{what}", backend), build)
+
+
+def _mark_statement(backend: _sql.Backend) -> Any:
+    """Mark the batch published (and free its lease)."""
+    return _owned_update(
+        backend, "mark", lambda: {"published_ms": _sql.db_now_ms(), "claimed_until_ms": None}
+    )
 
 
 def _release_statement(backend: _sql.Backend) -> Any:
-    def build() -> Any:
-        return (
-            update(_o)
-            .where(
-                _ids_in(backend),
-                _o.c.claimed_by == bindparam("sg_owner"),
-                _o.c.published_ms.is_(None),
-            )
-            .values(claimed_until_ms=None)
-        )
-
-    return _write.memo.get_or_build(("outbox_release", backend), build)
+    """Give the batch back unpublished: claimable again at once."""
+    return _owned_update(backend, "release", lambda: {"claimed_until_ms": None})
 
 
 _READ_COMMITTED: Final = text("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")

@@ -570,6 +570,28 @@ class DemoRun:
             )
         return {label: int(found.get(action) or 0) for action, label in labels.items()}
 
+    def side_by_side(
+        self,
+        scheme: str,
+        variants: Sequence[tuple[str, Sequence[Group], Call]],
+        damage: Callable[[str], dict[str, int]],
+        how: dict[str, str],
+    ) -> list[SchemeRow]:
+        """Fire each ``(code, plan, call)`` variant of ``scheme`` with its side effect and make its row.
+
+        ``damage(code)`` is counted in the database after that variant's storm;
+        damage in the stateguard row is a problem (the demo then exits 1).
+        """
+        rows = []
+        for code, deliveries, call in variants:
+            engine = self.hand_engine if code == HAND_WRITTEN else self.engine
+            tally = self.fire(deliveries, self.with_side_effect(self.key(scheme, code), call), engine=engine)
+            row = self.row(scheme, how[code], tally, code=code, damage=damage(code))
+            if code == STATEGUARD and row.damage_total:
+                row.problems.append(f"{scheme}: damage {row.damage}")
+            rows.append(row)
+        return rows
+
     def row(
         self,
         scheme: str,
@@ -726,16 +748,17 @@ def state_machine(run: DemoRun) -> list[SchemeRow]:
         session.execute(update(DemoOrder).where(DemoOrder.id == order.id).values(**values))
         return Result(Outcome.APPLIED, model=DemoOrder, key=order.id)
 
-    rows = []
-    for code, deliveries, call in ((HAND_WRITTEN, naive_plan, by_hand), (STATEGUARD, plan, fire)):
-        engine = run.hand_engine if code == HAND_WRITTEN else run.engine
-        tally = run.fire(deliveries, run.with_side_effect(run.key(scheme, code), call), engine=engine)
-        damage = run.duplicates(scheme, code, _TWICE)
-        damage["shipped and cancelled"] = _both(run, scheme, code, ("ship", "cancel"))
-        how = "Order.flow.fire(): one guarded UPDATE" if code == STATEGUARD else "load, check status, UPDATE"
-        rows.append(run.row(scheme, how, tally, code=code, damage=damage))
-    if rows[1].damage_total:
-        rows[1].problems.append(f"{scheme}: damage {rows[1].damage}")
+    def damage(code: str) -> dict[str, int]:
+        found = run.duplicates(scheme, code, _TWICE)
+        found["shipped and cancelled"] = _both(run, scheme, code, ("ship", "cancel"))
+        return found
+
+    rows = run.side_by_side(
+        scheme,
+        [(HAND_WRITTEN, naive_plan, by_hand), (STATEGUARD, plan, fire)],
+        damage,
+        {STATEGUARD: "Order.flow.fire(): one guarded UPDATE", HAND_WRITTEN: "load, check status, UPDATE"},
+    )
     run.notes.append(
         f"{scheme}: REPEATED = the order was already in the trigger's destination (a twin or a "
         "redelivery won); REJECTED = its state does not allow the trigger (a ship after a cancel, "
@@ -792,15 +815,11 @@ def optimistic_version(run: DemoRun) -> list[SchemeRow]:
         session.execute(update(DemoOrder).where(DemoOrder.id == order.id).values(**row))
         return Result(Outcome.APPLIED, model=DemoOrder, key=order.id, version=order.version + 1)
 
-    rows = []
-    for code, deliveries, orders, call in (
-        (HAND_WRITTEN, naive_plan, naive_ids, by_hand),
-        (STATEGUARD, plan, ids, look_then_write),
-    ):
-        engine = run.hand_engine if code == HAND_WRITTEN else run.engine
-        tally = run.fire(deliveries, run.with_side_effect(run.key(scheme, code), call), engine=engine)
-        damage = run.duplicates(scheme, code, {"pay": "double charges", "cancel": "double refunds"})
-        damage["paid and cancelled"] = _both(run, scheme, code, ("pay", "cancel"))
+    orders_of = {HAND_WRITTEN: naive_ids, STATEGUARD: ids}
+
+    def damage(code: str) -> dict[str, int]:
+        found = run.duplicates(scheme, code, {"pay": "double charges", "cancel": "double refunds"})
+        found["paid and cancelled"] = _both(run, scheme, code, ("pay", "cancel"))
         # Every APPLIED write recorded its side effect and added 1 to the version it read:
         # a version below the number of writes is that many writes overwritten unseen.
         writes = (
@@ -813,17 +832,20 @@ def optimistic_version(run: DemoRun) -> list[SchemeRow]:
             lost = conn.scalar(
                 select(func.coalesce(func.sum(writes.c.n - DemoOrder.version), 0))
                 .select_from(writes.join(DemoOrder, DemoOrder.id == writes.c.order_id))
-                .where(DemoOrder.id.in_(orders), writes.c.n > DemoOrder.version)
+                .where(DemoOrder.id.in_(orders_of[code]), writes.c.n > DemoOrder.version)
             )
-        damage["lost updates"] = int(lost or 0)
-        how = (
-            "guarded_update(expected_version=...), retry_on_conflict"
-            if code == STATEGUARD
-            else "load, check, save the row back (version not compared)"
-        )
-        rows.append(run.row(scheme, how, tally, code=code, damage=damage))
-    if rows[1].damage_total:
-        rows[1].problems.append(f"{scheme}: damage {rows[1].damage}")
+        found["lost updates"] = int(lost or 0)
+        return found
+
+    rows = run.side_by_side(
+        scheme,
+        [(HAND_WRITTEN, naive_plan, by_hand), (STATEGUARD, plan, look_then_write)],
+        damage,
+        {
+            STATEGUARD: "guarded_update(expected_version=...), retry_on_conflict",
+            HAND_WRITTEN: "load, check, save the row back (version not compared)",
+        },
+    )
     run.notes.append(
         f"{scheme}: REJECTED = pay and cancel exclude each other, and a quarter of the orders send both "
         "at once: whichever loses is REJECTED"
@@ -859,23 +881,27 @@ def insert_once_consumer(run: DemoRun) -> list[SchemeRow]:
         session.flush()
         return Result(Outcome.APPLIED, model=DemoPlainInbox, key=request.request_id)
 
-    rows = []
-    for code, deliveries, call, inbox in (
-        (HAND_WRITTEN, naive_plan, by_hand, DemoPlainInbox),
-        (STATEGUARD, plan, consume, DemoInbox),
-    ):
-        engine = run.hand_engine if code == HAND_WRITTEN else run.engine
-        tally = run.fire(deliveries, run.with_side_effect(run.key(scheme, code), call), engine=engine)
-        damage = {
+    inbox_of: dict[str, type[DemoInbox] | type[DemoPlainInbox]] = {
+        HAND_WRITTEN: DemoPlainInbox,
+        STATEGUARD: DemoInbox,
+    }
+
+    def damage(code: str) -> dict[str, int]:
+        inbox = inbox_of[code]
+        found = {
             "duplicate rows": _count(
                 run, select(inbox.message_id).group_by(inbox.message_id).having(func.count() > 1)
             )
         }
-        damage.update(run.duplicates(scheme, code, {"pay": "double charges", "ship": "parcels sent twice"}))
-        how = "insert_once() into an inbox with a unique key" if code == STATEGUARD else "SELECT, then INSERT"
-        rows.append(run.row(scheme, how, tally, code=code, damage=damage))
-    if rows[1].damage_total:
-        rows[1].problems.append(f"{scheme}: damage {rows[1].damage}")
+        found.update(run.duplicates(scheme, code, {"pay": "double charges", "ship": "parcels sent twice"}))
+        return found
+
+    rows = run.side_by_side(
+        scheme,
+        [(HAND_WRITTEN, naive_plan, by_hand), (STATEGUARD, plan, consume)],
+        damage,
+        {STATEGUARD: "insert_once() into an inbox with a unique key", HAND_WRITTEN: "SELECT, then INSERT"},
+    )
     run.notes.append(
         f"{scheme}: APPLIED = messages processed the first time: {messages} messages for {len(ids)} orders "
         "(a pay for each, a ship for ~70%), so APPLIED exceeds the order count"
