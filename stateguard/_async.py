@@ -38,6 +38,7 @@ awaitable one.  A synchronous class runs the generator with :func:`run_steps`
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import types
 from collections.abc import Callable, Coroutine, Generator
@@ -103,7 +104,9 @@ Steps = Generator[Any, Any, T]
 
 def step(reply: Any) -> Steps[Any]:
     """``reply`` itself, or what it resolves to when it is awaitable; use as ``yield from step(...)``."""
-    if hasattr(reply, "__await__"):
+    # inspect.isawaitable looks at the type: an object whose __getattr__ answers every name
+    # (an attribute-access dict, a permissive record) is a value, not an awaitable.
+    if inspect.isawaitable(reply):
         reply = yield from reply.__await__()
     return reply
 

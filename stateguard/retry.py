@@ -237,25 +237,21 @@ def retry_on_conflict(
     policy = _Policy(attempts, backoff, max_backoff, max_time, lock_not_acquired)
     if inspect.iscoroutinefunction(fn):
         return _retry_async(fn, policy, sleep, _NOTHING)
-    policy.attempt += 1
-    try:
-        first = fn()
-    except Exception as error:
-        first = _Failed(error)
-    if inspect.isawaitable(first):
-        # fn is a lambda or partial around a coroutine function: the
-        # caller awaits what we return, so the retries go there.
-        return _retry_async(fn, policy, sleep, first)
-    return run_steps(_attempts(fn, policy, sleep, first))
+    done = run_steps(_attempts(fn, policy, sleep, _NOTHING, hand_over=True))
+    if isinstance(done, _HandOver):
+        # fn is a lambda or partial around a coroutine function (its first awaitable may come
+        # on a later attempt): the caller awaits what we return, so the retries go there.
+        return _retry_async(fn, policy, sleep, done.reply)
+    return done
 
 
-class _Failed:
-    """The first attempt's error, made by the caller's call to ``fn`` before the loop began."""
+class _HandOver:
+    """An attempt of the synchronous form returned an awaitable: the rest of the loop is awaited."""
 
-    __slots__ = ("error",)
+    __slots__ = ("reply",)
 
-    def __init__(self, error: Exception) -> None:
-        self.error = error
+    def __init__(self, reply: Any) -> None:
+        self.reply = reply
 
 
 #: No attempt made yet: the loop makes the first one itself.
@@ -263,12 +259,19 @@ _NOTHING: Any = object()
 
 
 def _attempts(
-    fn: Callable[[], Any], policy: _Policy, sleep: Callable[[float], object], first: Any
+    fn: Callable[[], Any],
+    policy: _Policy,
+    sleep: Callable[[float], object],
+    first: Any,
+    *,
+    hand_over: bool = False,
 ) -> Steps[Any]:
     """The retry loop, written once for both forms: each attempt and each wait is a step.
 
-    ``first`` is the first attempt's reply when the caller already made it
-    (a value, an awaitable, or :class:`_Failed`), else :data:`_NOTHING`.
+    ``first`` is the first attempt's awaitable when the synchronous form
+    handed over (:class:`_HandOver`), else :data:`_NOTHING`.  With
+    ``hand_over`` (the synchronous form) an attempt that returns an
+    awaitable ends the loop with a :class:`_HandOver` instead.
     """
     while True:
         try:
@@ -277,8 +280,8 @@ def _attempts(
                 reply = fn()
             else:
                 reply, first = first, _NOTHING
-            if isinstance(reply, _Failed):
-                raise reply.error
+            if hand_over and inspect.isawaitable(reply):
+                return _HandOver(reply)
             result = yield from step(reply)
         except Exception as error:
             if not policy.retry_error(error):

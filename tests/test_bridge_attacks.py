@@ -4,7 +4,9 @@ users after the refactors that moved them onto it: Relay / AsyncRelay (_RelayCor
 shared all-or-nothing basket (counters.reserve_all).
 
 Every test runs against the real servers of conftest.  A test that passes documents a promise that
-held; an ``xfail(strict=True)`` one is marked ``BROKEN:`` and fails today.
+held.  The cases whose comment says "was broken by the steps refactor" failed on the first form of
+that refactor (step() duck-typed ``hasattr(reply, "__await__")``; retry_on_conflict chose its form
+from the first call only) and hold since it was fixed.
 """
 
 from __future__ import annotations
@@ -302,15 +304,12 @@ def test_four_relay_threads_share_one_outbox_once_each_in_key_order(server: Back
         drop_tables(engine)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="step() duck-types hasattr(reply, '__await__'): a sink's attribute-access ack breaks the mark",
-)
 @pytest.mark.parametrize("ack", ["AttrDict", "Record"])
 def test_a_sink_returning_an_attribute_access_ack_gets_its_batch_once(
     backend: Backend, engine: Engine, ack: str
 ) -> None:
-    # BROKEN: README: "A sink is any object with publish(events): it ... returns once the batch is
+    # Was broken by the steps refactor (fixed since).
+    # README: "A sink is any object with publish(events): it ... returns once the batch is
     # accepted" -- what it returns is not constrained, and at ec2bd2d it was ignored.  Now
     # Relay._publish passes the reply to _async.step(), which asks hasattr(reply, "__await__") on
     # the *instance*: an AttrDict raises KeyError('__await__') from the hasattr, a permissive record
@@ -476,12 +475,9 @@ def test_async_relays_cancelled_at_random_points_lose_nothing(pg: Backend) -> No
     assert asyncio.run(main()) == set()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="step() duck-types hasattr(reply, '__await__'): a sync sink's AttrDict breaks AsyncRelay",
-)
 def test_async_relay_with_a_sync_sink_returning_an_attrdict_publishes_once(target: AsyncTarget) -> None:
-    # BROKEN: same as the sync Relay: AsyncRelay._publish hands the sink's reply to step(), whose
+    # Was broken by the steps refactor (fixed since).
+    # same as the sync Relay: AsyncRelay._publish hands the sink's reply to step(), whose
     # hasattr(reply, "__await__") raises KeyError from an AttrDict (ec2bd2d used
     # inspect.isawaitable, a type check).  The batch was accepted by the sink, then released as a
     # failure and published again on every round.
@@ -712,10 +708,10 @@ def test_cancelling_an_awaited_retry_stops_its_attempts() -> None:
     assert len(asyncio.run(main())) >= 1
 
 
-@pytest.mark.xfail(strict=True, reason="step() calls __await__ on any result whose __getattr__ answers it")
 @pytest.mark.parametrize("kind", ["AttrDict", "Record"])
 def test_sync_retry_returns_a_result_with_attribute_access_as_it_came(kind: str) -> None:
-    # BROKEN: README: retry_on_conflict "calls fn() again when it returns a STALE result or raises
+    # Was broken by the steps refactor (fixed since).
+    # README: retry_on_conflict "calls fn() again when it returns a STALE result or raises
     # a retryable error ... return its last result".  At ec2bd2d a sync unit's return value came
     # back as it was.  Now the loop passes it to _async.step(), whose hasattr(reply, "__await__")
     # consults the instance's __getattr__: an AttrDict raises KeyError('__await__'), a permissive
@@ -725,9 +721,9 @@ def test_sync_retry_returns_a_result_with_attribute_access_as_it_came(kind: str)
     assert retry_on_conflict(lambda: value) is value
 
 
-@pytest.mark.xfail(strict=True, reason="a lambda that raised first runs its later coroutine with no loop")
 def test_a_lambda_that_raises_before_making_its_coroutine_still_returns_an_awaitable() -> None:
-    # BROKEN: README: "given a coroutine function (or any callable whose call returns an
+    # Was broken by the steps refactor (fixed since).
+    # README: "given a coroutine function (or any callable whose call returns an
     # awaitable, such as lambda: rename_async(42, 'gift')), the call returns a coroutine to
     # await".  A lambda whose argument expression raises a conflict on its first call
     # (lambda: rename_async(lookup_id_sync(), ...)) is not recognised as async any more: the
