@@ -15,7 +15,7 @@ from sqlalchemy import exc as sa_exc
 from . import _sql
 from . import observe as _observe
 from ._async import Awaited, Steps, run_steps, step
-from .exceptions import LockNotAcquired, StateguardError
+from .exceptions import InvalidArgument, LockNotAcquired, StateguardError
 from .result import Outcome, Result
 
 __all__ = ["retry_on_conflict"]
@@ -293,7 +293,15 @@ def _attempts(
                 return result
         delay = policy.delay()
         if delay > 0:
-            yield from step(sleep(delay))
+            waited = sleep(delay)
+            if hand_over and inspect.isawaitable(waited):
+                if inspect.iscoroutine(waited):
+                    waited.close()
+                raise InvalidArgument(
+                    f"retry_on_conflict: sleep={sleep!r} returned an awaitable, but fn is synchronous: "
+                    f"pass a blocking sleep (the default time.sleep), or make fn a coroutine function"
+                )
+            yield from step(waited)
 
 
 async def _retry_async(

@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 import stateguard.retry
 from stateguard import (
     DeadlockDetected,
+    InvalidArgument,
     Outcome,
     Result,
     SerializationConflict,
@@ -370,3 +371,18 @@ def test_sync_form_is_unchanged() -> None:
     assert retry_on_conflict(unit, sleep=waits.append) == "done"
     assert calls == 3 and len(waits) == 2
     assert not inspect.isawaitable(retry_on_conflict(lambda: 42))
+
+
+def test_an_async_sleep_with_a_synchronous_unit_is_invalid_argument() -> None:
+    """A coroutine-function ``sleep`` cannot be waited on by the synchronous form: a typed error
+    naming the fix, after the unit ran once, with no coroutine left un-awaited."""
+    calls = 0
+
+    def unit() -> str:
+        nonlocal calls
+        calls += 1
+        raise DeadlockDetected("deadlock")
+
+    with pytest.raises(InvalidArgument, match=r"sleep=.*returned an awaitable, but fn is synchronous"):
+        retry_on_conflict(unit, sleep=asyncio.sleep, backoff=0.001)
+    assert calls == 1
