@@ -224,7 +224,8 @@ def retry_on_conflict(
     returns a coroutine to await; each attempt is awaited and the waits use
     :func:`asyncio.sleep` (the event loop keeps running), never
     :func:`time.sleep`.  A ``sleep`` you pass may be a coroutine function or a
-    plain function::
+    plain function there (with a synchronous ``fn`` it must block: a ``sleep``
+    returning an awaitable is :class:`~stateguard.InvalidArgument`)::
 
         async def rename_async(order_id: int, note: str) -> Result:
             async with AsyncSession(async_engine) as s, s.begin():
