@@ -1185,6 +1185,26 @@ def test_bad_metadata_typed_error_nothing_written(db: Backend, meta: Any) -> Non
     _nothing_written(engine, 2)
 
 
+def _pay_with_metadata(engine: Engine, meta: Any) -> bool:
+    """pay(1) and pay.many([2]) with ``meta``: True when refused (InvalidArgument, nothing written),
+    False when both stored it exactly."""
+    with Session(engine) as s, s.begin():
+        try:
+            BOrder.flow.pay(s, 1, metadata=meta)
+            BOrder.flow.pay.many(s, [2], metadata=meta)
+        except InvalidArgument:
+            refused = True
+        else:
+            refused = False
+    if refused:
+        _nothing_written(engine, 2)
+        return True
+    with Session(engine) as s:
+        assert BOrder.flow.history(s, 1)[0].metadata == meta
+        assert BOrder.flow.history(s, 2)[0].metadata == meta
+    return False
+
+
 @pytest.mark.parametrize(
     "meta",
     [
@@ -1202,20 +1222,7 @@ def test_edge_metadata_round_trips_or_is_refused_cleanly(db: Backend, meta: Any)
     """Valid JSON: stored exactly (or, if a database cannot store it, InvalidArgument, nothing written)."""
     engine = db.engine
     _seed(engine, 2)
-    with Session(engine) as s, s.begin():
-        try:
-            BOrder.flow.pay(s, 1, metadata=meta)
-            BOrder.flow.pay.many(s, [2], metadata=meta)
-        except InvalidArgument:
-            refused = True
-        else:
-            refused = False
-    if refused:
-        _nothing_written(engine, 2)
-        return
-    with Session(engine) as s:
-        assert BOrder.flow.history(s, 1)[0].metadata == meta
-        assert BOrder.flow.history(s, 2)[0].metadata == meta
+    _pay_with_metadata(engine, meta)
 
 
 # README (Reliability, limits): transition metadata nested too deep is InvalidArgument, nothing written,
@@ -1226,20 +1233,7 @@ def test_metadata_nested_past_mariadb_json_depth(db: Backend, depth: int) -> Non
     engine = db.engine
     _seed(engine, 2)
     meta = _nested(depth)
-    with Session(engine) as s, s.begin():
-        try:
-            BOrder.flow.pay(s, 1, metadata=meta)
-            BOrder.flow.pay.many(s, [2], metadata=meta)
-        except InvalidArgument:
-            refused = True
-        else:
-            refused = False
-    if refused:
-        _nothing_written(engine, 2)
-        return
-    with Session(engine) as s:
-        assert BOrder.flow.history(s, 1)[0].metadata == meta
-        assert BOrder.flow.history(s, 2)[0].metadata == meta
+    assert _pay_with_metadata(engine, meta), f"metadata {depth} levels deep was stored"
 
 
 # -- composite and string keys --------------------------------------------------------
