@@ -803,13 +803,19 @@ def test_async_lock_cancelled_while_waiting_does_not_keep_the_lock(redis_client:
         client = redis.asyncio.Redis.from_url(REDIS_URL)
         try:
             holder = AsyncRedisLock(client, lock_name, ttl=30)
-            waiter = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=20, sleep=0.01)
+            waiter = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=3, sleep=0.01)
             await holder.acquire()
             task = asyncio.create_task(waiter.acquire())
             await asyncio.sleep(0.2)
             task.cancel()
-            with pytest.raises(asyncio.CancelledError):
+            # redis-py 8.1's asyncio client now and then swallows a cancellation that arrives
+            # inside a command: its own Lock.acquire then returns False at blocking_timeout (18 of
+            # 300 cancels in a plain redis-py loop on this machine, 19 of 300 through
+            # AsyncRedisLock before and after the steps refactor), and the waiter ends
+            # LockNotAcquired instead of CancelledError.  Either way it must not hold the lock.
+            with pytest.raises((asyncio.CancelledError, LockNotAcquired)):
                 await task
+            assert await holder.owned() and not await waiter.owned()
             await holder.release()
             assert not await client.exists(holder.key)
             third = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=0)
