@@ -80,6 +80,27 @@ raises the retryable :class:`~stateguard.DeadlockDetected`
 (``retry_on_conflict`` retries it; the retry is a new transaction and holds
 nothing).  That happens only when stock runs low.
 
+:meth:`StripedCounter.restripe` first takes the item's gate exclusively
+(a row of the item that is no stripe: stripe ``-1``, amount 0, made by the
+item's first restripe; reads over the item's stripes leave it out), so
+restripes of one item run one after another; then it inserts its new
+stripes (amount 0, not yet committed: decrements skip them), and only then
+locks stripe 0 and the stripes its count names, in stripe order, and
+spreads the total over the new count.  Inserting first keeps it out of
+deadlocks on MariaDB: a decrement keeps an InnoDB lock where it looked up
+a stripe the item no longer has, or not yet (a gap lock, or the deleted
+row's lock when its wait ended on a stripe a restripe deleted), until it
+commits, and an INSERT there waits for it.  A restripe that inserted while
+holding the stripes waited for a decrement that waited for one of them; now
+it waits holding only the gate and its new rows.  For the same reason a
+MariaDB decrement about to wait for a busy stripe (picked from its
+snapshot, which may show a stripe a restripe under way is inserting again)
+first takes the gate shared without waiting, and waits for stripe 0 instead
+while a restripe holds it.  One corner keeps the old exposure: a restripe in
+a transaction whose snapshot is older than the last restripe's commit
+(MariaDB, REPEATABLE READ) plans from that snapshot and inserts what it
+finds still missing once it holds the stripes.
+
 ``ref=`` uses the same idempotent ledger as the guarded counters
 (``stateguard_counter_ledger``, table name ``stateguard_counter_stripes``,
 the counter's name as column): a ref applies once, whatever happens, and is
@@ -98,6 +119,7 @@ from typing import Any, Final
 
 from sqlalchemy import Connection, bindparam, delete, desc, insert, select, update
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from . import _sql, _write
@@ -110,7 +132,7 @@ from .counters import (
     ledger_release,
     reserve_all,
 )
-from .exceptions import DeadlockDetected, InvalidArgument
+from .exceptions import DeadlockDetected, InvalidArgument, LockNotAcquired
 from .result import Outcome, Result
 from .tables import DIGEST_PREFIX, MAX_REF, counter_stripes, row_key
 
@@ -146,6 +168,9 @@ _AS_GIVEN: Final = "="
 
 _s = counter_stripes
 _same_item = (_s.c.counter == bindparam("sg_counter"), _s.c.item == bindparam("sg_item"))
+#: The stripes of the item, not its restripe gate (see :data:`_GATE`), for the reads that range
+#: over the item.
+_item_stripes = (*_same_item, _s.c.stripe >= 0)
 
 
 @functools.lru_cache(maxsize=256)
@@ -175,7 +200,9 @@ def _pick(backend: _sql.Backend, wrap: bool | None, sign: int) -> Any:
     """The stripe a change starts at: the last one at or below ``:start`` (``wrap``: above it;
     ``None``: either, at or below first), free (``SKIP LOCKED``) and one the change fits."""
     start: Any = bindparam("sg_start")
-    where = [*_same_item, _fits(sign)]
+    # A decrement's ``amount >= :by`` (1 or more) never matches the restripe gate (amount 0);
+    # an increment's room would.
+    where = [*(_same_item if sign < 0 else _item_stripes), _fits(sign)]
     if wrap is None:
         order: list[Any] = [_s.c.stripe > start, desc(_s.c.stripe)]
     else:
@@ -249,20 +276,28 @@ def _by_stripe(backend: _sql.Backend, sign: int, guarded: bool) -> Any:
     return _memo(f"by-stripe-{sign}-{guarded}", backend, build)
 
 
-def _sweep(backend: _sql.Backend) -> Any:
-    """Every stripe of the item, locked in stripe order (the slow path's and restripe's one order).
+def _sweep(backend: _sql.Backend, named: bool) -> Any:
+    """Stripes of the item locked in stripe order (the slow path's and restripe's one order).
 
-    InnoDB: the stripes named in ``:ids`` (see :func:`_named`: a range would also lock the next
-    item's first stripe); the caller checks the stripe count on the rows found.
+    ``named``: only the stripes named in ``:ids`` (InnoDB's slow path, and restripe on every
+    backend: it must not lock the new stripes it inserted itself); InnoDB looks each one up by
+    its whole key (see :func:`_named`: a range would also lock the next item's first stripe).
+    Otherwise every stripe of the item (PostgreSQL's slow path).  The caller checks the stripe
+    count on the rows found.
     """
 
     def build() -> Any:
         stmt = select(_s.c.stripe, _s.c.stripes, _s.c.amount)
-        stmt = _named(stmt) if backend.locking_read else stmt.where(*_same_item)
+        if not named:
+            stmt = stmt.where(*_item_stripes)
+        elif backend.locking_read:
+            stmt = _named(stmt)
+        else:
+            stmt = stmt.where(*_same_item, _s.c.stripe.in_(bindparam("sg_ids", expanding=True)))
         stmt = stmt.order_by(_s.c.stripe)
         return stmt.with_for_update() if backend.row_locks else stmt
 
-    return _memo("sweep", backend, build)
+    return _memo(f"sweep-{named}", backend, build)
 
 
 def _free() -> Any:
@@ -271,7 +306,7 @@ def _free() -> Any:
         ("striped", "free"),
         lambda: (
             select(_s.c.stripe, _s.c.amount)
-            .where(*_same_item)
+            .where(*_item_stripes)
             .order_by(_s.c.stripe)
             .with_for_update(skip_locked=True)
         ),
@@ -303,31 +338,54 @@ def _hints() -> Any:
     """Each stripe's amount, read without locks: which stripe is worth waiting for."""
     return _write.memo.get_or_build(
         ("striped", "hints"),
-        lambda: select(_s.c.stripe, _s.c.amount, _s.c.stripes).where(*_same_item),
+        lambda: select(_s.c.stripe, _s.c.amount, _s.c.stripes).where(*_item_stripes),
     )
 
 
 def _amounts() -> Any:
     return _write.memo.get_or_build(
         ("striped", "amounts"),
-        lambda: select(_s.c.amount).where(*_same_item).order_by(_s.c.stripe),
+        lambda: select(_s.c.amount).where(*_item_stripes).order_by(_s.c.stripe),
     )
+
+
+def _stripe_values(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {
+            "counter": r["sg_counter"],
+            "item": r["sg_item"],
+            "stripe": r["sg_stripe"],
+            "stripes": r["sg_stripes"],
+            "amount": r["sg_amount"],
+        }
+        for r in rows
+    ]
 
 
 def _insert_rows(rows: Sequence[Mapping[str, Any]]) -> Any:
     """One multi-row INSERT of new stripes (create, restripe: rare, so not memoised)."""
-    return insert(_s).values(
-        [
-            {
-                "counter": r["sg_counter"],
-                "item": r["sg_item"],
-                "stripe": r["sg_stripe"],
-                "stripes": r["sg_stripes"],
-                "amount": r["sg_amount"],
-            }
-            for r in rows
-        ]
-    )
+    return insert(_s).values(_stripe_values(rows))
+
+
+def _add_stripes(conn: Connection, backend: _sql.Backend, rows: Sequence[Mapping[str, Any]]) -> set[int]:
+    """Restripe, before it locks anything: insert new stripes; the ids it inserted.
+
+    An id taken already (only when the plan came from a snapshot older than the last restripe's
+    commit) is left alone: PostgreSQL and SQLite skip that row (``ON CONFLICT DO NOTHING``); InnoDB
+    rolls back the whole statement (duplicate key, 1062; the transaction stays usable) and
+    nothing is inserted.  The caller inserts what is still missing once it holds the stripes.
+    """
+    if backend.on_conflict:
+        dialect_insert = sqlite.insert if backend.name == "sqlite" else postgresql.insert
+        stmt = dialect_insert(_s).values(_stripe_values(rows)).on_conflict_do_nothing().returning(_s.c.stripe)
+        return set(_write.execute(conn, stmt).scalars())
+    try:
+        _write.execute(conn, _insert_rows(rows))
+    except sa_exc.IntegrityError as error:
+        if _sql.is_duplicate_key(error):
+            return set()
+        raise
+    return {int(r["sg_stripe"]) for r in rows}
 
 
 _CREATE: Final = _write.InsertOnce(
@@ -354,10 +412,62 @@ def _set_stripe() -> Any:
     )
 
 
-def _drop_stripes() -> Any:
+def _drop_stripe() -> Any:
+    """Delete one stripe (``:stripe``), by its whole key.
+
+    One by one, not ``stripe IN (...)``: MariaDB may run such a DELETE as a scan of the table
+    (no index hint is allowed in a single-table DELETE), locking the rows of other items with
+    next-key locks; a restripe then waited for a decrement of another item (a deadlock).  A
+    whole key is a single-row lookup, which locks that row alone.
+    """
     return _write.memo.get_or_build(
         ("striped", "drop"),
-        lambda: delete(_s).where(*_same_item, _s.c.stripe.in_(bindparam("sg_stripes", expanding=True))),
+        lambda: delete(_s).where(*_same_item, _s.c.stripe == bindparam("sg_stripe")),
+    )
+
+
+#: The restripe gate: a row of the item that is no stripe (stripe ids start at 0; amount 0,
+#: ``stripes`` 0), made by the item's first restripe and kept.  Restripes take it exclusively,
+#: first, so they run one after another without holding anything a decrement waits for.  A
+#: MariaDB decrement about to wait for a busy stripe takes it shared first, without waiting
+#: (:meth:`StripedCounter._restripe_under_way`).  Reads that range over the item leave it out.
+_GATE: Final = -1
+
+
+def _gate(backend: _sql.Backend) -> Any:
+    """Restripe: make the item's gate row or lock the one there, waiting for the restripe (or the
+    waiting decrements) that hold it: ``INSERT ... ON DUPLICATE KEY UPDATE`` / ``ON CONFLICT DO
+    UPDATE``, which lock an existing row exclusively in one statement."""
+
+    def build() -> Any:
+        values = {
+            "counter": bindparam("sg_counter"),
+            "item": bindparam("sg_item"),
+            "stripe": _GATE,
+            "stripes": 0,
+            "amount": 0,
+        }
+        if backend.locking_read:
+            return mysql.insert(_s).values(values).on_duplicate_key_update(amount=_s.c.amount)
+        return (
+            postgresql.insert(_s)
+            .values(values)
+            .on_conflict_do_update(index_elements=list(_s.primary_key), set_={"amount": _s.c.amount})
+        )
+
+    return _memo("gate", backend, build)
+
+
+def _gate_shared() -> Any:
+    """InnoDB: the item's gate row locked shared, or refused at once (``NOWAIT``) while a
+    restripe holds it or waits for it (see :meth:`StripedCounter._restripe_under_way`)."""
+    return _write.memo.get_or_build(
+        ("striped", "gate-shared"),
+        lambda: (
+            select(_s.c.stripe)
+            .where(*_same_item, _s.c.stripe == _GATE)
+            .with_for_update(read=True, nowait=True)
+        ),
     )
 
 
@@ -570,8 +680,39 @@ class StripedCounter:
         if not candidates:
             return False
         params["sg_stripe"] = random.choice(candidates)
+        if params["sg_stripe"] != 0 and self._restripe_under_way(conn, item):
+            # The stripe, read from this transaction's snapshot, may be one that restripe is
+            # inserting; stripe 0 never is (and the sweep starts with it).
+            if 0 not in candidates:
+                return False
+            params["sg_stripe"] = 0
         stmt = _by_stripe(backend, -1, True)
         return _write.run_guarded(conn, stmt, params, returning=backend.returning)[0]
+
+    def _restripe_under_way(self, conn: Connection, item: str) -> bool:
+        """MariaDB: whether a restripe of ``item`` holds (or waits for) its gate; if not, none can
+        start before this transaction ends.
+
+        A decrement waiting for a busy stripe picked from its snapshot (which may be older than
+        the last restripe) could pick one that a restripe under way is inserting again, while
+        the decrement holds a lock where that restripe inserts next (a stripe its fast path named
+        that the item did not have, or a deleted one): a deadlock.  So it first takes the gate
+        shared without waiting (``LOCK IN SHARE MODE NOWAIT``, one statement on this slow path):
+        refused means a restripe holds it or is queued for it, and the decrement waits for stripe
+        0 instead, which no restripe inserts and one holds only after its inserts.  Granted, the
+        shared lock keeps restripes out until this transaction ends (InnoDB queues record locks
+        in order: once a restripe waits for the gate, a later shared request conflicts with it).
+        An item not yet restriped has no gate row: the read then locks the gap where it goes, and
+        a first restripe queued there may start while this transaction holds that gap lock; but
+        the stripes of such an item never changed, so no snapshot shows one it inserts (an item
+        restriped only by a stateguard without the gate is the exception, until its next
+        restripe).
+        """
+        try:
+            _write.execute(conn, _gate_shared(), self._params(item)).all()
+        except LockNotAcquired:
+            return True
+        return False
 
     def _settle(
         self, conn: Connection, backend: _sql.Backend, item: str, by: int
@@ -681,7 +822,7 @@ class StripedCounter:
             if backend.locking_read:
                 rows = self._lock_named(conn, backend, item)
             else:
-                rows = _write.execute(conn, _sweep(backend), params).all()
+                rows = _write.execute(conn, _sweep(backend, False), params).all()
             # Stripe 0 is updated in place by a restripe, so a missing item is truly missing.
             if not rows:
                 break
@@ -691,10 +832,12 @@ class StripedCounter:
         return rows
 
     def _lock_named(self, conn: Connection, backend: _sql.Backend, item: str) -> Sequence[Any]:
-        """InnoDB: lock stripe 0, then the other stripes of the count it carries, by name.
+        """Lock stripe 0, then the other stripes of the count it carries, by name (InnoDB's sweep,
+        and restripe's on every backend: the new stripes it inserted are not among them).
 
-        Stripe 0 is every item's and a restripe changes the stripes only while holding it, so
-        while this transaction holds it the count on it names exactly the stripes that exist.
+        Stripe 0 is every item's and a restripe deletes stripes, and commits the ones it inserted,
+        only while holding it, so while this transaction holds it the count on it names exactly the
+        committed stripes.
         Stripes named from a count seen earlier may have been deleted by a restripe since, and
         the locks of deleted rows live on: a buyer whose wait for such a stripe ended when the
         restripe committed keeps it (InnoDB locks the delete-marked record and REPEATABLE READ
@@ -704,7 +847,7 @@ class StripedCounter:
         slow path.
         """
         params = self._params(item, sg_ids=(0,))
-        first = _write.execute(conn, _sweep(backend), params).all()
+        first = _write.execute(conn, _sweep(backend, True), params).all()
         if not first:
             return first
         self._saw(item, first[0].stripes)
@@ -712,7 +855,7 @@ class StripedCounter:
         if not rest:
             return first
         params["sg_ids"] = rest
-        return [*first, *_write.execute(conn, _sweep(backend), params).all()]
+        return [*first, *_write.execute(conn, _sweep(backend, True), params).all()]
 
     def _slow_decrement(
         self, conn: Connection, backend: _sql.Backend, item: str, by: int
@@ -1018,9 +1161,13 @@ class StripedCounter:
     def _restripe(self, session: Session, item: str, *, stripes: int) -> Result:
         """Spread ``item``'s total over ``stripes`` stripes (more for a flash sale, 1 after it).
 
-        Locks every stripe in stripe order (concurrent decrements wait or take
-        other stripes; none is lost), so the total is kept exactly.  APPLIED
-        (``.value``: the total) or NOT_FOUND::
+        Waits for another restripe of the item to end, inserts the new stripes,
+        then locks every old stripe in stripe order (concurrent decrements wait
+        or take other stripes; none is lost), so the total is kept exactly.
+        Where there are row locks the item keeps a gate row (stripe ``-1``,
+        amount 0) that restripes queue on; :meth:`total` and
+        :meth:`stripe_amounts` leave it out.  APPLIED (``.value``: the total)
+        or NOT_FOUND::
 
             stock.restripe(session, "sku-1", stripes=32)
 
@@ -1031,36 +1178,67 @@ class StripedCounter:
         k = _check_int(stripes, "stripes", 1, MAX_STRIPES)
         conn = self._conn(session)
         backend = _sql.backend(conn.dialect)
-        # SQLite: a read-then-write holds the write lock from the read on.
+        # SQLite: a read-then-write holds the write lock from the read on (it is the gate there).
         _write.sqlite_write_lock(conn)
-        rows = self._lock_all(conn, backend, item)
-        if not rows:
-            return self._result(session, Outcome.NOT_FOUND, item)
+        params = self._params(item)
+        if backend.row_locks:
+            # Behind this, no other restripe of the item is under way until this one commits.
+            _write.execute(conn, _gate(backend), params)
+        ids = stripe_ids(k)
+        # Insert the new stripes before locking anything a decrement waits for (see the module
+        # docstring: InnoDB keeps a decrement's lock where a stripe is missing or deleted, and an
+        # INSERT there waits for that decrement's COMMIT).  Waiting here holds only the gate and
+        # rows no decrement has seen committed.  Planned from a read without locks: behind the
+        # gate no restripe is under way, so it is current unless this transaction's snapshot is
+        # older than the last restripe's commit (InnoDB, REPEATABLE READ); then ids found taken
+        # are left alone and what is still missing is inserted below.  No plan for a total the
+        # new count cannot hold: the check below refuses it.
+        seen = _write.execute(conn, _hints(), params).all()
+        mine: set[int] = set()
+        if seen and sum(int(r.amount) for r in seen) <= k * MAX_AMOUNT:
+            had = {r.stripe for r in seen}
+            fresh = [self._params(item, sg_stripe=s, sg_stripes=k, sg_amount=0) for s in ids if s not in had]
+            if fresh:
+                mine = _add_stripes(conn, backend, fresh)
+        # Stripe 0, then the stripes its count names: the old stripes, not the new ones above.
+        rows = self._lock_named(conn, backend, item)
         total = sum(int(r.amount) for r in rows)
-        if total > k * MAX_AMOUNT:
+        if not rows or total > k * MAX_AMOUNT:
+            if mine:
+                self._drop(conn, item, sorted(mine))
+            if not rows:
+                if backend.row_locks:
+                    self._drop(conn, item, [_GATE])  # no gate row for an item that is not there
+                return self._result(session, Outcome.NOT_FOUND, item)
             raise InvalidArgument(
                 f"{self.target.name} item {item!r} holds {total}, more than {k} stripe(s) of at most "
                 f"{MAX_AMOUNT} can: restripe it to at least {-(-total // MAX_AMOUNT)} stripes; nothing "
                 f"changed"
             )
-        new = dict(zip(stripe_ids(k), _split(total, k), strict=True))
+        new = dict(zip(ids, _split(total, k), strict=True))
         old = {r.stripe for r in rows}
-        kept = [
-            self._params(item, sg_stripe=s, sg_amount=a, sg_stripes=k) for s, a in new.items() if s in old
+        # Stripe 0 is in both: rows are updated in place (a waiting reader re-reads them), the old
+        # ones the new count lacks deleted.
+        for s, a in new.items():
+            if s in old or s in mine:
+                _write.execute(
+                    conn, _set_stripe(), self._params(item, sg_stripe=s, sg_amount=a, sg_stripes=k)
+                )
+        self._drop(conn, item, sorted(old - new.keys()))
+        # Only when the plan came from a snapshot older than the last restripe's commit.
+        missing = [
+            self._params(item, sg_stripe=s, sg_stripes=k, sg_amount=a)
+            for s, a in new.items()
+            if s not in old and s not in mine
         ]
-        # Stripe 0 is in both: rows are updated in place (a waiting reader re-reads them), the rest
-        # deleted or inserted.
-        for params in kept:
-            _write.execute(conn, _set_stripe(), params)
-        gone = sorted(old - new.keys())
-        if gone:
-            _write.execute(conn, _drop_stripes(), self._params(item, sg_stripes=gone))
-        added = [
-            self._params(item, sg_stripe=s, sg_stripes=k, sg_amount=a) for s, a in new.items() if s not in old
-        ]
-        if added:
-            _write.execute(conn, _insert_rows(added))
+        if missing:
+            _write.execute(conn, _insert_rows(missing))
         self._saw(item, k)
         return self._result(session, Outcome.APPLIED, item, total)
 
     restripe = dual_method(_restripe, operation="striped.restripe")
+
+    def _drop(self, conn: Connection, item: str, stripes: Sequence[int]) -> None:
+        """Delete these stripes of ``item`` (or its gate), one statement each (see :func:`_drop_stripe`)."""
+        for stripe in stripes:
+            _write.execute(conn, _drop_stripe(), self._params(item, sg_stripe=stripe))

@@ -621,6 +621,29 @@ def test_pg_each_holds_own_stripe_then_both_want_more_than_one(pg_engine: Engine
     assert_invariant(pg_engine, counter, "c", 20 - 1 - 12)
 
 
+def test_increment_with_every_stripe_held_waits_and_never_lands_on_the_gate(server_engine: Any) -> None:
+    """A restriped item has a free gate row with room (stripe -1, amount 0); with every stripe
+    held, an increment waits for stripe 0 rather than add to the gate, and its units count."""
+    eng = server_engine.engine
+    counter = StripedCounter("gated", stripes=4)
+    new_item(eng, counter, "g", 40)
+    with Session(eng) as s, s.begin():
+        assert counter.restripe(s, "g", stripes=4).value == 40
+    holders = [Holder(eng, lambda s: counter.decrement(s, "g", by=1)).start() for _ in range(4)]
+    try:
+        call = Bg(lambda: unit(eng, lambda s: counter.increment(s, "g", by=5), Stats()))
+        time.sleep(0.5)
+        assert not call.done.is_set(), f"answered {call.result} while every stripe was held"
+    finally:
+        for h in holders:
+            h.finish()
+    assert call.get().outcome is Outcome.APPLIED
+    assert_invariant(eng, counter, "g", 41)
+    with Session(eng) as s:
+        gate = s.execute(text(f"SELECT amount FROM {STRIPES} WHERE counter = 'gated' AND stripe < 0")).all()
+    assert [tuple(r) for r in gate] == [(0,)]
+
+
 def test_waiters_survive_restripe_that_deletes_their_stripe(server_engine: Any) -> None:
     """Every stripe held; a unit buyer and a big buyer wait; a restripe to one stripe waits too.
     When the holders commit, the stripe rows the buyers waited for are gone: they must still

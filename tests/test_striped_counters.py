@@ -29,6 +29,7 @@ from stateguard import (
     Outcome,
     RefConflict,
     StripedCounter,
+    _sql,
     async_sqlite_engine,
     create_tables,
     drop_tables,
@@ -275,8 +276,36 @@ def test_restripe_keeps_the_total(engine: Any) -> None:
             amounts = c.stripe_amounts(s, "sku")
             assert len(amounts) == k and sum(amounts) == 19 and max(amounts) - min(amounts) <= 1
         assert c.restripe(s, "nope", stripes=2).outcome is Outcome.NOT_FOUND
-        stored = s.execute(select(counter_stripes.c.stripe).order_by(counter_stripes.c.stripe)).scalars()
-        assert list(stored) == stripe_ids(3)
+        stored = s.execute(
+            select(counter_stripes.c.item, counter_stripes.c.stripe).order_by(counter_stripes.c.stripe)
+        ).all()
+    # Where there are row locks a restripe leaves the item's gate row (stripe -1), and none for "nope".
+    gate = [("sku", -1)] if _sql.backend(engine.dialect).row_locks else []
+    assert stored == gate + [("sku", stripe) for stripe in stripe_ids(3)]
+
+
+def test_the_restripe_gate_is_no_stripe(engine: Any) -> None:
+    """A restripe leaves the item's gate row (stripe -1, amount 0; where there are row locks), and
+    nothing counts or uses it: totals, stripe amounts, increments (it has room), a decrement that
+    sweeps every stripe, the next restripe."""
+    c = StripedCounter("gate", stripes=4)
+    with Session(engine) as s, s.begin():
+        c.create(s, "g", amount=10)
+        assert c.restripe(s, "g", stripes=2).value == 10
+        for _ in range(20):
+            assert c.increment(s, "g", by=1).applied
+        assert c.total(s, "g") == 30 and len(c.stripe_amounts(s, "g")) == 2
+        assert c.decrement(s, "g", by=30).applied  # more than any stripe: takes from both
+        assert c.total(s, "g") == 0 and c.stripe_amounts(s, "g") == [0, 0]
+        assert c.increment(s, "g", by=7).applied
+        assert c.restripe(s, "g", stripes=3).value == 7
+        assert c.stripe_amounts(s, "g") == [3, 2, 2]
+        gate = s.execute(
+            select(counter_stripes.c.stripes, counter_stripes.c.amount).where(
+                counter_stripes.c.counter == "gate", counter_stripes.c.stripe < 0
+            )
+        ).all()
+    assert gate == ([(0, 0)] if _sql.backend(engine.dialect).row_locks else [])
 
 
 def test_the_longest_items_round_trip_through_the_ledger(engine: Any) -> None:
@@ -850,7 +879,9 @@ def test_restripe_under_concurrent_decrements_keeps_the_total(
     assert sorted(restripes["totals"], reverse=True) == restripes["totals"]
     with engine.connect() as conn:
         counts = conn.execute(
-            select(counter_stripes.c.stripes, func.count()).group_by(counter_stripes.c.stripes)
+            select(counter_stripes.c.stripes, func.count())
+            .where(counter_stripes.c.stripe >= 0)  # not the restripe gate
+            .group_by(counter_stripes.c.stripes)
         ).all()
     [(k, n)] = counts
     assert k == n

@@ -32,8 +32,9 @@ from stateguard import (
     create_tables,
     drop_tables,
 )
+from stateguard.striped import stripe_ids
 from tests.conftest import count_statements
-from tests.test_striped_attacks import Stats, run_threads
+from tests.test_striped_attacks import STRIPES, Stats, run_threads
 from tests.test_striped_attacks import unit as _unit
 
 MAX = 2**63 - 1
@@ -59,6 +60,13 @@ def check_item(engine: Engine, counter: StripedCounter, item: str, expected: int
     assert all(a >= 0 for a in amounts), amounts
     assert sum(amounts) == total == expected, (item, total, expected, amounts)
     return amounts
+
+
+def stored(engine: Engine, counter: str) -> list[tuple[int, int]]:
+    """``(stripe, stripes)`` of the counter's rows in stripe order, its restripe gates left out."""
+    sql = f"SELECT stripe, stripes FROM {STRIPES} WHERE counter = :c AND stripe >= 0 ORDER BY stripe"
+    with Session(engine) as s:
+        return [(int(r[0]), int(r[1])) for r in s.execute(text(sql), {"c": counter})]
 
 
 def ledger(engine: Engine, counter: StripedCounter) -> list[tuple[Any, ...]]:
@@ -512,20 +520,166 @@ def test_restripe_between_nested_counts_plentiful_stock(server: Any) -> None:
     assert restripers.retryable["DeadlockDetected"] == 0, restripers.retryable
 
 
-# BROKEN (MariaDB, open; the README states it): restripes to stripe counts whose ids differ
-# (3, 8, 5, 16, 2) racing one-call decrements of plentiful stock (100000 units, by <= 3) deadlock,
-# 20-60 DeadlockDetected per run; totals stay exact.  A buyer that named a stripe missing under the
-# latest count, or whose wait ended on a stripe a restripe deleted, keeps an InnoDB gap lock there;
-# the next restripe's INSERT of new stripes waits for it while that buyer waits for a stripe the
-# restripe holds.  A fix needs the restripe to insert before it holds what buyers wait for.
-def test_restripe_to_other_counts_plentiful_stock_no_deadlock(server: Any, request: Any) -> None:
-    if server.name == "mariadb":
-        request.applymarker(
-            pytest.mark.xfail(strict=True, reason="MariaDB: restripe storms deadlock with plentiful stock")
-        )
+# README: "With plentiful stock there are none [deadlocks]", restripes included.  Restripes to stripe
+# counts whose ids differ (3, 8, 5, 16, 2) racing one-call decrements and reserves of plentiful stock
+# (100000 units, by <= 3).  MariaDB used to deadlock 20-60 times per run: a decrement that named a
+# stripe the item no longer had, or whose wait ended on a stripe a restripe deleted, keeps an InnoDB
+# lock there (a gap lock, or the deleted row's) until it commits, and the restripe inserted its new
+# stripes there while holding the stripes that decrement waited for.  A restripe now queues at its
+# gate and inserts before it locks any stripe; its DELETEs go one key at a time (a DELETE ... IN
+# (...) ran as a scan and locked a neighbouring item's rows).
+def test_restripe_to_other_counts_plentiful_stock_no_deadlock(server: Any) -> None:
+    """Restripes to counts with other stripe ids (3, 8, 5, 16, 2) racing ref'd decrements and
+    reserves of plentiful stock: exact, and no deadlock on either side."""
     buyers, restripers, _ = _restripe_storm(server.engine, [3, 8, 5, 16, 2])
     assert buyers.retryable["DeadlockDetected"] == 0, buyers.retryable
     assert restripers.retryable["DeadlockDetected"] == 0, restripers.retryable
+
+
+# Restripes of one item queue at its gate (an INSERT and DELETE of a key no stripe has): on MariaDB
+# a plain INSERT's duplicate check waits for a shared lock, so when the holder committed two queued
+# restripes both got it and then each waited for the other to take the exclusive one (a deadlock).
+def test_restripes_queued_behind_an_open_restripe_all_apply(server: Any) -> None:
+    """Three restripes (5, 16, 2) queue behind an open restripe 8 -> 3: once it commits all three
+    apply in turn, with no deadlock, and the item ends with exactly the stripes its count names."""
+    c = StripedCounter("queue", stripes=8)
+    with Session(server.engine) as s, s.begin():
+        c.create(s, "q", amount=8000)
+    holder_ready, go = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def holder() -> None:
+        try:
+            with Session(server.engine) as s, s.begin():
+                assert c.restripe(s, "q", stripes=3).outcome is Outcome.APPLIED
+                holder_ready.set()
+                assert go.wait(30)
+        except BaseException as error:
+            errors.append(error)
+            holder_ready.set()
+
+    h = threading.Thread(target=holder, daemon=True)
+    h.start()
+    assert holder_ready.wait(15) and not errors
+    outcomes: list[Any] = [None] * 3
+    ids: list[int] = []
+
+    def restriper(i: int) -> None:
+        try:
+            with Session(server.engine) as s, s.begin():
+                ids.append(_connection_id(s, server))
+                outcomes[i] = c.restripe(s, "q", stripes=[5, 16, 2][i]).outcome
+        except SerializationConflict as error:
+            outcomes[i] = type(error).__name__
+
+    queued = [threading.Thread(target=restriper, args=(i,), daemon=True) for i in range(3)]
+    for t in queued:
+        t.start()
+    deadline = time.monotonic() + 15
+    while _lock_waiters(server, ids, "INSERT ") < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling a condition, not hoping for a race
+    assert _lock_waiters(server, ids, "INSERT ") == 3, ("restripes never queued at the gate", outcomes)
+    go.set()
+    h.join(30)
+    for t in queued:
+        t.join(30)
+    assert not errors, errors
+    assert outcomes == [Outcome.APPLIED] * 3, outcomes
+    amounts = check_item(server.engine, c, "q", 8000)
+    assert len(amounts) in (5, 16, 2), amounts
+    assert stored(server.engine, "queue") == [(stripe, len(amounts)) for stripe in stripe_ids(len(amounts))]
+
+
+# README: a decrement about to wait for a busy stripe takes the restripe gate shared without waiting
+# first.  The stripe it waits for is picked from its snapshot, which may be older than the last
+# restripe: it can be one that a restripe under way is inserting again, while the decrement holds a
+# lock where that restripe inserts next (a stripe the item did not have, named by an earlier
+# lookup).  Waiting for it was a deadlock (MariaDB); with the gate held, it waits for stripe 0.
+def test_decrement_waiting_on_a_stripe_a_restripe_is_inserting_again(server: Any) -> None:
+    """A decrement whose snapshot shows 16 stripes, of which only stripe 131072 holds ``by``,
+    holding a lock on stripe 786432 (gone since a restripe 16 -> 3): a restripe 3 -> 16 inserts
+    131072 and waits at 786432; the decrement then does not wait for 131072 but for stripe 0, and
+    both apply once stripe 0's holder lets go."""
+    eng = server.engine
+    c = StripedCounter("again", stripes=16)
+    with Session(eng) as s, s.begin():
+        c.create(s, "a", amount=1600)  # 100 a stripe
+        s.execute(text(f"UPDATE {STRIPES} SET amount = 1000 WHERE counter = 'again' AND stripe = 131072"))
+    late = Session(eng)
+    late.begin()
+    assert c.total(late, "a") == 2500  # the snapshot: 16 stripes, 131072 the only one with 500
+    with Session(eng) as s, s.begin():
+        assert c.restripe(s, "a", stripes=3).value == 2500
+    one = f"SELECT amount FROM {STRIPES} WHERE counter = 'again' AND item = 'a' AND stripe = :s FOR UPDATE"
+    late.execute(text(one), {"s": 786432}).all()  # the lock a stale lookup leaves
+    holder = Session(eng)
+    holder.begin()
+    for stripe in stripe_ids(3):
+        holder.execute(text(one), {"s": stripe}).all()  # every stripe busy: no fast path
+    outcomes: dict[str, Any] = {}
+    ids: list[int] = []
+
+    def restriper() -> None:
+        try:
+            with Session(eng) as s, s.begin():
+                ids.append(_connection_id(s, server))
+                outcomes["restripe"] = c.restripe(s, "a", stripes=16).outcome
+        except SerializationConflict as error:
+            outcomes["restripe"] = type(error).__name__
+
+    def buyer() -> None:
+        try:
+            ids.append(_connection_id(late, server))
+            outcomes["decrement"] = c.decrement(late, "a", by=500).outcome
+            late.commit()
+        except SerializationConflict as error:
+            outcomes["decrement"] = type(error).__name__
+            late.rollback()
+
+    threads = [threading.Thread(target=restriper, daemon=True)]
+    threads[0].start()
+    deadline = time.monotonic() + 15
+    while _lock_waiters(server, ids, "") < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling a condition, not hoping for a race
+    assert _lock_waiters(server, ids, "") == 1, ("the restripe never waited", outcomes)
+    threads.append(threading.Thread(target=buyer, daemon=True))
+    threads[1].start()
+    while _lock_waiters(server, ids, "") < 2 and not outcomes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    holder.rollback()
+    for t in threads:
+        t.join(30)
+    late.close()
+    holder.close()
+    assert outcomes == {"restripe": Outcome.APPLIED, "decrement": Outcome.APPLIED}, outcomes
+    amounts = check_item(eng, c, "a", 2000)
+    assert len(amounts) == 16, amounts
+
+
+# A restripe plans its new stripes from a read without locks.  In a transaction whose snapshot is
+# older than another restripe's commit (MariaDB, REPEATABLE READ) that read shows the old stripes:
+# some ids it inserts may be taken (its INSERT fails with a duplicate key, and is left out), others
+# are missing; what it finds once it holds the stripes decides.
+@pytest.mark.parametrize(("first", "then"), [(3, 5), (3, 6), (16, 2), (2, 16)])
+def test_restripe_in_a_transaction_whose_snapshot_predates_another_restripe(
+    server: Any, first: int, then: int
+) -> None:
+    """A transaction reads the item, another restripes it 8 -> ``first`` and commits, then the first
+    restripes it to ``then``: APPLIED with the whole total, exactly the stripes ``then`` names."""
+    c = StripedCounter("stale", stripes=8)
+    with Session(server.engine) as s, s.begin():
+        c.create(s, "s", amount=1001)
+    with Session(server.engine) as late, late.begin():
+        assert c.total(late, "s") == 1001  # the snapshot (InnoDB: this transaction's first read)
+        with Session(server.engine) as s, s.begin():
+            assert c.restripe(s, "s", stripes=first).value == 1001
+        r = c.restripe(late, "s", stripes=then)
+        assert (r.outcome, r.value) == (Outcome.APPLIED, 1001)
+    amounts = check_item(server.engine, c, "s", 1001)
+    assert len(amounts) == then and max(amounts) - min(amounts) <= 1, amounts
+    assert stored(server.engine, "stale") == [(stripe, then) for stripe in stripe_ids(then)]
+    with Session(server.engine) as s, s.begin():
+        assert c.decrement(s, "s", by=1001).outcome is Outcome.APPLIED  # every stripe is reachable
 
 
 def test_restripe_storm_exact_on_every_backend(backend: Any, engine: Engine) -> None:
@@ -736,12 +890,13 @@ def _connection_id(session: Session, backend: Any) -> int:
     return int(session.execute(text(f"SELECT {fn}")).scalar_one())
 
 
-def _lock_waiters(backend: Any, ids: list[int]) -> int:
+def _lock_waiters(backend: Any, ids: list[int], statement: str = "UPDATE ") -> int:
     """How many of the connections ``ids`` wait for a lock (other tests' waiters do not count).
 
-    MariaDB: an UPDATE of the stripes running for over 300 ms (the restripe holds every stripe).
-    Not information_schema.innodb_trx: its cache is capped in size and leaves transactions out
-    while other tests on the server hold many locks.
+    MariaDB: a statement on the stripes starting with ``statement`` (an UPDATE; a restripe's
+    INSERT; ``""``: any) running for over 300 ms (the holder keeps what they need).  Not
+    information_schema.innodb_trx: its cache is capped in size and leaves transactions out while
+    other tests on the server hold many locks.
     """
     if not ids:
         return 0
@@ -749,7 +904,7 @@ def _lock_waiters(backend: Any, ids: list[int]) -> int:
         "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND pid IN :ids"
         if backend.name == "postgresql"
         else "SELECT count(*) FROM information_schema.processlist WHERE id IN :ids AND command = 'Query'"
-        " AND time_ms > 300 AND info LIKE 'UPDATE stateguard_counter_stripes %'"
+        f" AND time_ms > 300 AND info LIKE '{statement}%stateguard_counter_stripes %'"
     )
     stmt = text(sql).bindparams(bindparam("ids", expanding=True))
     with backend.engine.connect() as conn:
