@@ -51,7 +51,7 @@ SIZES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "locks": ({"workers": 8, "ops": 50, "rounds": 3}, {"workers": 2, "ops": 3, "rounds": 1}),
     "observe": ({"n": 1500}, {"n": 20}),
     "striped": (
-        {"buyers": 8, "per_buyer": 100, "rounds": 3, "stripes": 8},
+        {"buyers": 8, "per_buyer": 250, "rounds": 5, "stripes": 8},
         {"buyers": 3, "per_buyer": 5, "rounds": 1, "stripes": 4},
     ),
 }
