@@ -165,18 +165,34 @@ class PgBouncer:
         with psycopg.connect(self.conninfo(), connect_timeout=2, prepare_threshold=None) as conn:
             conn.execute("SELECT 1")
 
-    def stop(self) -> None:
-        """Stop pgbouncer (SIGTERM by pid, SIGKILL if it lingers) and remove its directory."""
+    def restart(self, timeout: float = 20.0) -> None:
+        """Kill pgbouncer (SIGKILL: every client and server connection drops at once, as in a
+        crash) and start it again on the same port; returns once it answers a query."""
         process, self.process = self.process, None
-        if process is not None and process.poll() is None:
-            process.terminate()
+        if process is not None:
+            self._end(process, kill=True)
+        (self.dir / "pgbouncer.pid").unlink(missing_ok=True)  # left behind by the kill
+        self.start(timeout)
+
+    def _end(self, process: subprocess.Popen[bytes], *, kill: bool = False) -> None:
+        if process.poll() is None:
+            if kill:
+                process.kill()
+            else:
+                process.terminate()
             try:
                 process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=10)
-        if process is not None and process.stderr is not None:
+        if process.stderr is not None:
             process.stderr.close()
+
+    def stop(self) -> None:
+        """Stop pgbouncer (SIGTERM by pid, SIGKILL if it lingers) and remove its directory."""
+        process, self.process = self.process, None
+        if process is not None:
+            self._end(process)
         with contextlib.suppress(OSError):
             shutil.rmtree(self.dir)
 
