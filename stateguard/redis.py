@@ -1435,8 +1435,12 @@ class AsyncRedisLock(_RedisLock):
     :class:`~stateguard.LockLost` instead of deleting the next task's lock.
     Acquire and release in the same task: bound the wait with
     ``blocking_timeout``, not ``asyncio.wait_for`` (which on Python 3.11 runs
-    the acquisition in a task of its own).  A task cancelled while its
-    acquisition is on the wire may leave the lock held until its TTL ends.
+    the acquisition in a task of its own).  A task cancelled while it waits
+    gets :class:`asyncio.CancelledError` (also when redis-py's client swallows
+    the cancellation inside a command: :meth:`acquire` notices the task's
+    pending cancellation, gives back a lock it took meanwhile, and raises it).
+    A task cancelled while its acquisition is on the wire may leave the lock
+    held until its TTL ends.
     """
 
     _asynchronous = True
@@ -1452,8 +1456,26 @@ class AsyncRedisLock(_RedisLock):
             finally:
                 await lock.release()
         """
+        task = asyncio.current_task()
+        cancels = task.cancelling() if task is not None else 0
         with _watch("redis_lock.acquire", self.name):
-            return await Awaited(self._acquire(blocking_timeout))
+            try:
+                fence = await Awaited(self._acquire(blocking_timeout))
+            except LockNotAcquired:
+                if task is not None and task.cancelling() > cancels:
+                    # Cancelled while waiting, and redis-py's asyncio client swallowed the
+                    # CancelledError inside a command (it does, now and then): still due.
+                    raise asyncio.CancelledError from None
+                raise
+        if task is not None and task.cancelling() > cancels:
+            # Cancelled, the cancellation swallowed the same way, and the lock taken meanwhile:
+            # give it back rather than hand a cancelled task a lock it will not know it holds.
+            try:
+                await self.release()
+            except Exception:  # it expires with its TTL; the cancellation is what the task must see
+                log.warning("could not give back lock %r taken by a cancelled task", self.name, exc_info=True)
+            raise asyncio.CancelledError
+        return fence
 
     async def release(self) -> None:
         """Release the lock if this task still holds it; :class:`~stateguard.LockLost` if it expired.

@@ -809,11 +809,11 @@ def test_async_lock_cancelled_while_waiting_does_not_keep_the_lock(redis_client:
             await asyncio.sleep(0.2)
             task.cancel()
             # redis-py 8.1's asyncio client now and then swallows a cancellation that arrives
-            # inside a command: its own Lock.acquire then returns False at blocking_timeout (18 of
-            # 300 cancels in a plain redis-py loop on this machine, 19 of 300 through
-            # AsyncRedisLock before and after the steps refactor), and the waiter ends
-            # LockNotAcquired instead of CancelledError.  Either way it must not hold the lock.
-            with pytest.raises((asyncio.CancelledError, LockNotAcquired)):
+            # inside a command (18 of 300 cancels in a plain redis-py loop on this machine): its
+            # own Lock.acquire then returns False at blocking_timeout.  AsyncRedisLock notices the
+            # pending cancellation and raises CancelledError all the same (see
+            # test_async_lock_cancellation_swallowed_by_the_client_still_cancels).
+            with pytest.raises(asyncio.CancelledError):
                 await task
             assert await holder.owned() and not await waiter.owned()
             await holder.release()
@@ -821,6 +821,100 @@ def test_async_lock_cancelled_while_waiting_does_not_keep_the_lock(redis_client:
             third = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=0)
             await third.acquire()
             await third.release()
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+def _swallowing_evalsha(client: Any, *, then_run: bool) -> tuple[list[str], asyncio.Event]:
+    """Make ``client``'s EVALSHA swallow a cancellation that arrives while it is in flight, as
+    redis-py 8.1's asyncio client now and then does: the command then returns "not taken" (``None``),
+    or with ``then_run`` runs for real (and may take the lock).  Returns a log of what it did and an
+    event set whenever a command is in flight."""
+    real = client.evalsha
+    seen: list[str] = []
+    in_flight = asyncio.Event()
+
+    async def evalsha(*args: Any) -> Any:
+        in_flight.set()
+        try:
+            await asyncio.sleep(0.5)  # the command "on the wire": where the cancel lands
+        except asyncio.CancelledError:
+            seen.append("swallowed")
+            if not then_run:
+                return None
+        finally:
+            in_flight.clear()
+        return await real(*args)
+
+    client.evalsha = evalsha
+    return seen, in_flight
+
+
+@pytest.mark.parametrize("then_run", [False, True], ids=["not-taken", "taken-meanwhile"])
+def test_async_lock_cancellation_swallowed_by_the_client_still_cancels(
+    redis_client: Any, lock_name: str, then_run: bool
+) -> None:
+    """A waiter cancelled inside a command whose client swallows the CancelledError still ends
+    cancelled and never keeps the lock: not taken (the lock is held; the client then answers
+    "held" until blocking_timeout), or taken by that very command (the lock was free; it is given
+    back before CancelledError)."""
+    import redis.asyncio
+
+    async def main() -> None:
+        client = redis.asyncio.Redis.from_url(REDIS_URL)
+        other = redis.asyncio.Redis.from_url(REDIS_URL)
+        try:
+            holder = AsyncRedisLock(other, lock_name, ttl=30)
+            if not then_run:
+                await holder.acquire()
+            waiter = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=2, sleep=0.01)
+            seen, in_flight = _swallowing_evalsha(client, then_run=then_run)
+            task = asyncio.create_task(waiter.acquire())
+            await asyncio.wait_for(in_flight.wait(), 5)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert seen == ["swallowed"], seen
+            assert not await waiter.owned()
+            if then_run:
+                assert not await other.exists(holder.key), "the cancelled task's lock was not given back"
+            else:
+                assert await holder.owned()
+                await holder.release()
+        finally:
+            await client.aclose()
+            await other.aclose()
+
+    asyncio.run(main())
+
+
+def test_async_lock_earlier_handled_cancellation_does_not_cancel_acquire(
+    redis_client: Any, lock_name: str
+) -> None:
+    """Only a cancellation requested during acquire() counts: a task that was cancelled before and
+    handled it (its cancelling() count stays up) still takes a free lock."""
+    import redis.asyncio
+
+    async def main() -> None:
+        client = redis.asyncio.Redis.from_url(REDIS_URL)
+        try:
+
+            async def work() -> int:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(10)  # cancelled below, and the cancellation swallowed
+                task = asyncio.current_task()
+                assert task is not None and task.cancelling() == 1
+                lock = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=0)
+                fence = await lock.acquire()
+                await lock.release()
+                return fence
+
+            task = asyncio.create_task(work())
+            await asyncio.sleep(0.05)
+            task.cancel()
+            assert await task >= 1
         finally:
             await client.aclose()
 
