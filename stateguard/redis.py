@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, suppress
 from datetime import timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal, NoReturn, TypeVar, cast
 
 from sqlalchemy import Connection, Engine, text
 
@@ -895,7 +895,12 @@ def _async_lock_class() -> type[AsyncLock]:
                 self.local = cast(Any, _TaskLocal())
 
             async def do_acquire(self, token: str | bytes) -> bool:
-                return _took(self, await Awaited(self._acquire_steps(token)))
+                taken = _took(self, await Awaited(self._acquire_steps(token)))
+                base = getattr(self.local, "cancel_base", None)
+                task = asyncio.current_task()
+                if base is not None and task is not None and task.cancelling() > base:
+                    await _still_cancelled(self, token if taken else None)
+                return taken
 
             async def do_release(self, expected_token: bytes) -> None:
                 _done(self, await Awaited(self._release_steps(expected_token)), "release")
@@ -906,6 +911,36 @@ def _async_lock_class() -> type[AsyncLock]:
         _fenced_classes["async"] = _AsyncFencedLock
     cls: type[AsyncLock] = _fenced_classes["async"]
     return cls
+
+
+async def _still_cancelled(lock: Any, token: str | bytes | None) -> NoReturn:
+    """The task was cancelled during ``AsyncRedisLock.acquire`` and redis-py's asyncio client
+    swallowed the CancelledError inside a command (it does, now and then): end the acquisition
+    with CancelledError, at once (redis-py's loop would go on polling until the lock is free or
+    ``blocking_timeout`` ends), giving back the lock first if ``token`` (this command) took it.
+
+    The give-back runs in a task of its own and is waited for through any further cancellation,
+    so the task never ends holding a lock it was told it did not get.  Then one ``await`` lets a
+    canceller that cancels again and again (anyio's cancel scopes) deliver its own
+    CancelledError, which it recognises; a plain ``task.cancel()`` or ``asyncio.timeout`` gets a
+    fresh one.
+    """
+    if token is not None:
+        give_back = asyncio.ensure_future(lock.lua_fenced_release(**_release_call(lock, token)))
+        while not give_back.done():
+            with suppress(asyncio.CancelledError):
+                await asyncio.shield(give_back)
+        if give_back.cancelled() or give_back.exception() is not None:
+            # It expires with its TTL; the cancellation is what the task must see.
+            log.warning(
+                "could not give back lock %r taken by a cancelled task: it stays until its ttl ends",
+                lock.name,
+                exc_info=None if give_back.cancelled() else give_back.exception(),
+            )
+        else:
+            lock.local.pending_token = None
+    await asyncio.sleep(0)
+    raise asyncio.CancelledError
 
 
 class _TaskLocal:
@@ -1456,26 +1491,18 @@ class AsyncRedisLock(_RedisLock):
             finally:
                 await lock.release()
         """
+        # A cancellation already requested is delivered here, before anything is sent; after this,
+        # one that redis-py's client swallows inside a command is noticed by the count (see
+        # _AsyncFencedLock.do_acquire).
+        await asyncio.sleep(0)
         task = asyncio.current_task()
-        cancels = task.cancelling() if task is not None else 0
-        with _watch("redis_lock.acquire", self.name):
-            try:
-                fence = await Awaited(self._acquire(blocking_timeout))
-            except LockNotAcquired:
-                if task is not None and task.cancelling() > cancels:
-                    # Cancelled while waiting, and redis-py's asyncio client swallowed the
-                    # CancelledError inside a command (it does, now and then): still due.
-                    raise asyncio.CancelledError from None
-                raise
-        if task is not None and task.cancelling() > cancels:
-            # Cancelled, the cancellation swallowed the same way, and the lock taken meanwhile:
-            # give it back rather than hand a cancelled task a lock it will not know it holds.
-            try:
-                await self.release()
-            except Exception:  # it expires with its TTL; the cancellation is what the task must see
-                log.warning("could not give back lock %r taken by a cancelled task", self.name, exc_info=True)
-            raise asyncio.CancelledError
-        return fence
+        local = self._lock.local
+        local.cancel_base = task.cancelling() if task is not None else None
+        try:
+            with _watch("redis_lock.acquire", self.name):
+                return await Awaited(self._acquire(blocking_timeout))
+        finally:
+            local.cancel_base = None
 
     async def release(self) -> None:
         """Release the lock if this task still holds it; :class:`~stateguard.LockLost` if it expired.

@@ -1,0 +1,933 @@
+"""Reviewer's attacks on one promise of AsyncRedisLock (stateguard.redis):
+
+    the owner token belongs to the task that acquired it; a task cancelled while it waits for the
+    lock gets CancelledError and never keeps the lock, also when redis-py's asyncio client swallows
+    the cancellation inside a command.
+
+AsyncRedisLock.acquire notes ``asyncio.current_task().cancelling()`` when it starts (after one
+``await``, which delivers a cancel already requested) and checks it after every acquire-script
+reply: if it grew, redis-py swallowed a cancellation, and the acquisition ends at once with
+CancelledError, giving back (in a task of its own, through further cancels) a lock that reply
+took.  The attacks drive that the way production code cancels: ``asyncio.timeout()``,
+``asyncio.wait_for`` (Python 3.11), TaskGroup, anyio cancel scopes, ``async with lock:``, a cancel
+in the sleep between polls, a cancel whose reply is lost, one lock object shared by several
+tasks, ``uncancel()``, an earlier handled cancellation, ``blocking_timeout=0``, the give-back
+racing an expiry (LockLost) and a second cancel landing in the give-back.
+
+The swallowing client is simulated deterministically: :class:`Wire` replaces the client's
+``evalsha`` and lets a test queue, per script (acquire / release), what the next call does: block
+until cancelled and then swallow the CancelledError (answering "not taken", or running the script
+for real and so maybe taking the lock), stall until cancelled (the cancel is delivered), or run for
+real and then lose the reply to a cancel.  Every step is sequenced with events; the only timeouts
+are bounds on a liveness failure (the test fails instead of hanging).
+
+Each test passes if the promise holds.  The ones marked "BUG" found a bug and failed on the code
+they were written against (cd38919, which checked only once redis-py's whole wait had returned:
+a swallowed cancel kept a waiter polling until the lock was free or blocking_timeout ended, a
+second cancel could cut the give-back, anyio's scope could not recognise the fresh
+CancelledError, and a cancel requested just before acquire() was lost); all pass since.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import pytest
+
+from stateguard import AsyncRedisLock, LockNotAcquired
+from stateguard.redis import _ACQUIRE_SCRIPT, _RELEASE_SCRIPT
+
+from .conftest import REDIS_URL
+
+ACQUIRE_SHA = hashlib.sha1(_ACQUIRE_SCRIPT.encode()).hexdigest()
+RELEASE_SHA = hashlib.sha1(_RELEASE_SCRIPT.encode()).hexdigest()
+
+#: Bound on how long a cancelled task may take to end when the promise holds (it takes
+#: milliseconds); only reached when the test is failing.
+LIVENESS_BOUND = 3.0
+
+Real = Callable[[], Awaitable[Any]]
+Hook = Callable[[Real], Awaitable[Any]]
+
+VARIANTS = pytest.mark.parametrize("then_run", [False, True], ids=["not-taken", "taken-meanwhile"])
+
+
+@pytest.fixture
+def lock_name(redis_client: Any) -> Iterator[str]:
+    name = f"sgt-cancel-{uuid.uuid4().hex[:12]}"
+    yield name
+    keys = list(redis_client.scan_iter(match=f"stateguard:lock:{{{name}*"))
+    if keys:
+        redis_client.delete(*keys)
+
+
+async def _forever() -> None:
+    await asyncio.Event().wait()
+
+
+class Wire:
+    """A redis.asyncio client's EVALSHA under the test's control.
+
+    ``queue("acquire", hook)`` makes the next acquire-script call run ``hook(real)`` instead of
+    going straight to Redis (``real()`` sends it); calls with an empty queue go through.  Only the
+    calls of ``task`` (when set) are intercepted, so other tasks sharing the client are untouched.
+    """
+
+    def __init__(self, client: Any) -> None:
+        self.real = client.evalsha
+        self.hooks: dict[str, list[Hook]] = {"acquire": [], "release": []}
+        self.log: list[str] = []
+        self.in_flight = asyncio.Event()
+        self.task: asyncio.Task[Any] | None = None
+        client.evalsha = self._evalsha
+
+    def queue(self, script: str, hook: Hook) -> None:
+        self.hooks[script].append(hook)
+
+    async def _evalsha(self, sha: str, *args: Any) -> Any:
+        script = {ACQUIRE_SHA: "acquire", RELEASE_SHA: "release"}.get(sha)
+        mine = self.task is None or asyncio.current_task() is self.task
+        if script is None or not mine or not self.hooks[script]:
+            return await self.real(sha, *args)
+        hook = self.hooks[script].pop(0)
+        return await hook(lambda: self.real(sha, *args))
+
+    # ---- hooks -------------------------------------------------------------
+
+    def swallow(self, *, then_run: bool, after: Callable[[], Awaitable[None]] | None = None) -> Hook:
+        """Block "on the wire" until cancelled, swallow the CancelledError (redis-py's habit), then
+        answer "not taken" (None) or run the script for real.  ``after`` runs before replying."""
+
+        async def hook(real: Real) -> Any:
+            self.in_flight.set()
+            try:
+                await _forever()
+            except asyncio.CancelledError:
+                self.log.append("swallowed")
+            finally:
+                self.in_flight.clear()
+            reply = None
+            if then_run:
+                try:
+                    reply = await real()
+                except asyncio.CancelledError:
+                    self.log.append("re-cancelled")
+                    raise
+            if after is not None:
+                await after()
+            return reply
+
+        return hook
+
+    def stall(self, flag: asyncio.Event, proceed: asyncio.Event) -> Hook:
+        """Block before the command reaches Redis (waiting for a connection) until ``proceed`` is
+        set; a cancel meanwhile is delivered."""
+
+        async def hook(real: Real) -> Any:
+            flag.set()
+            try:
+                await proceed.wait()
+            except asyncio.CancelledError:
+                self.log.append("stalled-cancelled")
+                raise
+            return await real()
+
+        return hook
+
+    def swallow_all(self) -> Hook:
+        """Run the script for real, swallowing every cancel that arrives until its reply is in."""
+
+        async def hook(real: Real) -> Any:
+            self.in_flight.set()
+            job = asyncio.ensure_future(real())
+            while not job.done():
+                try:
+                    await asyncio.shield(job)
+                except asyncio.CancelledError:
+                    self.log.append("swallowed")
+            return job.result()
+
+        return hook
+
+    def lose_reply(self, flag: asyncio.Event) -> Hook:
+        """Run the script for real, then lose its reply to a cancel (delivered, not swallowed)."""
+
+        async def hook(real: Real) -> Any:
+            reply = await real()
+            self.log.append(f"ran:{reply!r}")
+            flag.set()
+            await _forever()
+            return reply  # pragma: no cover
+
+        return hook
+
+    def after_reply(self, flag: asyncio.Event) -> Hook:
+        """Run the script for real and signal once the reply is in."""
+
+        async def hook(real: Real) -> Any:
+            reply = await real()
+            self.log.append(f"ran:{reply!r}")
+            flag.set()
+            return reply
+
+        return hook
+
+
+@contextlib.asynccontextmanager
+async def clients(n: int = 2) -> Any:
+    import redis.asyncio
+
+    made = [redis.asyncio.Redis.from_url(REDIS_URL) for _ in range(n)]
+    try:
+        yield made
+    finally:
+        for client in made:
+            await client.aclose()
+
+
+async def _finish(task: asyncio.Task[Any], bound: float = LIVENESS_BOUND) -> None:
+    done, _ = await asyncio.wait({task}, timeout=bound)
+    assert done, f"the cancelled task was still running after {bound}s"
+
+
+# --------------------------------------------------------------------------
+# asyncio.timeout / wait_for / TaskGroup / anyio around acquire
+# --------------------------------------------------------------------------
+
+
+@VARIANTS
+def test_timeout_around_acquire_with_swallowed_cancel_raises_timeout_error(
+    redis_client: Any, lock_name: str, then_run: bool
+) -> None:
+    """``async with asyncio.timeout():`` whose cancel the client swallows: TimeoutError (the
+    timeout recognises its own cancel), the task's cancelling() back to 0, no lock kept."""
+
+    async def main() -> None:
+        async with clients() as (client, other):
+            holder = AsyncRedisLock(other, lock_name, ttl=30)
+            if not then_run:
+                await holder.acquire()
+            waiter = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=1, sleep=0.01)
+            wire = Wire(client)
+            wire.queue("acquire", wire.swallow(then_run=then_run))
+
+            async def work() -> tuple[str, int, bool]:
+                try:
+                    async with asyncio.timeout(0.05):  # fires while the command blocks
+                        await waiter.acquire()
+                    return "acquired", 0, True  # pragma: no cover
+                except TimeoutError:
+                    task = asyncio.current_task()
+                    assert task is not None
+                    return "timeout", task.cancelling(), await waiter.owned()
+
+            outcome, cancelling, owned = await asyncio.wait_for(work(), LIVENESS_BOUND)
+            assert (outcome, cancelling, owned) == ("timeout", 0, False)
+            assert wire.log == ["swallowed"]
+            if then_run:
+                assert not await other.exists(waiter.key), "the cancelled task's lock was not given back"
+            else:
+                assert await holder.owned()
+                await holder.release()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("how", ["task.cancel", "asyncio.timeout"])
+@pytest.mark.parametrize("blocking_timeout", [None, 30], ids=["forever", "30s"])
+def test_swallowed_cancel_ends_the_wait_while_the_lock_stays_held(
+    redis_client: Any, lock_name: str, how: str, blocking_timeout: float | None
+) -> None:
+    """BUG.  The lock is held (and stays held) by someone else; the waiter's cancel is swallowed
+    inside one poll.  The waiter must end with CancelledError / TimeoutError promptly, not keep
+    polling until the holder lets go or blocking_timeout (default: forever) runs out: the
+    cancelling() check only runs after redis-py's whole acquire loop returned, so
+    ``async with asyncio.timeout(5): async with lock:`` with the default blocking_timeout does not
+    bound the wait at all."""
+
+    async def main() -> None:
+        async with clients() as (client, other):
+            holder = AsyncRedisLock(other, lock_name, ttl=30)
+            await holder.acquire()
+            waiter = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=blocking_timeout, sleep=0.01)
+            wire = Wire(client)
+            wire.queue("acquire", wire.swallow(then_run=False))
+
+            async def work() -> int:
+                if how == "asyncio.timeout":
+                    async with asyncio.timeout(0.05):
+                        return await waiter.acquire()
+                return await waiter.acquire()
+
+            task = asyncio.create_task(work())
+            try:
+                await asyncio.wait_for(wire.in_flight.wait(), 5)
+                if how == "task.cancel":
+                    task.cancel()
+                await _finish(task)
+                expected = asyncio.CancelledError if how == "task.cancel" else TimeoutError
+                with pytest.raises(expected):
+                    task.result()
+                assert wire.log == ["swallowed"]
+                assert await holder.owned()
+            finally:
+                await holder.release()  # lets a still-polling waiter end (after the failure)
+                with contextlib.suppress(BaseException):
+                    await task
+                # the waiter must not have taken the lock the holder just let go
+                assert not await other.exists(waiter.key)
+
+    asyncio.run(main())
+
+
+@VARIANTS
+def test_wait_for_around_acquire_with_swallowed_cancel(
+    redis_client: Any, lock_name: str, then_run: bool
+) -> None:
+    """Python 3.11's ``asyncio.wait_for`` runs acquire in a task of its own and cancels that task at
+    the timeout: TimeoutError, and no lock is left behind by the inner task (no one could release
+    it: its owner token belongs to a finished task)."""
+
+    async def main() -> None:
+        async with clients() as (client, other):
+            holder = AsyncRedisLock(other, lock_name, ttl=30)
+            if not then_run:
+                await holder.acquire()
+            waiter = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=1, sleep=0.01)
+            wire = Wire(client)
+            wire.queue("acquire", wire.swallow(then_run=then_run))
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(waiter.acquire(), 0.05)
+            assert wire.log == ["swallowed"]
+            if then_run:
+                assert not await other.exists(waiter.key), "the inner task's lock was not given back"
+            else:
+                assert await holder.owned()
+                await holder.release()
+
+    asyncio.run(main())
+
+
+@VARIANTS
+def test_taskgroup_sibling_failure_cancels_the_waiter(
+    redis_client: Any, lock_name: str, then_run: bool
+) -> None:
+    """A TaskGroup child fails while a sibling waits for the lock: the group cancels the waiter (its
+    cancel swallowed by the client); the group reports only the failure, the waiter's code after
+    acquire never runs and it keeps no lock."""
+
+    async def main() -> None:
+        async with clients() as (client, other):
+            holder = AsyncRedisLock(other, lock_name, ttl=30)
+            if not then_run:
+                await holder.acquire()
+            lock = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=1, sleep=0.01)
+            wire = Wire(client)
+            wire.queue("acquire", wire.swallow(then_run=then_run))
+            ran_after_acquire: list[int] = []
+
+            async def waiter() -> None:
+                ran_after_acquire.append(await lock.acquire())
+
+            async def failing() -> None:
+                await wire.in_flight.wait()
+                raise ValueError("sibling failed")
+
+            with pytest.raises(ExceptionGroup) as caught:
+                async with asyncio.timeout(LIVENESS_BOUND), asyncio.TaskGroup() as group:
+                    group.create_task(waiter())
+                    group.create_task(failing())
+            assert [type(e) for e in caught.value.exceptions] == [ValueError]
+            assert ran_after_acquire == [] and wire.log == ["swallowed"]
+            if then_run:
+                assert not await other.exists(lock.key)
+            else:
+                assert await holder.owned()
+                await holder.release()
+
+    asyncio.run(main())
+
+
+@VARIANTS
+def test_taskgroup_parent_cancelled_cancels_the_waiter(
+    redis_client: Any, lock_name: str, then_run: bool
+) -> None:
+    """The task running a TaskGroup is cancelled (a request handler on shutdown): the waiting child
+    is cancelled, its cancel swallowed, and the parent ends with CancelledError holding nothing."""
+
+    async def main() -> None:
+        async with clients() as (client, other):
+            holder = AsyncRedisLock(other, lock_name, ttl=30)
+            if not then_run:
+                await holder.acquire()
+            lock = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=1, sleep=0.01)
+            wire = Wire(client)
+            wire.queue("acquire", wire.swallow(then_run=then_run))
+            ran_after_acquire: list[int] = []
+
+            async def waiter() -> None:
+                ran_after_acquire.append(await lock.acquire())
+
+            async def parent() -> None:
+                async with asyncio.TaskGroup() as group:
+                    group.create_task(waiter())
+
+            task = asyncio.create_task(parent())
+            await asyncio.wait_for(wire.in_flight.wait(), 5)
+            task.cancel()
+            await _finish(task)
+            with pytest.raises(asyncio.CancelledError):
+                task.result()
+            assert ran_after_acquire == [] and wire.log == ["swallowed"]
+            if then_run:
+                assert not await other.exists(lock.key)
+            else:
+                assert await holder.owned()
+                await holder.release()
+
+    asyncio.run(main())
+
+
+@VARIANTS
+def test_anyio_move_on_after_around_acquire(redis_client: Any, lock_name: str, then_run: bool) -> None:
+    """anyio's cancel scopes (FastAPI / Starlette code) on asyncio: ``move_on_after`` fires inside
+    the command, the client swallows it; the scope catches the cancellation, the lock is not kept
+    and the task's cancelling() is back to 0 afterwards (anyio uncancels what it delivered)."""
+    anyio = pytest.importorskip("anyio")
+
+    async def main() -> None:
+        async with clients() as (client, other):
+            holder = AsyncRedisLock(other, lock_name, ttl=30)
+            if not then_run:
+                await holder.acquire()
+            lock = AsyncRedisLock(client, lock_name, ttl=30, sleep=0.01)  # blocking_timeout None
+            wire = Wire(client)
+            wire.queue("acquire", wire.swallow(then_run=then_run))
+
+            async def work() -> tuple[bool, bool, int, bool]:
+                got = False
+                with anyio.move_on_after(0.05) as scope:
+                    await lock.acquire()
+                    got = True
+                task = asyncio.current_task()
+                assert task is not None
+                return got, scope.cancelled_caught, task.cancelling(), await lock.owned()
+
+            try:
+                result = await asyncio.wait_for(work(), LIVENESS_BOUND)
+            finally:
+                if not then_run:
+                    await holder.release()
+            assert result == (False, True, 0, False)
+            # anyio delivers its cancel again on every loop cycle until the task leaves the scope:
+            # with the lock free, the swallowed command's real run is cancelled before it reaches
+            # Redis (redis-py 8.1 suspends while getting a connection), so nothing is taken.
+            assert wire.log == (["swallowed", "re-cancelled"] if then_run else ["swallowed"])
+            assert not await other.exists(lock.key)
+
+    asyncio.run(main())
+
+
+# --------------------------------------------------------------------------
+# async with, blocking_timeout=0, where the cancel lands
+# --------------------------------------------------------------------------
+
+
+@VARIANTS
+def test_async_with_body_never_runs_when_the_cancel_is_swallowed(
+    redis_client: Any, lock_name: str, then_run: bool
+) -> None:
+    """``async with lock:`` cancelled while entering: the body never runs, CancelledError, no lock."""
+
+    async def main() -> None:
+        async with clients() as (client, other):
+            holder = AsyncRedisLock(other, lock_name, ttl=30)
+            if not then_run:
+                await holder.acquire()
+            lock = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=1, sleep=0.01)
+            wire = Wire(client)
+            wire.queue("acquire", wire.swallow(then_run=then_run))
+            body: list[int] = []
+
+            async def work() -> None:
+                async with lock as fence:
+                    body.append(fence)
+
+            task = asyncio.create_task(work())
+            await asyncio.wait_for(wire.in_flight.wait(), 5)
+            task.cancel()
+            await _finish(task)
+            with pytest.raises(asyncio.CancelledError):
+                task.result()
+            assert body == [] and wire.log == ["swallowed"]
+            if then_run:
+                assert not await other.exists(lock.key)
+            else:
+                assert await holder.owned()
+                await holder.release()
+
+    asyncio.run(main())
+
+
+@VARIANTS
+def test_blocking_timeout_zero_swallowed_cancel_is_cancelled_not_lock_not_acquired(
+    redis_client: Any, lock_name: str, then_run: bool
+) -> None:
+    """One try (``blocking_timeout=0``) whose only command swallows the cancel: CancelledError,
+    never LockNotAcquired or a fence."""
+
+    async def main() -> None:
+        async with clients() as (client, other):
+            holder = AsyncRedisLock(other, lock_name, ttl=30)
+            if not then_run:
+                await holder.acquire()
+            lock = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=0)
+            wire = Wire(client)
+            wire.queue("acquire", wire.swallow(then_run=then_run))
+            task = asyncio.create_task(lock.acquire())
+            await asyncio.wait_for(wire.in_flight.wait(), 5)
+            task.cancel()
+            await _finish(task)
+            with pytest.raises(asyncio.CancelledError):
+                task.result()
+            if then_run:
+                assert not await other.exists(lock.key)
+            else:
+                assert await holder.owned()
+                await holder.release()
+
+    asyncio.run(main())
+
+
+def test_cancel_in_the_sleep_between_polls(redis_client: Any, lock_name: str) -> None:
+    """The real path (no swallowing): the cancel lands in the sleep after a poll found the lock
+    held.  CancelledError at once; the same task may handle it, ``uncancel()`` and wait again."""
+
+    async def main() -> None:
+        async with clients() as (client, other):
+            holder = AsyncRedisLock(other, lock_name, ttl=30)
+            await holder.acquire()
+            lock = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=60, sleep=30)
+            wire = Wire(client)
+            polled = asyncio.Event()
+            wire.queue("acquire", wire.after_reply(polled))
+            retried = asyncio.Event()
+            go_on = asyncio.Event()
+
+            async def work() -> tuple[bool, int, int]:
+                task = asyncio.current_task()
+                assert task is not None
+                try:
+                    await lock.acquire()
+                    raise AssertionError("acquired a held lock")  # pragma: no cover
+                except asyncio.CancelledError:
+                    cancelled = True
+                    assert not await lock.owned()
+                task.uncancel()
+                retried.set()
+                await go_on.wait()
+                fence = await lock.acquire(blocking_timeout=0)
+                await lock.release()
+                return cancelled, task.cancelling(), fence
+
+            task = asyncio.create_task(work())
+            await asyncio.wait_for(polled.wait(), 5)  # the waiter is in its 30 s sleep now
+            task.cancel()
+            await asyncio.wait_for(retried.wait(), LIVENESS_BOUND)
+            assert wire.log == ["ran:None"]
+            await holder.release()
+            go_on.set()
+            cancelled, cancelling, fence = await asyncio.wait_for(task, LIVENESS_BOUND)
+            assert cancelled and cancelling == 0 and fence >= 1
+            assert not await other.exists(lock.key)
+
+    asyncio.run(main())
+
+
+def test_cancel_that_loses_the_acquisition_reply(redis_client: Any, lock_name: str) -> None:
+    """Documented limit ("a task cancelled while its acquisition is on the wire may leave the lock
+    held until its TTL ends"): the script took the lock, the cancel arrived before the reply was
+    read.  The task gets CancelledError and does not own the lock (owned() is False, release() is
+    refused); the key stays until its TTL, and that task's next acquire() takes it over (the
+    pending owner token is recognised) instead of waiting for the TTL."""
+
+    async def main() -> None:
+        async with clients() as (client, other):
+            lock = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=0)
+            third = AsyncRedisLock(other, lock_name, ttl=30, blocking_timeout=0)
+            wire = Wire(client)
+            ran = asyncio.Event()
+            wire.queue("acquire", wire.lose_reply(ran))
+            go_on = asyncio.Event()
+
+            async def work() -> tuple[bool, int]:
+                task = asyncio.current_task()
+                assert task is not None
+                with contextlib.suppress(asyncio.CancelledError):
+                    await lock.acquire()
+                    raise AssertionError("acquire returned despite the cancel")  # pragma: no cover
+                owned = await lock.owned()
+                task.uncancel()
+                await go_on.wait()
+                fence = await lock.acquire()  # takes over its own lost acquisition
+                await lock.release()
+                return owned, fence
+
+            task = asyncio.create_task(work())
+            await asyncio.wait_for(ran.wait(), 5)
+            task.cancel()
+            await asyncio.sleep(0)
+            assert await other.exists(lock.key)  # held by nobody who knows it, until its TTL
+            with pytest.raises(LockNotAcquired):
+                await third.acquire()
+            go_on.set()
+            owned, fence = await asyncio.wait_for(task, LIVENESS_BOUND)
+            assert not owned and fence >= 1
+            assert not await other.exists(lock.key)
+
+    asyncio.run(main())
+
+
+# --------------------------------------------------------------------------
+# earlier cancellations, uncancel(), a cancel pending before acquire
+# --------------------------------------------------------------------------
+
+
+@VARIANTS
+def test_swallowed_cancel_after_an_earlier_handled_one_still_cancels(
+    redis_client: Any, lock_name: str, then_run: bool
+) -> None:
+    """A task that handled a cancellation before (cancelling() stays 1) is cancelled again while it
+    waits, and that cancel is swallowed: 1 -> 2 still counts, CancelledError, no lock kept."""
+
+    async def main() -> None:
+        async with clients() as (client, other):
+            holder = AsyncRedisLock(other, lock_name, ttl=30)
+            if not then_run:
+                await holder.acquire()
+            lock = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=1, sleep=0.01)
+            wire = Wire(client)
+            wire.queue("acquire", wire.swallow(then_run=then_run))
+            first_handled = asyncio.Event()
+            counts: list[int] = []
+
+            async def work() -> None:
+                task = asyncio.current_task()
+                assert task is not None
+                with contextlib.suppress(asyncio.CancelledError):
+                    await _forever()
+                counts.append(task.cancelling())
+                first_handled.set()
+                try:
+                    await lock.acquire()
+                finally:
+                    counts.append(task.cancelling())
+
+            task = asyncio.create_task(work())
+            await asyncio.sleep(0)
+            task.cancel()
+            await asyncio.wait_for(first_handled.wait(), 5)
+            await asyncio.wait_for(wire.in_flight.wait(), 5)
+            task.cancel()
+            await _finish(task)
+            with pytest.raises(asyncio.CancelledError):
+                task.result()
+            assert counts == [1, 2] and wire.log == ["swallowed"]
+            if then_run:
+                assert not await other.exists(lock.key)
+            else:
+                assert await holder.owned()
+                await holder.release()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("uncancel", [True, False], ids=["uncancelled", "left-cancelling"])
+def test_retry_after_a_swallowed_cancel(redis_client: Any, lock_name: str, uncancel: bool) -> None:
+    """The caller handles the CancelledError (with or without ``uncancel()``) and acquires again:
+    only cancels during that call count, so it takes the lock; the first attempt left nothing."""
+
+    async def main() -> None:
+        async with clients() as (client, _other):
+            lock = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=0)
+            wire = Wire(client)
+            wire.queue("acquire", wire.swallow(then_run=True))
+            again = asyncio.Event()
+
+            async def work() -> tuple[int, int]:
+                task = asyncio.current_task()
+                assert task is not None
+                with contextlib.suppress(asyncio.CancelledError):
+                    await lock.acquire()
+                    raise AssertionError("acquire returned despite the cancel")  # pragma: no cover
+                assert not await lock.locked()  # given back
+                if uncancel:
+                    task.uncancel()
+                await again.wait()
+                fence = await lock.acquire()
+                assert await lock.owned()
+                await lock.release()
+                return task.cancelling(), fence
+
+            task = asyncio.create_task(work())
+            await asyncio.wait_for(wire.in_flight.wait(), 5)
+            task.cancel()
+            again.set()
+            cancelling, fence = await asyncio.wait_for(task, LIVENESS_BOUND)
+            assert cancelling == (0 if uncancel else 1) and fence >= 1
+            assert wire.log == ["swallowed"]
+
+    asyncio.run(main())
+
+
+def test_cancel_requested_just_before_acquire_and_swallowed(redis_client: Any, lock_name: str) -> None:
+    """BUG (edge).  A cancel requested before acquire() starts but delivered inside its first command
+    (``current_task().cancel()`` then ``await lock.acquire()``: the task is cancelled while it
+    waits for the lock) is swallowed by the client: cancelling() was already 1 when acquire took
+    its baseline, so acquire returns a fence and the task holds the lock, its cancel lost."""
+
+    async def main() -> None:
+        async with clients() as (client, other):
+            lock = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=0)
+            wire = Wire(client)
+            wire.queue("acquire", wire.swallow(then_run=True))
+            body: list[int] = []
+
+            async def work() -> None:
+                task = asyncio.current_task()
+                assert task is not None
+                task.cancel()
+                async with lock as fence:
+                    body.append(fence)
+
+            task = asyncio.create_task(work())
+            await _finish(task)
+            assert wire.log in ([], ["swallowed"])  # [] once the pending cancel is delivered first
+            assert body == [], "the body ran under the lock although the task was cancelled"
+            with pytest.raises(asyncio.CancelledError):
+                task.result()
+            assert not await other.exists(lock.key)
+
+    asyncio.run(main())
+
+
+# --------------------------------------------------------------------------
+# one lock object, several tasks; the give-back vs another holder
+# --------------------------------------------------------------------------
+
+
+def test_shared_lock_object_cancelled_waiter_leaves_the_holder_alone(
+    redis_client: Any, lock_name: str
+) -> None:
+    """A module-level lock shared by tasks: A holds it, B waits through the same object and is
+    cancelled (swallowed).  B gets CancelledError, A still owns the lock and releases it."""
+
+    async def main() -> None:
+        async with clients(1) as (client,):
+            lock = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=1, sleep=0.01)
+            wire = Wire(client)
+            a_holds, a_go = asyncio.Event(), asyncio.Event()
+
+            async def a() -> tuple[bool, bool]:
+                await lock.acquire()
+                a_holds.set()
+                await a_go.wait()
+                owned = await lock.owned()
+                await lock.release()
+                return owned, await lock.locked()
+
+            ta = asyncio.create_task(a())
+            await asyncio.wait_for(a_holds.wait(), 5)
+            tb = asyncio.create_task(lock.acquire())
+            wire.task = tb
+            wire.queue("acquire", wire.swallow(then_run=False))
+            await asyncio.wait_for(wire.in_flight.wait(), 5)
+            tb.cancel()
+            await _finish(tb)
+            with pytest.raises(asyncio.CancelledError):
+                tb.result()
+            a_go.set()
+            owned, still_locked = await asyncio.wait_for(ta, LIVENESS_BOUND)
+            assert owned and not still_locked
+            assert wire.log == ["swallowed"]
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["same-object", "other-object"])
+def test_give_back_after_expiry_never_deletes_the_next_holder(
+    redis_client: Any, lock_name: str, shared: bool
+) -> None:
+    """The cancelled waiter's swallowed command took the lock; before the give-back runs, that lock
+    expires and another task takes it (through the same object, or another client).  The give-back
+    finds the lock not its own (LockLost inside): the waiter still gets CancelledError, not
+    LockLost, and the new holder's lock is untouched."""
+
+    async def main() -> None:
+        async with clients() as (client, other):
+            lock = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=1, sleep=0.01)
+            rival = lock if shared else AsyncRedisLock(other, lock_name, ttl=30, blocking_timeout=0)
+            wire = Wire(client)
+            taken, go_on = asyncio.Event(), asyncio.Event()
+
+            async def pause() -> None:
+                taken.set()
+                await go_on.wait()
+
+            rival_holds, rival_go = asyncio.Event(), asyncio.Event()
+
+            async def rival_task() -> bool:
+                await rival.acquire(blocking_timeout=0)
+                rival_holds.set()
+                await rival_go.wait()
+                owned = await rival.owned()
+                await rival.release()
+                return owned
+
+            tb = asyncio.create_task(lock.acquire())
+            wire.task = tb
+            wire.queue("acquire", wire.swallow(then_run=True, after=pause))
+            await asyncio.wait_for(wire.in_flight.wait(), 5)
+            tb.cancel()
+            await asyncio.wait_for(taken.wait(), 5)
+            assert await other.delete(lock.key) == 1  # the waiter's hold "expires"
+            ta = asyncio.create_task(rival_task())
+            await asyncio.wait_for(rival_holds.wait(), 5)
+            go_on.set()
+            await _finish(tb)
+            with pytest.raises(asyncio.CancelledError):
+                tb.result()
+            assert await other.exists(lock.key), "the give-back deleted the next holder's lock"
+            rival_go.set()
+            assert await asyncio.wait_for(ta, LIVENESS_BOUND)
+            assert not await other.exists(lock.key)
+
+    asyncio.run(main())
+
+
+def test_second_cancel_during_the_give_back_does_not_leave_the_task_holding(
+    redis_client: Any, lock_name: str
+) -> None:
+    """BUG.  The swallowed command took the lock; acquire starts giving it back, and a second cancel
+    (the enclosing TaskGroup / shutdown) lands in that release before it reaches Redis.  The task
+    gets CancelledError, but the lock stays held under its token: the task, once it handles the
+    cancellation, ``owned()`` the lock it was told it did not get, and every other task waits for
+    the TTL.  The give-back must not be interruptible (or must clear the task's token)."""
+
+    async def main() -> None:
+        async with clients() as (client, other):
+            lock = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=1, sleep=0.01)
+            third = AsyncRedisLock(other, lock_name, ttl=30, blocking_timeout=0)
+            wire = Wire(client)
+            releasing, proceed = asyncio.Event(), asyncio.Event()
+            wire.queue("acquire", wire.swallow(then_run=True))
+            wire.queue("release", wire.stall(releasing, proceed))
+
+            async def work() -> bool:
+                task = asyncio.current_task()
+                assert task is not None
+                with contextlib.suppress(asyncio.CancelledError):
+                    await lock.acquire()
+                    raise AssertionError("acquire returned despite the cancel")  # pragma: no cover
+                while task.uncancel():
+                    pass
+                return await lock.owned()
+
+            task = asyncio.create_task(work())
+            await asyncio.wait_for(wire.in_flight.wait(), 5)
+            task.cancel()
+            await asyncio.wait_for(releasing.wait(), 5)
+            task.cancel()
+            proceed.set()  # the connection comes: a give-back still running goes through now
+            owned = await asyncio.wait_for(task, LIVENESS_BOUND)
+            assert wire.log[0] == "swallowed"
+            assert not owned, "the task owns the lock acquire() told it (CancelledError) it did not get"
+            assert not await other.exists(lock.key), "the lock stays held until its TTL"
+            await third.acquire()
+            await third.release()
+
+    asyncio.run(main())
+
+
+# --------------------------------------------------------------------------
+# anyio: level-triggered cancel scopes (delivered again on every loop cycle)
+# --------------------------------------------------------------------------
+
+
+def test_anyio_one_try_swallowed_cancel_stays_inside_the_scope(redis_client: Any, lock_name: str) -> None:
+    """BUG.  ``with anyio.move_on_after(t): await lock.acquire(blocking_timeout=0)`` whose one
+    command swallows the scope's cancel: the CancelledError acquire raises must be the scope's, so
+    that the scope catches it and the code after it runs.  acquire raises a bare CancelledError
+    (``raise asyncio.CancelledError from None``: no message, the LockNotAcquired as context), which
+    anyio does not recognise as its own: it escapes the move_on_after and cancels the whole task (a
+    FastAPI / Starlette request) instead."""
+    anyio = pytest.importorskip("anyio")
+
+    async def main() -> None:
+        async with clients() as (client, other):
+            holder = AsyncRedisLock(other, lock_name, ttl=30)
+            await holder.acquire()
+            lock = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=0)
+            wire = Wire(client)
+            wire.queue("acquire", wire.swallow(then_run=False))
+
+            async def work() -> tuple[bool, bool]:
+                with anyio.move_on_after(0.05) as scope:
+                    await lock.acquire()
+                return scope.cancelled_caught, await lock.owned()
+
+            try:
+                task = asyncio.create_task(work())
+                await _finish(task)
+                assert not task.cancelled(), "the scope's cancel escaped move_on_after"
+                assert task.result() == (True, False)
+                assert wire.log == ["swallowed"]
+                assert await holder.owned()
+            finally:
+                await holder.release()
+
+    asyncio.run(main())
+
+
+def test_anyio_give_back_is_not_cut_by_the_scopes_repeated_cancel(redis_client: Any, lock_name: str) -> None:
+    """The lock is free; the client swallows every cancel while the acquisition is on the wire
+    (the script takes the lock) while anyio's scope delivers its cancel again on each loop cycle.
+    acquire gives the lock back and the scope catches the cancellation: no fence, not owned, free.
+    (Held on redis-py 8.1: the give-back's release reached Redis before anyio's next delivery.)"""
+    anyio = pytest.importorskip("anyio")
+
+    async def main() -> None:
+        async with clients() as (client, other):
+            lock = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=0)
+            wire = Wire(client)
+
+            async def hook(real: Real) -> Any:
+                # On the wire until the scope's first cancel (swallowed), then the script runs
+                # for real (it takes the lock) while every further cancel is swallowed too.
+                try:
+                    await _forever()
+                except asyncio.CancelledError:
+                    wire.log.append("swallowed")
+                return await wire.swallow_all()(real)
+
+            wire.queue("acquire", hook)
+            fences: list[int] = []
+
+            async def work() -> tuple[bool, bool]:
+                # Not 0: a cancel due before acquire() starts is delivered before any command.
+                with anyio.move_on_after(0.05) as scope:
+                    fences.append(await lock.acquire())
+                return scope.cancelled_caught, await lock.owned()
+
+            caught, owned = await asyncio.wait_for(work(), LIVENESS_BOUND)
+            assert wire.log and set(wire.log) == {"swallowed"}
+            assert caught and fences == []
+            assert not owned, "the task owns the lock acquire() told it (CancelledError) it did not get"
+            assert not await other.exists(lock.key), "the lock stays held until its TTL"
+
+    asyncio.run(main())
