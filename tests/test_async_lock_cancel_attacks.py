@@ -34,7 +34,8 @@ import asyncio
 import contextlib
 import hashlib
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -195,6 +196,56 @@ async def _finish(task: asyncio.Task[Any], bound: float = LIVENESS_BOUND) -> Non
     assert done, f"the cancelled task was still running after {bound}s"
 
 
+async def _finish_cancelled(task: asyncio.Task[Any]) -> None:
+    """The cancelled ``task`` must end (within the liveness bound) with CancelledError."""
+    await _finish(task)
+    with pytest.raises(asyncio.CancelledError):
+        task.result()
+
+
+async def _cancel_on_the_wire(task: asyncio.Task[Any], wire: Wire) -> None:
+    """Once ``task``'s command is on the wire, cancel it: the task must end with CancelledError."""
+    await asyncio.wait_for(wire.in_flight.wait(), 5)
+    task.cancel()
+    await _finish_cancelled(task)
+
+
+@dataclass
+class Scene:
+    """``holder`` (on the second client, ``other``) holds the lock unless ``then_run``; ``lock`` (on
+    the first) is the lock under attack, its next acquire-script call swallowing the cancel."""
+
+    other: Any
+    holder: AsyncRedisLock
+    lock: AsyncRedisLock
+    wire: Wire
+    then_run: bool
+
+    async def check_nothing_kept(self, message: str = "the cancelled task's lock was not given back") -> None:
+        """``then_run``: the lock the swallowed command took was given back (the key is gone); else
+        the holder still owns the lock (and releases it)."""
+        if self.then_run:
+            assert not await self.other.exists(self.lock.key), message
+        else:
+            assert await self.holder.owned()
+            await self.holder.release()
+
+
+@contextlib.asynccontextmanager
+async def scene(
+    lock_name: str, *, then_run: bool, blocking_timeout: float | None = 1, sleep: float = 0.01
+) -> AsyncIterator[Scene]:
+    """The :class:`Scene` most attacks start from; ``wire.swallow(then_run=then_run)`` is queued."""
+    async with clients() as (client, other):
+        holder = AsyncRedisLock(other, lock_name, ttl=30)
+        if not then_run:
+            await holder.acquire()
+        lock = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=blocking_timeout, sleep=sleep)
+        wire = Wire(client)
+        wire.queue("acquire", wire.swallow(then_run=then_run))
+        yield Scene(other, holder, lock, wire, then_run)
+
+
 # --------------------------------------------------------------------------
 # asyncio.timeout / wait_for / TaskGroup / anyio around acquire
 # --------------------------------------------------------------------------
@@ -208,32 +259,22 @@ def test_timeout_around_acquire_with_swallowed_cancel_raises_timeout_error(
     timeout recognises its own cancel), the task's cancelling() back to 0, no lock kept."""
 
     async def main() -> None:
-        async with clients() as (client, other):
-            holder = AsyncRedisLock(other, lock_name, ttl=30)
-            if not then_run:
-                await holder.acquire()
-            waiter = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=1, sleep=0.01)
-            wire = Wire(client)
-            wire.queue("acquire", wire.swallow(then_run=then_run))
+        async with scene(lock_name, then_run=then_run) as s:
 
             async def work() -> tuple[str, int, bool]:
                 try:
                     async with asyncio.timeout(0.05):  # fires while the command blocks
-                        await waiter.acquire()
+                        await s.lock.acquire()
                     return "acquired", 0, True  # pragma: no cover
                 except TimeoutError:
                     task = asyncio.current_task()
                     assert task is not None
-                    return "timeout", task.cancelling(), await waiter.owned()
+                    return "timeout", task.cancelling(), await s.lock.owned()
 
             outcome, cancelling, owned = await asyncio.wait_for(work(), LIVENESS_BOUND)
             assert (outcome, cancelling, owned) == ("timeout", 0, False)
-            assert wire.log == ["swallowed"]
-            if then_run:
-                assert not await other.exists(waiter.key), "the cancelled task's lock was not given back"
-            else:
-                assert await holder.owned()
-                await holder.release()
+            assert s.wire.log == ["swallowed"]
+            await s.check_nothing_kept()
 
     asyncio.run(main())
 
@@ -251,36 +292,31 @@ def test_swallowed_cancel_ends_the_wait_while_the_lock_stays_held(
     bound the wait at all."""
 
     async def main() -> None:
-        async with clients() as (client, other):
-            holder = AsyncRedisLock(other, lock_name, ttl=30)
-            await holder.acquire()
-            waiter = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=blocking_timeout, sleep=0.01)
-            wire = Wire(client)
-            wire.queue("acquire", wire.swallow(then_run=False))
+        async with scene(lock_name, then_run=False, blocking_timeout=blocking_timeout) as s:
 
             async def work() -> int:
                 if how == "asyncio.timeout":
                     async with asyncio.timeout(0.05):
-                        return await waiter.acquire()
-                return await waiter.acquire()
+                        return await s.lock.acquire()
+                return await s.lock.acquire()
 
             task = asyncio.create_task(work())
             try:
-                await asyncio.wait_for(wire.in_flight.wait(), 5)
+                await asyncio.wait_for(s.wire.in_flight.wait(), 5)
                 if how == "task.cancel":
                     task.cancel()
                 await _finish(task)
                 expected = asyncio.CancelledError if how == "task.cancel" else TimeoutError
                 with pytest.raises(expected):
                     task.result()
-                assert wire.log == ["swallowed"]
-                assert await holder.owned()
+                assert s.wire.log == ["swallowed"]
+                assert await s.holder.owned()
             finally:
-                await holder.release()  # lets a still-polling waiter end (after the failure)
+                await s.holder.release()  # lets a still-polling waiter end (after the failure)
                 with contextlib.suppress(BaseException):
                     await task
                 # the waiter must not have taken the lock the holder just let go
-                assert not await other.exists(waiter.key)
+                assert not await s.other.exists(s.lock.key)
 
     asyncio.run(main())
 
@@ -294,21 +330,11 @@ def test_wait_for_around_acquire_with_swallowed_cancel(
     it: its owner token belongs to a finished task)."""
 
     async def main() -> None:
-        async with clients() as (client, other):
-            holder = AsyncRedisLock(other, lock_name, ttl=30)
-            if not then_run:
-                await holder.acquire()
-            waiter = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=1, sleep=0.01)
-            wire = Wire(client)
-            wire.queue("acquire", wire.swallow(then_run=then_run))
+        async with scene(lock_name, then_run=then_run) as s:
             with pytest.raises(TimeoutError):
-                await asyncio.wait_for(waiter.acquire(), 0.05)
-            assert wire.log == ["swallowed"]
-            if then_run:
-                assert not await other.exists(waiter.key), "the inner task's lock was not given back"
-            else:
-                assert await holder.owned()
-                await holder.release()
+                await asyncio.wait_for(s.lock.acquire(), 0.05)
+            assert s.wire.log == ["swallowed"]
+            await s.check_nothing_kept("the inner task's lock was not given back")
 
     asyncio.run(main())
 
@@ -322,20 +348,14 @@ def test_taskgroup_sibling_failure_cancels_the_waiter(
     acquire never runs and it keeps no lock."""
 
     async def main() -> None:
-        async with clients() as (client, other):
-            holder = AsyncRedisLock(other, lock_name, ttl=30)
-            if not then_run:
-                await holder.acquire()
-            lock = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=1, sleep=0.01)
-            wire = Wire(client)
-            wire.queue("acquire", wire.swallow(then_run=then_run))
+        async with scene(lock_name, then_run=then_run) as s:
             ran_after_acquire: list[int] = []
 
             async def waiter() -> None:
-                ran_after_acquire.append(await lock.acquire())
+                ran_after_acquire.append(await s.lock.acquire())
 
             async def failing() -> None:
-                await wire.in_flight.wait()
+                await s.wire.in_flight.wait()
                 raise ValueError("sibling failed")
 
             with pytest.raises(ExceptionGroup) as caught:
@@ -343,12 +363,8 @@ def test_taskgroup_sibling_failure_cancels_the_waiter(
                     group.create_task(waiter())
                     group.create_task(failing())
             assert [type(e) for e in caught.value.exceptions] == [ValueError]
-            assert ran_after_acquire == [] and wire.log == ["swallowed"]
-            if then_run:
-                assert not await other.exists(lock.key)
-            else:
-                assert await holder.owned()
-                await holder.release()
+            assert ran_after_acquire == [] and s.wire.log == ["swallowed"]
+            await s.check_nothing_kept()
 
     asyncio.run(main())
 
@@ -361,34 +377,19 @@ def test_taskgroup_parent_cancelled_cancels_the_waiter(
     is cancelled, its cancel swallowed, and the parent ends with CancelledError holding nothing."""
 
     async def main() -> None:
-        async with clients() as (client, other):
-            holder = AsyncRedisLock(other, lock_name, ttl=30)
-            if not then_run:
-                await holder.acquire()
-            lock = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=1, sleep=0.01)
-            wire = Wire(client)
-            wire.queue("acquire", wire.swallow(then_run=then_run))
+        async with scene(lock_name, then_run=then_run) as s:
             ran_after_acquire: list[int] = []
 
             async def waiter() -> None:
-                ran_after_acquire.append(await lock.acquire())
+                ran_after_acquire.append(await s.lock.acquire())
 
             async def parent() -> None:
                 async with asyncio.TaskGroup() as group:
                     group.create_task(waiter())
 
-            task = asyncio.create_task(parent())
-            await asyncio.wait_for(wire.in_flight.wait(), 5)
-            task.cancel()
-            await _finish(task)
-            with pytest.raises(asyncio.CancelledError):
-                task.result()
-            assert ran_after_acquire == [] and wire.log == ["swallowed"]
-            if then_run:
-                assert not await other.exists(lock.key)
-            else:
-                assert await holder.owned()
-                await holder.release()
+            await _cancel_on_the_wire(asyncio.create_task(parent()), s.wire)
+            assert ran_after_acquire == [] and s.wire.log == ["swallowed"]
+            await s.check_nothing_kept()
 
     asyncio.run(main())
 
@@ -401,34 +402,28 @@ def test_anyio_move_on_after_around_acquire(redis_client: Any, lock_name: str, t
     anyio = pytest.importorskip("anyio")
 
     async def main() -> None:
-        async with clients() as (client, other):
-            holder = AsyncRedisLock(other, lock_name, ttl=30)
-            if not then_run:
-                await holder.acquire()
-            lock = AsyncRedisLock(client, lock_name, ttl=30, sleep=0.01)  # blocking_timeout None
-            wire = Wire(client)
-            wire.queue("acquire", wire.swallow(then_run=then_run))
+        async with scene(lock_name, then_run=then_run, blocking_timeout=None) as s:
 
             async def work() -> tuple[bool, bool, int, bool]:
                 got = False
                 with anyio.move_on_after(0.05) as scope:
-                    await lock.acquire()
+                    await s.lock.acquire()
                     got = True
                 task = asyncio.current_task()
                 assert task is not None
-                return got, scope.cancelled_caught, task.cancelling(), await lock.owned()
+                return got, scope.cancelled_caught, task.cancelling(), await s.lock.owned()
 
             try:
                 result = await asyncio.wait_for(work(), LIVENESS_BOUND)
             finally:
                 if not then_run:
-                    await holder.release()
+                    await s.holder.release()
             assert result == (False, True, 0, False)
             # anyio delivers its cancel again on every loop cycle until the task leaves the scope:
             # with the lock free, the swallowed command's real run is cancelled before it reaches
             # Redis (redis-py 8.1 suspends while getting a connection), so nothing is taken.
-            assert wire.log == (["swallowed", "re-cancelled"] if then_run else ["swallowed"])
-            assert not await other.exists(lock.key)
+            assert s.wire.log == (["swallowed", "re-cancelled"] if then_run else ["swallowed"])
+            assert not await s.other.exists(s.lock.key)
 
     asyncio.run(main())
 
@@ -445,31 +440,16 @@ def test_async_with_body_never_runs_when_the_cancel_is_swallowed(
     """``async with lock:`` cancelled while entering: the body never runs, CancelledError, no lock."""
 
     async def main() -> None:
-        async with clients() as (client, other):
-            holder = AsyncRedisLock(other, lock_name, ttl=30)
-            if not then_run:
-                await holder.acquire()
-            lock = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=1, sleep=0.01)
-            wire = Wire(client)
-            wire.queue("acquire", wire.swallow(then_run=then_run))
+        async with scene(lock_name, then_run=then_run) as s:
             body: list[int] = []
 
             async def work() -> None:
-                async with lock as fence:
+                async with s.lock as fence:
                     body.append(fence)
 
-            task = asyncio.create_task(work())
-            await asyncio.wait_for(wire.in_flight.wait(), 5)
-            task.cancel()
-            await _finish(task)
-            with pytest.raises(asyncio.CancelledError):
-                task.result()
-            assert body == [] and wire.log == ["swallowed"]
-            if then_run:
-                assert not await other.exists(lock.key)
-            else:
-                assert await holder.owned()
-                await holder.release()
+            await _cancel_on_the_wire(asyncio.create_task(work()), s.wire)
+            assert body == [] and s.wire.log == ["swallowed"]
+            await s.check_nothing_kept()
 
     asyncio.run(main())
 
@@ -482,24 +462,9 @@ def test_blocking_timeout_zero_swallowed_cancel_is_cancelled_not_lock_not_acquir
     never LockNotAcquired or a fence."""
 
     async def main() -> None:
-        async with clients() as (client, other):
-            holder = AsyncRedisLock(other, lock_name, ttl=30)
-            if not then_run:
-                await holder.acquire()
-            lock = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=0)
-            wire = Wire(client)
-            wire.queue("acquire", wire.swallow(then_run=then_run))
-            task = asyncio.create_task(lock.acquire())
-            await asyncio.wait_for(wire.in_flight.wait(), 5)
-            task.cancel()
-            await _finish(task)
-            with pytest.raises(asyncio.CancelledError):
-                task.result()
-            if then_run:
-                assert not await other.exists(lock.key)
-            else:
-                assert await holder.owned()
-                await holder.release()
+        async with scene(lock_name, then_run=then_run, blocking_timeout=0) as s:
+            await _cancel_on_the_wire(asyncio.create_task(s.lock.acquire()), s.wire)
+            await s.check_nothing_kept()
 
     asyncio.run(main())
 
@@ -606,13 +571,7 @@ def test_swallowed_cancel_after_an_earlier_handled_one_still_cancels(
     waits, and that cancel is swallowed: 1 -> 2 still counts, CancelledError, no lock kept."""
 
     async def main() -> None:
-        async with clients() as (client, other):
-            holder = AsyncRedisLock(other, lock_name, ttl=30)
-            if not then_run:
-                await holder.acquire()
-            lock = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=1, sleep=0.01)
-            wire = Wire(client)
-            wire.queue("acquire", wire.swallow(then_run=then_run))
+        async with scene(lock_name, then_run=then_run) as s:
             first_handled = asyncio.Event()
             counts: list[int] = []
 
@@ -624,7 +583,7 @@ def test_swallowed_cancel_after_an_earlier_handled_one_still_cancels(
                 counts.append(task.cancelling())
                 first_handled.set()
                 try:
-                    await lock.acquire()
+                    await s.lock.acquire()
                 finally:
                     counts.append(task.cancelling())
 
@@ -632,17 +591,9 @@ def test_swallowed_cancel_after_an_earlier_handled_one_still_cancels(
             await asyncio.sleep(0)
             task.cancel()
             await asyncio.wait_for(first_handled.wait(), 5)
-            await asyncio.wait_for(wire.in_flight.wait(), 5)
-            task.cancel()
-            await _finish(task)
-            with pytest.raises(asyncio.CancelledError):
-                task.result()
-            assert counts == [1, 2] and wire.log == ["swallowed"]
-            if then_run:
-                assert not await other.exists(lock.key)
-            else:
-                assert await holder.owned()
-                await holder.release()
+            await _cancel_on_the_wire(task, s.wire)
+            assert counts == [1, 2] and s.wire.log == ["swallowed"]
+            await s.check_nothing_kept()
 
     asyncio.run(main())
 
@@ -746,11 +697,7 @@ def test_shared_lock_object_cancelled_waiter_leaves_the_holder_alone(
             tb = asyncio.create_task(lock.acquire())
             wire.task = tb
             wire.queue("acquire", wire.swallow(then_run=False))
-            await asyncio.wait_for(wire.in_flight.wait(), 5)
-            tb.cancel()
-            await _finish(tb)
-            with pytest.raises(asyncio.CancelledError):
-                tb.result()
+            await _cancel_on_the_wire(tb, wire)
             a_go.set()
             owned, still_locked = await asyncio.wait_for(ta, LIVENESS_BOUND)
             assert owned and not still_locked
@@ -799,9 +746,7 @@ def test_give_back_after_expiry_never_deletes_the_next_holder(
             ta = asyncio.create_task(rival_task())
             await asyncio.wait_for(rival_holds.wait(), 5)
             go_on.set()
-            await _finish(tb)
-            with pytest.raises(asyncio.CancelledError):
-                tb.result()
+            await _finish_cancelled(tb)
             assert await other.exists(lock.key), "the give-back deleted the next holder's lock"
             rival_go.set()
             assert await asyncio.wait_for(ta, LIVENESS_BOUND)
@@ -869,27 +814,22 @@ def test_anyio_one_try_swallowed_cancel_stays_inside_the_scope(redis_client: Any
     anyio = pytest.importorskip("anyio")
 
     async def main() -> None:
-        async with clients() as (client, other):
-            holder = AsyncRedisLock(other, lock_name, ttl=30)
-            await holder.acquire()
-            lock = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=0)
-            wire = Wire(client)
-            wire.queue("acquire", wire.swallow(then_run=False))
+        async with scene(lock_name, then_run=False, blocking_timeout=0) as s:
 
             async def work() -> tuple[bool, bool]:
                 with anyio.move_on_after(0.05) as scope:
-                    await lock.acquire()
-                return scope.cancelled_caught, await lock.owned()
+                    await s.lock.acquire()
+                return scope.cancelled_caught, await s.lock.owned()
 
             try:
                 task = asyncio.create_task(work())
                 await _finish(task)
                 assert not task.cancelled(), "the scope's cancel escaped move_on_after"
                 assert task.result() == (True, False)
-                assert wire.log == ["swallowed"]
-                assert await holder.owned()
+                assert s.wire.log == ["swallowed"]
+                assert await s.holder.owned()
             finally:
-                await holder.release()
+                await s.holder.release()
 
     asyncio.run(main())
 
