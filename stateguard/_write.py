@@ -411,6 +411,13 @@ _INSERT_BYTES: Final = 2 << 20
 _ROW_OVERHEAD: Final = 512
 
 
+def insert_or_skip(backend: _sql.Backend, table: Any) -> Any:
+    """``INSERT ... ON CONFLICT DO NOTHING`` into ``table`` (PostgreSQL, SQLite: ``backend.on_conflict``);
+    add ``.values()`` and ``.returning()``."""
+    dialect_insert = sqlite.insert if backend.name == "sqlite" else postgresql.insert
+    return dialect_insert(table).on_conflict_do_nothing()
+
+
 def insert_rows(conn: Connection, table: Any, rows: Sequence[Mapping[str, Any]], row_bytes: int = 0) -> None:
     """INSERT ``rows`` (mappings with the same keys) in as few multi-row statements as will go.
 
@@ -570,13 +577,7 @@ class InsertOnce:
         stmt = self._statements.get(backend.name)
         if stmt is None:
             if backend.on_conflict:
-                dialect_insert = sqlite.insert if backend.name == "sqlite" else postgresql.insert
-                stmt = (
-                    dialect_insert(self.table)
-                    .values(self.values)
-                    .on_conflict_do_nothing()
-                    .returning(*self.returning)
-                )
+                stmt = insert_or_skip(backend, self.table).values(self.values).returning(*self.returning)
             else:
                 stmt = insert(self.table).values(self.values)
             self._statements[backend.name] = stmt

@@ -119,7 +119,7 @@ from typing import Any, Final
 
 from sqlalchemy import Connection, bindparam, delete, desc, insert, select, update
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.dialects import mysql, postgresql, sqlite
+from sqlalchemy.dialects import mysql, postgresql
 from sqlalchemy.orm import Session
 
 from . import _sql, _write
@@ -376,8 +376,7 @@ def _add_stripes(conn: Connection, backend: _sql.Backend, rows: Sequence[Mapping
     nothing is inserted.  The caller inserts what is still missing once it holds the stripes.
     """
     if backend.on_conflict:
-        dialect_insert = sqlite.insert if backend.name == "sqlite" else postgresql.insert
-        stmt = dialect_insert(_s).values(_stripe_values(rows)).on_conflict_do_nothing().returning(_s.c.stripe)
+        stmt = _write.insert_or_skip(backend, _s).values(_stripe_values(rows)).returning(_s.c.stripe)
         return set(_write.execute(conn, stmt).scalars())
     try:
         _write.execute(conn, _insert_rows(rows))

@@ -206,6 +206,16 @@ def redis_client() -> Iterator[Any]:
 
 
 @pytest.fixture
+def lock_name(redis_client: Any) -> Iterator[str]:
+    """A Redis lock name unique to the test; the lock's keys (fence, markers) are deleted afterwards."""
+    name = f"sgt-lock-{uuid.uuid4().hex[:12]}"
+    yield name
+    keys = list(redis_client.scan_iter(match=f"stateguard:lock:{{{name}*"))
+    if keys:
+        redis_client.delete(*keys)
+
+
+@pytest.fixture
 def pg(namespaces: _Namespaces) -> Iterator[Backend]:
     """PostgreSQL only (for behaviour that exists only there)."""
     yield from _only("postgresql", namespaces)

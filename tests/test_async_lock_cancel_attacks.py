@@ -33,8 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,15 +55,6 @@ Real = Callable[[], Awaitable[Any]]
 Hook = Callable[[Real], Awaitable[Any]]
 
 VARIANTS = pytest.mark.parametrize("then_run", [False, True], ids=["not-taken", "taken-meanwhile"])
-
-
-@pytest.fixture
-def lock_name(redis_client: Any) -> Iterator[str]:
-    name = f"sgt-cancel-{uuid.uuid4().hex[:12]}"
-    yield name
-    keys = list(redis_client.scan_iter(match=f"stateguard:lock:{{{name}*"))
-    if keys:
-        redis_client.delete(*keys)
 
 
 async def _forever() -> None:

@@ -752,15 +752,6 @@ def test_a_lambda_that_raises_before_making_its_coroutine_still_returns_an_await
 # --------------------------------------------------------------------------
 
 
-@pytest.fixture
-def lock_name(redis_client: Any) -> Iterator[str]:
-    name = f"sgt-bridge-{uuid.uuid4().hex[:12]}"
-    yield name
-    keys = list(redis_client.scan_iter(match=f"stateguard:lock:{{{name}*"))
-    if keys:
-        redis_client.delete(*keys)
-
-
 def test_sync_and_async_locks_on_one_name_exclude_each_other_with_growing_fences(
     redis_client: Any, lock_name: str
 ) -> None:
