@@ -874,13 +874,37 @@ def check_text(value: Any, what: str, limit: int) -> str:
     return value
 
 
-def dumps_json(value: Any) -> str:
-    """Compact JSON text as stateguard stores it (no NaN or Infinity: other JSON readers refuse them)."""
-    return _COMPACT_JSON.encode(value)
+def json_encoder(*, sort_keys: bool = False) -> Callable[[Any], str]:
+    """A function that turns a value into strict, compact JSON text (no NaN or Infinity, UTF-8 kept).
+
+    The same text and the same errors as ``json.JSONEncoder(...).encode``, which builds a new C
+    encoder (and a closure) at every call: this one is built once.  It skips the encoder's
+    circular-reference bookkeeping (a dict of ids per call); a value that refers to itself ends in
+    RecursionError, and only then is the standard encoder asked, so a cycle is reported as the
+    ValueError it gives (and a value nested too deeply as its RecursionError).
+    """
+    standard = json.JSONEncoder(
+        sort_keys=sort_keys, allow_nan=False, ensure_ascii=False, separators=(",", ":")
+    )
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:  # pragma: no cover - CPython always has the C encoder
+        return standard.encode
+    fast = make(
+        None, standard.default, json.encoder.encode_basestring, None, ":", ",", sort_keys, False, False
+    )
+    join = "".join
+
+    def encode(value: Any) -> str:
+        try:
+            return join(fast(value, 0))
+        except RecursionError:
+            return standard.encode(value)
+
+    return encode
 
 
-#: One encoder for every call (``json.dumps`` with options builds a new one each time).
-_COMPACT_JSON: Final = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+#: Compact JSON text as stateguard stores it (no NaN or Infinity: other JSON readers refuse them).
+dumps_json: Final = json_encoder()
 
 
 def json_text(value: Any, what: str, max_depth: int) -> str:
