@@ -928,12 +928,15 @@ async def _still_cancelled(lock: Any, token: str | bytes | None) -> NoReturn:
     if token is not None:
         give_back = asyncio.ensure_future(lock.lua_fenced_release(**_release_call(lock, token)))
         while not give_back.done():
+            # wait(), not shield(): a give-back that failed (the server is down) must not replace
+            # the cancellation with its error; a further cancel interrupts only this wait.
             with suppress(asyncio.CancelledError):
-                await asyncio.shield(give_back)
+                await asyncio.wait((give_back,))
         if give_back.cancelled() or give_back.exception() is not None:
             # It expires with its TTL; the cancellation is what the task must see.
             log.warning(
-                "could not give back lock %r taken by a cancelled task: it stays until its ttl ends",
+                "could not give back lock %r taken by a cancelled task: if the server still has it, "
+                "it is held until its ttl ends",
                 lock.name,
                 exc_info=None if give_back.cancelled() else give_back.exception(),
             )

@@ -861,3 +861,62 @@ def test_anyio_give_back_is_not_cut_by_the_scopes_repeated_cancel(redis_client: 
             assert not await other.exists(lock.key), "the lock stays held until its TTL"
 
     asyncio.run(main())
+
+
+# --------------------------------------------------------------------------
+# the give-back meets a Redis that crashed (a real server on a private port)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("server_state", ["down", "restarted-empty"])
+def test_give_back_against_a_crashed_redis_still_ends_cancelled(
+    lock_name: str, server_state: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The swallowed command took the lock; the Redis dies (SIGKILL) before the give-back reaches it,
+    and is either still down or back, empty, by then.  The task must still end with CancelledError
+    within the liveness bound (not the connection error, not a hang in redis-py's retries), say in
+    the log that the lock could not be given back, and own nothing afterwards; once the server is
+    back (it keeps nothing: a crash), another client takes the lock at once."""
+    import redis.asyncio
+
+    from ._redis_server import RedisServer
+
+    with RedisServer() as server:
+
+        async def main() -> None:
+            client = redis.asyncio.Redis.from_url(server.url, socket_timeout=2, socket_connect_timeout=2)
+            other = redis.asyncio.Redis.from_url(server.url, socket_timeout=2, socket_connect_timeout=2)
+            try:
+                lock = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=1, sleep=0.01)
+                wire = Wire(client)
+                wire.queue("acquire", wire.swallow(then_run=True))
+
+                async def crash_then_release(real: Real) -> Any:
+                    wire.log.append("release")
+                    server.kill()  # SIGKILL by pid: the connection the release would use is dead
+                    if server_state == "restarted-empty":
+                        server.start()
+                    return await real()
+
+                wire.queue("release", crash_then_release)
+
+                async def work() -> bool:
+                    await lock.acquire()
+                    return True  # pragma: no cover
+
+                task = asyncio.create_task(work())
+                await _cancel_on_the_wire(task, wire)
+                assert wire.log[:2] == ["swallowed", "release"]
+                if server.process is None:
+                    server.start()
+                assert await lock.owned() is False
+                third = AsyncRedisLock(other, lock_name, ttl=30, blocking_timeout=0)
+                assert await third.acquire(), "the lock stayed held after the crashed server came back"
+                await third.release()
+            finally:
+                await client.aclose()
+                await other.aclose()
+
+        with caplog.at_level("WARNING", logger="stateguard"):
+            asyncio.run(main())
+    assert any("could not give back lock" in r.getMessage() for r in caplog.records), caplog.text
