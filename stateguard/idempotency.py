@@ -1088,7 +1088,8 @@ class _Claim(Generic[S]):
     def _stop_heartbeat(self) -> None:
         stop, beater = self._stop, self._beater
         if stop is None or beater is None:
-            self._close_beat_conn()
+            if self._beat_conn is not None:
+                self._close_beat_conn()
             return
         self._stop = self._beater = None
         stop.set()
