@@ -919,31 +919,45 @@ async def _still_cancelled(lock: Any, token: str | bytes | None) -> NoReturn:
     with CancelledError, at once (redis-py's loop would go on polling until the lock is free or
     ``blocking_timeout`` ends), giving back the lock first if ``token`` (this command) took it.
 
-    The give-back runs in a task of its own and is waited for through any further cancellation,
-    so the task never ends holding a lock it was told it did not get.  Then one ``await`` lets a
+    The give-back (:func:`_give_back_uncut`) is waited for through any further cancellation, so
+    the task never ends holding a lock it was told it did not get.  Then one ``await`` lets a
     canceller that cancels again and again (anyio's cancel scopes) deliver its own
     CancelledError, which it recognises; a plain ``task.cancel()`` or ``asyncio.timeout`` gets a
     fresh one.
     """
     if token is not None:
-        give_back = asyncio.ensure_future(lock.lua_fenced_release(**_release_call(lock, token)))
-        while not give_back.done():
-            # wait(), not shield(): a give-back that failed (the server is down) must not replace
-            # the cancellation with its error; a further cancel interrupts only this wait.
-            with suppress(asyncio.CancelledError):
-                await asyncio.wait((give_back,))
-        if give_back.cancelled() or give_back.exception() is not None:
-            # It expires with its TTL; the cancellation is what the task must see.
-            log.warning(
-                "could not give back lock %r taken by a cancelled task: if the server still has it, "
-                "it is held until its ttl ends",
-                lock.name,
-                exc_info=None if give_back.cancelled() else give_back.exception(),
-            )
-        else:
-            lock.local.pending_token = None
+        await _give_back_uncut(lock, token)
     await asyncio.sleep(0)
     raise asyncio.CancelledError
+
+
+async def _give_back_uncut(lock: Any, token: str | bytes) -> bool:
+    """Release the lock ``token`` holds, in a task of its own that a cancellation of this one
+    cannot cut; whether a cancellation arrived meanwhile (the caller delivers it).
+
+    A give-back that fails (the server is down) is logged, never raised: the lock then stays
+    until its TTL ends, and what the task must see is its cancellation or its own error.  On
+    success the task's pending owner token is forgotten.
+    """
+    give_back = asyncio.ensure_future(lock.lua_fenced_release(**_release_call(lock, token)))
+    cancelled = False
+    while not give_back.done():
+        # wait(), not shield(): a give-back that failed must not replace the caller's exception
+        # with its own; a further cancel interrupts only this wait.
+        try:
+            await asyncio.wait((give_back,))
+        except asyncio.CancelledError:
+            cancelled = True
+    if give_back.cancelled() or give_back.exception() is not None:
+        log.warning(
+            "could not give back lock %r taken by a cancelled task: if the server still has it, "
+            "it is held until its ttl ends",
+            lock.name,
+            exc_info=None if give_back.cancelled() else give_back.exception(),
+        )
+    else:
+        lock.local.pending_token = None
+    return cancelled
 
 
 class _TaskLocal:
@@ -1168,10 +1182,9 @@ class _RedisLock(_RedisClient):
                 still = yield from self._call(self._lock.owned)
             except BaseException:
                 # No holder runs without a fence: give the lock back, then
-                # report the database's error (a failed release only means
-                # the lock stays until its TTL ends).
-                with suppress(Exception):
-                    yield from self._call(self._lock.release)
+                # report the database's error or the cancellation (a failed
+                # release only means the lock stays until its TTL ends).
+                yield from self._give_back_unfenced()
                 raise
             if not still:
                 local.fence = None
@@ -1185,6 +1198,27 @@ class _RedisLock(_RedisClient):
         if fence is None:
             raise LockLost(f"{type(self).__name__} {self.name!r} was acquired but no fencing token came back")
         return fence
+
+    def _give_back_unfenced(self) -> Steps[None]:
+        """Release the lock this acquisition took but could not fence (the database's fence failed
+        or the task was cancelled while waiting for it).
+
+        With an async client the release runs in a task of its own, waited for through further
+        cancellations (a TaskGroup shutting down, anyio's repeated delivery), which are then
+        delivered: a cancelled task never ends holding a lock it was told it did not get.
+        """
+        lock = self._lock
+        if not self._asynchronous:
+            with suppress(Exception):
+                yield from self._call(lock.release)
+            return
+        token = lock.local.token
+        if token is None:  # pragma: no cover - the script just recorded it
+            return
+        lock.local.token = None
+        lock.local.pending_token = token  # until the give-back succeeds: the next acquire() takes it over
+        if (yield from step(_give_back_uncut(lock, token))):
+            raise asyncio.CancelledError
 
     def _give_back(self, token: str) -> Steps[bool]:
         """Release the lock if owner ``token`` holds it, on the master only (no WAIT); whether that ran.
@@ -1477,8 +1511,11 @@ class AsyncRedisLock(_RedisLock):
     gets :class:`asyncio.CancelledError` (also when redis-py's client swallows
     the cancellation inside a command: :meth:`acquire` notices the task's
     pending cancellation, gives back a lock it took meanwhile, and raises it).
-    A task cancelled while its acquisition is on the wire may leave the lock
-    held until its TTL ends.
+    With ``fences=`` a task cancelled while the database hands out its fence
+    gives the lock back too, in a task of its own that a further cancellation
+    cannot cut.  A task cancelled while its acquisition is on the wire may
+    leave the lock held until its TTL ends (as does a give-back that finds
+    Redis down).
     """
 
     _asynchronous = True

@@ -920,3 +920,83 @@ def test_give_back_against_a_crashed_redis_still_ends_cancelled(
         with caplog.at_level("WARNING", logger="stateguard"):
             asyncio.run(main())
     assert any("could not give back lock" in r.getMessage() for r in caplog.records), caplog.text
+
+
+# --------------------------------------------------------------------------
+# fences=engine: a cancel while the database hands out the fence
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("driver", ["asyncpg", "psycopg_async"])
+@pytest.mark.parametrize("cancels", [1, 2], ids=["one-cancel", "second-cancel-in-give-back"])
+def test_cancel_while_the_database_fence_is_taken_gives_the_lock_back(
+    pg: Any, lock_name: str, driver: str, cancels: int
+) -> None:
+    """AsyncRedisLock(fences=engine) has taken the lock in Redis and waits for the database's fence
+    (another transaction holds the lock's row in stateguard_fences).  The task is cancelled there:
+    acquire() must end with CancelledError and give the lock back, and a second cancel landing in
+    that give-back (a TaskGroup shutting down, anyio's repeated delivery) must not cut it: no lock
+    may stay held until its TTL by a task that was told it did not get it."""
+    from sqlalchemy import text
+
+    from stateguard import create_tables
+
+    from ._async_helpers import async_target
+
+    target = async_target(driver, pg)
+    sync_engine = target.sync_engine()
+    create_tables(sync_engine)
+    blocker = sync_engine.connect()
+    try:
+        # An uncommitted row for the lock's name: the fence upsert waits on its unique key.
+        blocker.execute(
+            text("INSERT INTO stateguard_fences (name, fence) VALUES (:n, 100)"), {"n": lock_name}
+        )
+
+        def waiting_for_the_fence() -> bool:
+            with sync_engine.connect() as probe:
+                return bool(
+                    probe.scalar(
+                        text(
+                            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                            "AND query LIKE '%stateguard_fences%'"
+                        )
+                    )
+                )
+
+        async def main() -> None:
+            engine = target.engine()
+            async with clients() as (client, other):
+                try:
+                    lock = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=1, fences=engine)
+                    wire = Wire(client)
+                    releasing, proceed = asyncio.Event(), asyncio.Event()
+                    wire.queue("release", wire.stall(releasing, proceed))
+                    if cancels == 1:
+                        proceed.set()
+                    task = asyncio.create_task(lock.acquire())
+                    for _ in range(500):  # a liveness bound: the fence upsert must start waiting
+                        if await asyncio.to_thread(waiting_for_the_fence):
+                            break
+                        await asyncio.sleep(0.01)
+                    else:  # pragma: no cover
+                        raise AssertionError("the fence upsert never waited for the blocker's row")
+                    assert await other.exists(lock.key), "Redis should hold the lock while the fence is taken"
+                    task.cancel()
+                    if cancels == 2:
+                        await asyncio.wait_for(releasing.wait(), 5)
+                        task.cancel()
+                        proceed.set()
+                    await _finish_cancelled(task)
+                    assert not await other.exists(lock.key), (
+                        "the lock stays held until its TTL by a task told (CancelledError) it did not get it"
+                    )
+                    assert lock.fence is None
+                finally:
+                    await engine.dispose()
+
+        asyncio.run(main())
+    finally:
+        blocker.rollback()
+        blocker.close()
+        sync_engine.dispose()
