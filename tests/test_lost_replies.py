@@ -429,3 +429,50 @@ def test_striped_slow_path_cut_at_its_savepoint_leaves_nothing_and_the_retry_tak
         assert retry(engine, take).outcome is Outcome.REPEATED
     with Session(engine) as s:
         assert stock.total(s, "sku") == 15
+
+
+def test_striped_restripe_retry_after_its_lost_commit_keeps_the_total(
+    proxied: tuple[Engine, FaultProxy],
+) -> None:
+    """A restripe (4 stripes to 8) whose COMMIT reply was lost had committed: the retry restripes
+    to the same count again (APPLIED, the same total) and nothing was lost or made up; a
+    decrement then takes from the new stripes."""
+    engine, proxy = proxied
+    stock = StripedCounter("lost", stripes=4)
+    with Session(engine) as s, s.begin():
+        stock.create(s, "sku", amount=43)
+    spread = lambda s: stock.restripe(s, "sku", stripes=8)  # noqa: E731
+    first = lose_commit_reply(engine, proxy, spread)
+    assert (first.outcome, first.value) == (Outcome.APPLIED, 43)
+    proxy.cuts = 0
+    again = retry(engine, spread)
+    assert (again.outcome, again.value) == (Outcome.APPLIED, 43)
+    with Session(engine) as s:
+        amounts = stock.stripe_amounts(s, "sku")
+        assert (len(amounts), sum(amounts)) == (8, 43)
+    assert retry(engine, lambda s: stock.decrement(s, "sku", by=40, ref="after")).applied
+    with Session(engine) as s:
+        assert stock.total(s, "sku") == 3
+
+
+def test_striped_restripe_cut_midway_changes_nothing_and_the_retry_applies(
+    proxied: tuple[Engine, FaultProxy],
+) -> None:
+    """A restripe (8 stripes to 2) whose connection dies after it sent the DELETE of the stripes the
+    new count lacks, before the reply: the transaction died with it, so every stripe is as it was
+    (no unit lost with the deleted rows, none counted twice); the retry restripes, keeping the total."""
+    engine, proxy = proxied
+    stock = StripedCounter("lost", stripes=8)
+    with Session(engine) as s, s.begin():
+        stock.create(s, "sku", amount=43)
+    with Session(engine) as s:
+        before = stock.stripe_amounts(s, "sku")
+    shrink = lambda s: stock.restripe(s, "sku", stripes=2)  # noqa: E731
+    lose_reply_inside(engine, proxy, b"DELETE FROM", shrink)
+    with Session(engine) as s:
+        assert stock.stripe_amounts(s, "sku") == before
+    again = retry(engine, shrink)
+    assert (again.outcome, again.value) == (Outcome.APPLIED, 43)
+    with Session(engine) as s:
+        amounts = stock.stripe_amounts(s, "sku")
+        assert (len(amounts), sum(amounts)) == (2, 43)
