@@ -950,8 +950,8 @@ async def _give_back_uncut(lock: Any, token: str | bytes) -> bool:
             cancelled = True
     if give_back.cancelled() or give_back.exception() is not None:
         log.warning(
-            "could not give back lock %r taken by a cancelled task: if the server still has it, "
-            "it is held until its ttl ends",
+            "could not give back lock %r, taken by an acquisition that did not hand it out: if the "
+            "server still has it, it is held until its ttl ends",
             lock.name,
             exc_info=None if give_back.cancelled() else give_back.exception(),
         )
