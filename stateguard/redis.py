@@ -896,9 +896,7 @@ def _async_lock_class() -> type[AsyncLock]:
 
             async def do_acquire(self, token: str | bytes) -> bool:
                 taken = _took(self, await Awaited(self._acquire_steps(token)))
-                base = getattr(self.local, "cancel_base", None)
-                task = asyncio.current_task()
-                if base is not None and task is not None and task.cancelling() > base:
+                if _cancel_swallowed(self):
                     await _still_cancelled(self, token if taken else None)
                 return taken
 
@@ -911,6 +909,15 @@ def _async_lock_class() -> type[AsyncLock]:
         _fenced_classes["async"] = _AsyncFencedLock
     cls: type[AsyncLock] = _fenced_classes["async"]
     return cls
+
+
+def _cancel_swallowed(lock: Any) -> bool:
+    """Whether the current task was cancelled since ``AsyncRedisLock.acquire`` began, though no
+    CancelledError came out of the command just awaited (redis-py's asyncio client, a database
+    driver, swallowed it): ``Task.cancelling()`` grew past the count acquire() noted."""
+    base = getattr(lock.local, "cancel_base", None)
+    task = asyncio.current_task()
+    return base is not None and task is not None and task.cancelling() > base
 
 
 async def _still_cancelled(lock: Any, token: str | bytes | None) -> NoReturn:
@@ -1186,6 +1193,13 @@ class _RedisLock(_RedisClient):
                 # release only means the lock stays until its TTL ends).
                 yield from self._give_back_unfenced()
                 raise
+            if self._asynchronous and _cancel_swallowed(self._lock):
+                # Cancelled while the fence was taken or the lock checked, and the driver or
+                # redis-py swallowed it: the task must not go on holding a lock it was told (by
+                # the cancellation) it did not get.
+                yield from self._give_back_unfenced()
+                yield from step(asyncio.sleep(0))
+                raise asyncio.CancelledError
             if not still:
                 local.fence = None
                 raise LockNotAcquired(
@@ -1218,6 +1232,9 @@ class _RedisLock(_RedisClient):
         lock.local.token = None
         lock.local.pending_token = token  # until the give-back succeeds: the next acquire() takes it over
         if (yield from step(_give_back_uncut(lock, token))):
+            # A further cancellation came during the give-back: delivered now, after one more
+            # await (a canceller that delivers again and again, anyio's scopes, then raises its own).
+            yield from step(asyncio.sleep(0))
             raise asyncio.CancelledError
 
     def _give_back(self, token: str) -> Steps[bool]:
