@@ -36,7 +36,7 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, suppress
 from datetime import timedelta
 from types import TracebackType
@@ -775,6 +775,14 @@ def _took(lock: Any, fence: Any) -> bool:
     return True
 
 
+def _release_refused(error: BaseException) -> bool:
+    """Whether a release's error is a definite answer (the lock is not this owner's, or the release
+    ran but too few replicas confirmed it) rather than an unknown outcome (a lost reply)."""
+    from redis.exceptions import LockError
+
+    return isinstance(error, (LockError, ReplicationTimeout))
+
+
 def _done(lock: Any, done: Any, verb: str) -> Literal[True]:
     """A release or extend script's reply: 0 means the lock is no longer this owner's."""
     from redis.exceptions import LockNotOwnedError
@@ -938,6 +946,23 @@ async def _still_cancelled(lock: Any, token: str | bytes | None) -> NoReturn:
     raise asyncio.CancelledError
 
 
+async def _run_uncut(awaitable: Awaitable[T]) -> tuple[asyncio.Future[T], bool]:
+    """Run ``awaitable`` to its end in a task of its own that a cancellation of the caller cannot
+    cut: ``(its finished future, whether the caller was cancelled meanwhile)``.
+
+    The caller reads the outcome from the future and delivers the cancellation itself.  wait(),
+    not shield(): shield would raise the job's error into the caller, replacing its own.
+    """
+    job = asyncio.ensure_future(awaitable)
+    cancelled = False
+    while not job.done():
+        try:
+            await asyncio.wait((job,))
+        except asyncio.CancelledError:
+            cancelled = True
+    return job, cancelled
+
+
 async def _give_back_uncut(lock: Any, token: str | bytes) -> bool:
     """Release the lock ``token`` holds, in a task of its own that a cancellation of this one
     cannot cut; whether a cancellation arrived meanwhile (the caller delivers it).
@@ -946,15 +971,7 @@ async def _give_back_uncut(lock: Any, token: str | bytes) -> bool:
     until its TTL ends, and what the task must see is its cancellation or its own error.  On
     success the task's pending owner token is forgotten.
     """
-    give_back = asyncio.ensure_future(lock.lua_fenced_release(**_release_call(lock, token)))
-    cancelled = False
-    while not give_back.done():
-        # wait(), not shield(): a give-back that failed must not replace the caller's exception
-        # with its own; a further cancel interrupts only this wait.
-        try:
-            await asyncio.wait((give_back,))
-        except asyncio.CancelledError:
-            cancelled = True
+    give_back, cancelled = await _run_uncut(lock.lua_fenced_release(**_release_call(lock, token)))
     if give_back.cancelled() or give_back.exception() is not None:
         log.warning(
             "could not give back lock %r, taken by an acquisition that did not hand it out: if the "
@@ -1280,11 +1297,28 @@ class _RedisLock(_RedisClient):
         token = local.token
         with self._owner_errors("was released"):
             try:
-                yield from self._call(self._lock.release)
+                if not self._asynchronous:
+                    yield from self._call(self._lock.release)
+                    return
+                # A task of its own that a cancellation cannot cut (a TaskGroup shutting down,
+                # anyio's scope delivering again inside ``async with lock:``'s exit): cut, the
+                # release would not reach Redis and the lock would stay until its TTL ends.
+                if token is None:
+                    yield from self._call(self._lock.release)  # redis-py's error: not held by this task
+                    return  # pragma: no cover - it raised
+                # Cleared first, as redis-py's sync lock does (the task-local token cannot be
+                # reached from the release's own task); kept again below when the outcome is unknown.
+                local.token = None
+                job, cancelled = yield from step(_run_uncut(self._lock.do_release(token)))
+                if cancelled:
+                    error = None if job.cancelled() else job.exception()
+                    if error is not None and not _release_refused(error):
+                        local.token = token  # outcome unknown: kept for a second release()
+                    yield from step(asyncio.sleep(0))
+                    raise asyncio.CancelledError
+                job.result()
             except Exception as error:
-                from redis.exceptions import LockError
-
-                if not isinstance(error, (LockError, ReplicationTimeout)):
+                if not _release_refused(error):
                     # The outcome is unknown (the reply may be lost): keep the
                     # token (redis-py's sync lock drops it first), so that a
                     # second release() finds its own marker if the first one ran.
@@ -1530,9 +1564,11 @@ class AsyncRedisLock(_RedisLock):
     pending cancellation, gives back a lock it took meanwhile, and raises it).
     With ``fences=`` a task cancelled while the database hands out its fence
     gives the lock back too, in a task of its own that a further cancellation
-    cannot cut.  A task cancelled while its acquisition is on the wire may
-    leave the lock held until its TTL ends (as does a give-back that finds
-    Redis down).
+    cannot cut.  A release (``release()``, the end of ``async with lock:``)
+    runs in a task of its own as well: a task cancelled while it releases
+    still releases, then gets its CancelledError.  A task cancelled while its
+    acquisition is on the wire may leave the lock held until its TTL ends (as
+    does a give-back or release that finds Redis down).
     """
 
     _asynchronous = True

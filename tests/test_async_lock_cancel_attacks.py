@@ -12,7 +12,8 @@ took.  The attacks drive that the way production code cancels: ``asyncio.timeout
 ``asyncio.wait_for`` (Python 3.11), TaskGroup, anyio cancel scopes, ``async with lock:``, a cancel
 in the sleep between polls, a cancel whose reply is lost, one lock object shared by several
 tasks, ``uncancel()``, an earlier handled cancellation, ``blocking_timeout=0``, the give-back
-racing an expiry (LockLost) and a second cancel landing in the give-back.
+racing an expiry (LockLost) and a second cancel landing in the give-back; and a cancel while the
+lock is released (``release()``, the end of ``async with``, an anyio scope around the block).
 
 The swallowing client is simulated deterministically: :class:`Wire` replaces the client's
 ``evalsha`` and lets a test queue, per script (acquire / release), what the next call does: block
@@ -920,3 +921,115 @@ def test_give_back_against_a_crashed_redis_still_ends_cancelled(
         with caplog.at_level("WARNING", logger="stateguard"):
             asyncio.run(main())
     assert any("could not give back lock" in r.getMessage() for r in caplog.records), caplog.text
+
+
+# --------------------------------------------------------------------------
+# release: a cancel while the lock is being given up
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["release()", "async with"])
+def test_cancel_while_the_release_is_on_its_way_still_releases(
+    redis_client: Any, lock_name: str, how: str
+) -> None:
+    """BUG.  The holder releases (``await lock.release()``, or the end of ``async with lock:``) and
+    is cancelled while the release waits for a connection (a TaskGroup shutting down, a request
+    cancelled).  The release must still reach Redis: cut there, the lock stayed held for its whole
+    TTL and every other worker waited for it.  The task ends with CancelledError."""
+
+    async def main() -> None:
+        async with clients() as (client, other):
+            lock = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=1)
+            wire = Wire(client)
+            releasing, proceed = asyncio.Event(), asyncio.Event()
+            wire.queue("release", wire.stall(releasing, proceed))
+
+            async def work() -> None:
+                if how == "release()":
+                    await lock.acquire()
+                    await lock.release()
+                else:
+                    async with lock:
+                        pass
+
+            task = asyncio.create_task(work())
+            await asyncio.wait_for(releasing.wait(), 5)
+            task.cancel()
+            for _ in range(3):
+                await asyncio.sleep(0)  # the cancel lands while the release is stalled
+            proceed.set()
+            await _finish_cancelled(task)
+            assert not await other.exists(lock.key), "the lock stays held until its TTL"
+            third = AsyncRedisLock(other, lock_name, ttl=30, blocking_timeout=0)
+            await third.acquire()
+            await third.release()
+
+    asyncio.run(main())
+
+
+def test_cancel_during_a_release_whose_reply_is_lost_keeps_the_token(
+    redis_client: Any, lock_name: str
+) -> None:
+    """The release ran on Redis but its reply was lost (a connection error), and the task was
+    cancelled meanwhile: CancelledError, and the task keeps its owner token (the outcome is
+    unknown), so a second release() finds the release marker and succeeds instead of raising."""
+
+    async def main() -> None:
+        import redis.exceptions
+
+        async with clients() as (client, other):
+            lock = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=1)
+            wire = Wire(client)
+            releasing, proceed = asyncio.Event(), asyncio.Event()
+
+            async def run_then_lose(real: Real) -> Any:
+                releasing.set()
+                await proceed.wait()
+                await real()
+                raise redis.exceptions.ConnectionError("reply lost")
+
+            wire.queue("release", run_then_lose)
+            outcome: list[str] = []
+
+            async def work() -> None:
+                task = asyncio.current_task()
+                assert task is not None
+                await lock.acquire()
+                try:
+                    await lock.release()
+                except asyncio.CancelledError:
+                    while task.uncancel():
+                        pass
+                    outcome.append("cancelled")
+                await lock.release()  # the same task again: its token was kept
+                outcome.append("released again")
+
+            task = asyncio.create_task(work())
+            await asyncio.wait_for(releasing.wait(), 5)
+            task.cancel()
+            for _ in range(3):
+                await asyncio.sleep(0)
+            proceed.set()
+            await asyncio.wait_for(task, LIVENESS_BOUND)
+            assert outcome == ["cancelled", "released again"]
+            assert not await other.exists(lock.key)
+
+    asyncio.run(main())
+
+
+def test_anyio_scope_cancelling_the_block_still_releases(redis_client: Any, lock_name: str) -> None:
+    """``with anyio.move_on_after(t): async with lock: ...`` whose deadline passes inside the block:
+    the scope catches its cancellation and the lock is released, though anyio cancels again at
+    every await of the block's exit (the release runs in a task of its own)."""
+    anyio = pytest.importorskip("anyio")
+
+    async def main() -> None:
+        async with clients() as (client, other):
+            lock = AsyncRedisLock(client, lock_name, ttl=30, blocking_timeout=1)
+            with anyio.move_on_after(0.05) as scope:
+                async with lock:
+                    await asyncio.sleep(5)
+            assert scope.cancelled_caught
+            assert not await other.exists(lock.key), "the lock stays held until its TTL"
+
+    asyncio.run(main())
