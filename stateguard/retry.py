@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable, Coroutine
+from decimal import Decimal
+from numbers import Real
 from typing import Any, TypeVar, overload
 
 from sqlalchemy import exc as sa_exc
@@ -95,8 +98,6 @@ class _Policy:
         max_time: float | None,
         lock_not_acquired: bool,
     ) -> None:
-        if attempts < 1:
-            raise ValueError("attempts must be at least 1")
         self.attempts = attempts
         self.backoff = backoff
         self.max_backoff = max_backoff
@@ -148,7 +149,10 @@ class _Policy:
 
     def delay(self) -> float:
         """Full jitter: uniform in [0, min(max_backoff, backoff * 2**(attempt-1))], cut at the deadline."""
-        delay = random.uniform(0, min(self.max_backoff, self.backoff * (2 ** (self.attempt - 1))))
+        # The exponent is capped: 2**1100 does not fit a float (OverflowError with attempts > 1024),
+        # and 2**64 times any positive backoff is past every max_backoff already.
+        growth = 2.0 ** min(self.attempt - 1, 64)
+        delay = random.uniform(0, min(self.max_backoff, self.backoff * growth))
         if self.deadline is not None:
             delay = min(delay, max(0.0, self.deadline - time.monotonic()))
         return delay
@@ -234,8 +238,14 @@ def retry_on_conflict(
                                             expected_version=order.version)
 
         r = await retry_on_conflict(lambda: rename_async(42, "gift"))
+
+    Every argument is checked before ``fn`` first runs: ``attempts`` an int
+    of at least 1, ``backoff``, ``max_backoff`` and ``max_time`` finite
+    numbers of seconds >= 0 (``max_time`` may be ``None``), ``fn`` and
+    ``sleep`` callables, ``lock_not_acquired`` a bool; anything else raises
+    :class:`~stateguard.InvalidArgument` at the call, in both forms.
     """
-    policy = _Policy(attempts, backoff, max_backoff, max_time, lock_not_acquired)
+    policy = _Policy(*_checked(fn, attempts, backoff, max_backoff, max_time, lock_not_acquired, sleep))
     if inspect.iscoroutinefunction(fn):
         return _retry_async(fn, policy, sleep, _NOTHING)
     done = run_steps(_attempts(fn, policy, sleep, _NOTHING, hand_over=True))
@@ -244,6 +254,62 @@ def retry_on_conflict(
         # on a later attempt): the caller awaits what we return, so the retries go there.
         return _retry_async(fn, policy, sleep, done.reply)
     return done
+
+
+def _checked(
+    fn: object,
+    attempts: object,
+    backoff: object,
+    max_backoff: object,
+    max_time: object,
+    lock_not_acquired: object,
+    sleep: object,
+) -> tuple[int, float, float, float | None, bool]:
+    """Every argument of :func:`retry_on_conflict` checked before ``fn`` is first called, or InvalidArgument.
+
+    ``(attempts, backoff, max_backoff, max_time, lock_not_acquired)`` for :class:`_Policy`, the
+    times as floats.
+    """
+    if not callable(fn):
+        raise InvalidArgument(
+            f"retry_on_conflict: fn must be a callable taking no arguments, got {fn!r}; "
+            f"pass the unit of work itself or a lambda around it: retry_on_conflict(lambda: work(42))"
+        )
+    if type(attempts) is bool or not isinstance(attempts, int) or attempts < 1:
+        raise InvalidArgument(
+            f"retry_on_conflict: attempts must be an int of at least 1 (how many times fn may run), "
+            f"got {attempts!r}; e.g. attempts=5"
+        )
+    if type(lock_not_acquired) is not bool:
+        raise InvalidArgument(
+            f"retry_on_conflict: lock_not_acquired must be True or False, got {lock_not_acquired!r}"
+        )
+    if not callable(sleep):
+        raise InvalidArgument(
+            f"retry_on_conflict: sleep must be a callable taking seconds (time.sleep, asyncio.sleep), "
+            f"got {sleep!r}"
+        )
+    return (
+        int(attempts),
+        _seconds(backoff, "backoff", "backoff=0.01"),
+        _seconds(max_backoff, "max_backoff", "max_backoff=1.0"),
+        None if max_time is None else _seconds(max_time, "max_time", "max_time=30 (or None: no limit)"),
+        lock_not_acquired,
+    )
+
+
+def _seconds(value: object, name: str, example: str) -> float:
+    """``value`` as a float number of seconds: a finite real number >= 0 (not a bool), or InvalidArgument."""
+    if type(value) is not bool and isinstance(value, Real | Decimal):
+        try:
+            seconds = float(value)
+        except (OverflowError, ValueError):  # a Decimal or Fraction beyond float's range
+            seconds = math.inf
+        if math.isfinite(seconds) and seconds >= 0:
+            return seconds
+    raise InvalidArgument(
+        f"retry_on_conflict: {name} must be a finite number of seconds >= 0, got {value!r}; e.g. {example}"
+    )
 
 
 class _HandOver:
