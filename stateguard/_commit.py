@@ -12,10 +12,9 @@ usable, so a failing callback cannot leave the session half-committed.
 SQLAlchemy dispatches ``after_commit`` both for the root and for a released
 savepoint (``SessionTransaction.commit``), and ``after_transaction_end`` for
 every transaction that closes, committed or not; those two events are all we
-need.  The listeners are registered once on the ``Session`` class, so every
-session (sessionmaker subclasses and ``AsyncSession.sync_session`` included)
-is covered; a session that never scheduled a callback pays one attribute
-lookup per event.
+need.  They are registered on a session the first time a callback is
+scheduled on it (``AsyncSession.sync_session`` for an async one), never on
+the ``Session`` class: a session that never scheduled one pays nothing.
 """
 
 from __future__ import annotations
@@ -43,6 +42,8 @@ def schedule(
     entries: list[_Entry] | None = session.__dict__.get(_ATTR)
     if entries is None:
         entries = session.__dict__[_ATTR] = []
+        event.listen(session, "after_commit", _after_commit)
+        event.listen(session, "after_transaction_end", _after_transaction_end)
     entries.append([owner, fn, args, kwargs])
 
 
@@ -57,7 +58,6 @@ def _within(owner: Any, ancestor: SessionTransaction) -> bool:
 _COMMITTED = object()  # owner marker: the root committed, run after it closes
 
 
-@event.listens_for(Session, "after_commit")
 def _after_commit(session: Session) -> None:
     entries: list[_Entry] | None = session.__dict__.get(_ATTR)
     if not entries:
@@ -71,7 +71,6 @@ def _after_commit(session: Session) -> None:
             entry[0] = target
 
 
-@event.listens_for(Session, "after_transaction_end")
 def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
     entries: list[_Entry] | None = session.__dict__.get(_ATTR)
     if not entries:
@@ -80,7 +79,8 @@ def _after_transaction_end(session: Session, transaction: SessionTransaction) ->
         entries[:] = [e for e in entries if not _within(e[0], transaction)]
         return
     # The root transaction is closed (connections released, session usable):
-    # run what its commit made ready, drop the rest (rollback or close).
+    # run what its commit made ready, drop the rest (rollback or close).  The
+    # listeners stay on the session (removing them costs more than an empty call).
     session.__dict__[_ATTR] = []
     errors: list[BaseException] = []
     for owner, fn, args, kwargs in entries:

@@ -27,6 +27,7 @@ import itertools
 import json
 import threading
 import time
+import weakref
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from decimal import Decimal
@@ -664,51 +665,66 @@ def sync_loaded(
 # fed by SQLAlchemy's savepoint events, and a rolled-back savepoint expires
 # those attributes: they reload from the database on the next access.
 
-_JOURNAL: Final = "stateguard.savepoints"
+# Both live in the Connection object's own __dict__: Connection.info belongs to the pooled DBAPI
+# connection (it outlives the Connection and is three properties deep), and a Connection lives
+# for one Session transaction.  A Connection the application keeps across transactions is why
+# the journal is tagged with the root transaction it belongs to.
+_JOURNAL: Final = "_stateguard_savepoints"
+_DEFERRED: Final = "_stateguard_deferred_savepoint"
 
 
-def _frames(conn: Connection) -> list[Any] | None:
-    """The journal of ``conn`` (``None`` on a connection that was invalidated, e.g. by a cancelled task).
+def _frames(conn: Connection, *, create: bool = False) -> list[Any] | None:
+    """The savepoint journal of ``conn``'s current transaction: ``[(name, [(session, instance,
+    attrs), ...]), ...]``, outermost first; ``None`` when there is none (one left by an earlier
+    transaction of the same Connection reads as none)."""
+    state = conn.__dict__
+    entry: tuple[Any, list[Any]] | None = state.get(_JOURNAL)
+    root = conn._transaction
+    if entry is None or entry[0] is not root:
+        if not create or root is None:
+            return None
+        entry = state[_JOURNAL] = (root, [])
+    return entry[1]
 
-    ``Connection.info`` of an invalidated connection would try to reconnect
-    and raise inside SQLAlchemy's own rollback path.
-    """
-    if conn.invalidated or conn.closed:
-        return None
-    frames: list[Any] | None = conn.info.get(_JOURNAL)
-    return frames
+
+def _open_savepoints(conn: Connection) -> list[str]:
+    """The names of the savepoints open on ``conn``, outermost first (SQLAlchemy's own chain)."""
+    names: list[str] = []
+    nested = conn._nested_transaction
+    while nested is not None:
+        names.append(nested._savepoint)
+        nested = nested._previous_nested
+    names.reverse()
+    return names
 
 
 def _journal(session: Session, info: _sql.ModelInfo, instance: Any, attrs: tuple[str, ...]) -> None:
     if not attrs:
         return
-    stack = _frames(session.connection(bind_arguments=info.bind_arguments))
-    if stack:
-        stack[-1][1].append((session, instance, attrs))
-
-
-@event.listens_for(Engine, "savepoint")
-def _on_savepoint(conn: Connection, name: str | None) -> None:
-    if name is None:
-        # SQLAlchemy announces an unnamed savepoint before naming it
-        # "sa_savepoint_<n>" from its per-connection counter (Connection.
-        # _savepoint_impl); the release/rollback events carry that name.
-        seq = getattr(conn, "_Connection__savepoint_seq", None)
-        name = f"sa_savepoint_{seq + 1}" if isinstance(seq, int) else None
-    if not (conn.invalidated or conn.closed):
-        conn.info.setdefault(_JOURNAL, []).append((name, []))
+    conn = session.connection(bind_arguments=info.bind_arguments)
+    if conn._nested_transaction is None:
+        # A whole-transaction rollback expires every loaded instance already (Session.rollback).
+        return
+    hook_engine(conn)
+    stack = _frames(conn, create=True)
+    if stack is None:
+        return
+    known = {frame[0] for frame in stack}
+    missing: list[tuple[str, list[Any]]] = [(n, []) for n in _open_savepoints(conn) if n not in known]
+    if missing:
+        # Opened before stateguard's hooks were on this engine (the application's begin_nested()
+        # before its first guarded write), so never announced to them; everything since was, so
+        # these are the outermost.
+        stack[:0] = missing
+    stack[-1][1].append((session, instance, attrs))
 
 
 def _pop_to(conn: Connection, name: str) -> list[Any]:
-    """Remove the frame of savepoint ``name`` and any still open inside it; what they journaled.
-
-    A frame whose name could not be known is taken to be the innermost one.
-    """
+    """Remove the frame of savepoint ``name`` and any still open inside it; what they journaled."""
     stack = _frames(conn)
     entries: list[Any] = []
-    if stack and all(frame_name != name for frame_name, _ in stack):
-        frame_name, frame = stack.pop()
-        return list(frame)
+    if not stack or all(frame_name != name for frame_name, _ in stack):
+        return entries
     while stack:
         frame_name, frame = stack.pop()
         entries.extend(frame)
@@ -717,31 +733,104 @@ def _pop_to(conn: Connection, name: str) -> list[Any]:
     return entries
 
 
-@event.listens_for(Engine, "release_savepoint")
-def _on_release_savepoint(conn: Connection, name: str, context: Any) -> None:
-    # Released: its syncs now stand or fall with the enclosing savepoint (or transaction).
-    entries = _pop_to(conn, name)
-    stack = _frames(conn)
-    if stack and entries:
-        stack[-1][1].extend(entries)
+def _savepoint_statement(conn: Connection, statement: str) -> str | None:
+    """Journal a ``SAVEPOINT`` / ``RELEASE SAVEPOINT`` / ``ROLLBACK TO SAVEPOINT`` about to be sent;
+    the savepoint's name (``None``: not such a statement)."""
+    words = statement.split()
+    if len(words) == 2 and words[0] == "SAVEPOINT":
+        stack = _frames(conn, create=True)
+        if stack is not None:
+            stack.append((words[1], []))
+        return words[1]
+    if len(words) == 3 and words[0] == "RELEASE" and words[1] == "SAVEPOINT":
+        # Released: its syncs now stand or fall with the enclosing savepoint (or transaction).
+        entries = _pop_to(conn, words[2])
+        stack = _frames(conn)
+        if stack and entries:
+            stack[-1][1].extend(entries)
+        return words[2]
+    if len(words) == 4 and words[0] == "ROLLBACK" and words[1] == "TO" and words[2] == "SAVEPOINT":
+        for session, instance, attrs in _pop_to(conn, words[3]):
+            if instance in session:
+                session.expire(instance, list(attrs))
+        return words[3]
+    return None
 
 
-@event.listens_for(Engine, "rollback_savepoint")
-def _on_rollback_savepoint(conn: Connection, name: str, context: Any) -> None:
-    for session, instance, attrs in _pop_to(conn, name):
-        if instance in session:
-            session.expire(instance, list(attrs))
+# --------------------------------------------------------------------------
+# The statement hook, registered per engine on first use
+# --------------------------------------------------------------------------
+#
+# One dialect-level hook (do_execute and its two siblings: each statement
+# about to reach the cursor) journals savepoints and opens a deferred one.
+# It is registered on an engine's dialect the first time stateguard needs it
+# there (a loaded instance synced inside a savepoint, a deferred savepoint),
+# never on a class: an engine stateguard never wrote through pays nothing,
+# and on one it did the application's statements pay one short call each.
+# A dialect hook, not a Connection event: any Connection-level listener
+# makes SQLAlchemy build a joined event dispatcher for every new Connection
+# of the engine (about a third more Python calls for a one-statement
+# transaction); the dialect's dispatch is built once.
+
+_HOOKED: Final[weakref.WeakSet[Any]] = weakref.WeakSet()
+_HOOK_LOCK: Final = threading.Lock()
 
 
-@event.listens_for(Engine, "begin")
-@event.listens_for(Engine, "commit")
-@event.listens_for(Engine, "rollback")
-def _on_transaction_end(conn: Connection) -> None:
-    # A whole-transaction rollback expires every instance already (Session.rollback);
-    # Connection.info lives as long as the pooled DBAPI connection, so start clean.
-    if _frames(conn) is not None:
-        conn.info.pop(_JOURNAL, None)
-        conn.info.pop(_DEFERRED, None)
+def hook_engine(conn: Connection) -> None:
+    """Make sure stateguard's statement hook is registered on ``conn``'s engine (once per dialect)."""
+    dialect = conn.dialect
+    if dialect in _HOOKED:
+        return
+    with _HOOK_LOCK:
+        if dialect in _HOOKED:
+            return
+        event.listen(dialect, "do_execute", _on_execute)
+        event.listen(dialect, "do_executemany", _on_execute)
+        event.listen(dialect, "do_execute_no_params", _on_execute_no_params)
+        _HOOKED.add(dialect)
+
+
+def hooked(engine: Engine) -> bool:
+    """Whether stateguard's statement hook is registered on ``engine`` (for tests)."""
+    return engine.dialect in _HOOKED
+
+
+def _on_execute(cursor: Any, statement: str, parameters: Any, context: Any) -> bool:
+    conn: Connection = context.root_connection
+    head = statement[:9]
+    if head == "SAVEPOINT" or head == "RELEASE S" or head == "ROLLBACK ":
+        _before_savepoint_statement(conn, statement)
+    elif _DEFERRED in conn.__dict__:
+        _open_deferred(conn)
+    return False  # not executed here: SQLAlchemy sends the statement
+
+
+def _on_execute_no_params(cursor: Any, statement: str, context: Any) -> bool:
+    return _on_execute(cursor, statement, None, context)
+
+
+def _before_savepoint_statement(conn: Connection, statement: str) -> None:
+    # SQLAlchemy's own savepoint management (SAVEPOINT sa_savepoint_1 ..., sent when a Session
+    # provisions one) does not open the block's savepoint: a nested transaction the block begins
+    # is the block savepoint's child, and SQLAlchemy sends the parent's SAVEPOINT first.  A
+    # savepoint the application sends itself (exec_driver_sql("SAVEPOINT mine")) is a statement
+    # of the block like any other: the block's savepoint goes out before it, so releasing or
+    # rolling back to it cannot take the block's savepoint with it.
+    words = statement.split(None, 4)
+    name = words[-1] if len(words) >= 2 else ""
+    if _DEFERRED in conn.__dict__ and not name.lower().startswith("sa_savepoint_"):
+        _open_deferred(conn)
+    _savepoint_statement(conn, statement)
+
+
+def _open_deferred(conn: Connection) -> None:
+    deferred: DeferredSavepoint = conn.__dict__.pop(_DEFERRED)
+    if deferred._paused:
+        conn.__dict__[_DEFERRED] = deferred
+        return
+    # Forgotten here: one left by an earlier transaction of this Connection is not opened.
+    if deferred._root is conn._transaction:
+        deferred.open()
 
 
 # --------------------------------------------------------------------------
@@ -1096,14 +1185,14 @@ class DeferredSavepoint:
     ``session.begin_nested()`` is lazy already for the Session's own use (the
     SAVEPOINT goes out when the savepoint first needs its connection); this
     also covers a statement sent on the Connection directly (one fetched
-    before, ``exec_driver_sql`` ...): a ``before_cursor_execute`` hook opens
-    the savepoint first.  Statements sent inside :meth:`paused` do not open it.
+    before, ``exec_driver_sql`` ...): the statement hook opens the savepoint
+    first.  Statements sent inside :meth:`paused` do not open it.
     So a block that sends nothing costs no SAVEPOINT and no RELEASE, and a
     block that does has all of its statements inside the savepoint, rolled
     back with it.  :meth:`close` (or the end of the transaction) forgets it.
     """
 
-    __slots__ = ("_bind_arguments", "_conn", "_info", "_paused", "nested", "session")
+    __slots__ = ("_bind_arguments", "_conn", "_paused", "_root", "nested", "session")
 
     def __init__(self, session: Session, conn: Connection, bind_arguments: dict[str, Any]) -> None:
         self.session = session
@@ -1111,10 +1200,9 @@ class DeferredSavepoint:
         self._bind_arguments = bind_arguments
         self._paused = False
         self.nested = session.begin_nested()
-        # The pooled connection's info dict, kept: Connection.info is three properties deep, and
-        # raises once the Connection is closed, when close() must still be able to forget this.
-        self._info = info = conn.info
-        info[_DEFERRED] = self
+        self._root = conn._transaction
+        hook_engine(conn)
+        conn.__dict__[_DEFERRED] = self
 
     def open(self) -> None:
         """Send the SAVEPOINT now (no-op if it is out already or the savepoint has ended)."""
@@ -1141,9 +1229,9 @@ class DeferredSavepoint:
 
     def close(self) -> None:
         """Stop watching the connection (the savepoint itself is left as it is)."""
-        info = self._info
-        if info.get(_DEFERRED) is self:
-            del info[_DEFERRED]
+        state = self._conn.__dict__
+        if state.get(_DEFERRED) is self:
+            del state[_DEFERRED]
 
     def end(self) -> None:
         """The block succeeded: stop watching, and commit the savepoint (RELEASE only if it was sent).
@@ -1171,42 +1259,6 @@ class DeferredSavepoint:
             nested.close()
         else:
             nested.commit()
-
-
-_DEFERRED: Final = "stateguard.deferred_savepoint"
-#: The verbs of savepoint statements.
-_SAVEPOINT_VERBS: Final = ("SAVEPOINT", "RELEASE", "ROLLBACK")
-
-
-def _sqlalchemy_savepoint(statement: str) -> bool:
-    """Whether ``statement`` is SQLAlchemy's own savepoint management (``SAVEPOINT sa_savepoint_1``,
-    ``RELEASE SAVEPOINT ...``, ``ROLLBACK TO SAVEPOINT ...``), sent when a Session provisions one.
-
-    Those do not open the block's savepoint: a nested transaction the block begins is the block
-    savepoint's child, and SQLAlchemy sends the parent's SAVEPOINT first.  A savepoint the
-    application sends itself (``exec_driver_sql("SAVEPOINT mine")``) is a statement of the block
-    like any other: the block's savepoint goes out before it, so releasing or rolling back to it
-    cannot take the block's savepoint with it.
-    """
-    head = statement.lstrip()[:48].upper()
-    return head.startswith(_SAVEPOINT_VERBS) and "SA_SAVEPOINT_" in head
-
-
-# before_cursor_execute, not before_execute: exec_driver_sql() fires only this one.
-@event.listens_for(Engine, "before_cursor_execute")
-def _on_before_cursor_execute(
-    conn: Connection, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool
-) -> None:
-    if conn.invalidated or conn.closed:
-        return
-    info = conn.info
-    deferred = info.get(_DEFERRED)
-    if deferred is None or deferred._paused or _sqlalchemy_savepoint(statement):
-        return
-    # Forgotten here, on the connection in use: one left behind by a Session that ended without
-    # closing it (and whose own Connection is closed) must not stay on the pooled connection.
-    del info[_DEFERRED]
-    deferred.open()
 
 
 def _driver_in_transaction(conn: Connection) -> bool:
