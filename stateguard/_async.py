@@ -41,13 +41,26 @@ import functools
 import inspect
 import logging
 import types
-from collections.abc import Callable, Coroutine, Generator
+import uuid
+from collections.abc import Callable, Coroutine, Generator, Mapping
 from contextlib import AbstractContextManager
+from decimal import Decimal
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, cast, overload
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Concatenate,
+    Final,
+    Generic,
+    ParamSpec,
+    Protocol,
+    TypeVar,
+    cast,
+    overload,
+)
 
 from sqlalchemy import Connection, Engine
-from sqlalchemy.orm import Session, scoped_session
+from sqlalchemy.orm import QueryableAttribute, Session, scoped_session
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
@@ -146,35 +159,95 @@ class Dual(Protocol[S_contra, P, R_co]):
     ) -> Coroutine[Any, Any, R_co]: ...
 
 
-#: What to pass instead, by the type name of the object a call got where a session belongs.
+#: What to do instead, by the type name of the object a call got where a session belongs;
+#: ``{call}`` is the user's call with ``session`` in the session's place.
 _INSTEAD: dict[str, str] = {
-    "Engine": "pass Session(engine), e.g. `with Session(engine) as session, session.begin():`",
-    "Connection": "pass Session(bind=connection) to run in that connection's transaction",
-    "AsyncEngine": "pass AsyncSession(engine) and await the call",
-    "AsyncConnection": "pass AsyncSession(bind=connection) and await the call",
-    "sessionmaker": "call the factory: pass factory(), not factory",
-    "async_sessionmaker": "call the factory: pass factory(), not factory",
+    "Engine": "pass Session(engine): `with Session(engine) as session, session.begin(): {call}`",
+    "Connection": "pass Session(bind=connection) to run in that connection's transaction: "
+    "`session = Session(bind=connection); {call}`",
+    "AsyncEngine": "pass AsyncSession(engine) and await the call: "
+    "`async with AsyncSession(engine) as session, session.begin(): await {call}`",
+    "AsyncConnection": "pass AsyncSession(bind=connection) and await the call: "
+    "`session = AsyncSession(bind=connection); await {call}`",
+    "sessionmaker": "call the factory: pass factory(), not factory: "
+    "`with factory() as session, session.begin(): {call}`",
+    "async_sessionmaker": "call the factory: pass factory(), not factory: "
+    "`async with factory() as session, session.begin(): await {call}`",
 }
+_INSTEAD_OTHER: Final = "pass a sqlalchemy.orm.Session (or an AsyncSession and await the call): `{call}`"
+
+#: Longest text of the user's other arguments shown in the example call (else ``...``).
+_SHOWN_ARGUMENTS: Final = 60
 
 
-def wrong_session(got: Any, what: str, *, binds: bool = False) -> InvalidArgument:
-    """The InvalidArgument for a call that got ``got`` where a session belongs, saying what to pass."""
+def wrong_session(
+    got: Any,
+    what: str,
+    *,
+    binds: bool = False,
+    args: tuple[Any, ...] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+) -> InvalidArgument:
+    """The InvalidArgument for a call that got ``got`` where a session belongs, saying what to pass.
+
+    ``what`` is the public call as the user wrote it (``"Order.flow.pay()"``);
+    ``args`` and ``kwargs`` are its other arguments, shown in the example
+    (``None``: not known, shown as ``...``)::
+
+        Order.flow.pay() needs a Session (or an AsyncSession) as its first argument, got Engine:
+        pass Session(engine): `with Session(engine) as session, session.begin(): Order.flow.pay(session, 1)`
+    """
     kind = type(got).__name__
     wanted = "a Session, an Engine or a Connection" if binds else "a Session"
-    instead = _INSTEAD.get(kind, "pass a sqlalchemy.orm.Session (or an AsyncSession and await the call)")
-    return InvalidArgument(f"{what} needs {wanted} (or an AsyncSession), got {kind}: {instead}")
+    # "..." when ``what`` is no call's name (a DualContext made without one).
+    call = f"{what.removesuffix('()')}({_shown(args, kwargs)})" if what.endswith("()") else "..."
+    instead = _INSTEAD.get(kind, _INSTEAD_OTHER).format(call=call)
+    return InvalidArgument(
+        f"{what} needs {wanted} (or an AsyncSession) as its first argument, got {kind}: {instead}"
+    )
 
 
-def as_session(session: Any, what: str) -> Any:
+def _shown(args: tuple[Any, ...] | None, kwargs: Mapping[str, Any] | None) -> str:
+    """``session`` and the other arguments of a call, as the example in :func:`wrong_session` writes them."""
+    if args is None and kwargs is None:
+        return "session, ..."
+    args, kwargs = args or (), kwargs or {}
+    try:
+        parts = [_argument(a) for a in args] + [f"{k}={_argument(v)}" for k, v in kwargs.items()]
+    except Exception:  # a repr that raises must not hide the real mistake
+        parts = ["..."]
+    rest = ", ".join(parts)
+    if len(rest) > _SHOWN_ARGUMENTS:
+        rest = "..."
+    return f"session, {rest}" if rest else "session"
+
+
+def _argument(value: Any) -> str:
+    """One argument as source text: a class or mapped attribute by name, a plain value's repr, or ``...``."""
+    if isinstance(value, type):
+        return value.__name__
+    if isinstance(value, QueryableAttribute):
+        return f"{value.class_.__name__}.{value.key}"
+    if value is None or isinstance(
+        value, int | float | str | bytes | Decimal | uuid.UUID | list | tuple | dict
+    ):
+        return repr(value)
+    return "..."
+
+
+def as_session(
+    session: Any, what: str, args: tuple[Any, ...] | None = None, kwargs: Mapping[str, Any] | None = None
+) -> Any:
     """``session`` if it is a Session (a ``scoped_session``'s current one), else the typed error.
 
-    AsyncSessions are handled by the caller before this.
+    AsyncSessions are handled by the caller before this.  ``args`` and
+    ``kwargs`` (the call's other arguments) only go into the error's example.
     """
     if isinstance(session, Session):
         return session
     if isinstance(session, scoped_session):
         return session()
-    raise wrong_session(session, what)
+    raise wrong_session(session, what, args=args, kwargs=kwargs)
 
 
 def dual(fn: Callable[Concatenate[S, P], R]) -> Dual[S, P, R]:
@@ -198,9 +271,9 @@ def dual(fn: Callable[Concatenate[S, P], R]) -> Dual[S, P, R]:
             return session.run_sync(fn, *args, **kwargs)  # type: ignore[arg-type]
         if watched:
             return _observe.observe_session_call(
-                as_session(session, what), operation, logger, fn, *args, **kwargs
+                as_session(session, what, args, kwargs), operation, logger, fn, *args, **kwargs
             )
-        return fn(as_session(session, what), *args, **kwargs)
+        return fn(as_session(session, what, args, kwargs), *args, **kwargs)
 
     return call
 
@@ -216,7 +289,7 @@ def dual_bind(fn: Callable[Concatenate[S, P], R]) -> Dual[S, P, R]:
         if isinstance(bind, scoped_session):
             bind = bind()
         elif not isinstance(bind, Session | Engine | Connection):
-            raise wrong_session(bind, what, binds=True)
+            raise wrong_session(bind, what, binds=True, args=args, kwargs=kwargs)
         return fn(bind, *args, **kwargs)
 
     return call
@@ -306,16 +379,33 @@ def _observe_method(
     )
 
 
+def _public_name(obj: Any, attribute: str) -> str:
+    """The call as the user wrote it: ``Order.flow.pay()``, ``Order.flow.pay.many()``,
+    ``Order.flow.fire()``, ``StripedCounter('stock', stripes=8).decrement()``."""
+    machine = getattr(obj, "machine", None)
+    qualname = getattr(machine, "qualname", None)
+    if isinstance(qualname, str):  # a Trigger of a bound machine
+        base = f"{qualname}.{getattr(obj, 'name', '?')}"
+    else:  # a StateMachine (its qualname), or an object its repr names (a StripedCounter)
+        qualname = getattr(obj, "qualname", None)
+        base = qualname if isinstance(qualname, str) else repr(obj)
+    return f"{base}()" if attribute == "__call__" else f"{base}.{attribute}()"
+
+
 class _BoundDual:
     """A dual method bound to its object (what ``trigger.many`` evaluates to)."""
 
-    __slots__ = ("fn", "logger", "obj", "operation")
+    __slots__ = ("attribute", "fn", "logger", "obj", "operation")
 
-    def __init__(self, fn: Callable[..., Any], obj: Any, operation: str, logger: logging.Logger) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], obj: Any, operation: str, logger: logging.Logger, attribute: str
+    ) -> None:
         self.fn = fn
         self.obj = obj
         self.operation = operation
         self.logger = logger
+        #: The attribute the method is on the object's class (``many``; ``__call__`` for a trigger).
+        self.attribute = attribute
 
     @property
     def __doc__(self) -> str | None:  # type: ignore[override]
@@ -335,7 +425,7 @@ class _BoundDual:
                 )
             return session.run_sync(_call_method, self.fn, self.obj, *args, **kwargs)
         if not isinstance(session, Session):
-            session = as_session(session, f"{self.fn.__name__.lstrip('_')}()")
+            session = as_session(session, _public_name(self.obj, self.attribute), args, kwargs)
         if watched:
             return _observe_method(session, self.operation, self.logger, self.fn, self.obj, *args, **kwargs)
         return self.fn(self.obj, session, *args, **kwargs)
@@ -363,6 +453,11 @@ class dual_method(Generic[Obj, S, P, R]):
         #: What the call is reported as (stateguard.observe): ``"trigger"``, ``"many"`` ...
         self.operation = operation or fn.__name__.lstrip("_")
         self._logger = logging.getLogger(fn.__module__)
+        #: The attribute name on the class (set by __set_name__), as error messages name the call.
+        self._attribute = fn.__name__.lstrip("_")
+
+    def __set_name__(self, owner: type[Any], name: str) -> None:
+        self._attribute = name
 
     @overload
     def __get__(self, obj: None, owner: type[Any]) -> dual_method[Obj, S, P, R]: ...
@@ -374,7 +469,7 @@ class dual_method(Generic[Obj, S, P, R]):
         if obj is None:
             return self
         fn = getattr(owner, self._name, self.fn)
-        return _BoundDual(self.fn if fn is self else fn, obj, self.operation, self._logger)
+        return _BoundDual(self.fn if fn is self else fn, obj, self.operation, self._logger, self._attribute)
 
 
 def sync_session_of(session: Session | AsyncSession) -> Session:
