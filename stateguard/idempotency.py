@@ -373,7 +373,7 @@ def _emit(kind: str, scope: str, key: str, attempt: int | None, mode: Mode) -> N
         try:
             listener(event)
         except Exception:
-            log.exception("idempotency event listener %r failed", listener)
+            _observe.failed(listener, f"taking the idempotency event {kind!r}", log)
 
 
 # --------------------------------------------------------------------------

@@ -15,9 +15,23 @@ often stateguard retried inside it and on which backend::
 Nothing is measured while no listener, no span factory and no DEBUG logging
 is on: the guarded call then costs one flag test more (measured in
 ``bench/``, scenario 8).  Listeners run synchronously in the caller's thread,
-after the call; an exception in a listener is logged and never reaches the
-caller.  :mod:`stateguard.otel` turns these events into OpenTelemetry metrics
-and spans.
+after the call.  :mod:`stateguard.otel` turns these events into OpenTelemetry
+metrics and spans.
+
+Observation never changes what a guarded call does or returns.  An
+``Exception`` raised by a listener, by a span factory (when it is called, when
+its context manager is entered or exited, e.g. an OpenTelemetry span processor
+failing in ``on_start`` or ``on_end``) or by the DEBUG log line is logged on
+``stateguard.observe`` with its traceback, every time, and swallowed: the call
+keeps its return value or its own exception, its transaction is not rolled
+back, a lock it took stays taken and owned.  Every span factory entered is
+exited, also when another one failed.  A span factory's ``__exit__`` cannot
+swallow the call's exception either (its return value is ignored).  Only
+exceptions that are not ``Exception`` subclasses (``KeyboardInterrupt``,
+``SystemExit``, ``asyncio.CancelledError``, ``GeneratorExit``) propagate: they
+ask the program or task to stop, and swallowing them would hide that request
+(the call may then have happened without its caller knowing, as with any
+cancellation).
 
 Every event is also logged at DEBUG on ``stateguard.<module>`` (for example
 ``stateguard.counters``) with the facts as ``extra`` fields
@@ -35,6 +49,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 from .result import Result
@@ -155,6 +170,10 @@ def on_span(factory: SpanFactory) -> Callable[[], None]:
     where the call names them)::
 
         remove = on_span(lambda op, attrs: tracer.start_as_current_span(f"stateguard {op}", attributes=attrs))
+
+    A factory that raises, or whose context manager raises on entry or on
+    exit, is logged on ``stateguard.observe`` and the call goes on as if it
+    were not there; its ``__exit__`` cannot swallow the call's exception.
     """
     if not callable(factory):
         from .exceptions import InvalidArgument
@@ -205,42 +224,95 @@ def _describe(operation: str, value: Any) -> tuple[str, str | None, str | None, 
 
 
 def deliver(event: GuardEvent, logger: logging.Logger) -> None:
-    """Give ``event`` to the listeners and, at DEBUG, to ``logger``."""
+    """Give ``event`` to the listeners and, at DEBUG, to ``logger``; none of their errors escapes."""
     if logger.isEnabledFor(logging.DEBUG):
-        logger.debug(
-            "%s %s%s: %s in %.2f ms",
-            event.operation,
-            event.model or event.scope or "",
-            f".{event.trigger}" if event.trigger else "",
-            event.outcome,
-            event.duration * 1000,
-            extra={
-                "sg_operation": event.operation,
-                "sg_model": event.model,
-                "sg_scope": event.scope,
-                "sg_trigger": event.trigger,
-                "sg_outcome": event.outcome,
-                "sg_duration_ms": event.duration * 1000,
-                "sg_retries": event.retries,
-                "sg_backend": event.backend,
-            },
-        )
+        try:
+            _log_event(event, logger)
+        except Exception:  # a logging filter that raises (handlers catch their own emit errors)
+            failed(logger, "logging the event")
     for listener in tuple(_listeners):
         try:
             listener(event)
         except Exception:
-            log.exception("stateguard event listener %r failed", listener)
+            failed(listener, "taking the event")
 
 
-@contextlib.contextmanager
-def _entered(operation: str, attributes: dict[str, Any]) -> Iterator[None]:
-    with contextlib.ExitStack() as stack:
+def _log_event(event: GuardEvent, logger: logging.Logger) -> None:
+    logger.debug(
+        "%s %s%s: %s in %.2f ms",
+        event.operation,
+        event.model or event.scope or "",
+        f".{event.trigger}" if event.trigger else "",
+        event.outcome,
+        event.duration * 1000,
+        extra={
+            "sg_operation": event.operation,
+            "sg_model": event.model,
+            "sg_scope": event.scope,
+            "sg_trigger": event.trigger,
+            "sg_outcome": event.outcome,
+            "sg_duration_ms": event.duration * 1000,
+            "sg_retries": event.retries,
+            "sg_backend": event.backend,
+        },
+    )
+
+
+def failed(observer: object, doing: str, logger: logging.Logger = log) -> None:
+    """Log the exception being handled, raised by ``observer`` while ``doing``, on ``logger``; never raise.
+
+    The one place an observer's error ends (see the module docstring): called
+    from an ``except Exception`` block around every listener, span factory and
+    event log line, here and in :mod:`stateguard.otel` / idempotency events.
+    """
+    # A logging filter that raises on this record too: observation stays silent rather than break the call.
+    with contextlib.suppress(Exception):
+        logger.exception(
+            "stateguard observer %r failed while %s; the guarded call was not affected", observer, doing
+        )
+
+
+class _Spans:
+    """The span factories' context managers around one call; none of their errors reaches the call.
+
+    Each factory's manager is entered in order and exited in reverse, each in
+    its own ``try``: one that fails to open is skipped, one that fails to
+    close does not keep the others open, and the call's own exception (or its
+    return) goes on unchanged.
+    """
+
+    __slots__ = ("_attributes", "_open", "_operation")
+
+    def __init__(self, operation: str, attributes: dict[str, Any]) -> None:
+        self._operation = operation
+        self._attributes = attributes
+        self._open: list[AbstractContextManager[Any]] = []
+
+    def __enter__(self) -> None:
         for factory in tuple(_spans):
             try:
-                stack.enter_context(factory(operation, attributes))
+                manager = factory(self._operation, self._attributes)
+                manager.__enter__()
             except Exception:
-                log.exception("stateguard span factory %r failed", factory)
-        yield
+                failed(factory, f"opening the span of {self._operation}")
+            else:
+                self._open.append(manager)
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        stop: BaseException | None = None
+        while self._open:
+            manager = self._open.pop()
+            try:
+                # Its return value is ignored: an observer cannot swallow the call's exception.
+                manager.__exit__(exc_type, exc, tb)
+            except Exception:
+                failed(manager, f"closing the span of {self._operation}")
+            except BaseException as caught:  # KeyboardInterrupt ...: close the others first
+                stop = stop or caught
+        if stop is not None:
+            raise stop
 
 
 def observe_session_call(
@@ -271,7 +343,7 @@ def observe_session_call(
     start = time.perf_counter()
     error: BaseException | None = None
     value: Any = None
-    with _entered(operation, attributes) if _spans else contextlib.nullcontext():
+    with _Spans(operation, attributes) if _spans else contextlib.nullcontext():
         try:
             value = fn(session, *args, **kwargs)
         except BaseException as caught:
@@ -279,27 +351,30 @@ def observe_session_call(
             raise
         finally:
             duration = time.perf_counter() - start
-            counts: dict[str, int] | None = None
-            if error is None:
-                outcome, model_name, trigger_name, counts = _describe(operation, value)
-            else:
-                outcome, model_name, trigger_name = type(error).__name__, None, None
-            model_name = model_name or attributes.get("stateguard.model")
-            model_obj = value.model if isinstance(value, Result) else model
-            deliver(
-                GuardEvent(
-                    operation=operation,
-                    outcome=outcome,
-                    duration=duration,
-                    model=model_name,
-                    scope=scope,
-                    trigger=trigger_name or trigger,
-                    backend=_backend_of(session, model_obj),
-                    error=error,
-                    counts=counts,
-                ),
-                logger,
-            )
+            try:
+                counts: dict[str, int] | None = None
+                if error is None:
+                    outcome, model_name, trigger_name, counts = _describe(operation, value)
+                else:
+                    outcome, model_name, trigger_name = type(error).__name__, None, None
+                model_name = model_name or attributes.get("stateguard.model")
+                model_obj = value.model if isinstance(value, Result) else model
+                deliver(
+                    GuardEvent(
+                        operation=operation,
+                        outcome=outcome,
+                        duration=duration,
+                        model=model_name,
+                        scope=scope,
+                        trigger=trigger_name or trigger,
+                        backend=_backend_of(session, model_obj),
+                        error=error,
+                        counts=counts,
+                    ),
+                    logger,
+                )
+            except Exception:  # describing an odd return value: the call's outcome still stands
+                failed(deliver, f"reporting {operation}")
     return value
 
 
@@ -329,26 +404,29 @@ def observed(
         attributes["stateguard.scope"] = scope
     start = time.perf_counter()
     error: BaseException | None = None
-    with _entered(operation, attributes) if _spans else contextlib.nullcontext():
+    with _Spans(operation, attributes) if _spans else contextlib.nullcontext():
         try:
             yield box
         except BaseException as caught:
             error = caught
             raise
         finally:
-            deliver(
-                GuardEvent(
-                    operation=operation,
-                    outcome=type(error).__name__ if error is not None else str(box["outcome"]),
-                    duration=time.perf_counter() - start,
-                    model=model,
-                    scope=scope,
-                    retries=int(box["retries"]),
-                    backend=box.get("backend", backend),
-                    error=error,
-                ),
-                logger,
-            )
+            try:
+                deliver(
+                    GuardEvent(
+                        operation=operation,
+                        outcome=type(error).__name__ if error is not None else str(box["outcome"]),
+                        duration=time.perf_counter() - start,
+                        model=model,
+                        scope=scope,
+                        retries=int(box["retries"]),
+                        backend=box.get("backend", backend),
+                        error=error,
+                    ),
+                    logger,
+                )
+            except Exception:  # a box the block filled oddly: the block's outcome still stands
+                failed(deliver, f"reporting {operation}")
 
 
 def watch(

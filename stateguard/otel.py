@@ -22,13 +22,18 @@ What it records, from the :mod:`stateguard.observe` events:
   SQLAlchemy is instrumented (``opentelemetry-instrumentation-sqlalchemy``),
   and it nests under the application's own span.  It carries the same
   attributes; a call that raised has status ERROR and the exception recorded.
+
+A span processor, exporter hook or metric instrument that raises (in
+``on_start``, ``on_end``, while a measurement is recorded) is logged on
+``stateguard.observe`` and never reaches the call: see :mod:`stateguard.observe`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from types import TracebackType
 from typing import Any
 
 from opentelemetry import metrics as otel_metrics
@@ -37,7 +42,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from . import __version__
 from .exceptions import InvalidArgument
-from .observe import GuardEvent, on_event, on_span
+from .observe import GuardEvent, failed, on_event, on_span
 
 __all__ = ["instrument"]
 
@@ -104,20 +109,8 @@ def instrument(
     if spans:
         tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer(_SCOPE, __version__)
 
-        @contextlib.contextmanager
-        def span(operation: str, attributes: dict[str, Any]) -> Iterator[None]:
-            with tracer.start_as_current_span(
-                f"stateguard {operation}",
-                kind=SpanKind.INTERNAL,
-                attributes=attributes,
-                record_exception=False,
-                set_status_on_exception=False,
-            ) as opened:
-                token = _current.set(opened)
-                try:
-                    yield
-                finally:
-                    _current.reset(token)
+        def span(operation: str, attributes: dict[str, Any]) -> _CallSpan:
+            return _CallSpan(tracer, operation, attributes)
 
         def finish(event: GuardEvent) -> None:
             opened = _current.get()
@@ -144,6 +137,53 @@ def instrument(
 
     _active = uninstrument
     return uninstrument
+
+
+class _CallSpan:
+    """The span of one guarded call, current while the call runs.
+
+    A span that cannot start (a span processor raising in ``on_start``) is
+    logged and the call runs without one; its ``finish`` then finds no span
+    rather than the enclosing call's (``_current`` is cleared first).  Ending
+    it may raise (``on_end``): :class:`stateguard.observe` logs that, and the
+    span is ended and detached by then (the SDK sets its end time and
+    OpenTelemetry restores the context before ``on_end`` runs).
+    """
+
+    __slots__ = ("_attributes", "_operation", "_scope", "_token", "_tracer")
+
+    def __init__(self, tracer: trace.Tracer, operation: str, attributes: dict[str, Any]) -> None:
+        self._tracer = tracer
+        self._operation = operation
+        self._attributes = attributes
+        self._scope: contextlib.AbstractContextManager[Span] | None = None
+        self._token: contextvars.Token[Span | None] | None = None
+
+    def __enter__(self) -> None:
+        self._token = _current.set(None)
+        try:
+            scope = self._tracer.start_as_current_span(
+                f"stateguard {self._operation}",
+                kind=SpanKind.INTERNAL,
+                attributes=self._attributes,
+                record_exception=False,
+                set_status_on_exception=False,
+            )
+            _current.set(scope.__enter__())
+        except Exception:
+            failed(self._tracer, f"starting the span of {self._operation}")
+            return
+        self._scope = scope
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            if self._scope is not None:
+                self._scope.__exit__(exc_type, exc, tb)
+        finally:
+            if self._token is not None:
+                _current.reset(self._token)
 
 
 def _attributes(event: GuardEvent) -> dict[str, Any]:
