@@ -50,6 +50,7 @@ from .exceptions import (
     LockNotAcquired,
     SerializationConflict,
     StateguardError,
+    TransactionAborted,
 )
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "Backend",
     "ClauseElement",
     "ModelInfo",
+    "aborted_transaction",
     "backend",
     "bindparam",
     "by_primary_key",
@@ -321,6 +323,7 @@ _MYSQL_DUPLICATE_KEY = 1062
 _MYSQL_NO_SUCH_TABLE = 1146
 _PG_UNDEFINED_TABLE = "42P01"
 _PG_OUT_OF_RANGE = "22003"  # numeric_value_out_of_range
+_PG_IN_FAILED_TRANSACTION = "25P02"  # in_failed_sql_transaction: an earlier statement failed
 _MYSQL_OUT_OF_RANGE = frozenset({1264, 1690})  # out of range value for column / in an expression
 _MYSQL_DRIVERS = ("pymysql", "MySQLdb", "mysql", "mariadb", "asyncmy", "aiomysql")
 
@@ -377,9 +380,15 @@ def classify_db_error(error: BaseException) -> type[StateguardError] | None:
 
 
 def conflict_error(error: sa_exc.DBAPIError) -> StateguardError | None:
+    """The typed error for a driver error that says the transaction cannot go on, or ``None``.
+
+    A retryable conflict (:func:`classify_db_error`), or a transaction an
+    earlier failed statement aborted (:func:`aborted_transaction`): both mean
+    "roll back first", and every caller that maps driver errors asks this.
+    """
     kind = classify_db_error(error)
     if kind is None:
-        return None
+        return aborted_transaction(error)
     if kind is LockNotAcquired:
         return kind(
             f"a lock is held by another transaction ({error.orig!r}); roll the transaction back "
@@ -412,6 +421,31 @@ def out_of_range(error: sa_exc.DBAPIError) -> StateguardError | None:
         f"likely a version column at its type's maximum (version_column() is INTEGER: 2,147,483,647 "
         f"writes of one row).  Roll the transaction back, then widen the column to BIGINT "
         f"(version_column(type_=BigInteger), and ALTER the table); nothing was written"
+    )
+
+
+def aborted_transaction(error: sa_exc.DBAPIError) -> StateguardError | None:
+    """A TransactionAborted when the database refused the statement because an earlier one failed.
+
+    PostgreSQL (and CockroachDB) ignore every command of a transaction after
+    a failed statement until it ends, with SQLSTATE 25P02 (psycopg's
+    ``InFailedSqlTransaction``, asyncpg's ``InFailedSQLTransactionError``).
+    MySQL/MariaDB and SQLite go on after a failed statement, so they never
+    report this.
+    """
+    orig = error.orig
+    if orig is None:
+        return None
+    sqlstate = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    if sqlstate != _PG_IN_FAILED_TRANSACTION:
+        return None
+    return TransactionAborted(
+        f"the transaction is aborted: an earlier statement in it failed, and the database ignores "
+        f"every statement until the transaction ends ({type(orig).__name__}: "
+        f"{str(orig).splitlines()[0] if str(orig) else 'in_failed_sql_transaction'}).  Roll it back "
+        f"first (session.rollback(), or let its `with session.begin():` block end) and run the unit of "
+        f"work again; the earlier error is the real one.  Nothing was written by this call.  A "
+        f"statement that may fail without ending the transaction belongs in session.begin_nested()"
     )
 
 

@@ -394,8 +394,8 @@ def _out_of_range(
 
 
 def execute(conn: Connection, stmt: Any, params: Mapping[str, Any] | None = None) -> CursorResult[Any]:
-    """Run ``stmt`` on ``conn``, turning retryable driver conflicts (and missing stateguard tables)
-    into our errors."""
+    """Run ``stmt`` on ``conn``, turning retryable driver conflicts (and an already aborted
+    transaction, missing stateguard tables) into our errors."""
     try:
         return conn.execute(stmt, params)
     except sa_exc.DBAPIError as error:

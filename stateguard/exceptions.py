@@ -26,6 +26,7 @@ transaction may succeed (see :func:`stateguard.retry_on_conflict`).
     ├── RequestInProgress                an idempotency key is being worked on (.retry_after)
     ├── IdempotencyKeyReused             a key came back with a different request fingerprint
     ├── RequestFailed                    an idempotency key's request failed for good (.error)
+    ├── TransactionAborted               an earlier statement failed: roll the transaction back
     └── SerializationConflict            retryable=True: serialization failure / busy snapshot
         └── DeadlockDetected             retryable=True: the database broke a deadlock
 
@@ -65,6 +66,7 @@ __all__ = [
     "SerializationConflict",
     "StaleVersion",
     "StateguardError",
+    "TransactionAborted",
     "TransitionRejected",
     "UnknownTrigger",
     "WorkerIdsExhausted",
@@ -202,6 +204,19 @@ class SerializationConflict(StateguardError):
 
 class DeadlockDetected(SerializationConflict):
     """The database detected a deadlock and chose this transaction as victim."""
+
+
+class TransactionAborted(StateguardError):
+    """The transaction is aborted: an earlier statement in it failed, so the database refuses the rest.
+
+    PostgreSQL answers every statement after a failed one with
+    ``in_failed_sql_transaction`` (SQLSTATE 25P02) until the transaction
+    ends.  Nothing was written; roll the transaction back (and find the
+    earlier error, which is the real one), then run the unit of work again.
+    A statement that may fail without ending the transaction belongs in a
+    savepoint (``session.begin_nested()``).  The driver's error is chained as
+    ``__cause__``.
+    """
 
 
 class LockNotAcquired(StateguardError):

@@ -42,6 +42,7 @@ EXPECTED = [
     "StateMachine",
     "StateguardError",
     "StripedCounter",
+    "TransactionAborted",
     "TransitionRejected",
     "Trigger",
     "UnknownTrigger",

@@ -35,7 +35,12 @@ CALLS: list[tuple[str, Callable[[Any], Any], str, str]] = [
         "Order.flow.cancel.where()",
         "Order.flow.cancel.where(session, ...)",
     ),
-    ("fire", lambda bad: Order.flow.fire(bad, 1, "pay"), "Order.flow.fire()", "(session, 1, 'pay')"),
+    (
+        "fire",
+        lambda bad: Order.flow.fire(bad, "pay", 1),
+        "Order.flow.fire()",
+        "Order.flow.fire(session, 'pay', 1)",
+    ),
     ("history", lambda bad: Order.flow.history(bad, 1), "Order.flow.history()", "(session, 1)"),
     (
         "counter",
