@@ -737,7 +737,7 @@ class _Claim(Generic[S]):
         }
         self.call: IdempotentCall[S] | None = None
         #: Same transaction: the savepoint of the block (sent before its first statement).
-        self._savepoint: _write.DeferredSavepoint | None = None
+        self._block_savepoint: _write.DeferredSavepoint | None = None
         #: Same transaction: this call inserted the record (outside the savepoint).
         self._fresh = False
         self._conn: Connection | None = None
@@ -798,19 +798,19 @@ class _Claim(Generic[S]):
         except BaseException:
             self._drop_savepoint()
             raise
-        if self._savepoint is None and call._state == "open":
-            self._savepoint = _write.DeferredSavepoint(session, conn, self._binds)
+        if self._block_savepoint is None and call._state == "open":
+            self._block_savepoint = _write.DeferredSavepoint(session, conn, self._binds)
         return call
 
     def _savepoint_now(self) -> None:
         """Same transaction: open the block's savepoint before an UPDATE of an existing record."""
-        if self.options.mode == "same_transaction" and self._savepoint is None:
-            self._savepoint = _write.DeferredSavepoint(self.session, self._open(self._conn), self._binds)
-            self._savepoint.open()
+        if self.options.mode == "same_transaction" and self._block_savepoint is None:
+            self._block_savepoint = _write.DeferredSavepoint(self.session, self._open(self._conn), self._binds)
+            self._block_savepoint.open()
 
     def _drop_savepoint(self) -> None:
         """Roll back the block's savepoint (if it was sent) and stop watching the connection."""
-        savepoint, self._savepoint = self._savepoint, None
+        savepoint, self._block_savepoint = self._block_savepoint, None
         if savepoint is not None:
             savepoint.close()
             _write.abandon_savepoint(savepoint.nested)
@@ -970,7 +970,7 @@ class _Claim(Generic[S]):
         text = extra.get("sg_text")
         try:
             if self.options.mode == "same_transaction":
-                with self._open(self._savepoint).paused() as conn:
+                with self._open(self._block_savepoint).paused() as conn:
                     if text is not None:
                         self._check_size(conn, text)
                     matched = _write.execute(conn, stmt, params).rowcount
@@ -1014,7 +1014,7 @@ class _Claim(Generic[S]):
             return  # this owner is completing, failing or releasing the claim: nothing to keep alive
         params = self._params()
         if self.options.mode == "same_transaction":
-            with self._open(self._savepoint).paused() as conn:
+            with self._open(self._block_savepoint).paused() as conn:
                 matched = _write.execute(conn, _HEARTBEAT, params).rowcount
         elif dedicated is not None:
             with dedicated.begin():
@@ -1032,7 +1032,7 @@ class _Claim(Generic[S]):
     def release(self, call: IdempotentCall[S], reason: str | None, forget: bool = False) -> None:
         if self.options.mode == "same_transaction":
             self._stop_heartbeat()
-            self._open(self._savepoint)
+            self._open(self._block_savepoint)
             self._undo_same()
             call._state = "released"
             self._emit("released", call.attempt)
@@ -1122,7 +1122,7 @@ class _Claim(Generic[S]):
             if call._state == "open":
                 # The block finished without complete(): its work is done, the response is None.
                 call._complete(None)
-            savepoint, self._savepoint = self._savepoint, None
+            savepoint, self._block_savepoint = self._block_savepoint, None
             if savepoint is not None:
                 savepoint.end()
             return
