@@ -1,0 +1,31 @@
+"""The ``Idempotency-Key`` HTTP middleware: one core, an ASGI face and a WSGI face.
+
+- :mod:`stateguard.http.core`: everything protocol-independent (options and
+  their checks, route matching, keys, principal and scope, fingerprints,
+  stored responses, the claim / settle / replay steps);
+- :mod:`stateguard.http.asgi`: :class:`IdempotencyMiddleware` (Starlette,
+  FastAPI, any ASGI app; Session or AsyncSession factories);
+- :mod:`stateguard.http.wsgi`: :class:`WSGIIdempotencyMiddleware` (Flask,
+  any PEP 3333 app).
+
+Neither face imports a web framework::
+
+    from stateguard.http import IdempotencyMiddleware, WSGIIdempotencyMiddleware
+"""
+
+from __future__ import annotations
+
+from .asgi import IdempotencyMiddleware, default_scope, principal_of
+from .core import CREDENTIAL_HEADERS, REFUSED_BEFORE_EXECUTION, RouteOptions, default_store_status
+from .wsgi import WSGIIdempotencyMiddleware
+
+__all__ = [
+    "CREDENTIAL_HEADERS",
+    "REFUSED_BEFORE_EXECUTION",
+    "IdempotencyMiddleware",
+    "RouteOptions",
+    "WSGIIdempotencyMiddleware",
+    "default_scope",
+    "default_store_status",
+    "principal_of",
+]

@@ -1,0 +1,512 @@
+"""``IdempotencyMiddleware``: the ``Idempotency-Key`` HTTP header for ASGI apps (Starlette, FastAPI ...).
+
+A pure ASGI middleware (it imports no framework) following the IETF draft
+"The Idempotency-Key HTTP Header Field"; the decisions are
+:mod:`stateguard.http.core`'s, shared with the WSGI face
+(:class:`stateguard.http.wsgi.WSGIIdempotencyMiddleware`)::
+
+    from fastapi import FastAPI
+    from stateguard.asgi import IdempotencyMiddleware
+
+    app = FastAPI()
+    app.add_middleware(
+        IdempotencyMiddleware,
+        session_factory=SessionLocal,           # a sessionmaker or an async_sessionmaker
+        required_paths=["/payments"],           # 400 without a key there
+    )
+
+Keys are per client: the default scope (:func:`default_scope`) is derived
+from the request's principal (:func:`principal_of`): an authenticated
+``scope["user"]`` by its ``identity`` or ``id`` (never its display name),
+else a SHA-256 of the ``Authorization`` or ``Cookie`` header; ``"http"``
+for requests without credentials.  An authenticated user with no unique
+name and no credential header is refused (a 500 from
+:class:`~stateguard.ConfigurationError`) rather than guessed: pass
+``principal=`` to name it.  Stored responses never carry
+:data:`CREDENTIAL_HEADERS` (``Set-Cookie`` ...).
+
+For each POST or PATCH request carrying ``Idempotency-Key``:
+
+=========================================  ====================================================
+the key is ...                             the middleware answers
+=========================================  ====================================================
+new                                        runs the app; stores 2xx, 3xx and 4xx responses
+                                           (status, headers, body), except the 4xx of a
+                                           request refused before it ran (400, 401, 403, 404,
+                                           405, 408, 409, 413, 415, 422, 425, 429), which
+                                           forget the key (a corrected request may use it);
+                                           5xx and streaming responses release it (the same
+                                           request runs the app again)
+completed with the same request            the stored response, plus ``Idempotency-Replayed:
+                                           true``; the app does not run
+being worked on (live lease)               409 with ``Retry-After``: the seconds left on
+                                           that lease, rounded up
+claimed, but its lease ended (the worker   runs the app again (a takeover); the first
+died or outlived ``lease``)                request, if still alive, cannot store its response
+reused with a different request            422 (also while the first request is in flight)
+missing on a ``required_paths`` route      400
+blank, too long, not printable ASCII       400
+request body above ``max_body``            413
+=========================================  ====================================================
+
+"The same request" means the same method, path, query string and body: a
+JSON body (``application/json`` or ``+json``) by its canonical form, the way
+:func:`stateguard.idempotent` compares fingerprints, any other body (and
+JSON that does not parse) by its bytes.  Only a SHA-256 is stored.
+
+The claim uses ``mode="separate"``: it is committed in its own transaction
+*before* the app runs, because the route handler works with its own sessions
+and transactions, which the middleware cannot join.  So a handler that
+crashes half-way is not rolled back by the middleware: the key is released
+(the client may retry) and the handler must make its own writes atomic.
+The response is stored after the handler sent it whole (before a Starlette
+background task runs) and before it is sent, so a client that sees a
+response can always get it again.  With the database unreachable before the
+claim the answer is 503 (the app does not run); a response the database
+cannot store is sent, and its replays answer a 500 problem saying so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
+from datetime import timedelta
+from typing import Any, TypeAlias, TypeVar
+
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
+
+from ..exceptions import ConfigurationError, LeaseLost
+from .core import (
+    CREDENTIAL_HEADERS,
+    KEY_HEADER,
+    REFUSED_BEFORE_EXECUTION,
+    BadKey,
+    HttpRequest,
+    KeyedRequest,
+    Options,
+    PrincipalFn,
+    RouteOptions,
+    RoutesFn,
+    ScopeFn,
+    default_store_status,
+    missing_key,
+    parse_key,
+    principal,
+    scope_from_principal,
+    too_large,
+)
+
+__all__ = [
+    "CREDENTIAL_HEADERS",
+    "REFUSED_BEFORE_EXECUTION",
+    "IdempotencyMiddleware",
+    "RouteOptions",
+    "default_scope",
+    "default_store_status",
+    "principal_of",
+]
+
+log = logging.getLogger("stateguard.asgi")
+
+Scope: TypeAlias = MutableMapping[str, Any]
+Message: TypeAlias = MutableMapping[str, Any]
+Receive: TypeAlias = Callable[[], Awaitable[Message]]
+Send: TypeAlias = Callable[[Message], Awaitable[None]]
+ASGIApp: TypeAlias = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+_T = TypeVar("_T")
+
+
+def _request(scope: Scope) -> HttpRequest:
+    return HttpRequest(
+        method=str(scope.get("method", "")).upper(),
+        path=str(scope.get("path", "")),
+        query=bytes(scope.get("query_string", b"")),
+        headers=[(bytes(k).lower(), bytes(v)) for k, v in scope.get("headers", ())],
+        native=scope,
+        user=scope.get("user"),
+    )
+
+
+def principal_of(scope: Scope) -> str | None:
+    """Who sent the request, as an opaque string, or ``None`` when it carries no credentials.
+
+    In this order:
+
+    1. ``scope["user"]`` when an auth middleware that runs before this one
+       authenticated it (Starlette's ``AuthenticationMiddleware`` and the
+       like): ``"user:"`` + SHA-256 of its ``identity``, else of its ``id``.
+       Stable across token refreshes.  Never its ``display_name`` (two
+       people may share one) nor ``username``: Starlette's ``SimpleUser``
+       has only those, so it falls through to 2 (pass the middleware
+       ``principal=`` to keep a user's keys across token refreshes).
+    2. the ``Authorization`` header: ``"authorization:"`` + SHA-256 of its
+       value.  This middleware runs before the app checks the credential, so
+       the whole credential must match, not only the user it names.
+    3. the ``Cookie`` header: ``"cookie:"`` + SHA-256 of its value.
+
+    Only digests, never a credential, reach the database::
+
+        IdempotencyMiddleware(app, session_factory=SessionLocal,
+                              scope=lambda s: f"payments:{principal_of(s) or 'anonymous'}")
+
+    :raises ConfigurationError: ``scope["user"]`` is authenticated, has no
+        identity or id, and the request has no credential header: nothing
+        tells this client apart, so nothing may be stored for it.
+    """
+    return principal(_request(scope))
+
+
+def default_scope(scope: Scope) -> str:
+    """The default idempotency scope: ``"http:"`` + :func:`principal_of`, or ``"http"`` without credentials.
+
+    Keys are chosen by clients, so each client gets its own namespace: a
+    client that sends another's key gets its own execution, never the other's
+    response, and never a 422 for the other's request.  Requests without
+    credentials share the namespace ``"http"``.
+    """
+    return scope_from_principal(principal_of(scope))
+
+
+async def _in_thread(fn: Callable[..., _T], *args: Any) -> _T:
+    """Run blocking database work off the event loop (anyio's thread pool when anyio is there)."""
+    try:
+        import anyio.to_thread
+    except ImportError:  # pragma: no cover - anyio comes with starlette
+        return await asyncio.to_thread(fn, *args)
+    return await anyio.to_thread.run_sync(fn, *args)
+
+
+class _Session:
+    """The request's session and how to run :class:`KeyedRequest` steps on it without blocking the loop.
+
+    A Session's steps run in a worker thread; an AsyncSession's through
+    ``run_sync`` (SQLAlchemy's greenlet bridge, on the loop).
+    """
+
+    def __init__(self, made: Session | AsyncSession) -> None:
+        if not isinstance(made, Session | AsyncSession):
+            raise ConfigurationError(f"session_factory() returned {made!r}, not a Session or an AsyncSession")
+        self.made = made
+
+    async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        if isinstance(self.made, AsyncSession):
+            return await self.made.run_sync(fn, *args)
+        return await _in_thread(fn, self.made, *args)
+
+    async def run_uncut(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run a step that must finish although the task is being cancelled (the key's release)."""
+        if isinstance(self.made, Session):
+            fn(self.made, *args)  # the thread pool may refuse new work now: finish it here
+            return
+        # A task of its own that a further cancellation of this one cannot cut.
+        await asyncio.shield(asyncio.ensure_future(self.made.run_sync(fn, *args)))
+
+    async def close(self) -> None:
+        if isinstance(self.made, AsyncSession):
+            await self.made.close()
+        else:
+            await _in_thread(self.made.close)
+
+
+class _Heartbeat:
+    """Extends an AsyncSession claim's lease from a task on the loop (idempotent()'s thread cannot)."""
+
+    def __init__(self, session: _Session, keyed: KeyedRequest, every: timedelta) -> None:
+        self._stop = asyncio.Event()
+        self._task = asyncio.ensure_future(self._beat(session, keyed, every.total_seconds()))
+
+    async def _beat(self, session: _Session, keyed: KeyedRequest, every: float) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._stop.wait(), every)
+                return
+            except TimeoutError:
+                pass
+            try:
+                await session.run(keyed.heartbeat)
+            except LeaseLost:
+                return
+            except Exception:
+                log.warning("heartbeat of idempotency key %r failed; trying again", keyed.key, exc_info=True)
+
+    async def stop(self) -> None:
+        # Never cancelled mid-statement: the session is left usable for the settlement.
+        self._stop.set()
+        await asyncio.shield(self._task)
+
+
+class IdempotencyMiddleware:
+    """Make POST and PATCH requests with an ``Idempotency-Key`` header run once and replay after.
+
+    :param app: the wrapped ASGI app (Starlette's ``add_middleware`` passes it).
+    :param session_factory: a ``sessionmaker`` or an ``async_sessionmaker``
+        (or a callable returning a new Session or AsyncSession); the
+        middleware opens one per keyed request for the key record only and
+        closes it afterwards.  An Engine or any other object is refused when
+        the middleware is built (Starlette builds it at startup).
+    :param scope: the idempotency scope: a string, or a callable of the ASGI
+        scope returning one.  Keys are chosen by clients, so it must tell
+        clients apart.  The default, :func:`default_scope`, derives it from
+        the request's principal (:func:`principal_of`).  A fixed string puts
+        every client in one namespace: one client then receives another's
+        stored response when it sends the other's key and body.
+    :param principal: a callable of the ASGI scope returning a unique name of
+        the client (or ``None`` without credentials), used by the default
+        scope instead of :func:`principal_of`, e.g.
+        ``lambda s: s["user"].username`` when usernames are unique logins.
+        Not together with ``scope``.
+    :param required_paths: paths (``/payments``, or prefixes ``/payments/*``)
+        where a request without a key is answered 400.
+    :param methods: the methods the header is honoured on (default POST, PATCH).
+    :param lease: how long a claim stays "in progress" before another request
+        may take it over (a worker that died); longer than your slowest handler.
+    :param ttl: how long a completed response is kept and replayed.
+    :param max_body: largest request body read (bytes); larger ones get 413.
+    :param routes: per-route overrides: ``{"/path" or "/prefix/*": RouteOptions | dict}``
+        (the longest matching pattern wins), or a callable of the ASGI scope
+        returning a :class:`RouteOptions` or ``None``.
+    :param store_status: which final statuses are stored (default:
+        :func:`default_store_status`).  A 4xx that is not stored forgets the
+        key; any other status that is not stored releases it.
+    :param heartbeat_every: extend the lease in the background this often
+        while the app runs (for handlers that may outlive ``lease``).
+    :param documentation: a URL about your idempotency rules; error answers
+        link to it (``Link: <url>; rel="describedby"`` and the problem ``type``).
+
+    Errors are answered as RFC 9457 problem details (``application/problem+json``)::
+
+        app.add_middleware(IdempotencyMiddleware, session_factory=SessionLocal,
+                           required_paths=["/payments"], scope="shop")
+
+    :raises InvalidArgument: a wrong option (an Engine for ``session_factory``,
+        ``"/orders/*/pay"`` in ``required_paths``...), when built.
+
+    Stateguard's tables must exist (``stateguard.create_tables(engine)`` or
+    the alembic revisions).
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        session_factory: Callable[[], Session] | Callable[[], AsyncSession],
+        scope: str | ScopeFn | None = None,
+        principal: PrincipalFn | None = None,
+        required_paths: Iterable[str] = (),
+        methods: Iterable[str] = ("POST", "PATCH"),
+        lease: timedelta = timedelta(seconds=60),
+        ttl: timedelta = timedelta(hours=24),
+        max_body: int = 1024 * 1024,
+        routes: Mapping[str, RouteOptions | Mapping[str, Any]] | RoutesFn | None = None,
+        store_status: Callable[[int], bool] = default_store_status,
+        heartbeat_every: timedelta | None = None,
+        documentation: str | None = None,
+    ) -> None:
+        self.options = Options(
+            where="IdempotencyMiddleware",
+            session_factory=session_factory,
+            allow_async=True,
+            default_scope=default_scope,
+            scope=scope,
+            principal=principal,
+            required_paths=required_paths,
+            methods=methods,
+            lease=lease,
+            ttl=ttl,
+            max_body=max_body,
+            routes=routes,
+            store_status=store_status,
+            heartbeat_every=heartbeat_every,
+            documentation=documentation,
+        )
+        self.app = app
+        self.session_factory = session_factory
+        self.required_paths = self.options.required_paths
+        self.store_status = store_status
+        self.documentation = documentation
+
+    def settings_for(self, scope: Scope) -> Any:
+        """The effective settings for a request, or ``None`` when its route is disabled."""
+        return self.options.settings_for(str(scope.get("path", "")), scope)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        settings = self.settings_for(scope)
+        if settings is None or str(scope["method"]).upper() not in settings.methods:
+            await self.app(scope, receive, send)
+            return
+        request = _request(scope)
+        values = request.header(KEY_HEADER)
+        if not values:
+            if settings.required:
+                await _send_response(send, *missing_key(self.options, request))
+                return
+            await self.app(scope, receive, send)
+            return
+        try:
+            key = parse_key(values)
+        except BadKey as error:
+            await _send_response(send, *self.options.problem(400, "Invalid Idempotency-Key", str(error)))
+            return
+        try:
+            body = await _read_body(receive, settings.max_body)
+        except _TooLarge:
+            await _send_response(send, *too_large(self.options, settings))
+            return
+        if body is None:
+            return  # the client went away before sending its body
+        is_async = self.options.session_kind == "async"
+        keyed = KeyedRequest(self.options, settings, request, key, body, log, heartbeat_thread=not is_async)
+        session = _Session(self.session_factory())
+        try:
+            await self._keyed(scope, _replaying_receive(body, receive), send, session, keyed)
+        finally:
+            await session.close()
+
+    async def _keyed(
+        self, scope: Scope, receive: Receive, send: Send, session: _Session, keyed: KeyedRequest
+    ) -> None:
+        answer = await session.run(keyed.claim)
+        if answer is not None:
+            await _send_response(send, *answer)
+            return
+        beat: _Heartbeat | None = None
+        every = keyed.settings.heartbeat_every
+        if every is not None and isinstance(session.made, AsyncSession):
+            beat = _Heartbeat(session, keyed, every)
+
+        async def stop_beat() -> None:
+            nonlocal beat
+            if beat is not None:
+                await beat.stop()
+                beat = None
+
+        async def settle(start: Message, body: bytes) -> None:
+            # The app's whole response: record the key (store, forget or release), then send it.
+            await stop_beat()
+            await session.run(keyed.settle, int(start["status"]), start.get("headers", ()), body)
+            await send(start)
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+
+        recorder = _Recorder(send, settle)
+        try:
+            await self.app(scope, receive, recorder)
+        except Exception as error:
+            # Before the whole response was recorded: the key is released and the error re-raised.
+            # After it (a background task failed, the client went away while it was sent): the key
+            # is recorded already and the error is the server's to log.
+            await stop_beat()
+            if not keyed.exited:
+                await session.run(keyed.fail, error)
+            raise
+        except BaseException as error:
+            # Cancelled: the release must finish all the same.
+            if beat is not None:
+                beat._stop.set()
+            if not keyed.exited:
+                await session.run_uncut(keyed.fail, error)
+            raise
+        if keyed.exited:
+            return
+        # Streamed, or the app returned without a whole response: nothing to replay.
+        await stop_beat()
+        await session.run(keyed.incomplete)
+        if not recorder.streaming and recorder.start is not None:
+            # A start without its final body message: sent, with an empty body to end it.
+            await send(recorder.start)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body, ``None`` when the client went away, or :class:`_TooLarge`."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        if message["type"] != "http.request":
+            continue
+        chunk = bytes(message.get("body", b""))
+        size += len(chunk)
+        if size > limit:
+            raise _TooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replaying_receive(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that hands the app the buffered body once, then the real channel (disconnects)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+class _Recorder:
+    """Buffers the app's response; switches to pass-through when it turns out to stream.
+
+    Once the app sent its whole response (one body message without ``more_body``), ``settle``
+    is awaited with it (the middleware records the key, then sends the response), right then:
+    not after the app returns, which with Starlette is after the response's background tasks.
+    """
+
+    def __init__(self, send: Send, settle: Callable[[Message, bytes], Awaitable[None]]) -> None:
+        self._send = send
+        self._settle = settle
+        self.start: Message | None = None
+        self.body: bytes | None = None
+        self.streaming = False
+        #: The whole response was handed to ``settle``.
+        self.settled = False
+
+    async def __call__(self, message: Message) -> None:
+        if self.streaming or self.settled:
+            await self._send(message)
+            return
+        kind = message["type"]
+        if kind == "http.response.start" and self.start is None:
+            self.start = message
+            if message.get("trailers", False):
+                await self._stream()
+            return
+        if (
+            kind == "http.response.body"
+            and self.start is not None
+            and self.body is None
+            and not message.get("more_body", False)
+        ):
+            self.body = body = bytes(message.get("body", b""))
+            self.settled = True
+            await self._settle(self.start, body)
+            return
+        # More than one body chunk, trailers, pathsend, ...: a streaming
+        # response.  It is passed on as it comes and never stored.
+        await self._stream()
+        await self._send(message)
+
+    async def _stream(self) -> None:
+        self.streaming = True
+        if self.start is not None:
+            await self._send(self.start)
+
+
+async def _send_response(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})

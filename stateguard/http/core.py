@@ -1,0 +1,984 @@
+"""What the ``Idempotency-Key`` middleware decides, whatever the protocol (ASGI or WSGI) carries it.
+
+Everything here is protocol-independent and synchronous: the options and
+their checks (made when a middleware is built, never at the first request),
+route matching, key parsing, the request's principal and idempotency scope,
+its fingerprint, the encoding of stored responses, and the claim / settle /
+replay steps of one keyed request (:class:`KeyedRequest`), which run on a
+:class:`~sqlalchemy.orm.Session`.  The faces, :mod:`stateguard.http.asgi`
+and :mod:`stateguard.http.wsgi`, only move bytes: they read the request,
+hand these steps a session (in a worker thread, through
+``AsyncSession.run_sync``, or directly) and send what they return.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, fields, replace
+from datetime import timedelta
+from decimal import Decimal, InvalidOperation
+from typing import Any, Literal, TypeAlias
+
+from sqlalchemy import Engine
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_scoped_session, async_sessionmaker
+from sqlalchemy.orm import Session, scoped_session, sessionmaker
+
+from ..exceptions import (
+    ConfigurationError,
+    IdempotencyKeyReused,
+    InvalidArgument,
+    LeaseLost,
+    RequestInProgress,
+    SerializationConflict,
+)
+from ..idempotency import IdempotentCall, fingerprint_of, idempotent
+from ..tables import MAX_KEY, MAX_SCOPE
+
+__all__ = [
+    "CREDENTIAL_HEADERS",
+    "REFUSED_BEFORE_EXECUTION",
+    "RouteOptions",
+    "default_store_status",
+]
+
+#: The request as the face's framework knows it (the ASGI scope, the WSGI environ): what the
+#: user's ``scope=``, ``routes=`` and ``principal=`` callables receive.
+Native: TypeAlias = Any
+ScopeFn: TypeAlias = Callable[[Native], str]
+PrincipalFn: TypeAlias = Callable[[Native], "str | None"]
+RoutesFn: TypeAlias = Callable[[Native], "RouteOptions | None"]
+Headers: TypeAlias = list[tuple[bytes, bytes]]
+
+#: Request header (lower case) and the replay marker.
+KEY_HEADER = b"idempotency-key"
+REPLAYED_HEADER = b"idempotency-replayed"
+
+#: Hop-by-hop headers (RFC 9110 section 7.6.1) describe one connection, not the response: never stored.
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+
+#: Response headers that carry credentials or set a client's state: never stored, so a replay cannot
+#: hand one client's session or token to whoever sends the key.  The live response keeps them; a
+#: replay goes without (a client that lost a response with a cookie does not get the cookie again).
+#: ``WWW-Authenticate`` stays: a challenge is the same for everyone and holds no secret.
+CREDENTIAL_HEADERS = frozenset(
+    {
+        b"set-cookie",
+        b"set-cookie2",
+        b"authorization",
+        b"proxy-authorization",
+        b"cookie",
+        b"authentication-info",
+        b"proxy-authentication-info",
+    }
+)
+
+#: 4xx answers that mean the request was refused before it ran: not stored by default (Stripe saves
+#: no result "if incoming parameters failed validation, or the request conflicted with another that
+#: was executing concurrently").  Malformed or invalid (400, 422), not authenticated or not allowed
+#: (401, 403), no such route or method (404, 405), a conflict with the resource's current state
+#: (409), a body the app does not take (413, 415), and "try again later" (408, 425, 429): storing
+#: them would turn the retry they ask for (or a corrected request) into a replay of the refusal.
+REFUSED_BEFORE_EXECUTION = frozenset({400, 401, 403, 404, 405, 408, 409, 413, 415, 422, 425, 429})
+
+_TOKEN_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+
+#: Tries of the write that records a response (the first, and two after a conflict or lost connection).
+FINISH_ATTEMPTS = 3
+
+
+def default_store_status(status: int) -> bool:
+    """The default policy: store 2xx, 3xx and the 4xx answers of requests that ran.
+
+    Not stored: 5xx (the server failed: the client retries and the app runs
+    again) and :data:`REFUSED_BEFORE_EXECUTION` (400, 401, 403, 404, 405,
+    408, 409, 413, 415, 422, 425, 429: the request was refused before it
+    ran, so its key is forgotten and a corrected request may use it).
+    Other 4xx (402 "card declined", 410, 412 ...) are outcomes of a request
+    that ran: stored and replayed.  A handler that answers one of the
+    refusal codes *after* acting must be covered by its own policy::
+
+        def store(status: int) -> bool:
+            return status == 409 or default_store_status(status)   # our 409 comes after the charge
+
+        app.add_middleware(IdempotencyMiddleware, session_factory=SessionLocal, store_status=store)
+    """
+    return 200 <= status < 500 and status not in REFUSED_BEFORE_EXECUTION
+
+
+def digest(*parts: bytes) -> str:
+    return hashlib.sha256(b"\n".join(parts)).hexdigest()
+
+
+# --------------------------------------------------------------------------
+# The request, as both faces see it
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class HttpRequest:
+    """One request, protocol-independent: what the decisions below read."""
+
+    method: str
+    path: str
+    query: bytes
+    headers: Headers
+    #: The framework's own view of the request, handed to the user's callables.
+    native: Native
+    #: An authenticated user object (ASGI ``scope["user"]``), or ``None``.
+    user: Any = None
+    #: The server's ``REMOTE_USER`` (WSGI), or ``None``.
+    remote_user: str | None = None
+
+    def header(self, name: bytes) -> list[bytes]:
+        return [v for k, v in self.headers if k == name]
+
+
+# --------------------------------------------------------------------------
+# Principal and scope
+# --------------------------------------------------------------------------
+
+#: The attributes of an authenticated user object that name it uniquely, in order.  Never
+#: ``display_name`` (two people may share one) nor ``username`` (Starlette's ``SimpleUser`` is
+#: built from whatever the auth backend passed): say what names your users with ``principal=``.
+UNIQUE_USER_ATTRIBUTES = ("identity", "id")
+
+
+def user_identity(user: Any) -> tuple[bool, str | None]:
+    """``(authenticated, unique name or None)`` of a user object an auth middleware set."""
+    try:
+        if getattr(user, "is_authenticated", False) is not True:
+            return False, None
+    except NotImplementedError:
+        return False, None
+    for attribute in UNIQUE_USER_ATTRIBUTES:
+        try:
+            value = getattr(user, attribute, None)
+        except NotImplementedError:  # Starlette's BaseUser.identity
+            continue
+        if isinstance(value, str | int) and not isinstance(value, bool) and str(value):
+            return True, str(value)
+    return True, None
+
+
+def credential_principal(request: HttpRequest) -> str | None:
+    """``"authorization:"`` / ``"cookie:"`` + SHA-256 of that header, or ``None`` without either."""
+    for name in (b"authorization", b"cookie"):
+        values = request.header(name)
+        if values:
+            return f"{name.decode('ascii')}:{digest(*values)}"
+    return None
+
+
+def principal(request: HttpRequest) -> str | None:
+    """Who sent ``request``, as an opaque string of digests, or ``None`` without credentials.
+
+    1. an authenticated user with a unique name (:data:`UNIQUE_USER_ATTRIBUTES`):
+       ``"user:"`` + its digest;  ``REMOTE_USER`` (WSGI): ``"remote_user:"`` + its digest;
+    2. else the ``Authorization`` header's digest, else the ``Cookie`` header's: a credential
+       names one client (also for an authenticated user without a unique name);
+    3. an authenticated user with neither is a :class:`ConfigurationError`: guessing (a display
+       name) could put two clients in one namespace, so nothing is stored.
+    """
+    if request.user is not None:
+        authenticated, identity = user_identity(request.user)
+        if identity is not None:
+            return f"user:{digest(identity.encode('utf-8'))}"
+        if authenticated:
+            found = credential_principal(request)
+            if found is not None:
+                return found
+            raise ConfigurationError(
+                f"scope['user'] ({type(request.user).__name__}) is authenticated but has no identity or id "
+                "to keep its idempotency keys apart from other clients' (a display_name or username is "
+                "not taken: two users may share it), and the request carries no Authorization or Cookie "
+                "header; give the user class an identity, or pass the middleware principal=, a callable "
+                "of the request returning a unique name for the client (e.g. lambda s: s['user'].username "
+                "if your usernames are unique logins)"
+            )
+    if request.remote_user:
+        return f"remote_user:{digest(request.remote_user.encode('utf-8'))}"
+    return credential_principal(request)
+
+
+def scope_from_principal(found: str | None) -> str:
+    """The default idempotency scope: ``"http:"`` + the principal, or ``"http"`` without credentials."""
+    return "http" if found is None else f"http:{found}"
+
+
+def app_principal(fn: PrincipalFn, native: Native) -> str | None:
+    """The principal the application's ``principal=`` callable names, as a digest."""
+    value = fn(native)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ConfigurationError(
+            f"the principal= callable must return a non-empty string naming the client, or None for "
+            f"a request without credentials; got {value!r}"
+        )
+    return f"app:{digest(value.encode('utf-8'))}"
+
+
+# --------------------------------------------------------------------------
+# Options
+# --------------------------------------------------------------------------
+
+
+def check_scope(scope: Any) -> None:
+    if callable(scope):
+        return
+    if not isinstance(scope, str) or not scope.strip():
+        raise InvalidArgument(f"scope must be a non-blank string or a callable of the request, got {scope!r}")
+    if len(scope) > MAX_SCOPE or "\x00" in scope:
+        raise InvalidArgument(
+            f"scope must be at most {MAX_SCOPE} characters without NUL, got {len(scope)} characters"
+        )
+
+
+def check_methods(methods: Any) -> frozenset[str]:
+    if isinstance(methods, str):
+        raise InvalidArgument(f"methods must be a list of HTTP methods, not the string {methods!r}")
+    out: set[str] = set()
+    for method in _iterable(methods, "methods"):
+        if not isinstance(method, str) or not method or not set(method) <= _TOKEN_CHARS:
+            raise InvalidArgument(f"not an HTTP method: {method!r}")
+        out.add(method.upper())
+    if not out:
+        raise InvalidArgument("methods must name at least one HTTP method, e.g. ['POST', 'PATCH']")
+    return frozenset(out)
+
+
+def _iterable(value: Any, what: str) -> list[Any]:
+    try:
+        return list(value)
+    except TypeError:
+        raise InvalidArgument(f"{what} must be a list, got {value!r}") from None
+
+
+def check_duration(name: str, value: Any) -> None:
+    if not isinstance(value, timedelta) or value <= timedelta(0):
+        raise InvalidArgument(f"{name} must be a positive datetime.timedelta, got {value!r}")
+
+
+def check_store_status(value: Any) -> None:
+    if not callable(value):
+        raise InvalidArgument(f"store_status must be a callable of the status code, got {value!r}")
+
+
+def check_max_body(value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgument(f"max_body must be a whole number of bytes >= 0, got {value!r}")
+
+
+def check_pattern(pattern: Any, what: str) -> str:
+    """A path pattern: ``/payments`` (that path) or ``/payments/*`` (a prefix); refused when built."""
+    if not isinstance(pattern, str) or not pattern.startswith("/"):
+        raise InvalidArgument(f"{what} entries must be paths starting with '/', got {pattern!r}")
+    if "*" in pattern[:-1]:
+        prefix = pattern[: pattern.index("*")]
+        raise InvalidArgument(
+            f"{what} entry {pattern!r}: '*' is allowed only at the end, as a prefix match; use "
+            f"{prefix + '*'!r} (every path under it), list the full paths, or pass routes= a callable "
+            "of the request that returns RouteOptions(required=True) where your own rule matches"
+        )
+    return pattern
+
+
+def matches(pattern: str, path: str) -> bool:
+    """``/payments`` matches itself only; ``/payments/*`` (or ``/payments*``) matches by prefix."""
+    if pattern.endswith("*"):
+        return path.startswith(pattern[:-1])
+    return path == pattern
+
+
+SessionKind: TypeAlias = Literal["sync", "async"]
+
+
+def check_session_factory(factory: Any, *, allow_async: bool, where: str) -> SessionKind:
+    """Whether ``factory`` makes a Session or an AsyncSession; a wrong object is refused now.
+
+    A ``sessionmaker`` / ``async_sessionmaker`` (scoped or not) is known by
+    its type; any other callable is called once and its session closed (a
+    new session opens no connection until it is used).
+    """
+    sync_fix = "pass sessionmaker(engine)"
+    fix = f"{sync_fix}, or async_sessionmaker(async_engine)" if allow_async else sync_fix
+    if isinstance(factory, AsyncEngine | Engine):
+        kind = "an AsyncEngine" if isinstance(factory, AsyncEngine) else "an Engine"
+        raise InvalidArgument(f"{where}: session_factory is {kind}, not a session factory: {fix}")
+    if isinstance(factory, Session | AsyncSession):
+        raise InvalidArgument(
+            f"{where}: session_factory is one {type(factory).__name__}, shared by every request: {fix} "
+            "(the middleware opens a session per request)"
+        )
+    kind_found: SessionKind
+    if isinstance(factory, sessionmaker | scoped_session):
+        kind_found = "sync"
+    elif isinstance(factory, async_sessionmaker | async_scoped_session):
+        kind_found = "async"
+    elif callable(factory):
+        try:
+            made = factory()
+        except Exception as error:
+            raise InvalidArgument(
+                f"{where}: session_factory() raised {error!r}; it must return a new Session: {fix}"
+            ) from error
+        if isinstance(made, AsyncSession):
+            kind_found = "async"
+        elif isinstance(made, Session):
+            kind_found = "sync"
+        else:
+            raise InvalidArgument(f"{where}: session_factory() returned {made!r}, not a Session: {fix}")
+        made.close() if isinstance(made, Session) else made.sync_session.close()
+    else:
+        raise InvalidArgument(
+            f"{where}: session_factory must be a callable returning a Session (a sessionmaker), "
+            f"got {factory!r}: {fix}"
+        )
+    if kind_found == "async" and not allow_async:
+        raise InvalidArgument(
+            f"{where}: session_factory makes AsyncSessions, which a WSGI server cannot await: "
+            "pass sessionmaker(engine) on a synchronous engine (the same database URL with a sync driver)"
+        )
+    return kind_found
+
+
+@dataclass(frozen=True, slots=True)
+class RouteOptions:
+    """Per-route settings of the middleware; ``None`` keeps the middleware's value.
+
+    ::
+
+        app.add_middleware(
+            IdempotencyMiddleware,
+            session_factory=SessionLocal,
+            routes={
+                "/payments": RouteOptions(required=True, lease=timedelta(minutes=5)),
+                "/uploads/*": {"max_body": 50_000_000},      # a dict works too
+                "/webhooks/*": RouteOptions(enabled=False),  # never look at the header there
+            },
+        )
+
+    ``enabled=False`` passes the route's requests through untouched.
+    """
+
+    enabled: bool = True
+    required: bool | None = None
+    scope: str | ScopeFn | None = None
+    methods: Iterable[str] | None = None
+    lease: timedelta | None = None
+    ttl: timedelta | None = None
+    max_body: int | None = None
+    heartbeat_every: timedelta | None = None
+    store_status: Callable[[int], bool] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise InvalidArgument(f"RouteOptions.enabled must be True or False, got {self.enabled!r}")
+        if self.required is not None and not isinstance(self.required, bool):
+            raise InvalidArgument(f"RouteOptions.required must be True, False or None, got {self.required!r}")
+        if self.scope is not None:
+            check_scope(self.scope)
+        if self.methods is not None:
+            object.__setattr__(self, "methods", check_methods(self.methods))
+        for name in ("lease", "ttl", "heartbeat_every"):
+            value = getattr(self, name)
+            if value is not None:
+                check_duration(name, value)
+        if self.max_body is not None:
+            check_max_body(self.max_body)
+        if self.store_status is not None:
+            check_store_status(self.store_status)
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """The effective settings for one request."""
+
+    required: bool
+    scope: str | ScopeFn
+    methods: frozenset[str]
+    lease: timedelta
+    ttl: timedelta
+    max_body: int
+    heartbeat_every: timedelta | None
+    store_status: Callable[[int], bool]
+
+
+def _check_timing(settings: Settings, where: str) -> None:
+    """The rules :func:`stateguard.idempotent` enforces, checked when the middleware is built."""
+    lease = settings.lease
+    if settings.ttl < lease:
+        raise InvalidArgument(f"{where}: ttl ({settings.ttl}) must not be shorter than lease ({lease})")
+    if settings.heartbeat_every is not None and settings.heartbeat_every >= lease:
+        raise InvalidArgument(
+            f"{where}: heartbeat_every ({settings.heartbeat_every}) must be shorter than lease ({lease})"
+        )
+
+
+def _route_options(value: Any, pattern: str) -> RouteOptions:
+    if isinstance(value, RouteOptions):
+        return value
+    if isinstance(value, Mapping):
+        known = {f.name for f in fields(RouteOptions)}
+        unknown = sorted(str(k) for k in value if k not in known)
+        if unknown:
+            raise InvalidArgument(
+                f"routes[{pattern!r}]: unknown option(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        return RouteOptions(**value)
+    raise InvalidArgument(
+        f"routes[{pattern!r}] must be a RouteOptions or a dict of its fields, got {value!r}"
+    )
+
+
+class Options:
+    """Every option of one middleware, checked once when it is built.
+
+    ``default_scope`` is the face's (a callable of its native request);
+    ``principal`` (the application's) replaces the principal it derives.
+    """
+
+    def __init__(
+        self,
+        *,
+        where: str,
+        session_factory: Any,
+        allow_async: bool,
+        default_scope: Callable[[Native], str],
+        scope: str | ScopeFn | None,
+        principal: PrincipalFn | None,
+        required_paths: Iterable[str],
+        methods: Iterable[str],
+        lease: timedelta,
+        ttl: timedelta,
+        max_body: int,
+        routes: Mapping[str, RouteOptions | Mapping[str, Any]] | RoutesFn | None,
+        store_status: Callable[[int], bool],
+        heartbeat_every: timedelta | None,
+        documentation: str | None,
+    ) -> None:
+        self.session_kind = check_session_factory(session_factory, allow_async=allow_async, where=where)
+        self.session_factory = session_factory
+        if principal is not None:
+            if not callable(principal):
+                raise InvalidArgument(
+                    f"{where}: principal must be a callable of the request returning a unique name "
+                    f"for the client (or None without credentials), got {principal!r}"
+                )
+            if scope is not None:
+                raise InvalidArgument(
+                    f"{where}: pass principal= (the default scope built from it) or scope=, not both; "
+                    "call your principal inside your scope callable"
+                )
+            named = principal
+
+            def scope_of(native: Native) -> str:
+                return scope_from_principal(app_principal(named, native))
+
+            scope = scope_of
+        if scope is None:
+            scope = default_scope
+        check_scope(scope)
+        if isinstance(required_paths, str):
+            raise InvalidArgument(
+                f"required_paths must be a list of paths, not the string {required_paths!r}"
+            )
+        check_duration("lease", lease)
+        check_duration("ttl", ttl)
+        if heartbeat_every is not None:
+            check_duration("heartbeat_every", heartbeat_every)
+        check_max_body(max_body)
+        check_store_status(store_status)
+        if documentation is not None and not isinstance(documentation, str):
+            raise InvalidArgument(f"documentation must be a URL string, got {documentation!r}")
+        self.principal = principal
+        self.required_paths = tuple(
+            check_pattern(p, "required_paths") for p in _iterable(required_paths, "required_paths")
+        )
+        self.store_status = store_status
+        self.documentation = documentation
+        self.defaults = Settings(
+            required=False,
+            scope=scope,
+            methods=check_methods(methods),
+            lease=lease,
+            ttl=ttl,
+            max_body=max_body,
+            heartbeat_every=heartbeat_every,
+            store_status=store_status,
+        )
+        self.routes_fn: RoutesFn | None = None
+        self.routes: list[tuple[str, RouteOptions]] = []
+        if callable(routes):
+            self.routes_fn = routes
+        elif routes is not None:
+            if not isinstance(routes, Mapping):
+                raise InvalidArgument(
+                    f"routes must be a dict of path -> RouteOptions or a callable, got {routes!r}"
+                )
+            table = [(check_pattern(p, "routes"), _route_options(o, p)) for p, o in routes.items()]
+            # Longest pattern first: the most specific route wins.
+            self.routes = sorted(table, key=lambda item: len(item[0]), reverse=True)
+        _check_timing(self.defaults, where)
+        for pattern, options in self.routes:
+            merged = self.merge(options, required=False)
+            if merged is not None:
+                _check_timing(merged, f"routes[{pattern!r}]")
+
+    def settings_for(self, path: str, native: Native) -> Settings | None:
+        """The effective settings for a request, or ``None`` when its route is disabled."""
+        route: RouteOptions | None
+        if self.routes_fn is not None:
+            route = self.routes_fn(native)
+            if route is not None and not isinstance(route, RouteOptions):
+                raise InvalidArgument(f"the routes callable must return RouteOptions or None, got {route!r}")
+        else:
+            route = next((o for p, o in self.routes if matches(p, path)), None)
+        required = any(matches(p, path) for p in self.required_paths)
+        if route is None:
+            return replace(self.defaults, required=required)
+        return self.merge(route, required=required)
+
+    def merge(self, route: RouteOptions, *, required: bool) -> Settings | None:
+        """``route``'s settings over the middleware's; ``None`` for a disabled route."""
+        if not route.enabled:
+            return None
+        base = self.defaults
+        return Settings(
+            required=required if route.required is None else route.required,
+            scope=base.scope if route.scope is None else route.scope,
+            methods=base.methods if route.methods is None else frozenset(route.methods),
+            lease=route.lease or base.lease,
+            ttl=route.ttl or base.ttl,
+            max_body=base.max_body if route.max_body is None else route.max_body,
+            heartbeat_every=route.heartbeat_every or base.heartbeat_every,
+            store_status=route.store_status or base.store_status,
+        )
+
+    def problem(
+        self, status: int, title: str, detail: str, extra: Headers | None = None
+    ) -> tuple[int, Headers, bytes]:
+        """An RFC 9457 problem response: ``(status, headers, body)``."""
+        problem = {
+            "type": self.documentation or "about:blank",
+            "title": title,
+            "status": status,
+            "detail": detail,
+        }
+        body = json.dumps(problem).encode("utf-8")
+        headers = [
+            (b"content-type", b"application/problem+json"),
+            (b"content-length", str(len(body)).encode("ascii")),
+            *(extra or []),
+        ]
+        if self.documentation is not None:
+            headers.append((b"link", f'<{self.documentation}>; rel="describedby"'.encode("latin-1")))
+        return status, headers, body
+
+
+Response: TypeAlias = tuple[int, Headers, bytes]
+
+
+def missing_key(options: Options, request: HttpRequest) -> Response:
+    return options.problem(
+        400,
+        "Idempotency-Key is missing",
+        f"{request.method} {request.path} requires an Idempotency-Key header (a unique value per "
+        "operation, e.g. a UUID)",
+    )
+
+
+def too_large(options: Options, settings: Settings) -> Response:
+    return options.problem(
+        413,
+        "Request body too large",
+        f"requests with an Idempotency-Key may carry at most {settings.max_body} bytes",
+    )
+
+
+# --------------------------------------------------------------------------
+# Keys and fingerprints
+# --------------------------------------------------------------------------
+
+
+class BadKey(Exception):
+    """The header value is not a usable key (the message is the 400 detail)."""
+
+
+def parse_key(values: list[bytes]) -> str:
+    """The key from the ``Idempotency-Key`` header values, or :class:`BadKey`.
+
+    The draft defines the value as a Structured Field string (``"abc"``,
+    RFC 8941); a bare token (``abc``) is accepted too, since many clients send
+    one, but not with a comma in it (that is two headers a proxy joined).  The
+    key is used exactly as sent: no trimming, no case folding.
+    """
+    if len(values) != 1:
+        raise BadKey("send exactly one Idempotency-Key header")
+    try:
+        text = values[0].decode("ascii")
+    except UnicodeDecodeError:
+        raise BadKey("the Idempotency-Key must be printable ASCII") from None
+    if text.startswith('"'):
+        text = _sf_string(text)
+    elif "," in text:
+        # Two header lines joined by a proxy or a WSGI server (RFC 9110 section 5.3: "a, b"): not one key.
+        raise BadKey(
+            "send exactly one Idempotency-Key header (a key with a comma must be sent quoted, as a "
+            'Structured Field string: "a,b")'
+        )
+    if not text.strip():
+        raise BadKey("the Idempotency-Key is blank")
+    if any(not (" " <= c <= "~") for c in text):
+        raise BadKey("the Idempotency-Key must be printable ASCII")
+    if len(text) > MAX_KEY:
+        raise BadKey(f"the Idempotency-Key is {len(text)} characters long; the limit is {MAX_KEY}")
+    return text
+
+
+def _sf_string(text: str) -> str:
+    # RFC 8941 section 4.2.5: DQUOTE *( unescaped / "\" ( DQUOTE / "\" ) ) DQUOTE
+    out: list[str] = []
+    i = 1
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            if i + 1 >= len(text) or text[i + 1] not in '"\\':
+                raise BadKey('the Idempotency-Key is not a valid string: only \\" and \\\\ may be escaped')
+            out.append(text[i + 1])
+            i += 2
+            continue
+        if c == '"':
+            if i != len(text) - 1:
+                raise BadKey("the Idempotency-Key has characters after its closing quote")
+            return "".join(out)
+        out.append(c)
+        i += 1
+    raise BadKey("the Idempotency-Key has no closing quote")
+
+
+def _is_json(request: HttpRequest) -> bool:
+    """``Content-Type: application/json`` or any ``+json`` type (RFC 6839), parameters ignored."""
+    values = request.header(b"content-type")
+    if len(values) != 1:
+        return False
+    media = values[0].split(b";", 1)[0].strip().lower()
+    return media == b"application/json" or (b"/" in media and media.endswith(b"+json"))
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # Parsers disagree on which of two equal keys wins, so such a body has no
+    # single meaning to compare: it keeps its raw bytes' fingerprint.
+    out: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in out:
+            raise ValueError(f"duplicate key {name!r}")
+        out[name] = value
+    return out
+
+
+def _exact_float(text: str) -> float:
+    # A number a double holds only approximately (12345678901234567890.5 is 12345678901234567168.0)
+    # has no single meaning: a handler parsing Decimals sees another amount than one parsing floats,
+    # so two such bodies that round to one double must not count as one request.  The double's
+    # shortest repr is compared by value: 0.1, 1.50 and 2e3 are exact in this sense; 1e400 is not.
+    value = float(text)
+    if not math.isfinite(value) or Decimal(text) != Decimal(repr(value)):
+        raise ValueError(f"the number {text[:40]} has no exact double")
+    return value
+
+
+def _json_digest(body: bytes) -> str | None:
+    """The body's canonical JSON fingerprint (:func:`stateguard.fingerprint_of`), or ``None`` if not JSON."""
+    try:
+        value = json.loads(
+            body, parse_float=_exact_float, parse_constant=_no_constant, object_pairs_hook=_unique_keys
+        )
+        return fingerprint_of({"json": value})
+    except (ValueError, RecursionError, InvalidOperation):
+        # Not UTF-8 or not JSON, NaN/Infinity, a number too large or not exactly a
+        # double, a lone surrogate, duplicate keys, nesting deeper than Python recurses.
+        return None
+
+
+def request_fingerprint(request: HttpRequest, body: bytes) -> dict[str, str]:
+    """What makes two requests "the same": method, path, query string and the body.
+
+    A JSON body (``application/json`` or ``+json``) counts by its canonical
+    form, as :func:`stateguard.idempotent` compares fingerprints: the same
+    object with its keys in another order or other whitespace is the same
+    request.  Any other body, and a JSON body that does not parse, counts
+    by its bytes.
+    """
+    out = {"method": request.method.upper(), "path": request.path, "query": request.query.decode("latin-1")}
+    found = _json_digest(body) if _is_json(request) else None
+    if found is not None:
+        out["json_sha256"] = found
+    else:
+        out["body_sha256"] = hashlib.sha256(body).hexdigest()
+    return out
+
+
+# --------------------------------------------------------------------------
+# Stored responses
+# --------------------------------------------------------------------------
+
+
+def stored_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[list[str]]:
+    """The response headers a replay may carry: no hop-by-hop, credential or replay header."""
+    pairs = [(bytes(k).lower(), bytes(v)) for k, v in headers]
+    named = {
+        token.strip().lower().encode("latin-1")
+        for k, v in pairs
+        if k == b"connection"
+        for token in v.decode("latin-1").split(",")
+    }
+    return [
+        [k.decode("latin-1"), v.decode("latin-1")]
+        for k, v in pairs
+        if k not in HOP_BY_HOP and k not in CREDENTIAL_HEADERS and k not in named and k != REPLAYED_HEADER
+    ]
+
+
+def replay_of(stored: Any) -> Response:
+    """The stored response as sent again, with ``Idempotency-Replayed: true``."""
+    headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in stored["headers"]]
+    headers.append((REPLAYED_HEADER, b"true"))
+    return int(stored["status"]), headers, base64.b64decode(stored["body"])
+
+
+def unstored(response: Mapping[str, Any], why: str) -> dict[str, Any]:
+    """What a retry is answered when the app's response itself cannot be stored: a 500 problem
+    saying that the request ran (so the client does not send it again under a new key)."""
+    status = int(response["status"])
+    problem = {
+        "type": "about:blank",
+        "title": "Response not stored",
+        "status": 500,
+        "detail": f"the request with this Idempotency-Key ran and answered HTTP {status}, but that response "
+        f"could not be stored for replay ({why}); it is not run again: look its result up instead",
+        "original_status": status,
+    }
+    body = json.dumps(problem).encode("utf-8")
+    return {
+        "status": 500,
+        "headers": [["content-type", "application/problem+json"], ["content-length", str(len(body))]],
+        "body": base64.b64encode(body).decode("ascii"),
+    }
+
+
+# --------------------------------------------------------------------------
+# One keyed request: claim, then settle (store / forget / release) or fail
+# --------------------------------------------------------------------------
+
+
+class KeyedRequest:
+    """The key record of one request, from its claim to its settlement.
+
+    Every method is synchronous and takes the request's own Session; the
+    ASGI face runs them in a worker thread (a Session) or through
+    ``AsyncSession.run_sync`` (an AsyncSession), the WSGI face directly.
+    The claim commits in its own transaction (``mode="separate"``) before the
+    app runs, because the app works with its own sessions.
+    """
+
+    def __init__(
+        self,
+        options: Options,
+        settings: Settings,
+        request: HttpRequest,
+        key: str,
+        body: bytes,
+        log: logging.Logger,
+        *,
+        heartbeat_thread: bool = True,
+    ) -> None:
+        self.options = options
+        self.settings = settings
+        self.key = key
+        self.log = log
+        scope = settings.scope
+        self.scope = scope(request.native) if callable(scope) else scope
+        self.fingerprint = request_fingerprint(request, body)
+        self.heartbeat_thread = heartbeat_thread
+        self.manager: Any = None
+        self.call: IdempotentCall[Session] | None = None
+        #: The key record is settled (or given up): the manager was exited.
+        self.exited = False
+
+    def claim(self, session: Session) -> Response | None:
+        """Claim the key: ``None`` when this request owns it now, else the answer to send.
+
+        The answer is the stored response (a replay) or a problem: 409 while
+        another request holds the key, 422 for a reused key, 503 when the
+        database cannot be reached (nothing claimed, the app must not run).
+        """
+        settings = self.settings
+        manager = idempotent(
+            session,
+            scope=self.scope,
+            key=self.key,
+            fingerprint=self.fingerprint,
+            lease=settings.lease,
+            ttl=settings.ttl,
+            mode="separate",
+            heartbeat_every=settings.heartbeat_every if self.heartbeat_thread else None,
+        )
+        problem = self.options.problem
+        try:
+            call = manager.__enter__()
+        except RequestInProgress as error:
+            retry_after = max(1, math.ceil(error.retry_after.total_seconds()))
+            return problem(409, "Request in progress",
+                           "a request with this Idempotency-Key is still being processed; retry later",
+                           [(b"retry-after", str(retry_after).encode("ascii"))])  # fmt: skip
+        except SerializationConflict:
+            # Also DeadlockDetected: the claim kept losing races against other requests with this key
+            # (after idempotent()'s own retries).  Nothing was claimed; the client's retry decides.
+            return problem(409, "Request in progress",
+                           "concurrent requests with this Idempotency-Key kept changing it; retry later",
+                           [(b"retry-after", b"1")])  # fmt: skip
+        except (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError):
+            # The database is unreachable (or the pool has no connection to give): nothing was
+            # claimed and the app did not run.
+            self.log.warning(
+                "idempotency key %r in scope %r could not be claimed; answered 503", self.key, self.scope,
+                exc_info=True,
+            )  # fmt: skip
+            return problem(503, "Idempotency store unavailable",
+                           "the request was not run: its Idempotency-Key could not be recorded (the "
+                           "database is unreachable); retry later with the same key",
+                           [(b"retry-after", b"1")])  # fmt: skip
+        except IdempotencyKeyReused:
+            return problem(422, "Idempotency-Key reused",
+                           "this Idempotency-Key was already used for a different request "
+                           "(method, path, query or body); use a new key for a new request")  # fmt: skip
+        if call.replayed:
+            manager.__exit__(None, None, None)
+            self.exited = True
+            return replay_of(call.response)
+        self.manager, self.call = manager, call
+        return None
+
+    def heartbeat(self, _session: Session) -> None:
+        """Extend this request's lease (for a face that beats from its own task)."""
+        if self.call is not None and not self.exited:
+            self.call.heartbeat()
+
+    def settle(
+        self, _session: Session, status: int, headers: Iterable[tuple[bytes, bytes]], body: bytes
+    ) -> None:
+        """The app's whole response: store it, or forget / release the key, as ``store_status`` says.
+
+        Called before the response is sent, so a client that sees a response can always get it
+        again.  A database failure here is logged and the key released: the response is sent all
+        the same (the app ran).
+        """
+        response: dict[str, Any] | None = None
+        reason: str | None = None
+        forget = False
+        if self.settings.store_status(status):
+            response = {
+                "status": status,
+                "headers": stored_headers(headers),
+                "body": base64.b64encode(body).decode("ascii"),
+            }
+        else:
+            # A 4xx not stored was refused before it ran: forget the key, so that the
+            # corrected request may use it (not only a byte-identical retry).
+            reason, forget = f"HTTP {status}, not stored", 400 <= status < 500
+        try:
+            self._finish(response, reason, forget)
+        except Exception as error:
+            # The database failed at the end (it is unreachable, say): the app ran and answered, so
+            # its answer is sent all the same.  The key is released, or, if the release fails too,
+            # stays in progress until its lease ends.
+            self.log.error(
+                "could not record the response of idempotency key %r in scope %r; the app's response is "
+                "sent unrecorded", self.key, self.scope, exc_info=True,
+            )  # fmt: skip
+            self.fail(_session, error)
+            return
+        self._exit(None)
+
+    def incomplete(self, _session: Session) -> None:
+        """The app streamed its response, or returned without a whole one: nothing to replay."""
+        try:
+            self._finish(None, "the response was streamed or incomplete", False)
+        except BaseException as error:
+            self.fail(_session, error)
+            raise
+        self._exit(None)
+
+    def fail(self, _session: Session, error: BaseException) -> None:
+        """The app raised before its whole response: release the key (the face re-raises the error)."""
+        if not self.exited:
+            self._exit(error)
+
+    def _exit(self, error: BaseException | None) -> None:
+        self.exited = True
+        if error is None:
+            self.manager.__exit__(None, None, None)
+        else:
+            self.manager.__exit__(type(error), error, error.__traceback__)
+
+    def _finish(self, response: dict[str, Any] | None, reason: str | None, forget: bool) -> None:
+        """Store ``response``, or release the key (``forget``: delete this request's record).
+
+        A response the database cannot hold (larger than MariaDB's ``max_allowed_packet``) is
+        stored as a problem response saying so: the app ran, so a retry must not run it again.
+        A conflict or lost connection is tried again twice (the claim is this request's own).
+        """
+        call = self.call
+        if call is None:
+            raise InvalidArgument("_finish before a successful claim")
+        for attempt in range(1, FINISH_ATTEMPTS + 1):
+            try:
+                if response is None:
+                    call.release(reason, forget=forget)
+                else:
+                    try:
+                        call.complete(response)
+                    except InvalidArgument as error:
+                        self.log.warning(
+                            "the response of idempotency key %r in scope %r cannot be stored (%s); its "
+                            "replays answer 500 instead", call.key, call.scope, error,
+                        )  # fmt: skip
+                        call.complete(unstored(response, str(error)))
+                return
+            except LeaseLost:
+                # The lease expired while the app ran and another request took the key over: its
+                # record wins.  This response is still sent.
+                self.log.warning(
+                    "idempotency key %r in scope %r was taken over while the app ran; raise the lease "
+                    "(or set heartbeat_every) above the slowest handler", call.key, call.scope,
+                )  # fmt: skip
+                return
+            except (SerializationConflict, sa_exc.OperationalError, sa_exc.InterfaceError):
+                if attempt == FINISH_ATTEMPTS:
+                    raise
+                time.sleep(0.05 * attempt)

@@ -1,0 +1,328 @@
+"""``WSGIIdempotencyMiddleware``: the ``Idempotency-Key`` HTTP header for WSGI apps (Flask, Django ...).
+
+The same middleware as :class:`stateguard.http.asgi.IdempotencyMiddleware`
+(the same options, draft semantics, stored-status policy, per-client scopes,
+tables and fingerprints: the decisions are :mod:`stateguard.http.core`'s),
+for any PEP 3333 application.  It imports no framework::
+
+    from flask import Flask
+    from stateguard.http.wsgi import WSGIIdempotencyMiddleware
+
+    app = Flask(__name__)
+    app.wsgi_app = WSGIIdempotencyMiddleware(app.wsgi_app, session_factory=SessionLocal,
+                                             required_paths=["/payments"])
+
+It wraps ``app.wsgi_app``, so it runs *before* Flask: the principal comes
+from the WSGI environ (``REMOTE_USER`` set by the server or an auth
+middleware, else a digest of the ``Authorization`` or ``Cookie`` header),
+not from ``flask_login.current_user``; ``principal=`` (a callable of the
+environ) names the client otherwise.  Each keyed request claims its key in
+its own transaction before the app runs, so several worker processes (or
+threads) may serve the same key: one runs the app, the others get 409 while
+it runs and the stored response after.  A worker killed mid-request leaves
+its claim until ``lease`` ends; the retry after that runs the app again.
+
+A response is stored when the app returned it in one piece (Flask's
+ordinary responses); a response of several chunks (a generator, Flask's
+``stream_with_context``) is passed on as it comes and releases the key.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from datetime import timedelta
+from http import HTTPStatus
+from typing import Any, TypeAlias
+
+from sqlalchemy.orm import Session
+
+from ..exceptions import ConfigurationError
+from .core import (
+    KEY_HEADER,
+    BadKey,
+    HttpRequest,
+    KeyedRequest,
+    Options,
+    PrincipalFn,
+    Response,
+    RouteOptions,
+    RoutesFn,
+    ScopeFn,
+    default_store_status,
+    missing_key,
+    parse_key,
+    principal,
+    scope_from_principal,
+    too_large,
+)
+
+__all__ = ["WSGIIdempotencyMiddleware", "default_scope", "principal_of"]
+
+log = logging.getLogger("stateguard.wsgi")
+
+Environ: TypeAlias = dict[str, Any]
+StartResponse: TypeAlias = Callable[..., Callable[[bytes], object]]
+WSGIApp: TypeAlias = Callable[[Environ, StartResponse], Iterable[bytes]]
+
+
+def _request(environ: Environ) -> HttpRequest:
+    headers = [
+        (name[5:].replace("_", "-").lower().encode("latin-1"), str(value).encode("latin-1"))
+        for name, value in environ.items()
+        if name.startswith("HTTP_")
+    ]
+    for name, header in (("CONTENT_TYPE", b"content-type"), ("CONTENT_LENGTH", b"content-length")):
+        if environ.get(name):
+            headers.append((header, str(environ[name]).encode("latin-1")))
+    return HttpRequest(
+        method=str(environ.get("REQUEST_METHOD", "")).upper(),
+        path=str(environ.get("SCRIPT_NAME", "")) + str(environ.get("PATH_INFO", "")),
+        query=str(environ.get("QUERY_STRING", "")).encode("latin-1"),
+        headers=headers,
+        native=environ,
+        remote_user=environ.get("REMOTE_USER") or None,
+    )
+
+
+def principal_of(environ: Environ) -> str | None:
+    """Who sent the request (an opaque string of digests), or ``None`` without credentials.
+
+    ``"remote_user:"`` + SHA-256 of ``REMOTE_USER`` (the user the server or
+    an auth middleware authenticated: a client cannot set it), else
+    ``"authorization:"`` / ``"cookie:"`` + SHA-256 of that header::
+
+        WSGIIdempotencyMiddleware(app.wsgi_app, session_factory=SessionLocal,
+                                  scope=lambda e: f"payments:{principal_of(e) or 'anonymous'}")
+    """
+    return principal(_request(environ))
+
+
+def default_scope(environ: Environ) -> str:
+    """``"http:"`` + :func:`principal_of`, or ``"http"`` without credentials (as the ASGI face)."""
+    return scope_from_principal(principal_of(environ))
+
+
+def _status_line(status: int) -> str:
+    try:
+        return f"{status} {HTTPStatus(status).phrase}"
+    except ValueError:
+        return f"{status} Unknown"
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _read_body(environ: Environ, limit: int) -> bytes | None:
+    """The whole request body (``None``: the client sent less than it announced), or :class:`_TooLarge`."""
+    stream = environ.get("wsgi.input")
+    length_text = str(environ.get("CONTENT_LENGTH") or "").strip()
+    if length_text:
+        try:
+            length = int(length_text)
+        except ValueError:
+            return None
+        if length > limit:
+            raise _TooLarge
+        want = length
+    elif environ.get("wsgi.input_terminated"):
+        want = limit + 1  # chunked: read to the end, at most one byte over the limit
+    else:
+        return b""  # PEP 3333: without CONTENT_LENGTH there is no body to read
+    chunks: list[bytes] = []
+    got = 0
+    while stream is not None and got < want:
+        chunk = stream.read(want - got)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    if got > limit:
+        raise _TooLarge
+    if length_text and got < want:
+        return None
+    return b"".join(chunks)
+
+
+class WSGIIdempotencyMiddleware:
+    """Make POST and PATCH requests with an ``Idempotency-Key`` header run once and replay after (WSGI).
+
+    The options are :class:`~stateguard.http.asgi.IdempotencyMiddleware`'s;
+    the callables (``scope``, ``principal``, ``routes``) receive the WSGI
+    environ.  ``session_factory`` must make synchronous Sessions (a
+    ``sessionmaker``): an ``async_sessionmaker`` or an Engine is refused
+    when the middleware is built::
+
+        app.wsgi_app = WSGIIdempotencyMiddleware(
+            app.wsgi_app,
+            session_factory=sessionmaker(engine),
+            required_paths=["/payments"],
+            principal=lambda environ: environ.get("REMOTE_USER"),   # optional: the default
+        )
+
+    :raises InvalidArgument: a wrong option, when built.
+    """
+
+    def __init__(
+        self,
+        app: WSGIApp,
+        *,
+        session_factory: Callable[[], Session],
+        scope: str | ScopeFn | None = None,
+        principal: PrincipalFn | None = None,
+        required_paths: Iterable[str] = (),
+        methods: Iterable[str] = ("POST", "PATCH"),
+        lease: timedelta = timedelta(seconds=60),
+        ttl: timedelta = timedelta(hours=24),
+        max_body: int = 1024 * 1024,
+        routes: Mapping[str, RouteOptions | Mapping[str, Any]] | RoutesFn | None = None,
+        store_status: Callable[[int], bool] = default_store_status,
+        heartbeat_every: timedelta | None = None,
+        documentation: str | None = None,
+    ) -> None:
+        self.options = Options(
+            where="WSGIIdempotencyMiddleware",
+            session_factory=session_factory,
+            allow_async=False,
+            default_scope=default_scope,
+            scope=scope,
+            principal=principal,
+            required_paths=required_paths,
+            methods=methods,
+            lease=lease,
+            ttl=ttl,
+            max_body=max_body,
+            routes=routes,
+            store_status=store_status,
+            heartbeat_every=heartbeat_every,
+            documentation=documentation,
+        )
+        self.app = app
+        self.session_factory = session_factory
+
+    def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
+        settings = self.options.settings_for(str(environ.get("PATH_INFO", "")), environ)
+        method = str(environ.get("REQUEST_METHOD", "")).upper()
+        if settings is None or method not in settings.methods:
+            return self.app(environ, start_response)
+        request = _request(environ)
+        values = request.header(KEY_HEADER)
+        if not values:
+            if settings.required:
+                return _answer(start_response, missing_key(self.options, request))
+            return self.app(environ, start_response)
+        try:
+            key = parse_key(values)
+        except BadKey as error:
+            return _answer(start_response, self.options.problem(400, "Invalid Idempotency-Key", str(error)))
+        try:
+            body = _read_body(environ, settings.max_body)
+        except _TooLarge:
+            return _answer(start_response, too_large(self.options, settings))
+        if body is None:
+            short = "the request body is shorter than its Content-Length"
+            return _answer(start_response, self.options.problem(400, "Incomplete request body", short))
+        environ["wsgi.input"] = io.BytesIO(body)
+        environ["CONTENT_LENGTH"] = str(len(body))
+        keyed = KeyedRequest(self.options, settings, request, key, body, log)
+        session = self.session_factory()
+        if not isinstance(session, Session):
+            raise ConfigurationError(f"session_factory() returned {session!r}, not a Session")
+        try:
+            answer = keyed.claim(session)
+            if answer is not None:
+                return _answer(start_response, answer)
+            return self._run(environ, start_response, session, keyed)
+        finally:
+            session.close()
+
+    def _run(
+        self, environ: Environ, start_response: StartResponse, session: Session, keyed: KeyedRequest
+    ) -> Iterable[bytes]:
+        started: list[tuple[str, list[tuple[str, str]]]] = []
+        chunks: list[bytes] = []
+        forwarding = False
+
+        def capture(
+            status: str, headers: list[tuple[str, str]], exc_info: Any = None
+        ) -> Callable[[bytes], object]:
+            if forwarding:
+                return start_response(status, headers, exc_info)
+            started[:] = [(status, list(headers))]
+            return write
+
+        def write(data: bytes) -> None:
+            if data:
+                chunks.append(bytes(data))
+
+        result: Iterable[bytes] | None = None
+        try:
+            result = self.app(environ, capture)
+            iterator = iter(result)
+            exhausted = False
+            while len(chunks) <= 1:
+                chunk = next(iterator, None)
+                if chunk is None:
+                    exhausted = True
+                    break
+                write(chunk)
+            if not started:
+                raise RuntimeError("the WSGI app returned without calling start_response")
+        except BaseException as error:
+            keyed.fail(session, error)
+            _close(result)
+            raise
+        status_text, headers = started[0]
+        if exhausted:
+            # The whole response, in one piece: recorded before it is sent.
+            body = b"".join(chunks)
+            try:
+                status = int(status_text.split(None, 1)[0])
+                raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+            except (ValueError, IndexError, UnicodeEncodeError) as error:
+                keyed.fail(session, error)
+                _close(result)
+                raise
+            keyed.settle(session, status, raw, body)
+            _close(result)  # after the record, as the ASGI face before Starlette's background tasks
+            start_response(status_text, headers)
+            return [body]
+        # Several chunks: a stream, passed on as it comes and never stored.
+        try:
+            keyed.incomplete(session)
+        except BaseException:
+            _close(result)
+            raise
+        forwarding = True
+        start_response(status_text, headers)
+        return _Stream(chunks, iterator, result)
+
+
+class _Stream:
+    """The rest of a streamed response after the chunks already read; ``close()`` reaches the app's."""
+
+    def __init__(self, head: list[bytes], rest: Iterator[bytes], result: Iterable[bytes]) -> None:
+        self._head = head
+        self._rest = rest
+        self._result = result
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield from self._head
+        yield from self._rest
+
+    def close(self) -> None:
+        _close(self._result)
+
+
+def _close(result: Iterable[bytes] | None) -> None:
+    close = getattr(result, "close", None)
+    if close is not None:
+        close()
+
+
+def _answer(start_response: StartResponse, response: Response) -> list[bytes]:
+    status, headers, body = response
+    start_response(_status_line(status), [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers])
+    return [body]
