@@ -39,11 +39,14 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     func,
+    select,
 )
 from sqlalchemy.dialects import mysql
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
+from . import _sql, _write
 from ._async import dual_connectable
+from .exceptions import LockNotAcquired
 
 __all__ = [
     "DIGEST_PREFIX",
@@ -389,14 +392,81 @@ def migrations_location() -> str:
     return str(files("stateguard.migrations").joinpath("versions"))
 
 
+#: The lock concurrent :func:`create_tables` calls take turns on: a ``GET_LOCK`` name, and the
+#: PostgreSQL advisory key derived from it the way :func:`stateguard.advisory_key` derives keys.
+_CREATE_LOCK: Final = "stateguard.create_tables"
+_CREATE_LOCK_KEY: Final = int.from_bytes(
+    hashlib.sha256(_CREATE_LOCK.encode()).digest()[:8], "big", signed=True
+)
+#: Seconds a create_tables() call waits for another one's DDL (MariaDB/MySQL ``GET_LOCK``).
+_CREATE_LOCK_WAIT: Final = 300
+
+
 @dual_connectable
 def create_tables(bind: Engine | Connection) -> None:
     """Create every stateguard table that does not exist yet (no alembic needed)::
 
-    stateguard.create_tables(engine)              # an Engine or a Connection
-    await stateguard.create_tables(async_engine)  # an AsyncEngine or AsyncConnection: awaited
+        stateguard.create_tables(engine)              # an Engine or a Connection
+        await stateguard.create_tables(async_engine)  # an AsyncEngine or AsyncConnection: awaited
+
+    Idempotent, and safe to call from many processes at once (every worker of
+    ``uvicorn --workers 4`` at start-up): the calls take turns on a lock of
+    the database, and each creates what is still missing when its turn
+    comes.  PostgreSQL: ``pg_advisory_xact_lock`` in the transaction of the
+    DDL (all of it in one transaction; a ``Connection`` holds the lock until
+    its transaction ends).  MariaDB/MySQL: ``GET_LOCK`` on the connection
+    around the DDL (``LockNotAcquired`` after 300 seconds of waiting).
+    SQLite: the database's write lock (``BEGIN IMMEDIATE``).
     """
-    metadata.create_all(bind, checkfirst=True)
+    if isinstance(bind, Connection):
+        _create_in_turn(bind)
+        return
+    with bind.connect() as conn:
+        if _sql.backend(conn.dialect).named_locks == "transaction":
+            # The catalog must be read after the lock is granted: at REPEATABLE READ the
+            # snapshot taken by the lock's own SELECT would miss the tables the previous
+            # holder committed, and the CREATE would collide with them.
+            conn.execution_options(isolation_level="READ COMMITTED")
+        _create_in_turn(conn)
+        conn.commit()
+
+
+def _create_in_turn(conn: Connection) -> None:
+    """``create_all(checkfirst=True)`` under a lock that other creators of these tables take too.
+
+    Without it, two calls both find a table missing and both CREATE it: PostgreSQL
+    refuses the second with ``UniqueViolation`` on ``pg_type_typname_nsp_index`` (or
+    ``DuplicateTable``), MariaDB with error 1050, SQLite with "table ... already exists".
+    """
+    named_locks = _sql.backend(conn.dialect).named_locks
+    if named_locks == "transaction":
+        if conn.get_isolation_level() == "AUTOCOMMIT":
+            # Each statement is its own transaction: a transaction-level lock would end at once.
+            conn.execute(select(func.pg_advisory_lock(_CREATE_LOCK_KEY)))
+            try:
+                metadata.create_all(conn, checkfirst=True)
+            finally:
+                conn.execute(select(func.pg_advisory_unlock(_CREATE_LOCK_KEY)))
+            return
+        # Held until this transaction ends, i.e. until the tables it creates are committed.
+        conn.execute(select(func.pg_advisory_xact_lock(_CREATE_LOCK_KEY)))
+        metadata.create_all(conn, checkfirst=True)
+    elif named_locks == "connection":
+        # DDL is not transactional here (each CREATE commits): the lock belongs to the connection.
+        got = conn.execute(select(func.get_lock(_CREATE_LOCK, _CREATE_LOCK_WAIT))).scalar()
+        if got != 1:
+            raise LockNotAcquired(
+                f"create_tables() waited {_CREATE_LOCK_WAIT} seconds for another create_tables() call "
+                f"(GET_LOCK({_CREATE_LOCK!r}) returned {got!r}); find the session holding it, or retry"
+            )
+        try:
+            metadata.create_all(conn, checkfirst=True)
+        finally:
+            conn.execute(select(func.release_lock(_CREATE_LOCK)))
+    else:
+        # SQLite: one writer at a time; hold the write lock before the first existence check.
+        _write.sqlite_write_lock(conn)
+        metadata.create_all(conn, checkfirst=True)
 
 
 @dual_connectable
