@@ -39,12 +39,32 @@ __all__ = ["ZooKeeperLock"]
 
 log = logging.getLogger(__name__)
 
-#: Characters ZooKeeper refuses in a path (PathUtils.validatePath).
-_BAD_PATH_CHARS: Final = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\uf8ff\ufff0-\uffff]")
+#: Characters ZooKeeper refuses in a path.  PathUtils.validatePath checks Java chars, UTF-16
+#: units: a character above U+FFFF (an emoji, CJK extension B) is a surrogate pair there, inside
+#: its refused \ud800-\uf8ff range, so the server answers BadArguments.  A lone surrogate in a
+#: Python str is worse: kazoo's UTF-8 encoder raises in its connection thread, which then dies.
+_BAD_PATH_CHARS: Final = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\uf8ff\ufff0-\uffff\U00010000-\U0010ffff]")
+
+#: What kazoo's lock recipe appends to the lock's path for each contender's znode:
+#: ``/`` + a uuid4 in hex (32) + ``__lock__`` + the 10-digit sequence suffix.
+_CONTENDER_SUFFIX: Final = 1 + 32 + len("__lock__") + 10
+
+#: The longest contender znode path, in UTF-8 bytes (what kazoo sends and ZooKeeper counts).
+#: ZooKeeper drops the connection on any request over jute.maxbuffer (0xfffff bytes by
+#: default, the whole request: a create of a path of about 1,048,528 bytes is the largest a
+#: standalone server takes), kazoo then retries it forever, and every other lock on that client
+#: reads SUSPENDED meanwhile.  Far below that on purpose: a leader forwards the request inside
+#: a bigger packet, a server may run a smaller jute.maxbuffer, and a client re-registers all its
+#: watches (each waiter watches a path this long) in one request when it reconnects.
+_MAX_PATH_BYTES: Final = 4096
 
 #: A znode holds at most 1 MB (jute.maxbuffer); identifiers are labels, keep them small.
 _MAX_IDENTIFIER: Final = 1024
 
+
+#: How long past its deadline acquire() lets a connected attempt finish (kazoo's recipe deletes
+#: its contender znode, one round trip) before it gives up on it and cleans up in the background.
+_GRACE: Final = 0.25
 
 #: The longest finite wait (kazoo turns a timeout into a deadline that must fit a time_t).
 _MAX_WAIT: Final = 365 * 24 * 3600.0
@@ -84,6 +104,14 @@ def _check_path(path: Any) -> str:
         problem = "/zookeeper is ZooKeeper's own subtree"
     if problem is not None:
         raise InvalidArgument(f"ZooKeeperLock path {path!r} is not valid: {problem}")
+    size = len(path.encode("utf-8")) + _CONTENDER_SUFFIX
+    if size > _MAX_PATH_BYTES:
+        raise InvalidArgument(
+            f"ZooKeeperLock path {path[:40]!r}... is too long: with the {_CONTENDER_SUFFIX} characters of "
+            f"its contender znode's name it is {size} bytes in UTF-8, over the {_MAX_PATH_BYTES} this lock "
+            f"allows (ZooKeeper drops the connection on a request over jute.maxbuffer, about 1 MB). "
+            f"Hash a long name: '/locks/' + hashlib.sha256(name.encode()).hexdigest()"
+        )
     return path
 
 
@@ -108,6 +136,17 @@ def _check_client(client: Any) -> None:
         )
 
 
+class _Attempt:
+    """One acquisition run on a handler thread, and whether its caller still waits for it."""
+
+    def __init__(self, handler: Any) -> None:
+        self.lock = handler.lock_object()
+        self.done = handler.event_object()
+        self.abandoned = False
+        #: ``(node, session id, fence, LOST count)`` or the error, once ``done`` is set.
+        self.outcome: tuple[str, int, int, int] | BaseException = RuntimeError("the attempt has not finished")
+
+
 class ZooKeeperLock:
     """A ZooKeeper lock (kazoo's recipe) that hands out a fencing token on every acquisition.
 
@@ -126,8 +165,16 @@ class ZooKeeperLock:
 
     ``timeout`` (seconds or a ``timedelta``; ``None``: wait forever; ``0``:
     one try) is how long :meth:`acquire` waits before it raises
-    :class:`~stateguard.LockNotAcquired`.  ``identifier`` is stored in the
-    contender's znode (kazoo's ``contenders()`` lists them).
+    :class:`~stateguard.LockNotAcquired`: it bounds the whole call, a client
+    cut off from ZooKeeper included (a one try is bounded by the client's
+    session timeout).  ``identifier`` is stored in the contender's znode
+    (kazoo's ``contenders()`` lists them).
+
+    ``path`` is checked against ZooKeeper's rules before anything is sent:
+    no character ZooKeeper refuses (any above U+FFFF among them: ZooKeeper
+    checks UTF-16 units), and at most 4,096 bytes in UTF-8 for a contender's
+    znode, the path plus the 51 characters kazoo's recipe appends.  Hash a
+    long name: ``"/locks/" + hashlib.sha256(name.encode()).hexdigest()``.
 
     Session loss.  The lock lives as long as the client's ZooKeeper session:
     when the session expires (the client was cut off or paused longer than
@@ -153,8 +200,8 @@ class ZooKeeperLock:
     ``await asyncio.to_thread(lock.acquire)`` from a coroutine.
 
     :raises InvalidArgument: ``client`` is not a started ``KazooClient``,
-        ``path`` is not a valid absolute ZooKeeper path, or a bad
-        ``timeout`` or ``identifier``.
+        ``path`` is not a valid absolute ZooKeeper path or is too long, or a
+        bad ``timeout`` or ``identifier``.
     """
 
     def __init__(
@@ -187,6 +234,7 @@ class ZooKeeperLock:
         self._lost = False
         self._suspended = False
         self._listening = False
+        self._losses = 0
 
     # -- connection state (called on kazoo's event thread: flags only) ----------
 
@@ -195,6 +243,7 @@ class ZooKeeperLock:
 
         if state == KazooState.LOST:
             self._lost = True
+            self._losses += 1
         elif state == KazooState.SUSPENDED:
             self._suspended = True
         else:
@@ -266,7 +315,9 @@ class ZooKeeperLock:
         """Take the lock and return its fencing token, or raise :class:`~stateguard.LockNotAcquired`.
 
         ``timeout`` overrides the one given to the constructor (``0``: one
-        try)::
+        try).  It bounds the whole call: a client cut off from ZooKeeper, or
+        a server that does not answer, gets LockNotAcquired in time, and the
+        attempt's znode, if it made one, is deleted once ZooKeeper answers::
 
             fence = lock.acquire(timeout=5)
             try:
@@ -278,7 +329,6 @@ class ZooKeeperLock:
             return self._acquire(timeout)
 
     def _acquire(self, timeout: float | timedelta | None) -> int:
-        from kazoo.exceptions import KazooException, LockTimeout
         from kazoo.protocol.states import KazooState, KeeperState
         from kazoo.recipe.lock import Lock
 
@@ -303,39 +353,140 @@ class ZooKeeperLock:
         self._suspended = False
         self._listen()
         try:
-            try:
-                got = recipe.acquire(blocking=wait != 0, timeout=wait or None)
-            except LockTimeout:
-                got = False
-            if not got:
-                raise LockNotAcquired(
-                    f"ZooKeeperLock {self.path!r} is held by someone else"
-                    f"{'' if wait is None else f'; gave up after {wait:g}s'}. "
-                    f"Retry later (retry_on_conflict() does this)"
-                )
-            # A session lost while kazoo retried is over; from here on any
-            # LOST is about the session that owns the znode read below.
-            self._lost = False
-            node = f"{self.path}/{recipe.node}"
-            stat = self.client.retry(self.client.exists, node)
-            session = self.client.client_id
-            if stat is None or session is None or stat.ephemeralOwner != session[0] or self._lost:
-                with suppress(KazooException):  # best effort: the znode of a lost session is gone anyway
-                    recipe.release()
-                raise LockNotAcquired(
-                    f"ZooKeeperLock {self.path!r} lost its ZooKeeper session while it was being "
-                    f"acquired; retry"
-                )
+            if wait is None:
+                node, session, fence, losses = self._take(recipe, None)
+            else:
+                node, session, fence, losses = self._take_within(recipe, wait)
         except BaseException:
             self._unlisten()
             raise
         self._node = node
-        self._session = session[0]
-        self._fence = int(stat.czxid)
+        self._session = session
+        self._fence = fence
+        # A session lost while kazoo retried is over; a LOST since the grant is about ours.
+        self._lost = self._losses != losses
         self._held = True
         if self.client.state != KazooState.CONNECTED:
             self._suspended = True  # dropped again since exists() answered: not known to be held
-        return self._fence
+        return fence
+
+    def _take(self, recipe: Any, wait: float | None) -> tuple[str, int, int, int]:
+        """Run kazoo's recipe, then read the fence: ``(node, session id, fence, LOST count at the grant)``.
+
+        Touches no attribute of the lock object, so that an attempt given up
+        by :meth:`_take_within` cannot disturb a later one.
+        """
+        from kazoo.exceptions import CancelledError, KazooException, LockTimeout
+        from kazoo.protocol.states import KazooState
+
+        try:
+            got = recipe.acquire(blocking=wait != 0, timeout=wait or None)
+        except (LockTimeout, CancelledError):  # cancelled: by _take_within, at its deadline
+            got = False
+        if not got:
+            unreachable = self.client.state != KazooState.CONNECTED
+            raise LockNotAcquired(
+                f"ZooKeeperLock {self.path!r} "
+                + ("could not reach ZooKeeper (the client is not connected)" if unreachable
+                   else "is held by someone else")
+                + f"{'' if wait is None else f'; gave up after {wait:g}s'}. "
+                f"Retry later (retry_on_conflict() does this)"
+            )  # fmt: skip
+        losses = self._losses
+        node = f"{self.path}/{recipe.node}"
+        stat = self.client.retry(self.client.exists, node)
+        session = self.client.client_id
+        if stat is None or session is None or stat.ephemeralOwner != session[0] or self._losses != losses:
+            with suppress(KazooException):  # best effort: the znode of a lost session is gone anyway
+                recipe.release()
+            raise LockNotAcquired(
+                f"ZooKeeperLock {self.path!r} lost its ZooKeeper session while it was being acquired; retry"
+            )
+        return node, session[0], int(stat.czxid), losses
+
+    def _take_within(self, recipe: Any, wait: float) -> tuple[str, int, int, int]:
+        """:meth:`_take` bounded by ``wait`` seconds, connection loss included.
+
+        kazoo's calls wait without a limit for a connection that is down
+        (they are queued until the client reconnects), and its recipe's
+        deadline is only checked between retries: the attempt runs on a
+        thread of the client's handler, and the caller stops waiting for it
+        at the deadline.  An attempt given up on is cancelled and cleans up
+        after itself when ZooKeeper answers again (:meth:`_abandon`).  A one
+        try (``wait == 0``) is bounded by the client's session timeout.
+        """
+        from kazoo.protocol.states import KazooState
+
+        budget = wait or getattr(self.client, "_session_timeout", 10_000) / 1000
+        handler = self.client.handler
+        attempt = _Attempt(handler)
+        handler.spawn(self._attempt, attempt, recipe, wait)
+        try:
+            if not attempt.done.wait(budget):
+                # The recipe's own wait ends about now too: cancelled, a waiter
+                # deletes its znode and returns, one round trip while connected.
+                recipe.cancel()
+                if self.client.state == KazooState.CONNECTED:
+                    attempt.done.wait(_GRACE)
+        finally:
+            with attempt.lock:
+                attempt.abandoned = not attempt.done.is_set()
+            if attempt.abandoned:
+                recipe.cancel()
+        if attempt.abandoned:
+            raise LockNotAcquired(
+                f"ZooKeeperLock {self.path!r}: ZooKeeper did not answer within {budget:g}s (the client "
+                f"is {self.client.state}); nothing is held, and the attempt's contender znode, if it "
+                f"was made, is deleted when ZooKeeper answers again. Retry later (retry_on_conflict() "
+                f"does this)"
+            )
+        if isinstance(attempt.outcome, BaseException):
+            raise attempt.outcome
+        return attempt.outcome
+
+    def _attempt(self, attempt: _Attempt, recipe: Any, wait: float) -> None:
+        """One acquisition on a handler thread: hand the outcome over, or clean up if nobody waits."""
+        outcome: tuple[str, int, int, int] | BaseException
+        try:
+            outcome = self._take(recipe, wait)
+        except BaseException as error:  # handed to the caller
+            outcome = error
+        with attempt.lock:
+            if not attempt.abandoned:
+                attempt.outcome = outcome
+                attempt.done.set()
+                return
+        self._abandon(recipe)
+
+    def _abandon(self, recipe: Any) -> None:
+        """Delete whatever znode a given-up attempt made (found by the recipe's unique prefix).
+
+        kazoo's recipe cleans up after itself at its best effort, but that
+        delete may meet the connection down too, and its create may have run
+        on the server before the connection dropped: a znode left would be a
+        contender nobody waits for, that blocks the lock for the session's
+        whole life.  ZooKeeper answers a session's requests in order, so a
+        listing sent after the create sees it.  A session that expired took
+        its ephemeral znodes with it: nothing left to do.
+        """
+        from kazoo.exceptions import KazooException, NoNodeError
+        from kazoo.retry import KazooRetry
+
+        def delete_ours() -> None:
+            try:
+                children = self.client.get_children(self.path)
+            except NoNodeError:
+                return
+            for child in children:
+                if child.startswith(recipe.prefix):
+                    with suppress(NoNodeError):
+                        self.client.delete(f"{self.path}/{child}")
+
+        retry = KazooRetry(max_tries=-1, ignore_expire=False, sleep_func=self.client.handler.sleep_func)
+        try:
+            retry(delete_ours)
+        except KazooException as error:  # a stopped client or an expired session: its znodes are gone
+            log.debug("ZooKeeperLock %r: no clean-up after a given-up acquire: %r", self.path, error)
 
     def release(self) -> None:
         """Delete this holder's znode; :class:`~stateguard.LockLost` if the session was lost before.
