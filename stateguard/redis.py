@@ -129,6 +129,10 @@ MAX_WAIT_REPLICAS: Final = 2**31 - 1
 #: The longest ``wait_timeout`` (seconds): one hour.  WAIT blocks the call
 #: (and holds its connection) that long when the replicas do not answer.
 MAX_WAIT_TIMEOUT: Final = 3600.0
+#: Largest ``RedisStreamSink(maxlen=...)``: Redis parses XADD's MAXLEN as a signed 64-bit
+#: integer (``XADD s MAXLEN 9223372036854775808 * f v`` is "ERR value is not an integer or
+#: out of range", Redis 7.0).
+MAX_MAXLEN: Final = 2**63 - 1
 
 
 def _check_wait(wait_replicas: Any, wait_timeout: Any) -> tuple[int, int]:
@@ -1680,7 +1684,8 @@ class RedisStreamSink:
     with :class:`~stateguard.outbox.AsyncRelay`.
 
     :raises InvalidArgument: no redis client, a blank or oversize
-        ``stream``, a ``maxlen`` that is not a positive int.
+        ``stream``, a ``maxlen`` that is not an int from 1 to
+        :data:`MAX_MAXLEN`.
     """
 
     __slots__ = ("approximate", "client", "maxlen", "stream")
@@ -1694,8 +1699,13 @@ class RedisStreamSink:
             )
         self.client = client
         self.stream = _write.check_text(stream, "stream", MAX_KEY)
-        if maxlen is not None and (type(maxlen) is not int or maxlen < 1):
-            raise InvalidArgument(f"maxlen must be a positive int or None, got {maxlen!r}")
+        if maxlen is not None and (type(maxlen) is not int or not 1 <= maxlen <= MAX_MAXLEN):
+            # Redis refuses a larger MAXLEN on every XADD ("value is not an integer or out of
+            # range"): the relay would retry forever and publish nothing.
+            raise InvalidArgument(
+                f"maxlen must be an int from 1 to {MAX_MAXLEN} (what Redis's XADD MAXLEN takes) "
+                f"or None, got {maxlen!r}"
+            )
         self.maxlen = maxlen
         self.approximate = bool(approximate)
 

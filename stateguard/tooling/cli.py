@@ -48,6 +48,7 @@ from ..inserts import purge_consumed as _purge_consumed
 from ..machine import StateMachine, machines_of
 from ..outbox import Relay
 from ..outbox import purge_published as _purge_outbox
+from ..redis import MAX_MAXLEN
 from ..schema import machines_in_module
 from ..tables import counter_ledger, outbox, transition_log
 from ..tokens import purge_expired_tokens as _purge_tokens
@@ -150,6 +151,26 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0].strip() if text else type(orig).__name__
 
 
+def database_url(db: str) -> URL:
+    """``db`` parsed as a SQLAlchemy URL, or :class:`UsageError` saying what is wrong with it.
+
+    A port that is not a number is refused here (SQLAlchemy's ``make_url``
+    raises a bare ``ValueError`` for it), and so is one outside 1-65535
+    (libpq quietly takes port 0 as its default 5432)::
+
+        database_url("postgresql+psycopg://app@db:5432/app")
+    """
+    try:
+        url = make_url(db)
+    except sa_exc.ArgumentError as error:
+        raise UsageError(f"not a database URL: {db!r} (e.g. {DEFAULT_DB})") from error
+    except ValueError as error:
+        raise UsageError(f"not a database URL: {db!r}: the port is not a number ({error})") from error
+    if url.port is not None and not 1 <= url.port <= 65535:
+        raise UsageError(f"not a database URL: {_safe(url)}: the port must be from 1 to 65535")
+    return url
+
+
 def open_engine(db: str, *, workers: int, purpose: str = "the demo", create: bool = True) -> Engine:
     """An engine for ``db`` that has connected once, or :class:`UsageError` saying why not.
 
@@ -162,10 +183,7 @@ def open_engine(db: str, *, workers: int, purpose: str = "the demo", create: boo
 
         open_engine("sqlite:///app.db", workers=1, purpose="stateguard check", create=False)
     """
-    try:
-        url = make_url(db)
-    except sa_exc.ArgumentError as error:
-        raise UsageError(f"not a database URL: {db!r} (e.g. {DEFAULT_DB})") from error
+    url = database_url(db)
     backend = url.get_backend_name()
     pool: dict[str, Any] = {"pool_size": workers, "max_overflow": workers}
     try:
@@ -198,10 +216,15 @@ def open_engine(db: str, *, workers: int, purpose: str = "the demo", create: boo
         else:
             hint = "install it"
         raise UsageError(f"the {driver} driver for {backend} is not installed ({error}); {hint}") from error
+    except (TypeError, ValueError) as error:
+        # A query argument the dialect cannot convert (sqlite ?timeout=abc, ?check_same_thread=maybe,
+        # mysql ?connect_timeout=abc are a ValueError while the engine is made).
+        raise UsageError(f"cannot use {_safe(url)}: {_first_line(error)}") from error
     try:
         with engine.connect():
             pass
-    except sa_exc.SQLAlchemyError as error:
+    except (sa_exc.SQLAlchemyError, TypeError, ValueError) as error:
+        # PyMySQL raises TypeError for a query argument it does not know, at connect.
         engine.dispose()
         raise UsageError(f"cannot connect to {_safe(url)}: {_first_line(error)}") from error
     return engine
@@ -213,8 +236,12 @@ def _sqlite_file_exists(url: URL, database: str, purpose: str) -> None:
     if path.startswith("file:") and str(url.query.get("uri", "")).lower() in ("1", "true"):
         # sqlite:///file:app.db?mode=ro&uri=true: an SQLite URI filename.
         path = unquote(urlsplit(path).path)
-    if not Path(path).is_file():
+    try:
+        exists = Path(path).is_file()
         where = Path(path).resolve()
+    except OSError as error:  # a name too long for the file system, ...
+        raise UsageError(f"cannot use the SQLite file of {_safe(url)}: {error.strerror or error}") from error
+    if not exists:
         raise UsageError(
             f"no SQLite database at {where} ({_safe(url)}); {purpose} does not create one: "
             "check the path (relative paths start at the current folder)"
@@ -226,27 +253,87 @@ def _sqlite_file_exists(url: URL, database: str, purpose: str) -> None:
 # --------------------------------------------------------------------------
 
 
+# --------------------------------------------------------------------------
+# Argument types: every value is checked while parsing, before anything connects
+# --------------------------------------------------------------------------
+
+#: The longest ``--pause``, ``--lease``, ``--idle`` and ``--stale`` (seconds), about 31 years.
+#: Below every bound these values meet: ``time.sleep`` and threading's waits stop at 2**63 ns
+#: of the monotonic clock (about 292 years less the uptime; ``time.sleep(9.3e9)`` is an
+#: OverflowError), :class:`~datetime.timedelta` at 999999999 days, the databases' BIGINT
+#: milliseconds at 2**63; and ``threading.TIMEOUT_MAX`` where a platform's is smaller.
+MAX_SECONDS: float = min(1e9, threading.TIMEOUT_MAX)
+#: The longest ``--outbox-retention`` and ``--consumed-retention`` (hours), about 114 years: as
+#: milliseconds subtracted from the database's clock it stays far inside a BIGINT and inside
+#: :class:`~datetime.timedelta` (``timedelta(hours=1e12)`` is an OverflowError).
+MAX_HOURS = 1_000_000
+#: Most ``demo --workers`` (each thread holds connections of its own: a server's
+#: max_connections refuses far fewer) and ``demo --orders`` (the demo keeps its plan in memory).
+MAX_WORKERS = 1000
+MAX_ORDERS = 1_000_000
+#: The largest ``--batch``, ``--max-batches`` and ``--limit``: a BIGINT, the largest LIMIT
+#: every database takes (SQLite's driver raises OverflowError past it).
+MAX_COUNT = 2**63 - 1
+#: Longest text argument: Linux's MAX_ARG_STRLEN (128 KiB); a longer one never came from a shell.
+MAX_TEXT = 131_072
+
 N = TypeVar("N", int, float)
 
 
-def _number(convert: Callable[[str], N], what: str, *, least: N, bound: str) -> Callable[[str], N]:
-    """An argparse ``type``: ``convert(text)``, refused with a one-line reason below ``least``."""
+def _shown(text: str, longest: int = 60) -> str:
+    """``text`` quoted for a message (its repr: non-UTF-8 bytes escaped), cut to ``longest``."""
+    shown = repr(text)
+    if len(shown) <= longest:
+        return shown
+    return f"{shown[: longest - 4]}...{shown[-1]} ({len(text)} characters)"
+
+
+def _plain_number(value: float) -> str:
+    return str(int(value)) if value == int(value) else str(value)
+
+
+def _number(
+    convert: Callable[[str], N], what: str, *, least: N, most: N, unit: str = ""
+) -> Callable[[str], N]:
+    """An argparse ``type``: ``convert(text)``, refused with a one-line reason outside ``least..most``."""
+    bound = f"at least {_plain_number(least)} and at most {_plain_number(most)}{unit}"
 
     def parse(text: str) -> N:
         try:
             value = convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
-        if not value >= least:  # written so that NaN is refused too
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        except (ValueError, OverflowError):  # int() of over 4300 digits is a ValueError too
+            raise argparse.ArgumentTypeError(f"not {what}: {_shown(text)}") from None
+        if not least <= value <= most:  # written so that NaN is refused too
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {_shown(text)}")
         return value
 
     return parse
 
 
-_positive = _number(int, "a whole number", least=1, bound="at least 1")
-_nonnegative_float = _number(float, "a number", least=0.0, bound="0 or more")
-_positive_float = _number(float, "a number", least=0.001, bound="at least 0.001")
+_positive = _number(int, "a whole number", least=1, most=MAX_COUNT)
+_workers = _number(int, "a whole number", least=1, most=MAX_WORKERS)
+_orders = _number(int, "a whole number", least=1, most=MAX_ORDERS)
+_maxlen = _number(int, "a whole number", least=1, most=MAX_MAXLEN, unit=" (what Redis's XADD MAXLEN takes)")
+_nonnegative_float = _number(float, "a number", least=0.0, most=MAX_SECONDS, unit=" (seconds)")
+_positive_float = _number(float, "a number", least=0.001, most=MAX_SECONDS, unit=" (seconds)")
+_hours = _number(float, "a number", least=0.001, most=float(MAX_HOURS), unit=" (hours)")
+
+
+def _text(text: str) -> str:
+    """An argparse ``type`` for text: refused when not UTF-8, holding a NUL or longer than :data:`MAX_TEXT`.
+
+    Python hands the command line's non-UTF-8 bytes over as lone surrogates
+    (``os.fsdecode``): no database or Redis takes them.
+    """
+    if len(text) > MAX_TEXT:
+        raise argparse.ArgumentTypeError(f"longer than {MAX_TEXT} characters: {_shown(text)}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(f"not valid UTF-8: {_shown(text)}") from None
+    if "\x00" in text:
+        raise argparse.ArgumentTypeError(f"contains a NUL character: {_shown(text)}")
+    return text
 
 
 def _cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -254,10 +341,7 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     # stay out of every other command's process.
     from .demo import open_namespace, render, run_demo
 
-    try:
-        url = make_url(args.db)
-    except sa_exc.ArgumentError as error:
-        raise UsageError(f"not a database URL: {args.db!r} (e.g. {DEFAULT_DB})") from error
+    url = database_url(args.db)
     if url.get_backend_name() == "sqlite" and (url.database or "") in ("", ":memory:"):
         raise UsageError(f"the demo needs a SQLite file, e.g. {DEFAULT_DB}")
     client: Any = None
@@ -404,6 +488,17 @@ def _redis_client(url: str) -> Any:
     except ImportError as error:
         raise UsageError(f"redis-py is not installed ({error}); pip install 'stateguard[redis]'") from error
     try:
+        parts = urlsplit(url)
+    except ValueError as error:  # "Invalid IPv6 URL": not shown, it may hold a password
+        raise UsageError(f"not a Redis URL ({error}; e.g. redis://127.0.0.1:6379/0)") from error
+    database = unquote(parts.path).strip("/") if parts.scheme in ("redis", "rediss") else ""
+    if database and not database.isdecimal():
+        # redis-py ignores a path that is not a number and connects to database 0.
+        raise UsageError(
+            f"not a Redis URL: {_safe_redis(url)!r} (the database {database!r} is not a number; "
+            "e.g. redis://127.0.0.1:6379/0)"
+        )
+    try:
         # A Redis that stops answering fails the batch (retried) instead of hanging the relay.
         client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=10)
     except ValueError as error:
@@ -512,8 +607,12 @@ def import_module(name: str) -> ModuleType:
         sys.path.insert(0, cwd)
     try:
         return importlib.import_module(name)
+    except SystemExit as error:  # sys.exit() at import: not the command's own exit code
+        raise UsageError(
+            f"cannot import {name}: it called sys.exit({error.code!r}) while importing"
+        ) from None
     except Exception as error:  # a model module can fail in any way while importing
-        raise UsageError(f"cannot import {name}: {type(error).__name__}: {error}") from error
+        raise UsageError(f"cannot import {name}: {type(error).__name__}: {_first_line(error)}") from error
 
 
 def _model_machines(module: ModuleType, model_name: str) -> tuple[type[Any], list[StateMachine[Any]]]:
@@ -748,6 +847,11 @@ def _cmd_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             row_key = _inspection.parse_row_key(row_model, key_text)
         except _inspection.RowKeyError as error:
             raise UsageError(str(error)) from error
+        except RecursionError:  # json.loads of a key nested a thousand deep
+            raise UsageError(
+                f"--row {model_name}:KEY is nested too deeply: a composite key is a flat JSON list, "
+                f"e.g. --row '{model_name}:[1, \"a\"]'"
+            ) from None
     if args.format in ("svg", "png"):
         if not _graph.graphviz_available():
             raise UsageError(_graph.GRAPHVIZ_HINT)
@@ -780,8 +884,10 @@ def _cmd_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 row_key,
                 log_present=transition_log.name in report.tables_present,
             )
-    except sa_exc.SQLAlchemyError as error:
-        # Nothing could be judged: not "stuck work found" (exit 1).
+    except (sa_exc.SQLAlchemyError, OverflowError) as error:
+        # Nothing could be judged: not "stuck work found" (exit 1).  OverflowError: a --row
+        # key past SQLite's 64-bit INTEGER, which its driver refuses before the database sees it
+        # (PostgreSQL answers "integer out of range", a database error).
         err.write(f"stateguard inspect: database error: {_first_line(error)}\n")
         return EXIT_USAGE
     finally:
@@ -852,6 +958,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--db",
+        type=_text,
         default=DEFAULT_DB,
         metavar="URL",
         help=(
@@ -860,10 +967,10 @@ def build_parser() -> argparse.ArgumentParser:
             "mysql+pymysql://root@127.0.0.1:3306/test)"
         ),
     )
-    demo.add_argument("--workers", type=_positive, default=8, metavar="N", help="worker threads (default: 8)")
+    demo.add_argument("--workers", type=_workers, default=8, metavar="N", help="worker threads (default: 8)")
     demo.add_argument(
         "--orders",
-        type=_positive,
+        type=_orders,
         default=120,
         metavar="N",
         help="orders per scheme and variant (default: 120)",
@@ -873,6 +980,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--schema",
+        type=_text,
         default="sg_demo",
         metavar="NAME",
         help=(
@@ -884,12 +992,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--keep", action="store_true", help="keep the namespace after the run, for inspection")
     demo.add_argument(
         "--html",
+        type=_text,
         default=None,
         metavar="FILE",
         help="also write the results as one self-contained HTML page with charts",
     )
     demo.add_argument(
         "--redis",
+        type=_text,
         default=None,
         metavar="URL",
         help=(
@@ -909,15 +1019,21 @@ def build_parser() -> argparse.ArgumentParser:
             "pip install 'stateguard[graphviz]')."
         ),
     )
-    graph.add_argument("target", metavar="MODULE:Model", help="e.g. stateguard.tooling.demo:DemoOrder")
-    graph.add_argument("--machine", metavar="NAME", help="the machine to draw, when the model has several")
+    graph.add_argument(
+        "target", type=_text, metavar="MODULE:Model", help="e.g. stateguard.tooling.demo:DemoOrder"
+    )
+    graph.add_argument(
+        "--machine", type=_text, metavar="NAME", help="the machine to draw, when the model has several"
+    )
     graph.add_argument(
         "--format",
         choices=_graph.GRAPH_FORMATS,
         default="mermaid",
         help="output format (default: mermaid)",
     )
-    graph.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of standard output")
+    graph.add_argument(
+        "-o", "--output", type=_text, metavar="FILE", help="write to FILE instead of standard output"
+    )
     check = _command(
         commands,
         "check",
@@ -931,8 +1047,10 @@ def build_parser() -> argparse.ArgumentParser:
             "version columns and legal-edges triggers, and rows holding undeclared states."
         ),
     )
-    check.add_argument("target", metavar="MODULE", help="e.g. myapp.models (or myapp.models:Order)")
-    check.add_argument("--db", metavar="URL", help="SQLAlchemy URL of a database to compare")
+    check.add_argument(
+        "target", type=_text, metavar="MODULE", help="e.g. myapp.models (or myapp.models:Order)"
+    )
+    check.add_argument("--db", type=_text, metavar="URL", help="SQLAlchemy URL of a database to compare")
     check.add_argument("--json", action="store_true", help="print a machine-readable report")
     purge = _command(
         commands,
@@ -950,7 +1068,9 @@ def build_parser() -> argparse.ArgumentParser:
             "Run it from cron or a scheduler."
         ),
     )
-    purge.add_argument("--db", required=True, metavar="URL", help="SQLAlchemy URL of the database")
+    purge.add_argument(
+        "--db", type=_text, required=True, metavar="URL", help="SQLAlchemy URL of the database"
+    )
     purge.add_argument(
         "--batch", type=_positive, default=1000, metavar="N", help="rows per batch (default: 1000)"
     )
@@ -970,14 +1090,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     purge.add_argument(
         "--outbox-retention",
-        type=_positive_float,
+        type=_hours,
         default=168.0,
         metavar="HOURS",
         help="keep published outbox events this long, for audits and late replays (default: 168, a week)",
     )
     purge.add_argument(
         "--consumed-retention",
-        type=_positive_float,
+        type=_hours,
         default=None,
         metavar="HOURS",
         help="also delete consume_once() records older than this; longer than any redelivery can come "
@@ -1007,25 +1127,29 @@ def build_parser() -> argparse.ArgumentParser:
             "it at once, and that batch is published again by a relay after its lease."
         ),
     )
-    relay.add_argument("--db", required=True, metavar="URL", help="SQLAlchemy URL of the database")
     relay.add_argument(
-        "--redis", required=True, metavar="URL", help="Redis URL, e.g. redis://127.0.0.1:6379/0"
+        "--db", type=_text, required=True, metavar="URL", help="SQLAlchemy URL of the database"
+    )
+    relay.add_argument(
+        "--redis", type=_text, required=True, metavar="URL", help="Redis URL, e.g. redis://127.0.0.1:6379/0"
     )
     relay.add_argument(
         "--topic",
+        type=_text,
         action="append",
         metavar="T",
         help="publish only events of this topic (repeatable; default: every topic)",
     )
     relay.add_argument(
         "--stream",
+        type=_text,
         default="stateguard-outbox",
         metavar="NAME",
         help="the Redis stream to XADD to (default: stateguard-outbox)",
     )
     relay.add_argument(
         "--maxlen",
-        type=_positive,
+        type=_maxlen,
         default=None,
         metavar="N",
         help="trim the stream to about N entries (default: never trim)",
@@ -1066,9 +1190,12 @@ def build_parser() -> argparse.ArgumentParser:
             "transition history, --ref REF the counter ledger entries of one ref."
         ),
     )
-    inspect.add_argument("--db", required=True, metavar="URL", help="SQLAlchemy URL of the database")
+    inspect.add_argument(
+        "--db", type=_text, required=True, metavar="URL", help="SQLAlchemy URL of the database"
+    )
     inspect.add_argument(
         "--models",
+        type=_text,
         metavar="MODULE[:Base]",
         help=(
             "the models to count: a module (every model it holds), MODULE:Base (every model "
@@ -1087,15 +1214,19 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument(
         "-o",
         "--output",
+        type=_text,
         metavar="DIR",
         help="write each machine's graph to DIR/<Model>.<machine>.<mmd|dot|svg|png>",
     )
     inspect.add_argument(
         "--row",
+        type=_text,
         metavar="Model:KEY",
         help="one row's states and history, e.g. Order:42 (a composite key as JSON: 'Line:[1, \"a\"]')",
     )
-    inspect.add_argument("--ref", metavar="REF", help="the counter ledger entries written under REF")
+    inspect.add_argument(
+        "--ref", type=_text, metavar="REF", help="the counter ledger entries written under REF"
+    )
     inspect.add_argument(
         "--stale",
         type=_positive_float,
@@ -1149,4 +1280,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         err.write("\nstateguard: interrupted\n")
         return 130
+    except Exception as error:  # a bug of ours: still one line, never a traceback
+        err.write(
+            f"stateguard {args.command}: unexpected {type(error).__name__}: {_first_line(error)} "
+            "(please report this with the command line)\n"
+        )
+        return EXIT_USAGE
     return code
