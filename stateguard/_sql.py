@@ -34,7 +34,7 @@ from sqlalchemy import (
     tuple_,
 )
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.engine import Dialect
+from sqlalchemy.engine import Connection, Dialect
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import Mapper
 from sqlalchemy.schema import Column
@@ -191,6 +191,33 @@ def backend(dialect: Dialect) -> Backend:
                 found = _interned[flags] = Backend(*flags)
             _backends[dialect] = found
     _last = (dialect, found)
+    return found
+
+
+# --------------------------------------------------------------------------
+# Facts about the server, read once per dialect (one engine)
+# --------------------------------------------------------------------------
+
+_galera: weakref.WeakKeyDictionary[Dialect, bool] = weakref.WeakKeyDictionary()
+
+
+def is_galera(conn: Connection) -> bool:
+    """Whether ``conn`` talks to a node of a MariaDB Galera cluster (``wsrep_on`` is ``ON``).
+
+    Read once per engine (``SHOW GLOBAL VARIABLES``, which every MySQL-family server answers,
+    unlike ``@@wsrep_on``), on the first call that needs it; never asked of other databases.
+    What changes on a Galera node: ``GET_LOCK`` is local to the node (advisory_lock refuses it),
+    and a conflicting write on another node surfaces as error 1213 at COMMIT (DeadlockDetected).
+    """
+    dialect = conn.dialect
+    found = _galera.get(dialect)
+    if found is None:
+        if dialect.name not in ("mysql", "mariadb"):
+            found = False
+        else:
+            row = conn.exec_driver_sql("SHOW GLOBAL VARIABLES LIKE 'wsrep_on'").first()
+            found = row is not None and str(row[1]).upper() == "ON"
+        _galera[dialect] = found
     return found
 
 

@@ -805,7 +805,8 @@ class _Claim(Generic[S]):
     def _savepoint_now(self) -> None:
         """Same transaction: open the block's savepoint before an UPDATE of an existing record."""
         if self.options.mode == "same_transaction" and self._block_savepoint is None:
-            self._block_savepoint = _write.DeferredSavepoint(self.session, self._open(self._conn), self._binds)
+            conn = self._open(self._conn)
+            self._block_savepoint = _write.DeferredSavepoint(self.session, conn, self._binds)
             self._block_savepoint.open()
 
     def _drop_savepoint(self) -> None:

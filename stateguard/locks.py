@@ -276,6 +276,12 @@ def advisory_lock(
 
     With an :class:`~sqlalchemy.ext.asyncio.AsyncSession`, use ``async with``.
 
+    **MariaDB Galera**: ``GET_LOCK`` is local to a node, so on a Galera node
+    (``wsrep_on``, read once per engine) the call raises
+    :class:`~stateguard.NotSupported` after that one read, before any lock
+    is taken; use :func:`row_lock`, :class:`~stateguard.ZooKeeperLock` or
+    :class:`~stateguard.RedisLock` with a fence.
+
     **SQLite** has no named locks: :class:`~stateguard.NotSupported`.
     **CockroachDB** (the ``cockroachdb`` dialect) neither: its advisory-lock
     functions have been missing or no-op stubs, so the call raises
@@ -284,7 +290,11 @@ def advisory_lock(
     :class:`~stateguard.RedisLock` / :class:`~stateguard.ZooKeeperLock` with
     a fence.
     """
-    return DualContext(session, lambda sync: _advisory_lock(sync, name, timeout=timeout, shared=shared))
+    return DualContext(
+        session,
+        lambda sync: _advisory_lock(sync, name, timeout=timeout, shared=shared),
+        name="advisory_lock()",
+    )
 
 
 @contextmanager
@@ -314,6 +324,15 @@ def _advisory_lock(
         elif kind == "connection":
             if shared:
                 raise NotSupported("advisory_lock(shared=True): MariaDB/MySQL GET_LOCK has no shared mode")
+            if _sql.is_galera(conn):
+                # GET_LOCK is not replicated: two holders on two nodes both get it.
+                raise NotSupported(
+                    "advisory_lock is not supported on a MariaDB Galera cluster: GET_LOCK is local to "
+                    "the node, so holders connected to different nodes would all hold it; use "
+                    "row_lock() on a row every holder updates (across nodes the loser fails at COMMIT "
+                    "with DeadlockDetected: retry it), ZooKeeperLock, or RedisLock(fences=engine) with "
+                    "a fence_column() on the rows it guards"
+                )
             lock_name = mysql_lock_name(name)
             _mysql_get_lock(conn, name, lock_name, wait)
         else:

@@ -33,7 +33,7 @@ from typing import Any, Final, TextIO
 from sqlalchemy import Connection, Engine, String, and_, case, cast, func, inspect, literal, select
 from sqlalchemy.orm import Session
 
-from .._sql import db_now_ms
+from .._sql import db_now_ms, is_galera
 from ..machine import StateMachine
 from ..machine.ddl import stored_states
 from ..tables import (
@@ -219,17 +219,21 @@ class Inspection:
     stuck: list[str] = field(default_factory=list)
     row: dict[str, Any] | None = None
     ledger: dict[str, Any] | None = None
+    #: What the server is, as far as stateguard's behaviour depends on it: the dialect's name,
+    #: and "Galera cluster node" where GET_LOCK is local and conflicts surface at COMMIT.
+    server: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         """The ``--json`` shape: every key always present (``null`` for a section not read)::
 
-        {"ok", "stuck", "database", "db_now_ms", "tables": {"present", "missing"}, "machines",
-         "idempotency", "tokens", "worker_leases", "outbox", "row", "ledger"}
+        {"ok", "stuck", "database", "server", "db_now_ms", "tables": {"present", "missing"},
+         "machines", "idempotency", "tokens", "worker_leases", "outbox", "row", "ledger"}
         """
         return {
             "ok": not self.stuck,
             "stuck": list(self.stuck),
             "database": self.database,
+            "server": self.server,
             "db_now_ms": self.db_now_ms,
             "tables": {"present": list(self.tables_present), "missing": list(self.tables_missing)},
             "machines": [m.as_dict() for m in self.machines],
@@ -457,6 +461,21 @@ def _outbox(conn: Connection, stale_ms: int) -> dict[str, Any]:
     }
 
 
+def describe_server(conn: Connection) -> str:
+    """The server as stateguard treats it: ``"postgresql"``, ``"mariadb"``, or ``"mariadb (Galera
+    cluster node, 3 nodes)"`` where advisory_lock is refused and conflicts surface at COMMIT::
+
+        with engine.connect() as conn:
+            describe_server(conn)   # 'sqlite'
+    """
+    name = conn.dialect.name
+    if not is_galera(conn):
+        return name
+    row = conn.exec_driver_sql("SHOW GLOBAL STATUS LIKE 'wsrep_cluster_size'").first()
+    size = f", {row[1]} nodes" if row is not None else ""
+    return f"{name} (Galera cluster node{size})"
+
+
 def inspect_database(
     conn: Connection,
     machines: Sequence[StateMachine[Any]] = (),
@@ -492,7 +511,7 @@ def inspect_database(
     if outbox.name in present:
         readers.append(("outbox", outbox.name, lambda: _outbox(conn, stale_ms)))
     progress.count = progress.index + len(machines) + len(readers)
-    report = Inspection(database, _now(conn), present, missing)
+    report = Inspection(database, _now(conn), present, missing, server=describe_server(conn))
     for machine in machines:
         col = machine.state_column
         with progress.step(f"counting {col.table.name}.{col.name}"):
@@ -708,7 +727,8 @@ def render_text(report: Inspection, *, color: bool = False) -> str:
         print(render_text(inspect_database(conn, [Order.flow]), color=sys.stdout.isatty()))
     """
     red, green, off = ("\x1b[31m", "\x1b[32m", "\x1b[0m") if color else ("", "", "")
-    lines = [f"stateguard inspect: {report.database} (database clock {_iso(report.db_now_ms)})"]
+    head = f"{report.server}, " if report.server else ""
+    lines = [f"stateguard inspect: {report.database} ({head}database clock {_iso(report.db_now_ms)})"]
     for m in report.machines:
         where = f"{m.model}.{m.machine} ({m.table}.{m.column})"
         if m.table_missing:

@@ -11,7 +11,15 @@ from sqlalchemy import create_engine
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from stateguard import InvalidArgument, StripedCounter, decrement, guarded_update, idempotent, increment
+from stateguard import (
+    InvalidArgument,
+    StripedCounter,
+    advisory_lock,
+    decrement,
+    guarded_update,
+    idempotent,
+    increment,
+)
 
 from ..models import Order
 
@@ -66,6 +74,12 @@ CALLS: list[tuple[str, Callable[[Any], Any], str, str]] = [
         lambda bad: idempotent(bad, scope="s", key="k"),
         "idempotent()",
         "idempotent(session, ...)",
+    ),
+    (
+        "advisory_lock",
+        lambda bad: advisory_lock(bad, "nightly"),
+        "advisory_lock()",
+        "advisory_lock(session, ...)",
     ),
 ]
 IDS = [c[0] for c in CALLS]

@@ -78,6 +78,7 @@ TOP_KEYS = {
     "ok",
     "stuck",
     "database",
+    "server",
     "db_now_ms",
     "tables",
     "machines",

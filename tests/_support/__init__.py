@@ -1,0 +1,1 @@
+"""Test support: private servers and clusters the tests start and stop by pid, fault proxies, workers."""

@@ -1,0 +1,1 @@
+"""Guarantees on database clusters the tests start themselves (Galera, replicated PostgreSQL)."""

@@ -1,0 +1,398 @@
+"""stateguard on a 3-node MariaDB Galera cluster started by the tests, writers spread over every node.
+
+On Galera a write is certified cluster-wide only at COMMIT: the same conditional UPDATE (or the
+same primary key) on two nodes succeeds on both, and one COMMIT fails with 1213, which stateguard
+classifies as the retryable DeadlockDetected.  The storms here retry exactly what the docs say is
+retryable (``retry_on_conflict``) and move to another node when theirs is gone, and check that
+nothing was applied twice, oversold or lost.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import random
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import pytest
+from sqlalchemy import Engine, Integer, String, create_engine, func, select, text
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+
+import stateguard
+from stateguard import (
+    DeadlockDetected,
+    NotSupported,
+    RequestInProgress,
+    StateMachine,
+    advisory_lock,
+    create_tables,
+    decrement,
+    idempotent,
+    insert_once,
+    retry_on_conflict,
+    version_column,
+)
+from stateguard._sql import classify_db_error, is_galera
+from stateguard.tooling.inspection import describe_server
+
+from .._support import galera
+from ..conftest import MYSQL_URL, unavailable
+
+T = TypeVar("T")
+LEASE = datetime.timedelta(seconds=3)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Order(Base):
+    """An order moved pending -> paid -> shipped by many writers at once."""
+
+    __tablename__ = "gal_orders"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    status: Mapped[str] = mapped_column(String(20), default="pending")
+    version: Mapped[int] = version_column()
+
+    flow = StateMachine(
+        "status",
+        states=["pending", "paid", "shipped"],
+        transitions=[["pay", "pending", "paid"], ["ship", "paid", "shipped"]],
+    )
+
+
+class Stock(Base):
+    """Stock that must never go below zero."""
+
+    __tablename__ = "gal_stock"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    amount: Mapped[int] = mapped_column(Integer)
+
+
+class Message(Base):
+    """A message id processed at most once (insert_once)."""
+
+    __tablename__ = "gal_messages"
+    message_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+
+
+class Effect(Base):
+    """One row per side effect, written in the transaction of the change that caused it."""
+
+    __tablename__ = "gal_effects"
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    kind: Mapped[str] = mapped_column(String(40))
+    item: Mapped[str] = mapped_column(String(60))
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[galera.GaleraCluster]:
+    """A fresh 3-node cluster for this module (about 20 s to start), stopped by pid afterwards."""
+    why = galera.available()
+    if why is not None:
+        unavailable("a Galera cluster", RuntimeError(why))
+    c = galera.GaleraCluster(3)
+    try:
+        c.start()
+    except Exception as exc:  # pragma: no cover - reported as skip (laptop) or failure (CI)
+        unavailable("a Galera cluster", exc)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture
+def engines(cluster: galera.GaleraCluster) -> Iterator[list[Engine]]:
+    """One engine per node, the tables created on node 0 (Galera replicates the DDL)."""
+    made = [create_engine(url, pool_size=12, max_overflow=4, pool_pre_ping=True) for url in cluster.urls]
+    Base.metadata.drop_all(made[0])
+    Base.metadata.create_all(made[0])
+    stateguard.drop_tables(made[0])
+    create_tables(made[0])
+    for eng in made:
+        # DDL replicates in total order but is applied on the other nodes after node 0 answers:
+        # wait on each node until it has applied everything node 0 committed.
+        with eng.connect() as conn:
+            conn.exec_driver_sql("SET SESSION wsrep_sync_wait = 15")
+            for table in (*Base.metadata.sorted_tables, *stateguard.tables.metadata.sorted_tables):
+                conn.exec_driver_sql(f"SELECT 1 FROM {table.name} LIMIT 0")
+            conn.exec_driver_sql("SET SESSION wsrep_sync_wait = 0")
+    yield made
+    for eng in made:
+        eng.dispose()
+    cleanup = create_engine(cluster.urls[0])
+    Base.metadata.drop_all(cleanup)
+    stateguard.drop_tables(cleanup)
+    cleanup.dispose()
+
+
+#: How often units ran again (a conflict retried) and moved to another node (theirs was gone).
+TALLY: Counter[str] = Counter()
+_TALLY_LOCK = threading.Lock()
+
+
+def _persist(engines: list[Engine], start: int, unit: Callable[[Engine], T]) -> T:
+    """Run ``unit`` on node ``start`` with retry_on_conflict; on a node that is gone, the next node."""
+    tries = itertools.count()
+
+    def once(engine: Engine) -> T:
+        if next(tries):
+            with _TALLY_LOCK:
+                TALLY["retried"] += 1
+        return unit(engine)
+
+    for attempt in itertools.count():
+        engine = engines[(start + attempt) % len(engines)]
+        try:
+            result: T = retry_on_conflict(
+                lambda engine=engine: once(engine),  # type: ignore[misc]
+                attempts=40,
+                backoff=0.005,
+                max_backoff=0.2,
+            )
+            return result
+        except RequestInProgress:
+            # Another writer holds the key (separate mode): the docs say retry after its lease.
+            with _TALLY_LOCK:
+                TALLY["in_progress"] += 1
+            time.sleep(0.05)
+        except (sa_exc.OperationalError, sa_exc.InterfaceError) as exc:
+            if classify_db_error(exc) is not None or attempt > 600:
+                raise
+            with _TALLY_LOCK:
+                TALLY["moved"] += 1
+            time.sleep(0.05)  # the node is down or restarting: the unit runs again elsewhere
+    raise AssertionError("unreachable")
+
+
+def _storm(workers: int, work: Callable[[int], None]) -> list[BaseException]:
+    barrier = threading.Barrier(workers)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            barrier.wait()
+            work(i)
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return errors
+
+
+def test_every_node_is_recognised_as_galera_and_a_single_server_is_not(engines: list[Engine]) -> None:
+    """is_galera is true on each node, `stateguard inspect` says so, and the plain MariaDB is not Galera."""
+    for eng in engines:
+        with eng.connect() as conn:
+            assert is_galera(conn)
+            assert describe_server(conn) == "mysql (Galera cluster node, 3 nodes)"
+    single = create_engine(MYSQL_URL)
+    try:
+        with single.connect() as conn:
+            assert not is_galera(conn) and describe_server(conn) == "mysql"
+    except sa_exc.OperationalError as exc:
+        unavailable("MariaDB", exc)
+    finally:
+        single.dispose()
+
+
+def test_advisory_lock_is_refused_on_galera_and_takes_no_lock(engines: list[Engine]) -> None:
+    """GET_LOCK is local to a node: advisory_lock raises NotSupported naming what to use; no lock is held."""
+    with Session(engines[1]) as s:
+        with pytest.raises(NotSupported, match=r"row_lock.*ZooKeeperLock.*RedisLock"):
+            with advisory_lock(s, "gal:nightly"):
+                pytest.fail("the block must not run")
+        held = s.execute(text("SELECT IS_USED_LOCK('gal:nightly')")).scalar()
+        assert held is None
+
+
+def test_the_same_transition_on_two_nodes_fails_one_commit_with_a_retryable_deadlock(
+    engines: list[Engine],
+) -> None:
+    """Both nodes see APPLIED; one COMMIT fails with 1213 (DeadlockDetected); its retry sees REPEATED."""
+    with Session(engines[0]) as s, s.begin():
+        s.add(Order(id=1))
+    barrier = threading.Barrier(2)
+    outcomes: dict[int, Any] = {}
+
+    def pay(node: int) -> None:
+        with Session(engines[node]) as s:
+            s.begin()
+            outcomes[node] = Order.flow.pay(s, 1).outcome.name
+            barrier.wait()
+            try:
+                s.commit()
+            except sa_exc.OperationalError as exc:
+                outcomes[node] = classify_db_error(exc)
+                s.rollback()
+
+    threads = [threading.Thread(target=pay, args=(n,)) for n in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(map(str, outcomes.values())) == sorted(["APPLIED", str(DeadlockDetected)]), outcomes
+
+    def again(engine: Engine) -> str:
+        with Session(engine) as s, s.begin():
+            return str(Order.flow.pay(s, 1).outcome.name)
+
+    assert retry_on_conflict(lambda: again(engines[2])) == "REPEATED"
+
+
+def test_a_storm_over_three_nodes_applies_everything_exactly_once(engines: list[Engine]) -> None:
+    """9 writers, 3 per node, race on the same orders, stock, messages and keys: no double, no oversell."""
+    orders, stock, purchases, messages = 12, 10, 30, 15
+    with Session(engines[0]) as s, s.begin():
+        s.add_all([Order(id=i) for i in range(1, orders + 1)])  # id 0 would mean 'next auto value'
+        s.add(Stock(id=1, amount=stock))
+
+    def fire(trigger: str, key: int) -> Callable[[Engine], None]:
+        def unit(engine: Engine) -> None:
+            with Session(engine) as s, s.begin():
+                r = getattr(Order.flow, trigger)(s, key)
+                if r.applied:
+                    s.add(Effect(kind=trigger, item=str(key)))
+                time.sleep(0.003)  # the application's own work: the window another node writes in
+
+        return unit
+
+    def buy(ref: str) -> Callable[[Engine], None]:
+        def unit(engine: Engine) -> None:
+            with Session(engine) as s, s.begin():
+                if decrement(s, Stock.amount, 1, by=1, ref=ref).applied:
+                    s.add(Effect(kind="buy", item=ref))
+                time.sleep(0.003)
+
+        return unit
+
+    def handle(message_id: str) -> Callable[[Engine], None]:
+        def unit(engine: Engine) -> None:
+            with Session(engine) as s, s.begin():
+                if insert_once(s, Message, {"message_id": message_id}).applied:
+                    s.add(Effect(kind="message", item=message_id))
+
+        return unit
+
+    def charge(key: str, mode: str) -> Callable[[Engine], None]:
+        def unit(engine: Engine) -> None:
+            with Session(engine) as s:
+                # separate mode commits the claim and the completion itself (no begin() around it).
+                with idempotent(s, scope=f"gal:{mode}", key=key, mode=mode, lease=LEASE) as call:  # type: ignore[arg-type]
+                    if not call.replayed:
+                        s.add(Effect(kind=f"charge-{mode}", item=key))
+                        call.complete({"charged": key})
+                s.commit()
+
+        return unit
+
+    units: list[Callable[[Engine], None]] = []
+    units += [fire(t, k) for k in range(1, orders + 1) for t in ("pay", "ship")]
+    units += [buy(f"p{i}") for i in range(purchases)]
+    units += [handle(f"m{i}") for i in range(messages)]
+    units += [charge(f"k{i}", mode) for i in range(8) for mode in ("same_transaction", "separate")]
+
+    def work(i: int) -> None:
+        rng = random.Random(i)
+        mine = units[:]
+        rng.shuffle(mine)
+        for unit in mine:
+            _persist(engines, i % 3, unit)
+        for k in range(1, orders + 1):  # every order ends shipped whatever the interleaving was
+            _persist(engines, i % 3, fire("pay", k))
+            _persist(engines, i % 3, fire("ship", k))
+
+    TALLY.clear()
+    errors = _storm(9, work)
+    assert errors == []
+    assert TALLY["retried"] > 0, f"no conflict happened: the storm did not race ({TALLY})"
+    with Session(engines[2]) as s:
+        s.execute(text("SET SESSION wsrep_sync_wait = 1"))
+        effects = Counter((kind, item) for kind, item in s.execute(select(Effect.kind, Effect.item)))
+        assert {v for v in effects.values()} == {1}, [k for k, v in effects.items() if v > 1]
+        assert sum(1 for k in effects if k[0] == "pay") == orders
+        assert sum(1 for k in effects if k[0] == "ship") == orders
+        assert s.scalar(select(func.count()).select_from(Order).where(Order.status != "shipped")) == 0
+        sold = sum(1 for k in effects if k[0] == "buy")
+        assert sold == stock and s.scalar(select(Stock.amount)) == 0
+        assert sum(1 for k in effects if k[0] == "message") == messages
+        assert sum(1 for k in effects if k[0] == "charge-same_transaction") == 8
+        assert sum(1 for k in effects if k[0] == "charge-separate") == 8
+
+
+@pytest.mark.restart
+def test_a_node_killed_mid_storm_loses_and_doubles_nothing(
+    cluster: galera.GaleraCluster, engines: list[Engine]
+) -> None:
+    """Node 2 is SIGKILLed while 9 writers storm; its writers move on; each change applies once."""
+    orders, stock = 20, 15
+    with Session(engines[0]) as s, s.begin():
+        s.add_all([Order(id=i) for i in range(1, orders + 1)])  # id 0 would mean 'next auto value'
+        s.add(Stock(id=1, amount=stock))
+    done = itertools.count()
+
+    def unit_for(kind: str, key: int) -> Callable[[Engine], None]:
+        def unit(engine: Engine) -> None:
+            with Session(engine) as s, s.begin():
+                if kind == "buy":
+                    applied = decrement(s, Stock.amount, 1, by=1, ref=f"r{key}").applied
+                else:
+                    applied = getattr(Order.flow, kind)(s, key).applied
+                if applied:
+                    s.add(Effect(kind=kind, item=str(key)))
+            next(done)
+
+        return unit
+
+    def work(i: int) -> None:
+        rng = random.Random(100 + i)
+        keys = list(range(1, orders + 1))
+        rng.shuffle(keys)
+        for k in keys:
+            _persist(engines, i % 3, unit_for("pay", k))
+            _persist(engines, i % 3, unit_for("buy", k))
+            _persist(engines, i % 3, unit_for("ship", k))
+
+    killer_errors: list[BaseException] = []
+
+    def killer() -> None:
+        try:
+            deadline = time.monotonic() + 60
+            while next(done) < 40 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            cluster.kill(2, signal.SIGKILL)
+        except BaseException as exc:
+            killer_errors.append(exc)
+
+    TALLY.clear()
+    k = threading.Thread(target=killer)
+    k.start()
+    errors = _storm(9, work)
+    k.join(timeout=120)
+    assert errors == [] and killer_errors == []
+    assert cluster.nodes[2].process is not None and cluster.nodes[2].process.poll() is not None, "not killed"
+    assert TALLY["moved"] > 0, "no writer lost its node"
+    with Session(engines[0]) as s:
+        s.execute(text("SET SESSION wsrep_sync_wait = 1"))
+        effects = Counter((kind, item) for kind, item in s.execute(select(Effect.kind, Effect.item)))
+        assert set(effects.values()) == {1}, [k for k, v in effects.items() if v > 1]
+        assert sum(1 for e in effects if e[0] == "pay") == orders
+        assert sum(1 for e in effects if e[0] == "ship") == orders
+        assert sum(1 for e in effects if e[0] == "buy") == stock
+        assert s.scalar(select(Stock.amount)) == 0
+    engines[2].dispose()
+    cluster.restart(2)
+    with Session(engines[2]) as s:
+        s.execute(text("SET SESSION wsrep_sync_wait = 1"))
+        assert s.scalar(select(func.count()).select_from(Effect)) == 2 * orders + stock
