@@ -85,10 +85,10 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Session
 
-from . import _sql, _write
-from ._async import Awaited, Steps, dual, dual_bind, run_steps, step
-from .exceptions import InvalidArgument, SerializationConflict, StateguardError
-from .tables import MAX_KEY, outbox
+from .. import _sql, _write
+from .._async import Awaited, Steps, dual, dual_bind, run_steps, step
+from ..exceptions import InvalidArgument, SerializationConflict, StateguardError
+from ..tables import MAX_KEY, outbox
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
