@@ -25,8 +25,8 @@ from sqlalchemy.orm import Session
 
 from stateguard import InvalidArgument, LockLost, LockNotAcquired, ZooKeeperLock
 
-from ._faultproxy import FaultProxy
-from ._zk_workers import (
+from .._faultproxy import FaultProxy
+from .._zk_workers import (
     ZkBase,
     ZkLog,
     ZkPayout,
@@ -39,47 +39,13 @@ from ._zk_workers import (
     storm,
     thaw,
 )
-from ._zookeeper_server import Gate, ZooKeeperEnsemble, ZooKeeperServer
-from .conftest import Backend
+from .._zookeeper_server import Gate, ZooKeeperEnsemble, ZooKeeperServer
+from ..conftest import Backend
 
 pytest.importorskip("kazoo", reason="!!! SKIPPED: kazoo is not installed (pip install -e '.[test]')")
 
 from kazoo.client import KazooClient
 from kazoo.protocol.states import KazooState
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ZooKeeperServer]:
-    """A private standalone ZooKeeper (skips loudly, fails in CI, when zookeeperd is not installed)."""
-    with ZooKeeperServer() as running:
-        yield running
-
-
-@pytest.fixture
-def clients(server: ZooKeeperServer) -> Iterator[Callable[..., Any]]:
-    """``clients()`` makes a started KazooClient of the private server; all are stopped afterwards."""
-    made: list[Any] = []
-
-    def make(hosts: str | None = None, **kw: Any) -> Any:
-        client = client_for(hosts or server.hosts, **kw)
-        made.append(client)
-        return client
-
-    yield make
-    for client in made:
-        client.stop()
-        client.close()
-
-
-@pytest.fixture
-def zk(clients: Callable[..., Any]) -> Any:
-    return clients()
-
-
-@pytest.fixture
-def path() -> str:
-    """A lock path of this test's own."""
-    return f"/sg-tests/{uuid.uuid4().hex[:12]}/lock"
 
 
 @pytest.fixture
