@@ -22,6 +22,7 @@ transaction may succeed (see :func:`stateguard.retry_on_conflict`).
     │   ├── LeaseLost                    an idempotency key's lease was taken over
     │   └── WorkerLeaseLost              a Snowflake's worker-id lease was taken over
     ├── ReplicationTimeout               a Redis write is on the master, not yet on N replicas
+    ├── PublishFailed                    retryable=True: a broker did not take an outbox batch
     ├── WorkerIdsExhausted               retryable=True: every Snowflake worker id is leased
     ├── RequestInProgress                an idempotency key is being worked on (.retry_after)
     ├── IdempotencyKeyReused             a key came back with a different request fingerprint
@@ -59,6 +60,7 @@ __all__ = [
     "NotFound",
     "NotSupported",
     "OutcomeError",
+    "PublishFailed",
     "RefConflict",
     "ReplicationTimeout",
     "RequestFailed",
@@ -263,6 +265,34 @@ class ReplicationTimeout(StateguardError):
         self.value = value
         self.acknowledged = acknowledged
         self.wanted = wanted
+        super().__init__(message)
+
+
+class PublishFailed(StateguardError):
+    """An outbox sink's broker did not take (all of) a batch: the events it names are not published.
+
+    Raised by the RabbitMQ and NATS sinks (:mod:`stateguard.outbox.sinks`)
+    for a message the broker could not route (``mandatory``), refused (a
+    nack, a JetStream error) or never confirmed (the connection was lost or
+    the confirmation did not come within the sink's ``timeout``).
+    ``event_ids`` are every event of the batch the broker did not confirm:
+    refused, unconfirmed, or not sent after the first failure (the others
+    were confirmed); empty when the broker could not be reached at all.  A
+    message whose confirmation was lost may have reached the broker anyway:
+    its event comes again, so consumers see duplicates and deduplicate by
+    the event id.  The client's error is chained as ``__cause__``.
+    ``retryable`` is ``True``: a running relay logs it and tries again::
+
+        try:
+            relay.run_once()
+        except PublishFailed as error:
+            log.warning("batch not taken (%s): events %s come again", error, error.event_ids)
+    """
+
+    retryable = True
+
+    def __init__(self, message: str, *, event_ids: tuple[int, ...] = ()) -> None:
+        self.event_ids = event_ids
         super().__init__(message)
 
 

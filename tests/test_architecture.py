@@ -30,6 +30,10 @@ OPTIONAL = {
     "kazoo": {"stateguard.zookeeper"},
     "opentelemetry": {"stateguard.otel"},
     "mypy": {"stateguard.mypy"},
+    "pika": {"stateguard.outbox.sinks.rabbitmq"},
+    "aio_pika": {"stateguard.outbox.sinks.rabbitmq"},
+    "aiormq": {"stateguard.outbox.sinks.rabbitmq"},
+    "nats": {"stateguard.outbox.sinks.nats"},
 }
 
 

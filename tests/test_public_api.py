@@ -25,6 +25,7 @@ EXPECTED = [
     "OutboxEvent",
     "Outcome",
     "OutcomeError",
+    "PublishFailed",
     "RedisLock",
     "RedisStreamSink",
     "RedisTokens",

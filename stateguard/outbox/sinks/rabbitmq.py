@@ -1,0 +1,518 @@
+"""Outbox sinks publishing to RabbitMQ: :class:`RabbitMQSink` (pika), :class:`AsyncRabbitMQSink` (aio-pika).
+
+Each event becomes one persistent message (``delivery_mode=2``) published
+with ``mandatory=True`` on a channel in publisher-confirm mode; the batch
+counts as published only once the broker confirmed every message of it.  A
+message the broker could not route (no queue bound: ``basic.return``), one
+it refused (``basic.nack``) or a connection lost before the confirmation
+raise :class:`~stateguard.PublishFailed`, so the relay publishes the whole
+batch again.  Some of its messages may then be in a queue twice, with the
+same ``message_id``: consumers deduplicate on it::
+
+    def on_message(channel, method, properties, body):
+        with Session(engine) as session, session.begin():
+            if consume_once(session, "billing", properties.message_id).applied:
+                bill(session, json.loads(body))
+        channel.basic_ack(method.delivery_tag)     # after the commit
+
+A message carries its event in its properties: ``message_id`` (the event
+id, as text), ``type`` (the topic), ``content_type`` (``application/json``;
+the body is :meth:`~stateguard.OutboxEvent.payload_json` in UTF-8),
+``timestamp`` (``created_ms`` in whole seconds) and the headers ``key`` (the
+event's key, absent for an event without one) and ``created_ms``.  The
+routing key is the topic, or a fixed ``routing_key``, or the event's key
+with ``key_as_routing_key=True`` (for a consistent-hash exchange; an event
+without a key is routed by its topic).  The sinks never declare exchanges,
+queues or bindings: that is the application's topology; a missing exchange
+is a :class:`~stateguard.ConfigurationError` when the sink connects.
+
+pika (the sync sink) and aio-pika (the async one), the ``stateguard[rabbitmq]``
+extra, are imported only by this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Final
+from urllib.parse import parse_qs, urlsplit
+
+from ...exceptions import ConfigurationError, InvalidArgument, PublishFailed
+
+if TYPE_CHECKING:
+    from .. import OutboxEvent
+
+__all__ = ["AsyncRabbitMQSink", "RabbitMQSink"]
+
+#: The longest exchange name, routing key or ``type`` AMQP carries (a short string: 255 UTF-8 bytes).
+MAX_SHORT_STRING: Final = 255
+#: The ``delivery_mode`` of a persistent message: written to disk by a durable queue.
+PERSISTENT: Final = 2
+CONTENT_TYPE: Final = "application/json"
+
+
+def _short_string(value: Any, what: str, *, blank: bool) -> str:
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{what} must be a str, got {type(value).__name__}")
+    if not blank and not value:
+        raise InvalidArgument(f"{what} must not be empty")
+    if len(value.encode("utf-8", "surrogatepass")) > MAX_SHORT_STRING:
+        raise InvalidArgument(
+            f"{what} is longer than {MAX_SHORT_STRING} UTF-8 bytes (AMQP's limit): {value!r}"
+        )
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgument(f"{what} is not valid UTF-8 (a lone surrogate): {value!r}") from None
+    return value
+
+
+def _check_url(url: Any, sink: str) -> str:
+    if not isinstance(url, str) or urlsplit(url).scheme not in ("amqp", "amqps"):
+        raise InvalidArgument(f"{sink} needs an AMQP URL (amqp://user:password@host:5672/vhost), got {url!r}")
+    return url
+
+
+def _shown_url(url: str) -> str:
+    """``url`` with its password hidden, for messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return parts._replace(netloc=f"{parts.username or ''}:***@{host}").geturl()
+
+
+class _Options:
+    """What both faces share: where to publish and how an event becomes a message."""
+
+    def __init__(
+        self, url: Any, sink: str, exchange: Any, routing_key: Any, key_as_routing_key: Any, timeout: Any
+    ) -> None:
+        self.url = _check_url(url, sink)
+        self.exchange = _short_string(exchange, "exchange", blank=True)
+        if routing_key is not None:
+            routing_key = _short_string(routing_key, "routing_key", blank=True)
+            if key_as_routing_key:
+                raise InvalidArgument("pass routing_key or key_as_routing_key=True, not both")
+        self.routing_key: str | None = routing_key
+        self.key_as_routing_key = bool(key_as_routing_key)
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not 0 < timeout < float("inf")
+        ):
+            raise InvalidArgument(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.timeout = float(timeout)
+
+    def route(self, event: OutboxEvent) -> str:
+        """The routing key of ``event``; PublishFailed when it does not fit AMQP's 255 bytes."""
+        if self.routing_key is not None:
+            return self.routing_key
+        key = event.key if self.key_as_routing_key and event.key is not None else event.topic
+        if len(key.encode("utf-8")) > MAX_SHORT_STRING:
+            raise PublishFailed(
+                f"outbox event {event.id}: its routing key {key[:40]!r}... is longer than "
+                f"{MAX_SHORT_STRING} UTF-8 bytes (AMQP's limit): pass routing_key=",
+                event_ids=(event.id,),
+            )
+        return key
+
+    @staticmethod
+    def headers(event: OutboxEvent) -> dict[str, Any]:
+        headers: dict[str, Any] = {"created_ms": event.created_ms}
+        if event.key is not None:
+            headers["key"] = event.key
+        return headers
+
+    @staticmethod
+    def topic(event: OutboxEvent) -> str:
+        if len(event.topic.encode("utf-8")) > MAX_SHORT_STRING:
+            raise PublishFailed(
+                f"outbox event {event.id}: its topic is longer than {MAX_SHORT_STRING} UTF-8 bytes, "
+                f"what AMQP's type property holds: relay such topics to another sink (topics=)",
+                event_ids=(event.id,),
+            )
+        return event.topic
+
+    def unconfirmed(self, events: Sequence[OutboxEvent], failed: Sequence[int], why: str) -> PublishFailed:
+        """The error for a batch whose events ``failed`` (ids) the broker did not confirm."""
+        return PublishFailed(
+            f"RabbitMQ at {_shown_url(self.url)} (exchange {self.exchange!r}) did not confirm "
+            f"outbox event {failed[0]} ({why}); {len(failed)} of the batch's {len(events)} events "
+            f"failed: the batch is not published",
+            event_ids=tuple(failed),
+        )
+
+    def missing_exchange(self, error: BaseException) -> ConfigurationError:
+        return ConfigurationError(
+            f"RabbitMQ at {_shown_url(self.url)} has no exchange {self.exchange!r} ({error}): "
+            f"declare it (and bind a queue to it) before the relay publishes"
+        )
+
+
+class RabbitMQSink:
+    """A :class:`~stateguard.outbox.Sink` publishing to RabbitMQ with pika, for :class:`~stateguard.Relay`.
+
+    ::
+
+        sink = RabbitMQSink("amqp://guest:guest@127.0.0.1:5672/%2F", exchange="orders")
+        sink.connect()                       # optional: fail now on a bad URL or a missing exchange
+        relay = Relay(engine, sink)
+        relay.run(stop_event)
+        sink.close()
+
+    See the module docstring for the message's properties.  The sink opens
+    its connection on the first :meth:`publish` (or :meth:`connect`) and
+    opens it again after it was lost.  Each message waits for its
+    confirmation before the next is sent (pika's blocking channel): about
+    one network round trip per event; :class:`AsyncRabbitMQSink` pipelines
+    them.  Relays in several threads may share one sink: their batches take
+    turns.  A broker that stops answering is noticed by AMQP heartbeats
+    (``?heartbeat=10`` in the URL; the broker proposes 60 s); the URL's
+    other pika options (``connection_attempts``, ``blocked_connection_timeout``
+    ...) apply too.
+
+    :param url: an ``amqp://`` or ``amqps://`` URL (the vhost ``/`` is ``%2F``).
+    :param exchange: the exchange to publish to; ``""``, the default
+        exchange, routes to the queue named by the routing key.
+    :param routing_key: one routing key for every message (default: the topic).
+    :param key_as_routing_key: route each message by its event's key.
+    :param timeout: seconds to connect (socket and AMQP handshake).
+    :raises InvalidArgument: a URL that is not ``amqp://``, an exchange or
+        routing key longer than 255 UTF-8 bytes, both ``routing_key`` and
+        ``key_as_routing_key``, a timeout that is not a positive number.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        exchange: str = "",
+        routing_key: str | None = None,
+        key_as_routing_key: bool = False,
+        timeout: float = 10.0,
+    ) -> None:
+        self._options = _Options(url, "RabbitMQSink", exchange, routing_key, key_as_routing_key, timeout)
+        try:
+            import pika
+        except ImportError as error:
+            raise ImportError(
+                "RabbitMQSink needs the pika package: pip install 'stateguard[rabbitmq]'"
+            ) from error
+        try:
+            self._parameters = pika.URLParameters(url)
+        except Exception as error:  # pika raises ValueError, KeyError ... for a bad query
+            raise InvalidArgument(f"not a usable AMQP URL: {_shown_url(url)!r} ({error})") from error
+        query = parse_qs(urlsplit(url).query)
+        if "socket_timeout" not in query:
+            self._parameters.socket_timeout = self._options.timeout
+        if "stack_timeout" not in query:
+            self._parameters.stack_timeout = self._options.timeout
+        if "blocked_connection_timeout" not in query:
+            # A broker under a memory or disk alarm blocks publishers: give up on the batch (retried).
+            self._parameters.blocked_connection_timeout = 60.0
+        self._connection: Any = None
+        self._channel: Any = None
+        self._lock = threading.Lock()
+
+    @property
+    def exchange(self) -> str:
+        """The exchange messages are published to."""
+        return self._options.exchange
+
+    def connect(self) -> None:
+        """Open the connection now (it is opened by the first :meth:`publish` otherwise).
+
+        :raises PublishFailed: the broker cannot be reached or refused the login.
+        :raises ConfigurationError: the exchange does not exist.
+        """
+        with self._lock:
+            self._open()
+
+    def publish(self, events: Sequence[OutboxEvent]) -> None:
+        """Publish ``events`` in order; return once the broker confirmed every message.
+
+        :raises PublishFailed: a message was unroutable or nacked, or the
+            connection was lost (the relay publishes the batch again).
+        :raises ConfigurationError: the exchange does not exist.
+        """
+        from pika import BasicProperties
+        from pika.exceptions import AMQPError, NackError, UnroutableError
+
+        options = self._options
+        with self._lock:
+            channel = self._open()
+            for done, event in enumerate(events):
+                properties = BasicProperties(
+                    content_type=CONTENT_TYPE,
+                    delivery_mode=PERSISTENT,
+                    message_id=str(event.id),
+                    type=options.topic(event),
+                    timestamp=event.created_ms // 1000,
+                    headers=options.headers(event),
+                )
+                body = event.payload_json().encode("utf-8")
+                try:
+                    channel.basic_publish(
+                        options.exchange, options.route(event), body, properties, mandatory=True
+                    )
+                except UnroutableError as error:
+                    raise options.unconfirmed(
+                        events, _from(events, done), "unroutable: no queue is bound for it"
+                    ) from error
+                except NackError as error:
+                    raise options.unconfirmed(events, _from(events, done), "the broker nacked it") from error
+                except (AMQPError, OSError) as error:
+                    self._drop()
+                    if _is_not_found(error):
+                        raise options.missing_exchange(error) from error
+                    raise options.unconfirmed(
+                        events, _from(events, done), f"{type(error).__name__}: {error}"
+                    ) from error
+
+    def close(self) -> None:
+        """Close the connection (a later :meth:`publish` opens a new one)."""
+        with self._lock:
+            connection, self._connection, self._channel = self._connection, None, None
+            if connection is not None and connection.is_open:
+                try:
+                    connection.close()
+                except Exception:  # already closed by the broker: nothing left to close
+                    self._drop_socket(connection)
+
+    def __enter__(self) -> RabbitMQSink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RabbitMQSink({_shown_url(self._options.url)!r}, exchange={self._options.exchange!r})"
+
+    def _open(self) -> Any:
+        """The channel, in confirm mode; a new connection if there is none or it was lost."""
+        import pika
+        from pika.exceptions import AMQPError
+
+        if self._channel is not None:
+            try:
+                # Reads what arrived while the relay was idle: a connection the broker closed (or
+                # one whose heartbeats were missed) shows here, before a batch is sent on it.
+                self._connection.process_data_events(0)
+                if self._channel.is_open:
+                    return self._channel
+            except (AMQPError, OSError):
+                pass
+            self._drop()
+        options = self._options
+        try:
+            connection = pika.BlockingConnection(self._parameters)
+        except (AMQPError, OSError) as error:
+            raise PublishFailed(
+                f"cannot connect to RabbitMQ at {_shown_url(options.url)}: {type(error).__name__}: {error}"
+            ) from error
+        try:
+            channel = connection.channel()
+            if options.exchange:
+                channel.exchange_declare(options.exchange, passive=True)
+            channel.confirm_delivery()
+        except (AMQPError, OSError) as error:
+            self._drop_socket(connection)
+            if _is_not_found(error):
+                raise options.missing_exchange(error) from error
+            raise PublishFailed(
+                f"cannot open a channel on RabbitMQ at {_shown_url(options.url)}: {error}"
+            ) from error
+        self._connection, self._channel = connection, channel
+        return channel
+
+    def _drop(self) -> None:
+        connection, self._connection, self._channel = self._connection, None, None
+        if connection is not None:
+            self._drop_socket(connection)
+
+    @staticmethod
+    def _drop_socket(connection: Any) -> None:
+        try:
+            if connection.is_open:
+                connection.close()
+        except Exception:  # a broken connection: pika may refuse to close it cleanly
+            pass
+
+
+def _from(events: Sequence[OutboxEvent], done: int) -> list[int]:
+    """The ids of ``events[done:]``: the one that failed and those not sent after it."""
+    return [e.id for e in events[done:]]
+
+
+def _is_not_found(error: BaseException) -> bool:
+    """The broker closed the channel with 404 NOT_FOUND (no such exchange)."""
+    args: tuple[Any, ...] = tuple(getattr(error, "args", ()))
+    return len(args) > 0 and args[0] == 404
+
+
+class AsyncRabbitMQSink:
+    """:class:`RabbitMQSink` on aio-pika, for :class:`~stateguard.AsyncRelay`: the same messages, awaited.
+
+    ::
+
+        sink = AsyncRabbitMQSink("amqp://guest:guest@127.0.0.1:5672/%2F", exchange="orders")
+        relay = AsyncRelay(async_engine, sink)
+        await relay.run(stop)
+        await sink.close()
+
+    A batch's messages are written in id order on one channel without
+    waiting for each confirmation; :meth:`publish` returns once all of them
+    are confirmed, or raises :class:`~stateguard.PublishFailed` for the
+    first that is not (unroutable, nacked, not confirmed within
+    ``timeout`` seconds, connection lost).  The connection is opened in the
+    relay's event loop on the first publish, and again after it was lost.
+
+    :raises InvalidArgument: as :class:`RabbitMQSink`.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        exchange: str = "",
+        routing_key: str | None = None,
+        key_as_routing_key: bool = False,
+        timeout: float = 30.0,
+    ) -> None:
+        self._options = _Options(url, "AsyncRabbitMQSink", exchange, routing_key, key_as_routing_key, timeout)
+        try:
+            import aio_pika  # noqa: F401
+        except ImportError as error:
+            raise ImportError(
+                "AsyncRabbitMQSink needs the aio-pika package: pip install 'stateguard[rabbitmq]'"
+            ) from error
+        self._connection: Any = None
+        self._exchange: Any = None
+        self._lock: asyncio.Lock | None = None
+
+    @property
+    def exchange(self) -> str:
+        """The exchange messages are published to."""
+        return self._options.exchange
+
+    async def connect(self) -> None:
+        """Open the connection now; see :meth:`RabbitMQSink.connect`."""
+        async with self._turn():
+            await self._open()
+
+    async def publish(self, events: Sequence[OutboxEvent]) -> None:
+        """Publish ``events`` in order; return once the broker confirmed every message.
+
+        :raises PublishFailed: see the class docstring (the relay publishes the batch again).
+        :raises ConfigurationError: the exchange does not exist.
+        """
+        import aio_pika
+        from aio_pika.exceptions import DeliveryError, PublishError
+
+        options = self._options
+        async with self._turn():
+            exchange = await self._open()
+            messages = [
+                (
+                    aio_pika.Message(
+                        event.payload_json().encode("utf-8"),
+                        content_type=CONTENT_TYPE,
+                        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                        message_id=str(event.id),
+                        type=options.topic(event),
+                        timestamp=event.created_ms // 1000,
+                        headers=options.headers(event),
+                    ),
+                    options.route(event),
+                )
+                for event in events
+            ]
+            # gather starts the publishes in list order, and each takes the channel's lock (FIFO)
+            # before it awaits anything: the frames go out in id order, the confirmations are awaited
+            # together.
+            results = await asyncio.gather(
+                *(
+                    exchange.publish(message, key, mandatory=True, timeout=options.timeout)
+                    for message, key in messages
+                ),
+                return_exceptions=True,
+            )
+            failed = [(e.id, r) for e, r in zip(events, results, strict=True) if isinstance(r, BaseException)]
+            if not failed:
+                return
+            first = failed[0][1]
+            if any(isinstance(r, asyncio.CancelledError) for _, r in failed):
+                raise asyncio.CancelledError()
+            if isinstance(first, PublishError):
+                why = "unroutable: no queue is bound for it"
+            elif isinstance(first, DeliveryError):
+                why = "the broker nacked it"
+            else:
+                why = f"{type(first).__name__}: {first}"
+            if any(not isinstance(r, PublishError | DeliveryError) for _, r in failed):
+                await self._drop()  # a lost connection or channel, a timeout: start afresh
+            raise options.unconfirmed(events, [i for i, _ in failed], why) from first
+
+    async def close(self) -> None:
+        """Close the connection (a later :meth:`publish` opens a new one)."""
+        async with self._turn():
+            await self._drop()
+
+    async def __aenter__(self) -> AsyncRabbitMQSink:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"AsyncRabbitMQSink({_shown_url(self._options.url)!r}, exchange={self._options.exchange!r})"
+
+    def _turn(self) -> asyncio.Lock:
+        # Made on first use, inside the relay's event loop.
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+    async def _open(self) -> Any:
+        import aio_pika
+        from aio_pika.exceptions import ChannelNotFoundEntity
+
+        if (
+            self._exchange is not None
+            and not self._connection.is_closed
+            and not self._exchange.channel.is_closed
+        ):
+            return self._exchange
+        await self._drop()
+        options = self._options
+        try:
+            connection = await aio_pika.connect(options.url, timeout=options.timeout)
+        except Exception as error:  # OSError, AMQPConnectionError, TimeoutError, a refused login ...
+            raise PublishFailed(
+                f"cannot connect to RabbitMQ at {_shown_url(options.url)}: {type(error).__name__}: {error}"
+            ) from error
+        try:
+            channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+            if options.exchange:
+                exchange = await channel.get_exchange(options.exchange, ensure=True)
+            else:
+                exchange = channel.default_exchange
+        except ChannelNotFoundEntity as error:
+            await connection.close()
+            raise options.missing_exchange(error) from error
+        except Exception as error:
+            await connection.close()
+            raise PublishFailed(
+                f"cannot open a channel on RabbitMQ at {_shown_url(options.url)}: {error}"
+            ) from error
+        self._connection, self._exchange = connection, exchange
+        return exchange
+
+    async def _drop(self) -> None:
+        connection, self._connection, self._exchange = self._connection, None, None
+        if connection is not None and not connection.is_closed:
+            with contextlib.suppress(Exception):  # a broken connection: nothing more to close
+                await connection.close()
