@@ -251,6 +251,9 @@ def _clients(framework: str, shop: Shop) -> Iterator[Client]:
         app = starlette_app(shop) if framework == "starlette" else fastapi_app(shop)
         options.setdefault("session_factory", shop.session_factory)
         options.setdefault("required_paths", ["/payments"])
+        if "scope" not in options and "principal" not in options:
+            # Most clients here send no credentials: they opt in to the one anonymous namespace.
+            options.setdefault("anonymous", "shared")
         app.add_middleware(IdempotencyMiddleware, **options)
         if auth:
             # Added last, so it runs first: scope["user"] is set when the idempotency middleware runs.
@@ -766,8 +769,8 @@ def test_an_authenticated_user_keeps_one_scope_across_token_refresh(client: Clie
 
 
 def test_cookie_clients_are_kept_apart(sqlite_client: Client, sqlite_shop: Shop) -> None:
-    """Without Authorization, a Cookie header is the principal: two sessions are two namespaces."""
-    tc = sqlite_client()
+    """Without Authorization, the named session cookie is the principal: two sessions are two namespaces."""
+    tc = sqlite_client(session_cookies=["session"])
     a = post(tc, "c", {"amount": 1}, headers={"Cookie": "session=a"})
     b = post(tc, "c", {"amount": 1}, headers={"Cookie": "session=b"})
     assert a.status_code == b.status_code == 201 and "idempotency-replayed" not in b.headers
@@ -787,10 +790,10 @@ def test_an_explicit_string_scope_is_one_namespace_for_everyone(
 
 
 def test_principal_of_reads_user_then_authorization_then_cookie() -> None:
-    """The principal is an authenticated scope["user"], else Authorization, else Cookie, as digests."""
+    """The principal is an authenticated scope["user"], else Authorization, else a session cookie: digests."""
     auth = [(b"authorization", b"Bearer t"), (b"cookie", b"s=1")]
     assert principal_of({"headers": []}) is None and default_scope({"headers": []}) == "http"
-    assert str(principal_of({"headers": [(b"cookie", b"s=1")]})).startswith("cookie:")
+    assert str(principal_of({"headers": [(b"cookie", b"s=1")]}, session_cookies=["s"])).startswith("cookie:")
     by_header = principal_of({"headers": auth})
     assert str(by_header).startswith("authorization:") and "Bearer" not in str(by_header)
     assert principal_of({"headers": auth, "user": UnauthenticatedUser()}) == by_header

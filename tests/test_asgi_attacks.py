@@ -262,6 +262,8 @@ async def request(
 
 
 def middleware(world: World, **options: Any) -> IdempotencyMiddleware:
+    # These attacks send no credentials: they opt in to the one anonymous namespace.
+    options.setdefault("anonymous", "shared")
     return IdempotencyMiddleware(raw_app(world), session_factory=world.session_factory, **options)
 
 
@@ -421,7 +423,7 @@ def test_background_task_failure_after_a_complete_response_does_not_rerun_the_pa
     with world.session_factory() as s, s.begin():
         s.query(Effect).delete()
     app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
-    app.add_middleware(IdempotencyMiddleware, session_factory=world.session_factory)
+    app.add_middleware(IdempotencyMiddleware, session_factory=world.session_factory, anonymous="shared")
     with TestClient(app, raise_server_exceptions=False) as tc:
         first = tc.post("/pay", json={"amount": 10}, headers={"Idempotency-Key": "receipt"})
         retry = tc.post("/pay", json={"amount": 10}, headers={"Idempotency-Key": "receipt"})
@@ -462,7 +464,9 @@ def test_the_response_is_sent_before_the_apps_background_work(world: World) -> N
         return JSONResponse({"ok": True}, status_code=201, background=BackgroundTask(task))
 
     app = IdempotencyMiddleware(
-        Starlette(routes=[Route("/pay", pay, methods=["POST"])]), session_factory=world.session_factory
+        Starlette(routes=[Route("/pay", pay, methods=["POST"])]),
+        session_factory=world.session_factory,
+        anonymous="shared",
     )
 
     async def scenario() -> Answer:
@@ -723,7 +727,7 @@ def test_json_numbers_that_differ_only_beyond_float_precision_are_another_reques
         await send({"type": "http.response.start", "status": 201, "headers": []})
         await send({"type": "http.response.body", "body": str(amount).encode()})
 
-    mw = IdempotencyMiddleware(app, session_factory=world.session_factory)
+    mw = IdempotencyMiddleware(app, session_factory=world.session_factory, anonymous="shared")
 
     async def scenario() -> tuple[Answer, Answer]:
         first = await request(mw, key=b"dec", body=b'{"amount": 12345678901234567890.5}')
@@ -767,7 +771,7 @@ def test_database_down_never_runs_the_app(dialect: str) -> None:
         return JSONResponse({"ok": True}, status_code=201)
 
     app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
-    app.add_middleware(IdempotencyMiddleware, session_factory=sessionmaker(engine))
+    app.add_middleware(IdempotencyMiddleware, session_factory=sessionmaker(engine), anonymous="shared")
     try:
         with TestClient(app, raise_server_exceptions=False) as tc:
             answer = tc.post("/pay", json={"amount": 1}, headers={"Idempotency-Key": "down"})
@@ -791,7 +795,7 @@ def test_database_down_is_a_typed_503_problem(dialect: str) -> None:
         return JSONResponse({"ok": True}, status_code=201)
 
     app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
-    app.add_middleware(IdempotencyMiddleware, session_factory=sessionmaker(engine))
+    app.add_middleware(IdempotencyMiddleware, session_factory=sessionmaker(engine), anonymous="shared")
     try:
         with TestClient(app, raise_server_exceptions=True) as tc:
             answer = tc.post("/pay", json={"amount": 1}, headers={"Idempotency-Key": "down"})
@@ -838,7 +842,9 @@ def test_database_lost_after_the_app_ran_is_not_a_double_execution_within_the_le
         return JSONResponse({"effect": effect_id}, status_code=201)
 
     app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
-    app.add_middleware(IdempotencyMiddleware, session_factory=factory, lease=timedelta(seconds=60))
+    app.add_middleware(
+        IdempotencyMiddleware, session_factory=factory, lease=timedelta(seconds=60), anonymous="shared"
+    )
     try:
         with TestClient(app, raise_server_exceptions=False) as tc:
             first = tc.post("/pay", json={"amount": 1}, headers={"Idempotency-Key": "lost-db"})
@@ -871,7 +877,7 @@ def test_a_response_too_large_to_store_is_still_answered_and_not_run_twice(maria
         return Response(big, status_code=200, media_type="application/octet-stream")
 
     app = Starlette(routes=[Route("/export", export, methods=["POST"])])
-    app.add_middleware(IdempotencyMiddleware, session_factory=world.session_factory)
+    app.add_middleware(IdempotencyMiddleware, session_factory=world.session_factory, anonymous="shared")
     with TestClient(app, raise_server_exceptions=False) as tc:
         first = tc.post("/export", json={}, headers={"Idempotency-Key": "huge"})
         retry = tc.post("/export", json={}, headers={"Idempotency-Key": "huge"})

@@ -1,8 +1,12 @@
 """The ``Idempotency-Key`` HTTP middleware: one core, an ASGI face and a WSGI face.
 
 - :mod:`stateguard.http.core`: everything protocol-independent (options and
-  their checks, route matching, keys, principal and scope, fingerprints,
-  stored responses, the claim / settle / replay steps);
+  their checks, route matching, the scope, the claim / settle / replay
+  steps), on :mod:`~stateguard.http.request` (one request),
+  :mod:`~stateguard.http.keys` (the header's value),
+  :mod:`~stateguard.http.principal` (who sent it: keys are per client),
+  :mod:`~stateguard.http.fingerprint` (which requests are the same) and
+  :mod:`~stateguard.http.responses` (what a replay carries);
 - :mod:`stateguard.http.asgi`: :class:`IdempotencyMiddleware` (Starlette,
   FastAPI, any ASGI app; Session or AsyncSession factories);
 - :mod:`stateguard.http.wsgi`: :class:`WSGIIdempotencyMiddleware` (Flask,

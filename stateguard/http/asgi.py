@@ -79,24 +79,22 @@ from sqlalchemy.orm import Session
 
 from ..exceptions import ConfigurationError, LeaseLost
 from .core import (
-    CREDENTIAL_HEADERS,
-    KEY_HEADER,
     REFUSED_BEFORE_EXECUTION,
-    BadKey,
-    HttpRequest,
     KeyedRequest,
     Options,
-    PrincipalFn,
     RouteOptions,
     RoutesFn,
     ScopeFn,
+    anonymous_refused,
     default_store_status,
     missing_key,
-    parse_key,
-    principal,
-    scope_from_principal,
+    request_scope,
     too_large,
 )
+from .keys import KEY_HEADER, BadKey, parse_key
+from .principal import Anonymous, PrincipalFn, principal, scope_from_principal
+from .request import HttpRequest
+from .responses import CREDENTIAL_HEADERS
 
 __all__ = [
     "CREDENTIAL_HEADERS",
@@ -130,8 +128,8 @@ def _request(scope: Scope) -> HttpRequest:
     )
 
 
-def principal_of(scope: Scope) -> str | None:
-    """Who sent the request, as an opaque string, or ``None`` when it carries no credentials.
+def principal_of(scope: Scope, *, session_cookies: Iterable[str] = ()) -> str | None:
+    """Who sent the request, as an opaque string, or ``None`` when nothing in it names the client.
 
     In this order:
 
@@ -145,29 +143,32 @@ def principal_of(scope: Scope) -> str | None:
     2. the ``Authorization`` header: ``"authorization:"`` + SHA-256 of its
        value.  This middleware runs before the app checks the credential, so
        the whole credential must match, not only the user it names.
-    3. the ``Cookie`` header: ``"cookie:"`` + SHA-256 of its value.
+    3. the cookies named in ``session_cookies`` (your session cookie):
+       ``"cookie:"`` + SHA-256 of their ``name=value``.  Other cookies are
+       not read: many clients send the same ``lang=en``.
 
     Only digests, never a credential, reach the database::
 
         IdempotencyMiddleware(app, session_factory=SessionLocal,
-                              scope=lambda s: f"payments:{principal_of(s) or 'anonymous'}")
+                              scope=lambda s: f"payments:{principal_of(s, session_cookies=['sid'])}")
 
     :raises ConfigurationError: ``scope["user"]`` is authenticated, has no
         identity or id, and the request has no credential header: nothing
         tells this client apart, so nothing may be stored for it.
     """
-    return principal(_request(scope))
+    return principal(_request(scope), session_cookies)
 
 
-def default_scope(scope: Scope) -> str:
-    """The default idempotency scope: ``"http:"`` + :func:`principal_of`, or ``"http"`` without credentials.
+def default_scope(scope: Scope, *, session_cookies: Iterable[str] = ()) -> str:
+    """The default idempotency scope: ``"http:"`` + :func:`principal_of`, or ``"http"`` without one.
 
     Keys are chosen by clients, so each client gets its own namespace: a
     client that sends another's key gets its own execution, never the other's
-    response, and never a 422 for the other's request.  Requests without
-    credentials share the namespace ``"http"``.
+    response, and never a 422 for the other's request.  ``"http"`` is the one
+    namespace of requests naming no client; the middleware uses it only with
+    ``anonymous="shared"`` (by default such a keyed request is answered 400).
     """
-    return scope_from_principal(principal_of(scope))
+    return scope_from_principal(principal_of(scope, session_cookies=session_cookies))
 
 
 async def _in_thread(fn: Callable[..., _T], *args: Any) -> _T:
@@ -254,10 +255,20 @@ class IdempotencyMiddleware:
         every client in one namespace: one client then receives another's
         stored response when it sends the other's key and body.
     :param principal: a callable of the ASGI scope returning a unique name of
-        the client (or ``None`` without credentials), used by the default
-        scope instead of :func:`principal_of`, e.g.
+        the client (or ``None`` when the request names none), used by the
+        default scope instead of :func:`principal_of`, e.g.
         ``lambda s: s["user"].username`` when usernames are unique logins.
         Not together with ``scope``.
+    :param session_cookies: the names of the cookies that identify a client
+        (your session cookie, e.g. ``["session"]``): their digest is the
+        principal of a request without an authenticated user or an
+        ``Authorization`` header.  No other cookie is read.
+    :param anonymous: a keyed request whose principal is ``None`` (no user,
+        credential or session cookie) is answered 400 and not run
+        (``"refuse"``, the default), or put in the one namespace ``"http"``
+        shared by every anonymous client (``"shared"``: one of them sending
+        another's key and body receives the other's stored response).  Also
+        per route (:class:`RouteOptions`).  Not used with ``scope``.
     :param required_paths: paths (``/payments``, or prefixes ``/payments/*``)
         where a request without a key is answered 400.
     :param methods: the methods the header is honoured on (default POST, PATCH).
@@ -295,6 +306,8 @@ class IdempotencyMiddleware:
         session_factory: Callable[[], Session] | Callable[[], AsyncSession],
         scope: str | ScopeFn | None = None,
         principal: PrincipalFn | None = None,
+        session_cookies: Iterable[str] = (),
+        anonymous: Anonymous = "refuse",
         required_paths: Iterable[str] = (),
         methods: Iterable[str] = ("POST", "PATCH"),
         lease: timedelta = timedelta(seconds=60),
@@ -309,9 +322,10 @@ class IdempotencyMiddleware:
             where="IdempotencyMiddleware",
             session_factory=session_factory,
             allow_async=True,
-            default_scope=default_scope,
             scope=scope,
             principal=principal,
+            session_cookies=session_cookies,
+            anonymous=anonymous,
             required_paths=required_paths,
             methods=methods,
             lease=lease,
@@ -353,6 +367,10 @@ class IdempotencyMiddleware:
         except BadKey as error:
             await _send_response(send, *self.options.problem(400, "Invalid Idempotency-Key", str(error)))
             return
+        key_scope = request_scope(self.options, settings, request, log)
+        if key_scope is None:
+            await _send_response(send, *anonymous_refused(self.options, request))
+            return
         try:
             body = await _read_body(receive, settings.max_body)
         except _TooLarge:
@@ -361,7 +379,9 @@ class IdempotencyMiddleware:
         if body is None:
             return  # the client went away before sending its body
         is_async = self.options.session_kind == "async"
-        keyed = KeyedRequest(self.options, settings, request, key, body, log, heartbeat_thread=not is_async)
+        keyed = KeyedRequest(
+            self.options, settings, request, key, body, log, scope=key_scope, heartbeat_thread=not is_async
+        )
         session = _Session(self.session_factory())
         try:
             await self._keyed(scope, _replaying_receive(body, receive), send, session, keyed)

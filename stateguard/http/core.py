@@ -2,10 +2,12 @@
 
 Everything here is protocol-independent and synchronous: the options and
 their checks (made when a middleware is built, never at the first request),
-route matching, key parsing, the request's principal and idempotency scope,
-its fingerprint, the encoding of stored responses, and the claim / settle /
-replay steps of one keyed request (:class:`KeyedRequest`), which run on a
-:class:`~sqlalchemy.orm.Session`.  The faces, :mod:`stateguard.http.asgi`
+route matching, the request's idempotency scope (from its principal,
+:mod:`stateguard.http.principal`), the encoding of stored responses, and the
+claim / settle / replay steps of one keyed request (:class:`KeyedRequest`),
+which run on a :class:`~sqlalchemy.orm.Session`.  The key's parsing is
+:mod:`stateguard.http.keys`', the request's fingerprint
+:mod:`stateguard.http.fingerprint`'s.  The faces, :mod:`stateguard.http.asgi`
 and :mod:`stateguard.http.wsgi`, only move bytes: they read the request,
 hand these steps a session (in a worker thread, through
 ``AsyncSession.run_sync``, or directly) and send what they return.
@@ -14,7 +16,6 @@ hand these steps a session (in a worker thread, through
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import logging
 import math
@@ -22,7 +23,6 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from datetime import timedelta
-from decimal import Decimal, InvalidOperation
 from typing import Any, Literal, TypeAlias
 
 from sqlalchemy import Engine
@@ -38,8 +38,23 @@ from ..exceptions import (
     RequestInProgress,
     SerializationConflict,
 )
-from ..idempotency import IdempotentCall, fingerprint_of, idempotent
-from ..tables import MAX_KEY, MAX_SCOPE
+from ..idempotency import IdempotentCall, idempotent
+from ..tables import MAX_SCOPE
+from .fingerprint import request_fingerprint as request_fingerprint
+from .keys import KEY_HEADER as KEY_HEADER
+from .keys import BadKey as BadKey
+from .keys import parse_key as parse_key
+from .principal import Anonymous, PrincipalFn, app_principal, check_anonymous, check_session_cookies
+from .principal import principal as principal
+from .principal import scope_from_principal as scope_from_principal
+from .request import Headers, HttpRequest, Native
+from .request import digest as digest
+from .responses import CREDENTIAL_HEADERS as CREDENTIAL_HEADERS
+from .responses import HOP_BY_HOP as HOP_BY_HOP
+from .responses import REPLAYED_HEADER as REPLAYED_HEADER
+from .responses import Response as Response
+from .responses import replay_of, unstored
+from .responses import stored_headers as stored_headers
 
 __all__ = [
     "CREDENTIAL_HEADERS",
@@ -48,48 +63,9 @@ __all__ = [
     "default_store_status",
 ]
 
-#: The request as the face's framework knows it (the ASGI scope, the WSGI environ): what the
-#: user's ``scope=``, ``routes=`` and ``principal=`` callables receive.
-Native: TypeAlias = Any
+
 ScopeFn: TypeAlias = Callable[[Native], str]
-PrincipalFn: TypeAlias = Callable[[Native], "str | None"]
 RoutesFn: TypeAlias = Callable[[Native], "RouteOptions | None"]
-Headers: TypeAlias = list[tuple[bytes, bytes]]
-
-#: Request header (lower case) and the replay marker.
-KEY_HEADER = b"idempotency-key"
-REPLAYED_HEADER = b"idempotency-replayed"
-
-#: Hop-by-hop headers (RFC 9110 section 7.6.1) describe one connection, not the response: never stored.
-HOP_BY_HOP = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"proxy-connection",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-    }
-)
-
-#: Response headers that carry credentials or set a client's state: never stored, so a replay cannot
-#: hand one client's session or token to whoever sends the key.  The live response keeps them; a
-#: replay goes without (a client that lost a response with a cookie does not get the cookie again).
-#: ``WWW-Authenticate`` stays: a challenge is the same for everyone and holds no secret.
-CREDENTIAL_HEADERS = frozenset(
-    {
-        b"set-cookie",
-        b"set-cookie2",
-        b"authorization",
-        b"proxy-authorization",
-        b"cookie",
-        b"authentication-info",
-        b"proxy-authentication-info",
-    }
-)
 
 #: 4xx answers that mean the request was refused before it ran: not stored by default (Stripe saves
 #: no result "if incoming parameters failed validation, or the request conflicted with another that
@@ -122,119 +98,6 @@ def default_store_status(status: int) -> bool:
         app.add_middleware(IdempotencyMiddleware, session_factory=SessionLocal, store_status=store)
     """
     return 200 <= status < 500 and status not in REFUSED_BEFORE_EXECUTION
-
-
-def digest(*parts: bytes) -> str:
-    return hashlib.sha256(b"\n".join(parts)).hexdigest()
-
-
-# --------------------------------------------------------------------------
-# The request, as both faces see it
-# --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class HttpRequest:
-    """One request, protocol-independent: what the decisions below read."""
-
-    method: str
-    path: str
-    query: bytes
-    headers: Headers
-    #: The framework's own view of the request, handed to the user's callables.
-    native: Native
-    #: An authenticated user object (ASGI ``scope["user"]``), or ``None``.
-    user: Any = None
-    #: The server's ``REMOTE_USER`` (WSGI), or ``None``.
-    remote_user: str | None = None
-
-    def header(self, name: bytes) -> list[bytes]:
-        return [v for k, v in self.headers if k == name]
-
-
-# --------------------------------------------------------------------------
-# Principal and scope
-# --------------------------------------------------------------------------
-
-#: The attributes of an authenticated user object that name it uniquely, in order.  Never
-#: ``display_name`` (two people may share one) nor ``username`` (Starlette's ``SimpleUser`` is
-#: built from whatever the auth backend passed): say what names your users with ``principal=``.
-UNIQUE_USER_ATTRIBUTES = ("identity", "id")
-
-
-def user_identity(user: Any) -> tuple[bool, str | None]:
-    """``(authenticated, unique name or None)`` of a user object an auth middleware set."""
-    try:
-        if getattr(user, "is_authenticated", False) is not True:
-            return False, None
-    except NotImplementedError:
-        return False, None
-    for attribute in UNIQUE_USER_ATTRIBUTES:
-        try:
-            value = getattr(user, attribute, None)
-        except NotImplementedError:  # Starlette's BaseUser.identity
-            continue
-        if isinstance(value, str | int) and not isinstance(value, bool) and str(value):
-            return True, str(value)
-    return True, None
-
-
-def credential_principal(request: HttpRequest) -> str | None:
-    """``"authorization:"`` / ``"cookie:"`` + SHA-256 of that header, or ``None`` without either."""
-    for name in (b"authorization", b"cookie"):
-        values = request.header(name)
-        if values:
-            return f"{name.decode('ascii')}:{digest(*values)}"
-    return None
-
-
-def principal(request: HttpRequest) -> str | None:
-    """Who sent ``request``, as an opaque string of digests, or ``None`` without credentials.
-
-    1. an authenticated user with a unique name (:data:`UNIQUE_USER_ATTRIBUTES`):
-       ``"user:"`` + its digest;  ``REMOTE_USER`` (WSGI): ``"remote_user:"`` + its digest;
-    2. else the ``Authorization`` header's digest, else the ``Cookie`` header's: a credential
-       names one client (also for an authenticated user without a unique name);
-    3. an authenticated user with neither is a :class:`ConfigurationError`: guessing (a display
-       name) could put two clients in one namespace, so nothing is stored.
-    """
-    if request.user is not None:
-        authenticated, identity = user_identity(request.user)
-        if identity is not None:
-            return f"user:{digest(identity.encode('utf-8'))}"
-        if authenticated:
-            found = credential_principal(request)
-            if found is not None:
-                return found
-            raise ConfigurationError(
-                f"scope['user'] ({type(request.user).__name__}) is authenticated but has no identity or id "
-                "to keep its idempotency keys apart from other clients' (a display_name or username is "
-                "not taken: two users may share it), and the request carries no Authorization or Cookie "
-                "header; give the user class an identity, or pass the middleware principal=, a callable "
-                "of the request returning a unique name for the client (e.g. lambda s: s['user'].username "
-                "if your usernames are unique logins)"
-            )
-    if request.remote_user:
-        return f"remote_user:{digest(request.remote_user.encode('utf-8'))}"
-    return credential_principal(request)
-
-
-def scope_from_principal(found: str | None) -> str:
-    """The default idempotency scope: ``"http:"`` + the principal, or ``"http"`` without credentials."""
-    return "http" if found is None else f"http:{found}"
-
-
-def app_principal(fn: PrincipalFn, native: Native) -> str | None:
-    """The principal the application's ``principal=`` callable names, as a digest."""
-    value = fn(native)
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value:
-        raise ConfigurationError(
-            f"the principal= callable must return a non-empty string naming the client, or None for "
-            f"a request without credentials; got {value!r}"
-        )
-    return f"app:{digest(value.encode('utf-8'))}"
 
 
 # --------------------------------------------------------------------------
@@ -374,6 +237,7 @@ class RouteOptions:
                 "/payments": RouteOptions(required=True, lease=timedelta(minutes=5)),
                 "/uploads/*": {"max_body": 50_000_000},      # a dict works too
                 "/webhooks/*": RouteOptions(enabled=False),  # never look at the header there
+                "/signup": RouteOptions(anonymous="shared"),  # no account yet: one namespace
             },
         )
 
@@ -389,6 +253,7 @@ class RouteOptions:
     max_body: int | None = None
     heartbeat_every: timedelta | None = None
     store_status: Callable[[int], bool] | None = None
+    anonymous: Anonymous | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -407,6 +272,8 @@ class RouteOptions:
             check_max_body(self.max_body)
         if self.store_status is not None:
             check_store_status(self.store_status)
+        if self.anonymous is not None:
+            check_anonymous(self.anonymous, "RouteOptions")
 
 
 @dataclass(frozen=True, slots=True)
@@ -414,13 +281,15 @@ class Settings:
     """The effective settings for one request."""
 
     required: bool
-    scope: str | ScopeFn
+    #: ``None``: derived from the request's principal (:func:`request_scope`).
+    scope: str | ScopeFn | None
     methods: frozenset[str]
     lease: timedelta
     ttl: timedelta
     max_body: int
     heartbeat_every: timedelta | None
     store_status: Callable[[int], bool]
+    anonymous: Anonymous
 
 
 def _check_timing(settings: Settings, where: str) -> None:
@@ -454,8 +323,10 @@ def _route_options(value: Any, pattern: str) -> RouteOptions:
 class Options:
     """Every option of one middleware, checked once when it is built.
 
-    ``default_scope`` is the face's (a callable of its native request);
-    ``principal`` (the application's) replaces the principal it derives.
+    ``principal`` (the application's) replaces the principal derived from
+    the request (:func:`stateguard.http.principal.principal`, which reads
+    ``session_cookies``); ``anonymous`` says what a request naming no client
+    gets when the scope is derived (no ``scope=``).
     """
 
     def __init__(
@@ -464,9 +335,10 @@ class Options:
         where: str,
         session_factory: Any,
         allow_async: bool,
-        default_scope: Callable[[Native], str],
         scope: str | ScopeFn | None,
         principal: PrincipalFn | None,
+        session_cookies: Iterable[str] = (),
+        anonymous: Anonymous = "refuse",
         required_paths: Iterable[str],
         methods: Iterable[str],
         lease: timedelta,
@@ -490,15 +362,12 @@ class Options:
                     f"{where}: pass principal= (the default scope built from it) or scope=, not both; "
                     "call your principal inside your scope callable"
                 )
-            named = principal
-
-            def scope_of(native: Native) -> str:
-                return scope_from_principal(app_principal(named, native))
-
-            scope = scope_of
-        if scope is None:
-            scope = default_scope
-        check_scope(scope)
+        if scope is not None:
+            check_scope(scope)
+        self.session_cookies = check_session_cookies(session_cookies, where)
+        self.anonymous = check_anonymous(anonymous, where)
+        #: A keyed request refused as anonymous was logged (once per middleware: the fix is the app's).
+        self.warned_anonymous = False
         if isinstance(required_paths, str):
             raise InvalidArgument(
                 f"required_paths must be a list of paths, not the string {required_paths!r}"
@@ -526,6 +395,7 @@ class Options:
             max_body=max_body,
             heartbeat_every=heartbeat_every,
             store_status=store_status,
+            anonymous=self.anonymous,
         )
         self.routes_fn: RoutesFn | None = None
         self.routes: list[tuple[str, RouteOptions]] = []
@@ -573,6 +443,7 @@ class Options:
             max_body=base.max_body if route.max_body is None else route.max_body,
             heartbeat_every=route.heartbeat_every or base.heartbeat_every,
             store_status=route.store_status or base.store_status,
+            anonymous=route.anonymous or base.anonymous,
         )
 
     def problem(
@@ -596,7 +467,57 @@ class Options:
         return status, headers, body
 
 
-Response: TypeAlias = tuple[int, Headers, bytes]
+def request_scope(
+    options: Options, settings: Settings, request: HttpRequest, log: logging.Logger
+) -> str | None:
+    """The idempotency scope of a keyed request, or ``None`` when it is refused as anonymous.
+
+    ``scope=`` (a string, or the callable's answer) is taken as given.  Otherwise
+    ``"http:"`` + the principal (the application's ``principal=``, else the one
+    the request carries); a request that names no client is in no namespace of
+    its own, so with ``anonymous="refuse"`` (the default) it gets none: the
+    caller answers :func:`anonymous_refused`, and nothing is run or stored.
+    ``anonymous="shared"`` puts every such request in ``"http"``.
+    """
+    scope = settings.scope
+    if isinstance(scope, str):
+        return scope
+    if scope is not None:
+        named = scope(request.native)
+        try:
+            check_scope(named)
+        except InvalidArgument as error:
+            raise ConfigurationError(f"the scope= callable returned {named!r:.80}: {error}") from None
+        if not isinstance(named, str):
+            raise ConfigurationError(f"the scope= callable must return a string, got {named!r:.80}")
+        return named
+    if options.principal is not None:
+        found = app_principal(options.principal, request.native)
+    else:
+        found = principal(request, options.session_cookies)
+    if found is not None or settings.anonymous == "shared":
+        return scope_from_principal(found)
+    if not options.warned_anonymous:
+        options.warned_anonymous = True
+        log.warning(
+            "%s %s: a request with an Idempotency-Key names no client (no authenticated user, REMOTE_USER, "
+            "Authorization header or session cookie) and was answered 400; keys are kept per client. "
+            "Name your clients (principal=, or session_cookies=['<your session cookie>']), or pass "
+            "anonymous='shared' (the middleware or a RouteOptions) to put every anonymous client in one "
+            "namespace, where one receives another's stored response by sending its key and body",
+            request.method, request.path,
+        )  # fmt: skip
+    return None
+
+
+def anonymous_refused(options: Options, request: HttpRequest) -> Response:
+    """The 400 for a keyed request that names no client (see :func:`request_scope`)."""
+    return options.problem(
+        400,
+        "Idempotency-Key needs an identified client",
+        f"{request.method} {request.path}: this server keeps Idempotency-Keys per client, and the request "
+        "names none (no credentials): send it with your credentials; it was not run",
+    )
 
 
 def missing_key(options: Options, request: HttpRequest) -> Response:
@@ -614,181 +535,6 @@ def too_large(options: Options, settings: Settings) -> Response:
         "Request body too large",
         f"requests with an Idempotency-Key may carry at most {settings.max_body} bytes",
     )
-
-
-# --------------------------------------------------------------------------
-# Keys and fingerprints
-# --------------------------------------------------------------------------
-
-
-class BadKey(Exception):
-    """The header value is not a usable key (the message is the 400 detail)."""
-
-
-def parse_key(values: list[bytes]) -> str:
-    """The key from the ``Idempotency-Key`` header values, or :class:`BadKey`.
-
-    The draft defines the value as a Structured Field string (``"abc"``,
-    RFC 8941); a bare token (``abc``) is accepted too, since many clients send
-    one, but not with a comma in it (that is two headers a proxy joined).  The
-    key is used exactly as sent: no trimming, no case folding.
-    """
-    if len(values) != 1:
-        raise BadKey("send exactly one Idempotency-Key header")
-    try:
-        text = values[0].decode("ascii")
-    except UnicodeDecodeError:
-        raise BadKey("the Idempotency-Key must be printable ASCII") from None
-    if text.startswith('"'):
-        text = _sf_string(text)
-    elif "," in text:
-        # Two header lines joined by a proxy or a WSGI server (RFC 9110 section 5.3: "a, b"): not one key.
-        raise BadKey(
-            "send exactly one Idempotency-Key header (a key with a comma must be sent quoted, as a "
-            'Structured Field string: "a,b")'
-        )
-    if not text.strip():
-        raise BadKey("the Idempotency-Key is blank")
-    if any(not (" " <= c <= "~") for c in text):
-        raise BadKey("the Idempotency-Key must be printable ASCII")
-    if len(text) > MAX_KEY:
-        raise BadKey(f"the Idempotency-Key is {len(text)} characters long; the limit is {MAX_KEY}")
-    return text
-
-
-def _sf_string(text: str) -> str:
-    # RFC 8941 section 4.2.5: DQUOTE *( unescaped / "\" ( DQUOTE / "\" ) ) DQUOTE
-    out: list[str] = []
-    i = 1
-    while i < len(text):
-        c = text[i]
-        if c == "\\":
-            if i + 1 >= len(text) or text[i + 1] not in '"\\':
-                raise BadKey('the Idempotency-Key is not a valid string: only \\" and \\\\ may be escaped')
-            out.append(text[i + 1])
-            i += 2
-            continue
-        if c == '"':
-            if i != len(text) - 1:
-                raise BadKey("the Idempotency-Key has characters after its closing quote")
-            return "".join(out)
-        out.append(c)
-        i += 1
-    raise BadKey("the Idempotency-Key has no closing quote")
-
-
-def _is_json(request: HttpRequest) -> bool:
-    """``Content-Type: application/json`` or any ``+json`` type (RFC 6839), parameters ignored."""
-    values = request.header(b"content-type")
-    if len(values) != 1:
-        return False
-    media = values[0].split(b";", 1)[0].strip().lower()
-    return media == b"application/json" or (b"/" in media and media.endswith(b"+json"))
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # Parsers disagree on which of two equal keys wins, so such a body has no
-    # single meaning to compare: it keeps its raw bytes' fingerprint.
-    out: dict[str, Any] = {}
-    for name, value in pairs:
-        if name in out:
-            raise ValueError(f"duplicate key {name!r}")
-        out[name] = value
-    return out
-
-
-def _exact_float(text: str) -> float:
-    # A number a double holds only approximately (12345678901234567890.5 is 12345678901234567168.0)
-    # has no single meaning: a handler parsing Decimals sees another amount than one parsing floats,
-    # so two such bodies that round to one double must not count as one request.  The double's
-    # shortest repr is compared by value: 0.1, 1.50 and 2e3 are exact in this sense; 1e400 is not.
-    value = float(text)
-    if not math.isfinite(value) or Decimal(text) != Decimal(repr(value)):
-        raise ValueError(f"the number {text[:40]} has no exact double")
-    return value
-
-
-def _json_digest(body: bytes) -> str | None:
-    """The body's canonical JSON fingerprint (:func:`stateguard.fingerprint_of`), or ``None`` if not JSON."""
-    try:
-        value = json.loads(
-            body, parse_float=_exact_float, parse_constant=_no_constant, object_pairs_hook=_unique_keys
-        )
-        return fingerprint_of({"json": value})
-    except (ValueError, RecursionError, InvalidOperation):
-        # Not UTF-8 or not JSON, NaN/Infinity, a number too large or not exactly a
-        # double, a lone surrogate, duplicate keys, nesting deeper than Python recurses.
-        return None
-
-
-def request_fingerprint(request: HttpRequest, body: bytes) -> dict[str, str]:
-    """What makes two requests "the same": method, path, query string and the body.
-
-    A JSON body (``application/json`` or ``+json``) counts by its canonical
-    form, as :func:`stateguard.idempotent` compares fingerprints: the same
-    object with its keys in another order or other whitespace is the same
-    request.  Any other body, and a JSON body that does not parse, counts
-    by its bytes.
-    """
-    out = {"method": request.method.upper(), "path": request.path, "query": request.query.decode("latin-1")}
-    found = _json_digest(body) if _is_json(request) else None
-    if found is not None:
-        out["json_sha256"] = found
-    else:
-        out["body_sha256"] = hashlib.sha256(body).hexdigest()
-    return out
-
-
-# --------------------------------------------------------------------------
-# Stored responses
-# --------------------------------------------------------------------------
-
-
-def stored_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[list[str]]:
-    """The response headers a replay may carry: no hop-by-hop, credential or replay header."""
-    pairs = [(bytes(k).lower(), bytes(v)) for k, v in headers]
-    named = {
-        token.strip().lower().encode("latin-1")
-        for k, v in pairs
-        if k == b"connection"
-        for token in v.decode("latin-1").split(",")
-    }
-    return [
-        [k.decode("latin-1"), v.decode("latin-1")]
-        for k, v in pairs
-        if k not in HOP_BY_HOP and k not in CREDENTIAL_HEADERS and k not in named and k != REPLAYED_HEADER
-    ]
-
-
-def replay_of(stored: Any) -> Response:
-    """The stored response as sent again, with ``Idempotency-Replayed: true``."""
-    headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in stored["headers"]]
-    headers.append((REPLAYED_HEADER, b"true"))
-    return int(stored["status"]), headers, base64.b64decode(stored["body"])
-
-
-def unstored(response: Mapping[str, Any], why: str) -> dict[str, Any]:
-    """What a retry is answered when the app's response itself cannot be stored: a 500 problem
-    saying that the request ran (so the client does not send it again under a new key)."""
-    status = int(response["status"])
-    problem = {
-        "type": "about:blank",
-        "title": "Response not stored",
-        "status": 500,
-        "detail": f"the request with this Idempotency-Key ran and answered HTTP {status}, but that response "
-        f"could not be stored for replay ({why}); it is not run again: look its result up instead",
-        "original_status": status,
-    }
-    body = json.dumps(problem).encode("utf-8")
-    return {
-        "status": 500,
-        "headers": [["content-type", "application/problem+json"], ["content-length", str(len(body))]],
-        "body": base64.b64encode(body).decode("ascii"),
-    }
 
 
 # --------------------------------------------------------------------------
@@ -815,14 +561,14 @@ class KeyedRequest:
         body: bytes,
         log: logging.Logger,
         *,
+        scope: str,
         heartbeat_thread: bool = True,
     ) -> None:
         self.options = options
         self.settings = settings
         self.key = key
         self.log = log
-        scope = settings.scope
-        self.scope = scope(request.native) if callable(scope) else scope
+        self.scope = scope
         self.fingerprint = request_fingerprint(request, body)
         self.heartbeat_thread = heartbeat_thread
         self.manager: Any = None

@@ -40,23 +40,21 @@ from sqlalchemy.orm import Session
 
 from ..exceptions import ConfigurationError
 from .core import (
-    KEY_HEADER,
-    BadKey,
-    HttpRequest,
     KeyedRequest,
     Options,
-    PrincipalFn,
-    Response,
     RouteOptions,
     RoutesFn,
     ScopeFn,
+    anonymous_refused,
     default_store_status,
     missing_key,
-    parse_key,
-    principal,
-    scope_from_principal,
+    request_scope,
     too_large,
 )
+from .keys import KEY_HEADER, BadKey, parse_key
+from .principal import Anonymous, PrincipalFn, principal, scope_from_principal
+from .request import HttpRequest
+from .responses import Response
 
 __all__ = ["WSGIIdempotencyMiddleware", "default_scope", "principal_of"]
 
@@ -86,22 +84,24 @@ def _request(environ: Environ) -> HttpRequest:
     )
 
 
-def principal_of(environ: Environ) -> str | None:
-    """Who sent the request (an opaque string of digests), or ``None`` without credentials.
+def principal_of(environ: Environ, *, session_cookies: Iterable[str] = ()) -> str | None:
+    """Who sent the request (an opaque string of digests), or ``None`` when nothing in it names the client.
 
     ``"remote_user:"`` + SHA-256 of ``REMOTE_USER`` (the user the server or
     an auth middleware authenticated: a client cannot set it), else
-    ``"authorization:"`` / ``"cookie:"`` + SHA-256 of that header::
+    ``"authorization:"`` + SHA-256 of that header, else ``"cookie:"`` +
+    SHA-256 of the cookies named in ``session_cookies`` (no other cookie is
+    read)::
 
         WSGIIdempotencyMiddleware(app.wsgi_app, session_factory=SessionLocal,
-                                  scope=lambda e: f"payments:{principal_of(e) or 'anonymous'}")
+                                  scope=lambda e: f"payments:{principal_of(e, session_cookies=['session'])}")
     """
-    return principal(_request(environ))
+    return principal(_request(environ), session_cookies)
 
 
-def default_scope(environ: Environ) -> str:
-    """``"http:"`` + :func:`principal_of`, or ``"http"`` without credentials (as the ASGI face)."""
-    return scope_from_principal(principal_of(environ))
+def default_scope(environ: Environ, *, session_cookies: Iterable[str] = ()) -> str:
+    """``"http:"`` + :func:`principal_of`, or ``"http"`` without one (as the ASGI face)."""
+    return scope_from_principal(principal_of(environ, session_cookies=session_cookies))
 
 
 def _status_line(status: int) -> str:
@@ -153,13 +153,15 @@ class WSGIIdempotencyMiddleware:
     the callables (``scope``, ``principal``, ``routes``) receive the WSGI
     environ.  ``session_factory`` must make synchronous Sessions (a
     ``sessionmaker``): an ``async_sessionmaker`` or an Engine is refused
-    when the middleware is built::
+    when the middleware is built.  A Flask app that logs users in with its
+    session cookie names it in ``session_cookies``; a keyed request that
+    names no client is answered 400 unless ``anonymous="shared"``::
 
         app.wsgi_app = WSGIIdempotencyMiddleware(
             app.wsgi_app,
             session_factory=sessionmaker(engine),
             required_paths=["/payments"],
-            principal=lambda environ: environ.get("REMOTE_USER"),   # optional: the default
+            session_cookies=["session"],          # Flask's session cookie identifies a client
         )
 
     :raises InvalidArgument: a wrong option, when built.
@@ -172,6 +174,8 @@ class WSGIIdempotencyMiddleware:
         session_factory: Callable[[], Session],
         scope: str | ScopeFn | None = None,
         principal: PrincipalFn | None = None,
+        session_cookies: Iterable[str] = (),
+        anonymous: Anonymous = "refuse",
         required_paths: Iterable[str] = (),
         methods: Iterable[str] = ("POST", "PATCH"),
         lease: timedelta = timedelta(seconds=60),
@@ -186,9 +190,10 @@ class WSGIIdempotencyMiddleware:
             where="WSGIIdempotencyMiddleware",
             session_factory=session_factory,
             allow_async=False,
-            default_scope=default_scope,
             scope=scope,
             principal=principal,
+            session_cookies=session_cookies,
+            anonymous=anonymous,
             required_paths=required_paths,
             methods=methods,
             lease=lease,
@@ -217,6 +222,9 @@ class WSGIIdempotencyMiddleware:
             key = parse_key(values)
         except BadKey as error:
             return _answer(start_response, self.options.problem(400, "Invalid Idempotency-Key", str(error)))
+        key_scope = request_scope(self.options, settings, request, log)
+        if key_scope is None:
+            return _answer(start_response, anonymous_refused(self.options, request))
         try:
             body = _read_body(environ, settings.max_body)
         except _TooLarge:
@@ -226,7 +234,7 @@ class WSGIIdempotencyMiddleware:
             return _answer(start_response, self.options.problem(400, "Incomplete request body", short))
         environ["wsgi.input"] = io.BytesIO(body)
         environ["CONTENT_LENGTH"] = str(len(body))
-        keyed = KeyedRequest(self.options, settings, request, key, body, log)
+        keyed = KeyedRequest(self.options, settings, request, key, body, log, scope=key_scope)
         session = self.session_factory()
         if not isinstance(session, Session):
             raise ConfigurationError(f"session_factory() returned {session!r}, not a Session")

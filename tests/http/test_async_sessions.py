@@ -49,6 +49,7 @@ class Shop:
     def app(self, target: AsyncTarget, **options: Any) -> tuple[Starlette, Any]:
         engine = target.engine()
         app = Starlette(routes=[Route("/payments", self.pay, methods=["POST"])])
+        options.setdefault("anonymous", "shared")  # the test clients send no credentials
         app.add_middleware(IdempotencyMiddleware, session_factory=async_sessionmaker(engine), **options)
         return app, engine
 
