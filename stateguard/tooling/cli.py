@@ -7,13 +7,16 @@
     $ stateguard check myapp.models --db postgresql+psycopg://app@db/app --json
     $ stateguard purge --db postgresql+psycopg://app@db/app --batch 1000
     $ stateguard relay --db postgresql+psycopg://app@db/app --redis redis://cache:6379/0 --stream orders
+    $ stateguard relay --db postgresql+psycopg://app@db/app --sink rabbitmq --url amqp://mq --exchange orders
+    $ stateguard relay --db postgresql+psycopg://app@db/app --sink nats --url nats://mq:4222 --stream ORDERS
     $ stateguard inspect --db postgresql+psycopg://app@db/app --models myapp.models:Base --json
 
 Exit codes: 0 ok; 1 only from ``demo`` (an invariant was violated),
 ``check`` (problems were found) and ``inspect`` (stuck work was found); 2
 usage error (bad arguments, a database that cannot be reached or does not exist, a missing driver, missing
-stateguard tables for ``purge`` and ``relay``, a Redis server that cannot
-be reached for ``relay``).  Each command's ``--help`` lists its own.
+stateguard tables for ``purge`` and ``relay``, a broker (Redis, RabbitMQ,
+NATS) that cannot be reached or refuses the sink's set-up for ``relay``).
+Each command's ``--help`` lists its own.
 :func:`main` takes the arguments and returns the exit code, so it can be
 tested without a subprocess.
 """
@@ -64,6 +67,8 @@ EXIT_PROBLEMS = 1
 EXIT_USAGE = 2
 
 DEFAULT_DB = "sqlite:///stateguard-demo.db"
+#: The Redis stream ``stateguard relay`` XADDs to without --stream.
+DEFAULT_STREAM = "stateguard-outbox"
 
 #: The ``exit codes:`` epilog of ``stateguard --help`` and of each command's ``--help``: its own codes only.
 _EXIT_CODES: dict[str, str] = {
@@ -104,9 +109,10 @@ exit codes:
     "relay": """\
 exit codes:
   0  ok: stopped by SIGTERM or SIGINT after finishing the batch in hand
-  2  usage error (bad arguments, unreachable database or Redis, a SQLite file
-     that does not exist, the stateguard_outbox table missing, redis-py missing,
-     or a database error the relay cannot retry)
+  2  usage error (bad arguments, unreachable database or broker, a SQLite file
+     that does not exist, the stateguard_outbox table missing, the broker's client
+     missing, a RabbitMQ exchange or JetStream stream missing, a --lease longer than
+     the stream's duplicate window, or an error the relay cannot retry)
 """,
 }
 
@@ -513,13 +519,93 @@ def _redis_client(url: str) -> Any:
     return client
 
 
+#: The options that only one --sink takes: (dest, flag) -> that sink.
+_SINK_OPTIONS: dict[tuple[str, str], str] = {
+    ("redis", "--redis"): "redis",
+    ("maxlen", "--maxlen"): "redis",
+    ("exchange", "--exchange"): "rabbitmq",
+    ("routing_key", "--routing-key"): "rabbitmq",
+    ("key_routing", "--key-routing"): "rabbitmq",
+    ("subject", "--subject"): "nats",
+    ("msg_id_prefix", "--msg-id-prefix"): "nats",
+}
+
+
+def _check_sink_options(args: argparse.Namespace) -> None:
+    """Refuse an option of another sink and a missing URL or stream, before anything is opened."""
+    for (dest, flag), sink in _SINK_OPTIONS.items():
+        if getattr(args, dest) not in (None, False) and args.sink != sink:
+            raise UsageError(f"{flag} is an option of --sink {sink}, not of --sink {args.sink}")
+    if args.sink == "redis":
+        if args.redis is not None and args.url is not None:
+            raise UsageError("give the Redis URL once: --redis URL or --url URL")
+        if args.redis is None and args.url is None:
+            raise UsageError("the following arguments are required: --redis (or --url) for --sink redis")
+        return
+    if args.url is None:
+        raise UsageError(f"the following arguments are required: --url for --sink {args.sink}")
+    if args.sink == "nats" and args.stream is None:
+        raise UsageError("the following arguments are required: --stream (JetStream) for --sink nats")
+    if args.sink == "rabbitmq" and args.stream is not None:
+        raise UsageError("--stream is an option of --sink redis and --sink nats, not of --sink rabbitmq")
+
+
+def _broker_sink(args: argparse.Namespace) -> tuple[Any, str]:
+    """The RabbitMQ or NATS sink the arguments describe (not connected yet), and what it publishes to."""
+    lease = timedelta(seconds=args.lease)
+    try:
+        sink: Any
+        if args.sink == "rabbitmq":
+            from ..outbox.sinks.rabbitmq import RabbitMQSink
+
+            sink = RabbitMQSink(
+                args.url,
+                exchange=args.exchange or "",
+                routing_key=args.routing_key,
+                key_as_routing_key=args.key_routing,
+            )
+            target = (
+                f"the RabbitMQ exchange {args.exchange!r}" if args.exchange else "RabbitMQ's default exchange"
+            )
+        else:
+            from ..outbox.sinks.nats import NATSSink
+
+            sink = NATSSink(
+                args.url,
+                stream=args.stream,
+                lease=lease,
+                subject=args.subject,
+                msg_id_prefix=args.msg_id_prefix or "",
+            )
+            target = f"the JetStream stream {args.stream!r}"
+    except ImportError as error:
+        raise UsageError(f"{error}") from error
+    except StateguardError as error:
+        raise UsageError(str(error)) from error
+    return sink, target
+
+
+def _connect(sink: Any) -> None:
+    """Connect ``sink`` now: an unreachable broker, a missing exchange or stream, or a lease the stream's
+    duplicate window does not cover is one line and exit 2, not a relay that retries forever."""
+    try:
+        sink.connect()
+    except StateguardError as error:
+        sink.close()
+        raise UsageError(str(error)) from error
+
+
 def _cmd_relay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from ..redis import RedisStreamSink
 
     if threading.current_thread() is not threading.main_thread():
         raise UsageError("runs only in the main thread (it handles SIGTERM and SIGINT)")
-    engine = open_engine(args.db, workers=1, purpose="stateguard relay", create=False)
+    _check_sink_options(args)
     client: Any = None
+    sink: Any = None
+    if args.sink != "redis":
+        sink, target = _broker_sink(args)  # checks its options before anything is opened
+    engine = open_engine(args.db, workers=1, purpose="stateguard relay", create=False)
     try:
         try:
             with engine.connect() as conn:
@@ -529,22 +615,30 @@ def _cmd_relay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 f"cannot read {outbox.name}: {_first_line(error)} "
                 "(run `alembic upgrade stateguard@head` or stateguard.create_tables() first?)"
             ) from error
-        client = _redis_client(args.redis)
+        if args.sink == "redis":
+            client = _redis_client(args.redis if args.redis is not None else args.url)
+            stream = args.stream if args.stream is not None else DEFAULT_STREAM
+            target = f"the Redis stream {stream!r}"
+        else:
+            _connect(sink)
         try:
-            sink = RedisStreamSink(client, stream=args.stream, maxlen=args.maxlen)
+            if client is not None:
+                sink = RedisStreamSink(client, stream=stream, maxlen=args.maxlen)
             relay = _CountingRelay(
                 engine, sink, topics=args.topic, batch=args.batch, lease=timedelta(seconds=args.lease)
             )
         except StateguardError as error:
             raise UsageError(str(error)) from error
-        return _serve(relay, args, err)
+        return _serve(relay, args, err, target)
     finally:
         if client is not None:
             client.close()
+        elif sink is not None:
+            sink.close()
         engine.dispose()
 
 
-def _serve(relay: _CountingRelay, args: argparse.Namespace, err: TextIO) -> int:
+def _serve(relay: _CountingRelay, args: argparse.Namespace, err: TextIO, target: str) -> int:
     """Run ``relay`` in a thread until SIGTERM or SIGINT; the main thread draws the progress."""
     stop = threading.Event()
     stopped_by: list[str] = []
@@ -570,7 +664,7 @@ def _serve(relay: _CountingRelay, args: argparse.Namespace, err: TextIO) -> int:
     log.addHandler(handler)
     for sig in (signal.SIGTERM, signal.SIGINT):
         previous[sig] = signal.signal(sig, on_signal)
-    progress = RelayProgress(err, stream_name=args.stream)
+    progress = RelayProgress(err, target=target)
     try:
         thread = threading.Thread(target=work, name="stateguard-relay", daemon=True)
         thread.start()
@@ -1115,12 +1209,17 @@ def build_parser() -> argparse.ArgumentParser:
         commands,
         "relay",
         _cmd_relay,
-        help="publish committed outbox events to a Redis stream, until SIGTERM",
+        help="publish committed outbox events to Redis, RabbitMQ or NATS, until SIGTERM",
         description=(
             "Run a stateguard Relay: claim up to --batch committed, unpublished outbox\n"
-            "events, XADD them to the Redis stream --stream (fields id, topic, key, payload),\n"
-            "mark them published; repeat, waiting --idle seconds when nothing is left.\n"
-            "Delivery is at least once: consumers deduplicate by the id field\n"
+            "events, publish them through --sink, mark them published; repeat, waiting\n"
+            "--idle seconds when nothing is left.  redis (default): XADD to the Redis\n"
+            "stream --stream (fields id, topic, key, payload).  rabbitmq: persistent\n"
+            "messages to --exchange with publisher confirms and mandatory routing\n"
+            "(message_id = the event id, type = topic, header key).  nats: JetStream\n"
+            "messages into the stream --stream (header Nats-Msg-Id = the event id, so\n"
+            "JetStream drops a copy inside its duplicate window; --lease must not exceed it).\n"
+            "Delivery is at least once: consumers deduplicate by the event id\n"
             "(consume_once).  Run several for throughput or failover; they share the work.\n"
             "Progress (events published, rate) goes to stderr.  SIGTERM or SIGINT stops it\n"
             "after the batch in hand is published and marked (exit 0); a second one stops\n"
@@ -1131,7 +1230,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--db", type=_text, required=True, metavar="URL", help="SQLAlchemy URL of the database"
     )
     relay.add_argument(
-        "--redis", type=_text, required=True, metavar="URL", help="Redis URL, e.g. redis://127.0.0.1:6379/0"
+        "--sink",
+        choices=("redis", "rabbitmq", "nats"),
+        default="redis",
+        help="where events go (default: redis)",
+    )
+    relay.add_argument(
+        "--url",
+        type=_text,
+        metavar="URL",
+        help=(
+            "the broker's URL: redis://127.0.0.1:6379/0, amqp://guest:guest@127.0.0.1:5672/%%2F "
+            "or nats://127.0.0.1:4222"
+        ),
+    )
+    relay.add_argument(
+        "--redis", type=_text, metavar="URL", help="--sink redis: the Redis URL (the same as --url)"
     )
     relay.add_argument(
         "--topic",
@@ -1143,16 +1257,48 @@ def build_parser() -> argparse.ArgumentParser:
     relay.add_argument(
         "--stream",
         type=_text,
-        default="stateguard-outbox",
+        default=None,
         metavar="NAME",
-        help="the Redis stream to XADD to (default: stateguard-outbox)",
+        help=(
+            "--sink redis: the Redis stream to XADD to (default: stateguard-outbox); --sink nats: the "
+            "JetStream stream (required; it must exist)"
+        ),
+    )
+    relay.add_argument(
+        "--exchange",
+        type=_text,
+        metavar="NAME",
+        help="--sink rabbitmq: the exchange (it must exist; default: the default exchange)",
+    )
+    relay.add_argument(
+        "--routing-key",
+        type=_text,
+        metavar="KEY",
+        help="--sink rabbitmq: one routing key for every message (default: the event's topic)",
+    )
+    relay.add_argument(
+        "--key-routing",
+        action="store_true",
+        help="--sink rabbitmq: route each message by its event's key (the topic for an event without one)",
+    )
+    relay.add_argument(
+        "--subject",
+        type=_text,
+        metavar="SUBJECT",
+        help="--sink nats: one subject for every message (default: the event's topic)",
+    )
+    relay.add_argument(
+        "--msg-id-prefix",
+        type=_text,
+        metavar="TEXT",
+        help="--sink nats: put before the event id in Nats-Msg-Id (for several outboxes in one stream)",
     )
     relay.add_argument(
         "--maxlen",
         type=_maxlen,
         default=None,
         metavar="N",
-        help="trim the stream to about N entries (default: never trim)",
+        help="--sink redis: trim the stream to about N entries (default: never trim)",
     )
     relay.add_argument(
         "--batch",

@@ -161,13 +161,19 @@ class RelayProgress:
     Otherwise (logs): one line every ``every`` seconds while events are being
     published.  :meth:`finish` always writes the summary line::
 
-        progress = RelayProgress(sys.stderr, stream="orders")
+        progress = RelayProgress(sys.stderr, target="the Redis stream 'orders'")
         progress.update(relay_total)          # from time to time
         progress.finish(relay_total, "stopped by SIGTERM")
     """
 
     def __init__(
-        self, stream: TextIO, *, stream_name: str = "", interval: float = 0.5, every: float = 10.0
+        self,
+        stream: TextIO,
+        *,
+        stream_name: str = "",
+        target: str | None = None,
+        interval: float = 0.5,
+        every: float = 10.0,
     ) -> None:
         self.stream = stream
         self.tty = isatty(stream)
@@ -179,9 +185,8 @@ class RelayProgress:
         self._last_count = 0
         self._logged = 0
         self._dirty = False
-        self.write(
-            f"stateguard relay: publishing to the Redis stream {stream_name!r}; SIGTERM or Ctrl-C stops"
-        )
+        where = target if target is not None else f"the Redis stream {stream_name!r}"
+        self.write(f"stateguard relay: publishing to {where}; SIGTERM or Ctrl-C stops")
 
     def write(self, line: str) -> None:
         """One line on the stream (clearing a redrawn line first)."""
