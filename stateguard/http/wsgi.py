@@ -24,7 +24,8 @@ its claim until ``lease`` ends; the retry after that runs the app again.
 
 A response is stored when the app returned it in one piece (Flask's
 ordinary responses); a response of several chunks (a generator, Flask's
-``stream_with_context``) is passed on as it comes and releases the key.
+``stream_with_context``) is passed on as it comes, its key in progress
+until the server closes it, then released.
 """
 
 from __future__ import annotations
@@ -242,9 +243,13 @@ class WSGIIdempotencyMiddleware:
             answer = keyed.claim(session)
             if answer is not None:
                 return _answer(start_response, answer)
-            return self._run(environ, start_response, session, keyed)
-        finally:
+            result = self._run(environ, start_response, session, keyed)
+        except BaseException:
             session.close()
+            raise
+        if not isinstance(result, _Stream):
+            session.close()
+        return result  # a stream settles the key and closes the session when the server closes it
 
     def _run(
         self, environ: Environ, start_response: StartResponse, session: Session, keyed: KeyedRequest
@@ -297,31 +302,56 @@ class WSGIIdempotencyMiddleware:
             _close(result)  # after the record, as the ASGI face before Starlette's background tasks
             start_response(status_text, headers)
             return [body]
-        # Several chunks: a stream, passed on as it comes and never stored.
+        # Several chunks: a stream, passed on as it comes and never stored.  The key stays in
+        # progress while the server sends it (a twin is 409, as on the ASGI face) and is released
+        # when the server closes the iterable (PEP 3333: at the end, or when the client went away).
+        forwarding = True
         try:
-            keyed.incomplete(session)
-        except BaseException:
+            start_response(status_text, headers)
+        except BaseException as error:
+            keyed.fail(session, error)
             _close(result)
             raise
-        forwarding = True
-        start_response(status_text, headers)
-        return _Stream(chunks, iterator, result)
+        return _Stream(chunks, iterator, result, lambda: keyed.incomplete(session), session)
 
 
 class _Stream:
-    """The rest of a streamed response after the chunks already read; ``close()`` reaches the app's."""
+    """The rest of a streamed response after the chunks already read.
 
-    def __init__(self, head: list[bytes], rest: Iterator[bytes], result: Iterable[bytes]) -> None:
+    ``close()`` reaches the app's, then releases the key and closes the
+    middleware's session; a server that never closes it leaves the key to
+    its lease.
+    """
+
+    def __init__(
+        self,
+        head: list[bytes],
+        rest: Iterator[bytes],
+        result: Iterable[bytes],
+        settle: Callable[[], None],
+        session: Session,
+    ) -> None:
         self._head = head
         self._rest = rest
         self._result = result
+        self._settle: Callable[[], None] | None = settle
+        self._session = session
 
     def __iter__(self) -> Iterator[bytes]:
         yield from self._head
         yield from self._rest
 
     def close(self) -> None:
-        _close(self._result)
+        settle, self._settle = self._settle, None
+        if settle is None:
+            return
+        try:
+            _close(self._result)
+        finally:
+            try:
+                settle()
+            finally:
+                self._session.close()
 
 
 def _close(result: Iterable[bytes] | None) -> None:
