@@ -202,14 +202,38 @@ class _Session:
         if isinstance(self.made, Session):
             fn(self.made, *args)  # the thread pool may refuse new work now: finish it here
             return
-        # A task of its own that a further cancellation of this one cannot cut.
-        await asyncio.shield(asyncio.ensure_future(self.made.run_sync(fn, *args)))
+        await _uncut(self.made.run_sync(fn, *args))
 
     async def close(self) -> None:
         if isinstance(self.made, AsyncSession):
-            await self.made.close()
+            # Not cut either: a close interrupted mid-ROLLBACK leaves its connection out of the pool.
+            await _uncut(self.made.close())
         else:
             await _in_thread(self.made.close)
+
+
+async def _uncut(step: Awaitable[_T]) -> _T:
+    """Await ``step`` in a task of its own to its end, then deliver any cancellation that came meanwhile.
+
+    ``asyncio.shield`` alone returns at the next cancellation (anyio's cancel scopes cancel again and
+    again) while the step still runs: the session's close then ran beside the release on one
+    connection (aiomysql: "readexactly() called while another coroutine is already waiting"), the
+    release failed, and the key stayed in progress for its whole lease.
+    """
+    task = asyncio.ensure_future(step)
+    cancelled: asyncio.CancelledError | None = None
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError as error:
+            if task.done():
+                break
+            cancelled = error
+    if cancelled is not None:
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("a step finished while its request was cancelled failed", exc_info=task.exception())
+        raise cancelled
+    return task.result()
 
 
 class _Heartbeat:
