@@ -431,6 +431,123 @@ class _BoundDual:
         return self.fn(self.obj, session, *args, **kwargs)
 
 
+
+# --------------------------------------------------------------------------
+# Public methods as real functions
+# --------------------------------------------------------------------------
+#
+# A dual method or member is written once as a private synchronous function
+# (``Trigger._fire(self, session, target, ...)``).  What the class gets under
+# the public name is a real function generated with the same parameters, so
+# inspect.signature(), help(), IDEs and tracebacks show the public call, a
+# wrong argument's TypeError names it (``Trigger.__call__() got an unexpected
+# keyword argument``), and a call adds one frame over the function it runs.
+# (The technique of dataclasses and attrs: compile the source of a function
+# whose parameters are known only when the class is built.)
+
+
+def _parameters(fn: Callable[..., Any], skip: int) -> tuple[str, str, str, str, dict[str, Any]]:
+    """``fn``'s parameters after the first ``skip``, as source: (declaration, call arguments,
+    positional values, keyword values) and the namespace of their defaults."""
+    params = list(inspect.signature(fn).parameters.values())[skip:]
+    declared: list[str] = []
+    passed: list[str] = []
+    positional: list[str] = []
+    keywords: list[str] = []
+    defaults: dict[str, Any] = {}
+    star = False
+    last_positional_only = max(
+        (i for i, p in enumerate(params) if p.kind is inspect.Parameter.POSITIONAL_ONLY), default=-1
+    )
+    for i, p in enumerate(params):
+        default = ""
+        if p.default is not inspect.Parameter.empty:
+            defaults[f"_sg_default_{i}"] = p.default
+            default = f"=_sg_default_{i}"
+        if p.kind is inspect.Parameter.VAR_POSITIONAL:
+            declared.append(f"*{p.name}")
+            passed.append(f"*{p.name}")
+            positional.append(f"*{p.name}")
+            star = True
+        elif p.kind is inspect.Parameter.KEYWORD_ONLY:
+            if not star:
+                declared.append("*")
+                star = True
+            declared.append(f"{p.name}{default}")
+            passed.append(f"{p.name}={p.name}")
+            keywords.append(f"{p.name!r}: {p.name}")
+        elif p.kind is inspect.Parameter.VAR_KEYWORD:
+            declared.append(f"**{p.name}")
+            passed.append(f"**{p.name}")
+            keywords.append(f"**{p.name}")
+        else:
+            declared.append(f"{p.name}{default}")
+            passed.append(p.name)
+            positional.append(p.name)
+        if i == last_positional_only:
+            declared.append("/")
+    return (
+        ", ".join(declared),
+        ", ".join(passed),
+        "".join(f"{v}, " for v in positional),
+        ", ".join(keywords),
+        defaults,
+    )
+
+
+def _as_public(
+    func: Any, fn: Callable[..., Any], owner: type[Any], name: str, skip: int
+) -> Callable[..., Any]:
+    """Give the generated ``func`` the public identity: name, qualname, docstring, annotations."""
+    func.__name__ = name
+    func.__qualname__ = f"{owner.__qualname__}.{name}"
+    # Tracebacks and profilers read the code object's own qualified name.
+    func.__code__ = func.__code__.replace(co_qualname=func.__qualname__)
+    func.__module__ = owner.__module__
+    func.__doc__ = fn.__doc__
+    names = list(inspect.signature(fn).parameters)[skip:]
+    annotations = getattr(fn, "__annotations__", {})
+    func.__annotations__ = {k: v for k, v in annotations.items() if k in names or k == "return"}
+    if skip == 2:  # self and the session: the public call takes either kind
+        func.__annotations__ = {"session": "Session | AsyncSession", **func.__annotations__}
+    return cast(Callable[..., Any], func)
+
+
+def _compile(source: str, namespace: dict[str, Any], name: str, filename: str) -> Any:
+    code = compile(source, filename, "exec")
+    exec(code, namespace)
+    return namespace[name]
+
+
+_METHOD_SOURCE = """\
+def {name}(self, session, {declared}):
+    _sg_fn = {lookup}
+    _sg_watched = _sg_observe.hooked or _sg_logger.isEnabledFor(_sg_DEBUG)
+    if isinstance(session, _sg_AsyncSession):
+        if _sg_watched:
+            return session.run_sync(_sg_observe_method, _sg_operation, _sg_logger, _sg_fn, self, {passed})
+        return session.run_sync(_sg_call_method, _sg_fn, self, {passed})
+    if not isinstance(session, _sg_Session):
+        session = _sg_as_session(
+            session,
+            _sg_public_name(self, _sg_attribute),
+            ({positional}),
+            {{k: v for k, v in {{{keywords}}}.items() if v is not _sg_defaults.get(k, _sg_as_session)}},
+        )
+    if _sg_watched:
+        return _sg_observe_method(session, _sg_operation, _sg_logger, _sg_fn, self, {passed})
+    return _sg_fn(self, session, {passed})
+"""
+
+_MEMBER_SOURCE = """\
+def {name}(self, {declared}):
+    _sg_session = self._dual_session
+    if isinstance(_sg_session, _sg_AsyncSession):
+        return _sg_awaitable_member(_sg_session, _sg_fn, self, {passed})
+    return _sg_fn(self, {passed})
+"""
+
+
 class dual_method(Generic[Obj, S, P, R]):
     """``@dual`` for methods whose first parameter after ``self`` is the session.
 
@@ -458,6 +575,49 @@ class dual_method(Generic[Obj, S, P, R]):
 
     def __set_name__(self, owner: type[Any], name: str) -> None:
         self._attribute = name
+        setattr(owner, name, self.public(owner, name))
+
+    def public(self, owner: type[Any], name: str) -> Callable[..., Any]:
+        """The function ``owner`` gets as ``name``: ``fn``'s parameters after ``self`` and the session."""
+        fn = self.fn
+        declared, passed, positional, keywords, namespace = _parameters(fn, 2)
+        # The synchronous method is looked up by name on the object's class when it is one of
+        # owner's own, so a subclass that overrides it (a Trigger subclass overriding _fire) is
+        # honoured by both faces.
+        overridable = fn.__name__ != name and owner.__dict__.get(fn.__name__) is fn
+        lookup = f"type(self).{fn.__name__}" if overridable else "_sg_impl"
+        source = _METHOD_SOURCE.format(
+            name=name,
+            declared=declared,
+            passed=passed,
+            positional=positional,
+            keywords=keywords,
+            lookup=lookup,
+        )
+        if not declared:  # no parameter after the session: no dangling commas
+            source = source.replace("(self, session, ):", "(self, session):").replace(", self, )", ", self)")
+            source = source.replace("(self, session, )", "(self, session)")
+        namespace.update(
+            _sg_defaults={
+                p.name: p.default
+                for p in inspect.signature(fn).parameters.values()
+                if p.default is not inspect.Parameter.empty
+            },
+            _sg_impl=fn,
+            _sg_observe=_observe,
+            _sg_logger=self._logger,
+            _sg_DEBUG=logging.DEBUG,
+            _sg_AsyncSession=AsyncSession,
+            _sg_Session=Session,
+            _sg_observe_method=_observe_method,
+            _sg_call_method=_call_method,
+            _sg_as_session=as_session,
+            _sg_public_name=_public_name,
+            _sg_operation=self.operation,
+            _sg_attribute=name,
+        )
+        func = _compile(source, namespace, name, f"<stateguard {owner.__qualname__}.{name}>")
+        return _as_public(func, fn, owner, name, 2)
 
     @overload
     def __get__(self, obj: None, owner: type[Any]) -> dual_method[Obj, S, P, R]: ...
@@ -580,6 +740,15 @@ class dual_member(Generic[Obj, P, R]):
     def __set_name__(self, owner: type[Any], name: str) -> None:
         self.__name__ = name
         self.__qualname__ = f"{owner.__qualname__}.{name}"
+        fn = self.fn
+        declared, passed, _positional, _keywords, namespace = _parameters(fn, 1)
+        source = _MEMBER_SOURCE.format(name=name, declared=declared, passed=passed)
+        if not declared:
+            source = source.replace("(self, ):", "(self):").replace(", self, )", ", self)")
+            source = source.replace("(self, )", "(self)")
+        namespace.update(_sg_fn=fn, _sg_AsyncSession=AsyncSession, _sg_awaitable_member=_awaitable_member)
+        func = _compile(source, namespace, name, f"<stateguard {owner.__qualname__}.{name}>")
+        setattr(owner, name, _as_public(func, fn, owner, name, 1))
 
     @overload
     def __get__(self, obj: None, owner: type[Any]) -> dual_member[Obj, P, R]: ...

@@ -34,7 +34,8 @@ CALLS: list[tuple[str, Callable[[Any], Any], str, str]] = [
         "trigger by keyword",
         lambda bad: Order.flow.pay(session=bad, target=1),
         "Order.flow.pay()",
-        "Order.flow.pay(session, target=1)",
+        # The call's real signature binds target=1 as the parameter target: shown positionally.
+        "Order.flow.pay(session, 1)",
     ),
     ("many", lambda bad: Order.flow.ship.many(bad, [1, 2]), "Order.flow.ship.many()", "(session, [1, 2])"),
     (
@@ -65,9 +66,9 @@ CALLS: list[tuple[str, Callable[[Any], Any], str, str]] = [
     ),
     (
         "striped counter",
-        lambda bad: STOCK.decrement(bad, "sku-1", 1),
+        lambda bad: STOCK.decrement(bad, "sku-1", by=2),
         "StripedCounter('stock', stripes=4).decrement()",
-        "StripedCounter('stock', stripes=4).decrement(session, 'sku-1', 1)",
+        "StripedCounter('stock', stripes=4).decrement(session, 'sku-1', by=2)",
     ),
     (
         "idempotent",
