@@ -49,7 +49,7 @@ from .inserts import consume_once, insert_once, purge_consumed
 from .locks import advisory_lock, row_lock
 from .machine import HistoryEntry, StateMachine, Trigger
 from .observe import GuardEvent, on_event
-from .outbox import AsyncRelay, CallableSink, OutboxEvent, Relay, Sink, emit, purge_published
+from .outbox import AsyncRelay, CallableSink, OutboxEvent, Relay, Sink, emit, purge_published, requeue_dead
 from .redis import AsyncRedisLock, AsyncRedisTokens, RedisLock, RedisStreamSink, RedisTokens
 from .result import Outcome, Result
 from .retry import retry_on_conflict
@@ -133,6 +133,7 @@ __all__ = [
     "purge_expired_tokens",
     "purge_published",
     "release",
+    "requeue_dead",
     "reserve",
     "retry_on_conflict",
     "row_lock",

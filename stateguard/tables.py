@@ -363,6 +363,12 @@ outbox = Table(
     Column("published_ms", BigInteger, nullable=True),
     # How many times a relay claimed it (more than 1: it was handed to a sink again).
     Column("attempts", Integer, nullable=False),
+    # How many times the sink refused it (relay.py counts them); max_attempts of them: parked dead.
+    Column("refusals", Integer, nullable=False, server_default="0"),
+    # When it was parked dead (database clock): no relay claims it until requeue_dead(); NULL: alive.
+    Column("dead_ms", BigInteger, nullable=True),
+    # The sink's last refusal, "ErrorType: message" cut to 500 characters, for stateguard inspect.
+    Column("last_error", exact_string(500), nullable=True),
     # The relay's pick: unpublished events in id order; and a key's earliest unpublished event.
     Index("ix_stateguard_outbox_pending", "published_ms", "id"),
     Index("ix_stateguard_outbox_key", "key", "published_ms", "id"),

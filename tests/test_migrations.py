@@ -174,7 +174,7 @@ def test_wheel_installs_in_a_fresh_venv_and_its_revisions_upgrade_and_downgrade(
             env=env,
             cwd=tmp_path,
         ).stdout
-        assert "sg_0008" in heads and "(head)" in heads, heads
+        assert "sg_0009" in heads and "(head)" in heads, heads
         subprocess.run(
             [*alembic, *url_opt, "downgrade", "stateguard@base"],
             check=True,

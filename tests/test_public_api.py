@@ -74,6 +74,7 @@ EXPECTED = [
     "purge_expired_tokens",
     "purge_published",
     "release",
+    "requeue_dead",
     "reserve",
     "retry_on_conflict",
     "row_lock",

@@ -49,7 +49,7 @@ from ..exceptions import StateguardError
 from ..idempotency import purge_expired as _purge_keys
 from ..inserts import purge_consumed as _purge_consumed
 from ..machine import StateMachine, machines_of
-from ..outbox import Relay
+from ..outbox import Relay, requeue_dead
 from ..outbox import purge_published as _purge_outbox
 from ..redis import MAX_MAXLEN
 from ..schema import machines_in_module
@@ -115,6 +115,14 @@ exit codes:
      the stream's duplicate window, or an error the relay cannot retry)
 """,
 }
+
+_EXIT_CODES["outbox"] = """\
+exit codes:
+  0  ok: the dead events asked for were requeued (or none were dead)
+  2  usage error (bad arguments, unreachable database, a SQLite file that does
+     not exist, the stateguard_outbox table missing or older than this stateguard)
+"""
+_EXIT_CODES["requeue"] = _EXIT_CODES["outbox"]
 
 _EXIT_CODES["inspect"] = """\
 exit codes:
@@ -681,6 +689,31 @@ def _serve(relay: _CountingRelay, args: argparse.Namespace, err: TextIO, target:
         return EXIT_USAGE
     progress.finish(relay.published, f"stopped by {stopped_by[0] if stopped_by else 'request'}")
     return EXIT_OK
+
+
+# -- outbox requeue ---------------------------------------------------------
+
+
+def _cmd_outbox_requeue(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    engine = open_engine(args.db, workers=1, purpose="stateguard outbox requeue", create=False)
+    try:
+        try:
+            requeued = requeue_dead(engine, ids=args.ids, key=args.key)
+        except (sa_exc.SQLAlchemyError, StateguardError) as error:
+            raise UsageError(
+                f"cannot requeue dead outbox events: {_first_line(error)} "
+                "(run `alembic upgrade stateguard@head` or stateguard.create_tables() first?)"
+            ) from error
+    finally:
+        engine.dispose()
+    out.write(
+        f"{_plural_events(requeued)} requeued: relays publish {'it' if requeued == 1 else 'them'} next\n"
+    )
+    return EXIT_OK
+
+
+def _plural_events(n: int) -> str:
+    return f"{n} dead outbox event{'' if n == 1 else 's'}"
 
 
 # -- graph and check --------------------------------------------------------
@@ -1321,6 +1354,39 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="wait after a round that found nothing to publish (default: 1)",
     )
+    outbox_cmd = commands.add_parser(
+        "outbox",
+        help="manage outbox events: requeue the dead ones",
+        description="Manage the transactional outbox's events (see `stateguard outbox requeue --help`).",
+        epilog=_EXIT_CODES["outbox"],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    outbox_commands = outbox_cmd.add_subparsers(dest="outbox_command", metavar="COMMAND", required=True)
+    requeue = _command(
+        outbox_commands,
+        "requeue",
+        _cmd_outbox_requeue,
+        help="give dead outbox events back to the relays",
+        description=(
+            "A relay parks an outbox event dead when its sink refused it max_attempts times\n"
+            "(stateguard inspect lists them).  Once the sink takes it again, this makes every\n"
+            "dead event (or those of --id / --key) claimable again, its refusals counted from\n"
+            "0; a relay publishes it next, in its key's id order.  Published and live events\n"
+            "are not touched."
+        ),
+    )
+    requeue.add_argument(
+        "--db", type=_text, required=True, metavar="URL", help="SQLAlchemy URL of the database"
+    )
+    requeue.add_argument(
+        "--id",
+        dest="ids",
+        type=_positive,
+        action="append",
+        metavar="N",
+        help="requeue only this event id (repeatable; default: every dead event)",
+    )
+    requeue.add_argument("--key", type=_text, metavar="KEY", help="requeue only dead events of this key")
     inspect = _command(
         commands,
         "inspect",

@@ -427,17 +427,20 @@ def _leases(conn: Connection, limit: int) -> dict[str, Any]:
     }
 
 
-def _outbox(conn: Connection, stale_ms: int) -> dict[str, Any]:
+def _outbox(conn: Connection, stale_ms: int, limit: int) -> dict[str, Any]:
     t = outbox
     now = db_now_ms()
     pending = t.c.published_ms.is_(None)
+    dead = and_(pending, t.c.dead_ms.is_not(None))
+    alive = and_(pending, t.c.dead_ms.is_(None))
     row = conn.execute(
         select(
             func.count().label("total"),
             _sum(pending).label("unpublished"),
-            _sum(and_(pending, t.c.claimed_until_ms > now)).label("leased"),
-            _sum(and_(pending, t.c.attempts > 1)).label("retried"),
-            _sum(and_(pending, t.c.created_ms <= now - stale_ms)).label("stale"),
+            _sum(and_(alive, t.c.claimed_until_ms > now)).label("leased"),
+            _sum(and_(alive, t.c.attempts > 1)).label("retried"),
+            _sum(and_(alive, t.c.created_ms <= now - stale_ms)).label("stale"),
+            _sum(dead).label("dead"),
             func.min(case((pending, t.c.created_ms), else_=None)).label("oldest"),
             now.label("now"),
         ).select_from(t)
@@ -448,9 +451,27 @@ def _outbox(conn: Connection, stale_ms: int) -> dict[str, Any]:
             select(t.c.topic, func.count()).where(pending).group_by(t.c.topic).order_by(t.c.topic)
         )
     }
+    dead_events = [
+        {
+            "id": int(r.id),
+            "topic": r.topic,
+            "key": r.key,
+            "refusals": int(r.refusals),
+            "dead_ms_ago": int(r.sg_now - r.dead_ms),
+            "last_error": r.last_error,
+        }
+        for r in conn.execute(
+            select(t.c.id, t.c.topic, t.c.key, t.c.refusals, t.c.dead_ms, t.c.last_error, now.label("sg_now"))
+            .where(dead)
+            .order_by(t.c.id)
+            .limit(limit)
+        )
+    ]
     return {
         "total": int(row.total),
         "unpublished": int(row.unpublished),
+        "dead": int(row.dead),
+        "dead_events": dead_events,
         "published": int(row.total) - int(row.unpublished),
         "leased": int(row.leased),
         "retried": int(row.retried),
@@ -509,7 +530,7 @@ def inspect_database(
     if worker_leases.name in present:
         readers.append(("worker_leases", worker_leases.name, lambda: _leases(conn, limit)))
     if outbox.name in present:
-        readers.append(("outbox", outbox.name, lambda: _outbox(conn, stale_ms)))
+        readers.append(("outbox", outbox.name, lambda: _outbox(conn, stale_ms, limit)))
     progress.count = progress.index + len(machines) + len(readers)
     report = Inspection(database, _now(conn), present, missing, server=describe_server(conn))
     for machine in machines:
@@ -530,6 +551,11 @@ def inspect_database(
         report.stuck.append(
             f"{_plural(report.outbox['stale'], 'outbox event')} unpublished for "
             f"{stale_ms / 1000:g} s or longer"
+        )
+    if report.outbox is not None and report.outbox["dead"]:
+        report.stuck.append(
+            f"{_plural(report.outbox['dead'], 'outbox event')} dead (refused by the sink max_attempts "
+            f"times; requeue with `stateguard outbox requeue` or stateguard.requeue_dead())"
         )
     return report
 
@@ -800,6 +826,13 @@ def render_text(report: Inspection, *, color: bool = False) -> str:
         lines.append(f"\noutbox: {o['unpublished']} unpublished{backlog}, {o['published']} published")
         for topic, n in o["unpublished_by_topic"].items():
             lines.append(f"  {topic}: {n}")
+        if o["dead"]:
+            lines.append(f"  dead: {o['dead']} (refused by the sink, never claimed until requeued)")
+        for e in o["dead_events"]:
+            lines.append(
+                f"    #{e['id']} {e['topic']} key={e['key']!r}: {e['refusals']} refusals, dead for "
+                f"{_ago(e['dead_ms_ago'])}: {e['last_error']}"
+            )
     if report.row is not None:
         lines += _row_lines(report.row)
     if report.ledger is not None:

@@ -558,6 +558,20 @@ def test_readme_documents_the_json_shape(
 
     name, module, backend = app
     _stuck_and_not(backend.engine)
+    with backend.engine.begin() as conn:  # a dead event, so that its listing's keys show
+        now = db_now_ms()
+        conn.execute(
+            insert(outbox).values(
+                topic="order.paid",
+                key="d",
+                payload="{}",
+                created_ms=now,
+                attempts=3,
+                refusals=3,
+                dead_ms=now,
+                last_error="RuntimeError: refused",
+            )
+        )
     with Session(backend.engine) as session, session.begin():
         session.add(module.Order(id=1))
         session.add(module.Stock(id="a", amount=3))

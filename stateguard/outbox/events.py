@@ -1,0 +1,163 @@
+"""Outbox events and sinks: :func:`emit` stores an event in the caller's transaction; a :class:`Sink`
+is where a relay publishes it.
+
+An :class:`OutboxEvent` is what a sink gets; a :class:`Sink` is any object
+with ``publish(events)``; :class:`CallableSink` makes one of a function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol, runtime_checkable
+
+from sqlalchemy import bindparam, insert
+from sqlalchemy.orm import Session
+
+from .. import _sql, _write
+from .._async import dual
+from ..exceptions import InvalidArgument
+from ..tables import MAX_KEY, outbox
+
+#: Longest topic accepted (characters): the ``topic`` column's length.
+MAX_TOPIC: Final = 200
+#: How deep a payload may nest (lists and objects): deeper is InvalidArgument, not a RecursionError.
+MAX_DEPTH: Final = 100
+
+_o = outbox
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxEvent:
+    """One event as a relay hands it to a sink.
+
+    ``id`` is unique and stable across redeliveries: a consumer deduplicates
+    with ``consume_once(session, consumer, str(event.id))``.  ``payload`` is
+    what :func:`emit` got, read back from its JSON (tuples come back as lists).
+    ``created_ms`` is the database's clock at the INSERT (epoch milliseconds).
+    """
+
+    id: int
+    topic: str
+    key: str | None
+    payload: Any
+    created_ms: int
+    # The stored JSON text, kept by the relay so that a sink does not serialise the payload again.
+    _json: str | None = field(default=None, repr=False, compare=False)
+    # How many times a sink refused it before this claim (the relay's retry delay and max_attempts).
+    _refusals: int = field(default=0, repr=False, compare=False)
+
+    def payload_json(self) -> str:
+        """The payload as JSON text, as stored (compact, non-ASCII kept as is)."""
+        return self._json if self._json is not None else _write.dumps_json(self.payload)
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Where a relay publishes events: any object with this one method.
+
+    ``publish(events)`` gets a batch in id order and must return only once
+    every event of it is accepted (written to the stream, acknowledged by
+    the broker).  Raising means *nothing* of the batch counts as published:
+    the relay releases its claim and the whole batch comes again.  A sink
+    may get an event more than once (a relay that died after ``publish`` and
+    before marking; a retried batch after a partial failure): delivery is at
+    least once, and consumers deduplicate by :attr:`OutboxEvent.id`.  For
+    :class:`AsyncRelay`, ``publish`` may return an awaitable, which is
+    awaited.  A Kafka sink is a few lines::
+
+        class KafkaSink:
+            def __init__(self, producer): self.producer = producer
+            def publish(self, events):
+                for e in events:
+                    self.producer.produce(e.topic, e.payload_json(), key=e.key, headers={"id": str(e.id)})
+                if self.producer.flush(30) != 0:
+                    raise RuntimeError("kafka did not acknowledge the batch")
+    """
+
+    def publish(self, events: Sequence[OutboxEvent]) -> Any:
+        """Publish ``events`` (id order) or raise; see the class docstring."""
+
+
+class CallableSink:
+    """A :class:`Sink` made of a function: ``CallableSink(lambda events: ...)``.
+
+    The function gets each batch (a sequence of :class:`OutboxEvent`, id
+    order); it may be a coroutine function for :class:`AsyncRelay`.
+    """
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[Sequence[OutboxEvent]], Any]) -> None:
+        if not callable(fn):
+            raise InvalidArgument(f"CallableSink needs a function of a batch of events, got {fn!r}")
+        self.fn = fn
+
+    def publish(self, events: Sequence[OutboxEvent]) -> Any:
+        """Call the function with the batch."""
+        return self.fn(events)
+
+
+# --------------------------------------------------------------------------
+# emit
+# --------------------------------------------------------------------------
+
+
+def payload_text(payload: Any) -> str:
+    """``payload`` as the JSON text the outbox stores, or InvalidArgument (nothing sent).
+
+    JSON values only (dict with str keys, list, tuple, str, int, float, bool,
+    None); no NaN or infinity (``allow_nan=False``: other JSON readers
+    refuse them); no lone surrogates (no UTF-8 for them).
+    """
+    return _write.json_text(payload, "payload", MAX_DEPTH)
+
+
+def _insert(backend: _sql.Backend) -> Any:
+    def build() -> Any:
+        stmt = insert(_o).values(
+            topic=bindparam("sg_topic"),
+            key=bindparam("sg_key"),
+            payload=bindparam("sg_payload"),
+            created_ms=_sql.db_now_ms(),
+            attempts=0,
+        )
+        # MariaDB answers with LAST_INSERT_ID in the OK packet (lastrowid): no RETURNING needed.
+        return stmt.returning(_o.c.id) if backend.returning else stmt
+
+    return _write.memo.get_or_build(("outbox_insert", backend), build)
+
+
+@dual
+def emit(session: Session, topic: str, payload: Any, *, key: str | None = None) -> int:
+    """Store an event in the session's current transaction and return its id.
+
+    One INSERT into ``stateguard_outbox``: a relay sees the event only after
+    the transaction commits, and a rollback discards it with the rest::
+
+        with Session(engine) as session, session.begin():
+            session.add(Invoice(id=7, total=120))
+            emit(session, "invoice.created", {"id": 7, "total": 120}, key="invoice-7")
+
+        event_id = await emit(async_session, "invoice.created", {...})   # AsyncSession: awaited
+
+    Events with the same ``key`` are published in id order (see the module
+    docstring); ``key=None`` events have no order with any other.
+
+    :raises InvalidArgument: a blank, oversize (200 / 255 characters) or
+        non-str ``topic`` or ``key``; a payload that is not JSON (NaN or
+        infinity, non-str object keys, lone surrogates, nesting deeper than
+        100, a circular reference) or too large for a MariaDB statement;
+        nothing was written.
+    """
+    _write.check_text(topic, "topic", MAX_TOPIC)
+    if key is not None:
+        _write.check_text(key, "key", MAX_KEY)
+    text = payload_text(payload)
+    if session.autoflush:
+        session.flush()
+    conn = _write.own_connection(session, _o)
+    _write.check_statement_size(conn, text, "payload")
+    backend = _sql.backend(conn.dialect)
+    result = _write.execute(conn, _insert(backend), {"sg_topic": topic, "sg_key": key, "sg_payload": text})
+    return int(result.scalar_one() if backend.returning else result.lastrowid)

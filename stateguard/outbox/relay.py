@@ -1,0 +1,645 @@
+"""The relays: claim a batch, publish it through the sink, mark what the sink accepted; repeat.
+
+:class:`Relay` (an Engine) and :class:`AsyncRelay` (an AsyncEngine) share
+one cycle and one loop, written once in :class:`_RelayCore` as generators of
+steps.  A batch the sink refuses is taken apart (:meth:`_RelayCore._isolate`)
+so that one event the sink always refuses holds back only its own key; each
+refusal is counted on the event and an event refused ``max_attempts`` times
+is parked dead (:mod:`stateguard.outbox.dead`).  ``run()`` survives every
+error of the sink and of the database and ends only when asked to, or when
+the relay's own setup is wrong (stateguard's table or its columns missing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
+
+from sqlalchemy import Connection, Engine
+from sqlalchemy import exc as sa_exc
+from sqlalchemy import inspect as sa_inspect
+
+from .. import _sql, _write
+from .._async import Awaited, Steps, run_steps, step
+from ..exceptions import ConfigurationError, InvalidArgument, SerializationConflict
+from ..tables import outbox
+from .events import MAX_TOPIC, OutboxEvent, Sink
+from .statements import (
+    KEY_ORDERS,
+    SKIP_DEAD,
+    STRICT,
+    _begin,
+    _claim_once_statement,
+    _claim_statement,
+    _event,
+    _followers_statement,
+    _heads_statement,
+    _mark_statement,
+    _refuse_statement,
+    _release_statement,
+)
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+log = logging.getLogger("stateguard.outbox")
+
+T = TypeVar("T")
+#: The engine a relay runs on: an Engine (Relay) or an AsyncEngine (AsyncRelay).
+E = TypeVar("E", "Engine", "AsyncEngine")
+
+#: Largest ``batch`` a relay or a purge accepts (one statement's IN list).
+MAX_BATCH: Final = 10_000
+#: How often the sink may refuse an event before it is parked dead (``max_attempts``).
+DEFAULT_MAX_ATTEMPTS: Final = 10
+#: The first wait before a refused event is tried again; it doubles with each refusal.
+DEFAULT_RETRY_DELAY: Final = timedelta(seconds=1)
+#: The longest wait before a refused event is tried again (or ``retry_delay``, if longer).
+MAX_RETRY_DELAY_MS: Final = 60_000
+#: The longest pause of ``run()`` after rounds that failed one after another (a sink or database down).
+MAX_BACKOFF_S: Final = 30.0
+#: Characters of a refusal's error kept in ``last_error``.
+MAX_ERROR: Final = 500
+
+#: How often the mark is tried again after a serialization failure or deadlock before the
+#: events are left to their lease (published again later: at least once).
+_MARK_ATTEMPTS: Final = 3
+
+
+def _autocommit(dialect: Any) -> bool:
+    """Whether a relay runs its steps in autocommit: each is one statement (PostgreSQL).
+
+    The claim (one ``UPDATE ... RETURNING`` with the heads locked ``FOR UPDATE
+    SKIP LOCKED`` in it), the mark and the release are each one statement
+    there, atomic on their own: autocommit saves the BEGIN and COMMIT round
+    trips.  SQLite takes its write lock with a BEGIN IMMEDIATE first, MariaDB
+    sets READ COMMITTED first: they keep their transaction.
+    """
+    backend = _sql.backend(dialect)
+    return backend.returning and backend.row_locks
+
+
+def _error_text(error: BaseException) -> str:
+    """``"Type: message"`` as ``last_error`` keeps it: at most 500 characters, valid UTF-8."""
+    text = f"{type(error).__name__}: {error}"[:MAX_ERROR]
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _named(error: BaseException, part: list[OutboxEvent]) -> set[int]:
+    """The events of ``part`` a sink's error names as not published (``PublishFailed.event_ids``)."""
+    ids = getattr(error, "event_ids", None)
+    if not isinstance(ids, Iterable) or isinstance(ids, str | bytes):
+        return set()
+    wanted = {e.id for e in part}
+    return {i for i in ids if type(i) is int and i in wanted}
+
+
+@dataclass
+class _Round:
+    """What the sink did with one claimed batch."""
+
+    accepted: list[OutboxEvent] = field(default_factory=list)
+    #: Refused events in id order, with the sink's error.
+    refused: list[tuple[OutboxEvent, BaseException]] = field(default_factory=list)
+    #: An error that ends the round at once (KeyboardInterrupt, a cancellation, the relay's own mistake).
+    interrupt: BaseException | None = None
+
+
+class _RelayCore(Generic[E]):
+    """What :class:`Relay` and :class:`AsyncRelay` share: the options, the cycle and the loop, written once.
+
+    The cycle and the loop are generators of steps (``stateguard._async.Steps``):
+    each database step and each publish goes through ``yield from``
+    :meth:`_db` / :meth:`_publish` / :meth:`_idle`, which the sync relay runs at
+    once and the async one awaits.
+    """
+
+    def __init__(
+        self,
+        engine: E,
+        sink: Sink | Any,
+        *,
+        topics: Iterable[str] | None = None,
+        batch: int = 100,
+        lease: timedelta = timedelta(seconds=30),
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        retry_delay: timedelta = DEFAULT_RETRY_DELAY,
+        key_order: str = SKIP_DEAD,
+    ) -> None:
+        dialect = self._dialect_of(engine)
+        if not callable(getattr(sink, "publish", None)):
+            raise InvalidArgument(
+                f"{type(self).__name__} needs a sink with a publish(events) method (a Sink), got {sink!r}: "
+                f"wrap a function in CallableSink(fn)"
+            )
+        if batch is not None and type(batch) is int and batch > MAX_BATCH:
+            raise InvalidArgument(f"batch must be at most {MAX_BATCH}, got {batch!r}")
+        if type(max_attempts) is not int or max_attempts < 1:
+            raise InvalidArgument(
+                f"max_attempts must be an int >= 1 (refusals before an event is parked dead), "
+                f"got {max_attempts!r}"
+            )
+        if key_order not in KEY_ORDERS:
+            raise InvalidArgument(
+                f"key_order must be {SKIP_DEAD!r} (a dead event lets its key's later events go) or "
+                f"{STRICT!r} (they wait until it is requeued and published), got {key_order!r}"
+            )
+        self.sink = sink
+        self.batch = _write.check_batch(batch)
+        self.lease_ms = _write.duration_ms(lease, "lease")
+        self.max_attempts = max_attempts
+        self.retry_delay_ms = _write.duration_ms(retry_delay, "retry_delay")
+        self.key_order = key_order
+        if topics is None:
+            self.topics: tuple[str, ...] | None = None
+        else:
+            if isinstance(topics, str):
+                raise InvalidArgument(f"topics must be a list of topics, not one str: pass [{topics!r}]")
+            self.topics = tuple(_write.check_text(t, "topic", MAX_TOPIC) for t in topics)
+            if not self.topics:
+                raise InvalidArgument("topics must name at least one topic (or be None: every topic)")
+        self.engine: E = engine
+        #: What each step's transaction begins on: autocommit where each step is one statement.
+        self._steps_engine: E = (
+            engine.execution_options(isolation_level="AUTOCOMMIT") if _autocommit(dialect) else engine
+        )
+        #: The last error of the relay's own making that ends run() (its setup is wrong).
+        self._fatal: BaseException | None = None
+        self._schema_checked = False
+
+    @staticmethod
+    def _dialect_of(engine: Any) -> Any:
+        """The engine's dialect; :class:`InvalidArgument` for anything but the relay's kind of engine."""
+        raise NotImplementedError
+
+    def run_once(self) -> Any:
+        """One cycle: its count, or (AsyncRelay) a coroutine of it."""
+        raise NotImplementedError
+
+    def _db(self, fn: Callable[..., T], /, *args: Any) -> Steps[T]:
+        """``fn(conn, *args)`` in a short transaction of its own (on PostgreSQL one statement)."""
+        raise NotImplementedError
+
+    def _publish(self, events: list[OutboxEvent]) -> Steps[Any]:
+        """Hand ``events`` to the sink."""
+        raise NotImplementedError
+
+    def _idle(self, stop: Any, seconds: float) -> Steps[Any]:
+        """Wait ``seconds`` or until ``stop`` is set."""
+        raise NotImplementedError
+
+    # -- the statements of one cycle, each in its own transaction ---------------
+
+    def _claim(self, conn: Connection, owner: str) -> list[OutboxEvent]:
+        """Claim up to ``batch`` events (see the package docstring for why this keeps per-key order)."""
+        backend = _begin(conn)
+        strict = self.key_order == STRICT
+        params: dict[str, Any] = {"sg_batch": self.batch}
+        if self.topics is not None:
+            params["sg_topics"] = list(self.topics)
+        if backend.returning:
+            params["sg_owner"] = owner
+            params["sg_lease"] = self.lease_ms
+            stmt = _claim_once_statement(backend, self.topics is not None, strict)
+            claimed = _write.execute(conn, stmt, params)
+            return sorted((_event(r) for r in claimed), key=lambda e: e.id)
+        heads = [
+            _event(r)
+            for r in _write.execute(conn, _heads_statement(backend, self.topics is not None, strict), params)
+        ]
+        if not heads:
+            return []
+        taken = {e.id: e for e in heads}
+        head_of = {e.key: e.id for e in heads if e.key is not None}
+        if head_of and len(taken) < self.batch:
+            # The heads are locked by this transaction: no other relay can claim any event of
+            # their keys until this claim commits (it would have to lock the same head).
+            rows = _write.execute(conn, _followers_statement(backend, strict), {"sg_keys": list(head_of)})
+            blocked: set[str] = set()
+            for row in rows:
+                key = row.key
+                if key in blocked or row.id == head_of[key]:
+                    continue
+                free = row.dead_ms is None and (
+                    row.claimed_until_ms is None or row.claimed_until_ms <= row.sg_now
+                )
+                wanted = self.topics is None or row.topic in self.topics
+                if row.id < head_of[key] or not free or not wanted or len(taken) >= self.batch:
+                    # Contiguous only: an event this relay cannot take holds back every later one of its key.
+                    blocked.add(key)
+                    continue
+                taken[row.id] = _event(row)
+        ids = sorted(taken)
+        _write.execute(
+            conn, _claim_statement(backend), {"sg_ids": ids, "sg_owner": owner, "sg_lease": self.lease_ms}
+        )
+        return [taken[i] for i in ids]
+
+    @staticmethod
+    def _mark(conn: Connection, owner: str, ids: list[int]) -> int:
+        backend = _begin(conn)
+        return int(
+            _write.execute(conn, _mark_statement(backend), {"sg_ids": ids, "sg_owner": owner}).rowcount
+        )
+
+    @staticmethod
+    def _release(conn: Connection, owner: str, ids: list[int]) -> int:
+        backend = _begin(conn)
+        return int(
+            _write.execute(conn, _release_statement(backend), {"sg_ids": ids, "sg_owner": owner}).rowcount
+        )
+
+    def _settle(
+        self,
+        conn: Connection,
+        owner: str,
+        counted: list[tuple[OutboxEvent, BaseException]],
+        free: list[int],
+        delayed: bool,
+    ) -> list[int]:
+        """Count the refusals of ``counted`` (parking those refused ``max_attempts`` times; ``delayed``:
+        claimable again only after their retry delay) and give ``free`` back at once; return the ids
+        parked dead."""
+        backend = _begin(conn)
+        dead: list[int] = []
+        for event, error in counted:
+            refusals = event._refusals + 1
+            buried = refusals >= self.max_attempts
+            delay = min(
+                self.retry_delay_ms * 2 ** min(event._refusals, 32),
+                max(MAX_RETRY_DELAY_MS, self.retry_delay_ms),
+            )
+            params = {
+                "sg_id": event.id,
+                "sg_owner": owner,
+                "sg_error": _error_text(error),
+                "sg_delay": delay if delayed else None,  # now + NULL: NULL, free at once
+                "sg_dead": 1 if buried else 0,
+            }
+            if _write.execute(conn, _refuse_statement(backend), params).rowcount and buried:
+                dead.append(event.id)
+        if free:
+            _write.execute(conn, _release_statement(backend), {"sg_ids": free, "sg_owner": owner})
+        return dead
+
+    @staticmethod
+    def _check_schema(conn: Connection) -> None:
+        """:class:`ConfigurationError` when stateguard's outbox table, or a column of it, is missing."""
+        try:
+            have = {c["name"] for c in sa_inspect(conn).get_columns(outbox.name)}
+        except sa_exc.NoSuchTableError:
+            have = set()
+        missing = [c.name for c in outbox.columns if c.name not in have]
+        if not have:
+            raise ConfigurationError(
+                f"stateguard's table {outbox.name} is missing from this database; create it with "
+                f"`alembic upgrade stateguard@head` (see stateguard.migrations_location()) or "
+                f"stateguard.create_tables(engine)"
+            )
+        if missing:
+            raise ConfigurationError(
+                f"{outbox.name} lacks the columns {', '.join(missing)} of this stateguard version: run "
+                f"`alembic upgrade stateguard@head` (see stateguard.migrations_location())"
+            )
+
+    # -- the cycle -------------------------------------------------------------
+
+    def _isolate(self, events: list[OutboxEvent]) -> Steps[_Round]:
+        """Publish ``events``; when the sink refuses a part, take it apart to find the events it refuses.
+
+        Halves, depth first from the left: a key's earlier events are settled
+        before any later one is tried, and once one event of a key is refused
+        the key's later events of the batch are left for a later claim (per-key
+        order).  A sink error that names events (``event_ids``, as
+        :class:`~stateguard.PublishFailed` does) refuses those and counts the
+        others as accepted.  The search stops when two calls failed and the
+        sink has accepted nothing (it is down, not refusing one event: the
+        rest is given back untried), and when half the lease is spent.
+        """
+        result = _Round()
+        deadline = time.monotonic() + self.lease_ms / 2000
+        blocked: set[str] = set()
+        parts = [events]
+        while parts:
+            part = [e for e in parts.pop() if e.key is None or e.key not in blocked]
+            if not part:
+                continue
+            if time.monotonic() > deadline and (result.accepted or result.refused):
+                break
+            try:
+                yield from self._publish(part)
+            except Exception as error:
+                if error is self._fatal:
+                    result.interrupt = error
+                    break
+                named = _named(error, part)
+                if named:
+                    for e in part:
+                        if e.key is not None and e.key in blocked:
+                            continue
+                        if e.id in named:
+                            result.refused.append((e, error))
+                            if e.key is not None:
+                                blocked.add(e.key)
+                        else:
+                            result.accepted.append(e)
+                    continue
+                if not result.accepted and result.refused:
+                    break  # a second failure and nothing taken: the sink is down
+                if len(part) == 1:
+                    result.refused.append((part[0], error))
+                    if part[0].key is not None:
+                        blocked.add(part[0].key)
+                    continue
+                middle = len(part) // 2
+                parts.append(part[middle:])
+                parts.append(part[:middle])
+            except GeneratorExit:
+                raise
+            except BaseException as error:  # KeyboardInterrupt, SystemExit, a cancellation
+                result.interrupt = error
+                break
+            else:
+                result.accepted.extend(part)
+        return result
+
+    def _cycle(self) -> Steps[int]:
+        """Claim, publish, mark: the one algorithm of both relays."""
+        owner = uuid.uuid4().hex
+        try:
+            events = yield from self._db(self._claim, owner)
+        except SerializationConflict as error:
+            # The claim's transaction rolled back: nothing was claimed, the next cycle tries again.
+            log.info("outbox relay: claim not made (%s), retrying on the next cycle", error)
+            return 0
+        except ConfigurationError as error:  # stateguard_outbox was dropped since
+            self._fatal = error
+            raise
+        if not events:
+            return 0
+        outcome = yield from self._isolate(events)
+        accepted = outcome.accepted
+        if accepted:
+            yield from self._mark_accepted(owner, accepted)
+        taken = {e.id for e in accepted}
+        rest = [e for e in events if e.id not in taken]
+        if rest:
+            yield from self._give_back(owner, outcome, rest)
+        if outcome.interrupt is not None:
+            raise outcome.interrupt
+        if not accepted and outcome.refused:
+            raise outcome.refused[0][1]
+        return len(accepted)
+
+    def _mark_accepted(self, owner: str, accepted: list[OutboxEvent]) -> Steps[None]:
+        ids = [e.id for e in accepted]
+        for attempt in range(_MARK_ATTEMPTS):
+            try:
+                marked = yield from self._db(self._mark, owner, ids)
+                break
+            except SerializationConflict:
+                if attempt == _MARK_ATTEMPTS - 1:
+                    raise
+        if marked < len(ids):
+            # The lease ended before the mark and another relay claimed (some of) them: the sink
+            # gets those again.  A lease shorter than a batch's publishing makes this common.
+            log.warning(
+                "outbox relay: %d of %d published events had been claimed by another relay before "
+                "they were marked (lease %d ms too short?); they will be published again",
+                len(ids) - marked,
+                len(ids),
+                self.lease_ms,
+            )
+
+    def _give_back(self, owner: str, outcome: _Round, rest: list[OutboxEvent]) -> Steps[None]:
+        """Release what the sink did not take; count the refusals that are the events' own.
+
+        A refusal counts when the sink accepted other events of the round (it
+        works, and refuses these: they are claimable again after their retry
+        delay); in a round where it accepted nothing only the oldest refused
+        event's counts and the batch is free at once (the sink is down: run()
+        backs off), so a sink that is down for ``max_attempts`` rounds parks
+        one event.
+        """
+        if outcome.interrupt is not None:
+            counted: list[tuple[OutboxEvent, BaseException]] = []
+        elif outcome.accepted:
+            counted = outcome.refused
+        else:
+            counted = outcome.refused[:1]
+        kept = {e.id for e, _ in counted}
+        free = [e.id for e in rest if e.id not in kept]
+        try:
+            dead = yield from self._db(self._settle, owner, counted, free, bool(outcome.accepted))
+        except Exception:  # the lease frees them later; the sink's error matters
+            log.warning(
+                "outbox relay: giving back %d outbox events failed; they wait for the lease", len(rest)
+            )
+            return
+        for event, error in counted:
+            log.warning(
+                "outbox relay: the sink refused event %d (topic %r, key %r): %s",
+                event.id,
+                event.topic,
+                event.key,
+                _error_text(error),
+            )
+        if dead:
+            log.error(
+                "outbox relay: events %s refused %d times are parked dead (stateguard inspect lists them; "
+                "requeue them with stateguard.requeue_dead() or `stateguard outbox requeue`)",
+                dead,
+                self.max_attempts,
+            )
+
+    def _serve(self, stop: Any, idle_sleep: float) -> Steps[None]:
+        """Cycles until ``stop`` is set, waiting ``idle_sleep`` after one that published nothing and
+        backing off (bounded, jittered) after rounds that failed."""
+        idle = _write.required_seconds(idle_sleep, "idle_sleep")
+        failed = 0
+        while not stop.is_set():
+            try:
+                if not self._schema_checked:
+                    # Once per relay: a table of an older stateguard would fail only at a refusal.
+                    try:
+                        yield from self._db(self._check_schema)
+                    except ConfigurationError as error:
+                        self._fatal = error
+                        raise
+                    self._schema_checked = True
+                # through run_once(), which a subclass may extend (the CLI counts with it)
+                published = yield from step(self.run_once())
+            except Exception as error:
+                if error is self._fatal:
+                    log.error("outbox relay: stopped: %s", error)
+                    raise
+                failed += 1
+                pause = _backoff(idle, failed)
+                log.warning(
+                    "outbox relay: batch not published, retrying in %.2f s: %s",
+                    pause,
+                    _error_text(error),
+                )
+                yield from self._idle(stop, pause)
+                continue
+            failed = 0
+            if published == 0:
+                yield from self._idle(stop, idle)
+
+
+def _backoff(idle: float, failed: int) -> float:
+    """The pause after ``failed`` failed rounds in a row: ``idle`` doubling up to 30 s, jittered."""
+    ceiling = min(max(idle, MAX_BACKOFF_S), idle * 2 ** min(failed - 1, 32))
+    return float(ceiling * random.uniform(0.5, 1.0))  # spread relays that failed together, not security
+
+
+class Relay(_RelayCore[Engine]):
+    """Publish committed outbox events through a :class:`Sink`, at least once, per-key in order.
+
+    ::
+
+        relay = Relay(engine, RedisStreamSink(redis.Redis(), stream="events"), batch=500)
+        relay.run_once()          # one batch: claimed, published, marked; returns how many
+        relay.run(stop_event)     # until stop_event (a threading.Event) is set
+
+    Several relays (threads or processes, on one or several machines) share
+    the work: each claims different events (``SKIP LOCKED`` on PostgreSQL
+    and MariaDB, the write lock on SQLite), and events of one key are
+    published in id order.  ``topics`` limits a relay to those topics (a
+    key's event of another topic then holds back its later events until a
+    relay for that topic published it).  ``lease`` is how long a claim
+    lasts on the database's clock: a relay that dies with a batch leaves it
+    to another relay after the lease, so the sink may see it twice (at least
+    once); make it comfortably longer than a batch takes to publish.
+
+    An event the sink refuses holds back only its own key: the relay takes a
+    refused batch apart and publishes the rest.  The refused event is tried
+    again after ``retry_delay`` (doubling, at most a minute), its key's later
+    events waiting behind it; refused ``max_attempts`` times it is parked
+    *dead*: never deleted, listed by ``stateguard inspect``, given back by
+    :func:`~stateguard.requeue_dead`.  ``key_order="skip_dead"`` (the
+    default) then lets the key's later events go; ``key_order="strict"``
+    keeps them waiting until the dead event is requeued and published.
+
+    :raises InvalidArgument: a sink without ``publish``, a ``batch`` that is
+        not an int from 1 to 10000, a ``lease`` or ``retry_delay`` that is not
+        a positive timedelta, ``max_attempts`` not an int >= 1, an unknown
+        ``key_order``, or bad ``topics``.
+    """
+
+    @staticmethod
+    def _dialect_of(engine: Any) -> Any:
+        if not isinstance(engine, Engine):
+            raise InvalidArgument(
+                f"Relay needs an Engine, got {type(engine).__name__}"
+                + ("; use AsyncRelay with an AsyncEngine" if "Async" in type(engine).__name__ else "")
+            )
+        return engine.dialect
+
+    def run_once(self) -> int:
+        """Claim one batch, publish what the sink takes, mark it published; return how many were.
+
+        0 means nothing was free to claim.  Events the sink refused are given
+        back (see the class docstring); when it took none of the batch, the
+        sink's first error is raised.
+
+        :raises Exception: what the sink raised when it took nothing of the
+            batch (the batch stays unpublished);
+            :class:`~stateguard.SerializationConflict` from the database
+            (retryable: run again).
+        """
+        return run_steps(self._cycle())
+
+    def run(self, stop_event: threading.Event | None = None, *, idle_sleep: float = 1.0) -> None:
+        """Run batches until ``stop_event`` is set (forever without one).
+
+        After a batch that found nothing to publish, waits ``idle_sleep``
+        seconds (or until ``stop_event`` is set).  Any error of the sink
+        (whatever its type, a :class:`~stateguard.StateguardError` too) or of
+        the database is logged (logger ``stateguard.outbox``) and the batch
+        tried again after a pause that doubles from ``idle_sleep`` up to 30
+        seconds (jittered) while rounds keep failing.  It returns only when
+        ``stop_event`` is set; it raises only for the relay's own setup
+        (:class:`~stateguard.ConfigurationError`: stateguard's outbox table or
+        its columns are missing, an async sink on this synchronous relay) and
+        for KeyboardInterrupt and SystemExit.
+        """
+        run_steps(self._serve(stop_event if stop_event is not None else threading.Event(), idle_sleep))
+
+    def _db(self, fn: Callable[..., T], /, *args: Any) -> Steps[T]:
+        with self._steps_engine.begin() as conn:
+            return step(fn(conn, *args))
+
+    def _publish(self, events: list[OutboxEvent]) -> Steps[Any]:
+        result = self.sink.publish(events)
+        if inspect.isawaitable(result):
+            if inspect.iscoroutine(result):
+                result.close()
+            self._fatal = InvalidArgument(
+                f"the sink {self.sink!r} returned an awaitable: an async sink needs AsyncRelay; "
+                f"the batch stays unpublished"
+            )
+            raise self._fatal
+        return step(result)
+
+    def _idle(self, stop: threading.Event, seconds: float) -> Steps[None]:
+        stop.wait(seconds)
+        return step(None)
+
+
+class AsyncRelay(_RelayCore["AsyncEngine"]):
+    """:class:`Relay` on an :class:`~sqlalchemy.ext.asyncio.AsyncEngine`: the same cycle, awaited.
+
+    ::
+
+        relay = AsyncRelay(async_engine, CallableSink(send_batch))
+        await relay.run_once()
+        await relay.run(stop)     # stop: an asyncio.Event
+
+    The sink's ``publish`` may be a coroutine function (a ``redis.asyncio``
+    client's :class:`~stateguard.redis.RedisStreamSink`); a synchronous one
+    runs in the event loop's thread.  ``run()`` keeps :meth:`Relay.run`'s
+    promise; a cancellation ends it (after the batch in hand is given back).
+    """
+
+    @staticmethod
+    def _dialect_of(engine: Any) -> Any:
+        if type(engine).__name__ != "AsyncEngine" or not hasattr(engine, "sync_engine"):
+            raise InvalidArgument(f"AsyncRelay needs an AsyncEngine, got {type(engine).__name__}")
+        return engine.sync_engine.dialect
+
+    async def run_once(self) -> int:
+        """Claim one batch, publish what the sink takes, mark it published; see :meth:`Relay.run_once`."""
+        return await Awaited(self._cycle())
+
+    async def run(self, stop_event: asyncio.Event | None = None, *, idle_sleep: float = 1.0) -> None:
+        """Run batches until ``stop_event`` is set (forever without one); see :meth:`Relay.run`."""
+        await Awaited(self._serve(stop_event if stop_event is not None else asyncio.Event(), idle_sleep))
+
+    def _db(self, fn: Callable[..., T], /, *args: Any) -> Steps[T]:
+        return step(self._in_transaction(fn, args))
+
+    async def _in_transaction(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        async with self._steps_engine.begin() as conn:
+            return await conn.run_sync(fn, *args)
+
+    def _publish(self, events: list[OutboxEvent]) -> Steps[Any]:
+        return step(self.sink.publish(events))
+
+    def _idle(self, stop: asyncio.Event, seconds: float) -> Steps[None]:
+        return step(self._wait(stop, seconds))
+
+    @staticmethod
+    async def _wait(stop: asyncio.Event, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), seconds)

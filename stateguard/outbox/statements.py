@@ -1,0 +1,306 @@
+"""The relay's statements, each built once per backend and run in a short transaction of its own.
+
+The claim (heads of keys, their contiguous followers), the mark, the
+release and the refusal of a batch's events; :func:`_begin` starts each of
+the relay's transactions.  Which events a claim may take is written here
+once, for both key-order modes (see :mod:`stateguard.outbox`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, Final
+
+from sqlalchemy import (
+    ARRAY,
+    BigInteger,
+    ColumnElement,
+    Connection,
+    and_,
+    any_,
+    bindparam,
+    case,
+    exists,
+    func,
+    or_,
+    select,
+    text,
+    union_all,
+    update,
+)
+
+from .. import _sql, _write
+from ..tables import outbox
+from .events import OutboxEvent
+
+_o = outbox
+
+_EVENT_COLUMNS: Final = (_o.c.id, _o.c.topic, _o.c.key, _o.c.payload, _o.c.created_ms, _o.c.refusals)
+
+#: The key-order modes of a relay (``Relay(key_order=...)``): what a dead event does to its key.
+SKIP_DEAD: Final = "skip_dead"
+STRICT: Final = "strict"
+KEY_ORDERS: Final = (SKIP_DEAD, STRICT)
+
+
+def _lease_free() -> Any:
+    return or_(_o.c.claimed_until_ms.is_(None), _o.c.claimed_until_ms <= _sql.db_now_ms())
+
+
+def _head_conditions(topics: bool, strict: bool) -> list[Any]:
+    """Unpublished, alive, not leased, and its key's earliest unpublished event (or keyless); of
+    ``:sg_topics``.
+
+    An earlier *dead* event of the key counts only in strict key order: by
+    default a dead event no longer holds back the later events of its key.
+    """
+    earlier = _o.alias("sg_earlier")
+    before = [earlier.c.key == _o.c.key, earlier.c.published_ms.is_(None), earlier.c.id < _o.c.id]
+    if not strict:
+        before.append(earlier.c.dead_ms.is_(None))
+    earlier_pending = exists().where(*before)
+    conditions = [
+        _o.c.published_ms.is_(None),
+        _o.c.dead_ms.is_(None),
+        _lease_free(),
+        or_(_o.c.key.is_(None), ~earlier_pending),
+    ]
+    if topics:
+        conditions.append(_o.c.topic.in_(bindparam("sg_topics", expanding=True)))
+    return conditions
+
+
+def _heads_statement(backend: _sql.Backend, topics: bool, strict: bool) -> Any:
+    """Free unpublished events that are their key's earliest unpublished one (or have no key)."""
+
+    def build() -> Any:
+        conditions = _head_conditions(topics, strict)
+        stmt = select(*_EVENT_COLUMNS).where(*conditions).order_by(_o.c.id).limit(bindparam("sg_batch"))
+        if backend.row_locks:
+            # PostgreSQL re-checks the WHERE of a row it locks that changed since its snapshot
+            # (EvalPlanQual), InnoDB's locking read reads the latest committed row: a head
+            # another relay claimed meanwhile shows its live lease and is left out.
+            stmt = stmt.with_for_update(skip_locked=True)
+        return stmt
+
+    return _write.memo.get_or_build(("outbox_heads", backend, topics, strict), build)
+
+
+def _followers_statement(backend: _sql.Backend, strict: bool) -> Any:
+    """Every unpublished event of the given keys, id order, with the lease state on the database clock
+    (dead ones only in strict key order, where they hold back what follows them)."""
+
+    def build() -> Any:
+        conditions = [_o.c.key.in_(bindparam("sg_keys", expanding=True)), _o.c.published_ms.is_(None)]
+        if not strict:
+            conditions.append(_o.c.dead_ms.is_(None))
+        return (
+            select(*_EVENT_COLUMNS, _o.c.claimed_until_ms, _o.c.dead_ms, _sql.db_now_ms().label("sg_now"))
+            .where(*conditions)
+            .order_by(_o.c.id)
+        )
+
+    return _write.memo.get_or_build(("outbox_followers", backend, strict), build)
+
+
+def _claim_statement(backend: _sql.Backend) -> Any:
+    def build() -> Any:
+        return (
+            update(_o)
+            .where(
+                _o.c.id.in_(bindparam("sg_ids", expanding=True)),
+                _o.c.published_ms.is_(None),
+                _o.c.dead_ms.is_(None),
+            )
+            .values(
+                claimed_by=bindparam("sg_owner"),
+                claimed_until_ms=_sql.db_now_ms() + bindparam("sg_lease"),
+                attempts=_o.c.attempts + 1,
+            )
+        )
+
+    return _write.memo.get_or_build(("outbox_claim", backend), build)
+
+
+def _claim_once_statement(backend: _sql.Backend, topics: bool, strict: bool) -> Any:
+    """The whole claim as one ``UPDATE ... RETURNING`` (PostgreSQL, SQLite): one round trip.
+
+    The same rule as the three statements of :meth:`_RelayCore._claim`, in SQL:
+    ``sg_heads`` locks up to ``batch`` free heads (``FOR UPDATE SKIP LOCKED``
+    on PostgreSQL; SQLite holds its write lock); ``sg_followers`` numbers the
+    other unpublished events of their keys in id order with a running count
+    of events this relay may not take (earlier than the head, claimed by a
+    live lease, of a topic it does not publish), so only the contiguous run
+    right after each head has a count of 0; the heads and, in id order, as
+    many of those as fit in ``batch`` are claimed.  The followers come from
+    the statement's snapshot: another relay can claim an event of a key only
+    while holding the key's head, which this statement locked (or, when that
+    relay committed first, PostgreSQL's re-check of the locked head sees its
+    live lease and leaves the key out).  On PostgreSQL the relay runs it in
+    autocommit: one round trip claims a batch.
+    """
+
+    def build() -> Any:
+        conditions = _head_conditions(topics, strict)
+        # ORDER BY (published_ms, id), all NULL: id order, and the order of ix_stateguard_outbox_pending,
+        # so the planner walks that index from the first unpublished event instead of the primary key
+        # through every published one (what it chose for ORDER BY id while its statistics were stale).
+        heads_select = (
+            select(_o.c.id, _o.c.key)
+            .where(*conditions)
+            .order_by(_o.c.published_ms, _o.c.id)
+            .limit(bindparam("sg_batch"))
+        )
+        if backend.row_locks:
+            heads_select = heads_select.with_for_update(skip_locked=True)
+        heads = heads_select.cte("sg_heads").prefix_with("MATERIALIZED")
+        ev = _o.alias("sg_ev")
+        now = _sql.db_now_ms()
+        free = or_(ev.c.claimed_until_ms.is_(None), ev.c.claimed_until_ms <= now)
+        # A dead event after a head holds back the rest of its key (strict order; in the default
+        # order dead events are not followers at all).
+        ok = and_(ev.c.id > heads.c.id, free, ev.c.dead_ms.is_(None))
+        if topics:
+            ok = and_(ok, ev.c.topic.in_(bindparam("sg_topics", expanding=True)))
+        bad = case((ok, 0), else_=1)
+        followers = (
+            select(
+                ev.c.id,
+                func.sum(bad).over(partition_by=ev.c.key, order_by=ev.c.id).label("sg_bad"),
+            )
+            .select_from(ev.join(heads, ev.c.key == heads.c.key))
+            .where(
+                ev.c.published_ms.is_(None),
+                ev.c.id != heads.c.id,
+                *(() if strict else (ev.c.dead_ms.is_(None),)),
+            )
+            .cte("sg_followers")
+        )
+        ranked = (
+            select(followers.c.id, func.row_number().over(order_by=followers.c.id).label("sg_rank"))
+            .where(followers.c.sg_bad == 0)
+            .subquery("sg_ranked")
+        )
+        room: Any = bindparam("sg_batch") - select(func.count()).select_from(heads).scalar_subquery()
+        picked = union_all(select(heads.c.id), select(ranked.c.id).where(ranked.c.sg_rank <= room))
+        if backend.array_params:
+            # id = ANY(ARRAY(...)): the picked ids are computed once and the rows reached through the
+            # primary key, whatever the planner estimates (an IN (...) join became a nested loop over
+            # every unpublished row while the table had no statistics).
+            chosen = _o.c.id == func.any(func.array(picked.scalar_subquery()))
+        else:
+            chosen = _o.c.id.in_(picked)
+        return (
+            update(_o)
+            .where(chosen, _o.c.published_ms.is_(None), _o.c.dead_ms.is_(None))
+            .values(
+                claimed_by=bindparam("sg_owner"),
+                claimed_until_ms=_sql.db_now_ms() + bindparam("sg_lease"),
+                attempts=_o.c.attempts + 1,
+            )
+            .returning(*_EVENT_COLUMNS)
+        )
+
+    return _write.memo.get_or_build(("outbox_claim_once", backend, topics, strict), build)
+
+
+def _ids_in(backend: _sql.Backend) -> Any:
+    """``id`` among the bound list ``sg_ids``: ``= ANY(:sg_ids)``, one ARRAY parameter, on PostgreSQL.
+
+    One statement text whatever the batch's size, and a primary-key lookup the
+    planner keeps: with an expanded IN list of a batch's ids and ``published_ms
+    IS NULL`` it walked ix_stateguard_outbox_pending over every unpublished event
+    (about 5 ms a mark for 5,000 unpublished events; see bench/README.md, scenario 6).
+    """
+    if backend.array_params:
+        return _o.c.id == any_(bindparam("sg_ids", type_=ARRAY(BigInteger)))
+    return _o.c.id.in_(bindparam("sg_ids", expanding=True))
+
+
+def _owned_update(backend: _sql.Backend, what: str, values: Callable[[], dict[str, Any]]) -> Any:
+    """``UPDATE`` of the batch ``:sg_ids`` this relay (``:sg_owner``) still holds unpublished (built once)."""
+
+    def build() -> Any:
+        mine = (_ids_in(backend), _o.c.claimed_by == bindparam("sg_owner"), _o.c.published_ms.is_(None))
+        return update(_o).where(*mine).values(**values())
+
+    return _write.memo.get_or_build((f"outbox_{what}", backend), build)
+
+
+def _mark_statement(backend: _sql.Backend) -> Any:
+    """Mark the batch published (and free its lease)."""
+    return _owned_update(
+        backend, "mark", lambda: {"published_ms": _sql.db_now_ms(), "claimed_until_ms": None}
+    )
+
+
+def _release_statement(backend: _sql.Backend) -> Any:
+    """Give the batch back unpublished: claimable again at once."""
+    return _owned_update(backend, "release", lambda: {"claimed_until_ms": None})
+
+
+def _refuse_statement(backend: _sql.Backend) -> Any:
+    """One refused event of the batch (``:sg_id``) back unpublished, claimable after ``:sg_delay`` ms,
+    its refusal counted and its error kept; ``:sg_dead`` 1: parked dead instead (executemany)."""
+
+    def build() -> Any:
+        now = _sql.db_now_ms()
+        dead = bindparam("sg_dead", type_=BigInteger) == 1
+        return (
+            update(_o)
+            .where(
+                _o.c.id == bindparam("sg_id"),
+                _o.c.claimed_by == bindparam("sg_owner"),
+                _o.c.published_ms.is_(None),
+            )
+            .values(
+                refusals=_o.c.refusals + 1,
+                last_error=bindparam("sg_error"),
+                claimed_until_ms=case((dead, None), else_=now + bindparam("sg_delay", type_=BigInteger)),
+                dead_ms=case((dead, now), else_=None),
+            )
+        )
+
+    return _write.memo.get_or_build(("outbox_refuse", backend), build)
+
+
+def _requeue_statement(backend: _sql.Backend, ids: bool, key: bool) -> Any:
+    """Dead events (of ``:sg_ids``, of ``:sg_key``) alive again, refusals from 0, claimable at once."""
+
+    def build() -> Any:
+        conditions: list[ColumnElement[bool]] = [_o.c.dead_ms.is_not(None), _o.c.published_ms.is_(None)]
+        if ids:
+            conditions.append(_o.c.id.in_(bindparam("sg_ids", expanding=True)))
+        if key:
+            conditions.append(_o.c.key == bindparam("sg_key"))
+        return update(_o).where(*conditions).values(dead_ms=None, refusals=0, claimed_until_ms=None)
+
+    return _write.memo.get_or_build(("outbox_requeue", backend, ids, key), build)
+
+
+_READ_COMMITTED: Final = text("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+
+
+def _begin(conn: Connection) -> _sql.Backend:
+    """Start one of the relay's short transactions on ``conn``; its Backend.
+
+    SQLite: take the write lock first (its only lock).  InnoDB: READ
+    COMMITTED, whose locking reads lock only the rows they return, with no
+    gap locks: at REPEATABLE READ the claim's index scan would lock the gaps
+    new events are inserted into (emit would wait on a relay) and the rows it
+    rejected, and claims and marks of several relays deadlock on them.
+    """
+    backend = _sql.backend(conn.dialect)
+    if backend.locking_read:
+        # Before the transaction's first statement: SET TRANSACTION applies to the next one.
+        _write.execute(conn, _READ_COMMITTED)
+    _write.sqlite_write_lock(conn)
+    return backend
+
+
+def _event(row: Any) -> OutboxEvent:
+    stored = row.payload
+    return OutboxEvent(
+        int(row.id), row.topic, row.key, json.loads(stored), int(row.created_ms), stored, int(row.refusals)
+    )
