@@ -467,7 +467,14 @@ def test_every_stateguard_exception_has_retryable() -> None:
     assert all(issubclass(c, StateguardError) for c in classes)
     retryable = {c.__name__ for c in classes if c.retryable}
     assert all(isinstance(c.retryable, bool) for c in classes)
-    assert retryable == {"SerializationConflict", "DeadlockDetected", "LockNotAcquired", "WorkerIdsExhausted"}
+    # PublishFailed: a broker that did not take a batch; the relay publishes the events again.
+    assert retryable == {
+        "SerializationConflict",
+        "DeadlockDetected",
+        "LockNotAcquired",
+        "WorkerIdsExhausted",
+        "PublishFailed",
+    }
 
 
 def test_outcome_errors_are_not_retryable_instances() -> None:
