@@ -131,21 +131,45 @@ def server(request: pytest.FixtureRequest) -> Backend:
 def test_sink_raising_releases_the_batch_at_once_and_the_next_round_publishes_it(
     backend: Backend, engine: Engine
 ) -> None:
-    """README: raising means none of it counts as published: the claim is released, the batch comes again."""
+    """A sink that is down: the round raises, the claim is released at once (not left for the lease), and
+    the next round publishes the batch."""
+    ids = _emit(engine, 3)
+    calls: list[list[int]] = []
+    down = True
+
+    def flaky(events: Any) -> None:
+        calls.append([e.id for e in events])
+        if down:
+            raise ConnectionError("broker down")
+
+    relay = Relay(engine, CallableSink(flaky), lease=timedelta(minutes=10))
+    with pytest.raises(ConnectionError, match="broker down"):
+        relay.run_once()
+    # Two failed calls and nothing taken: the relay stops taking the batch apart (the sink is down).
+    assert len(calls) == 2 and calls[0] == ids
+    assert _free_and_unpublished(engine)  # released at once, not left for the 10-minute lease
+    down = False
+    calls.clear()
+    assert relay.run_once() == 3
+    assert calls == [ids]
+    assert _unpublished(engine) == 0
+
+
+def test_a_sink_failing_once_gets_the_batch_again_in_halves_in_the_same_round(
+    backend: Backend, engine: Engine
+) -> None:
+    """One failed sink call: the relay publishes the batch again in halves, earliest first, within the round."""
     ids = _emit(engine, 3)
     calls: list[list[int]] = []
 
     def flaky(events: Any) -> None:
         calls.append([e.id for e in events])
         if len(calls) == 1:
-            raise ConnectionError("broker down")
+            raise ConnectionError("broker hiccup")
 
     relay = Relay(engine, CallableSink(flaky), lease=timedelta(minutes=10))
-    with pytest.raises(ConnectionError, match="broker down"):
-        relay.run_once()
-    assert _free_and_unpublished(engine)  # released at once, not left for the 10-minute lease
     assert relay.run_once() == 3
-    assert calls == [ids, ids]
+    assert calls == [ids, ids[:1], ids[1:]]
     assert _unpublished(engine) == 0
 
 
