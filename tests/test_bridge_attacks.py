@@ -158,7 +158,7 @@ def test_sink_raising_releases_the_batch_at_once_and_the_next_round_publishes_it
 def test_a_sink_failing_once_gets_the_batch_again_in_halves_in_the_same_round(
     backend: Backend, engine: Engine
 ) -> None:
-    """One failed sink call: the relay publishes the batch again in halves, earliest first, within the round."""
+    """One failed sink call: the relay publishes the batch again in halves, earliest first, in the round."""
     ids = _emit(engine, 3)
     calls: list[list[int]] = []
 
