@@ -16,7 +16,7 @@ one conditional statement, so the database settles every race:
   SQLite; on MariaDB a duplicate-key error, which InnoDB rolls back alone and
   leaves the transaction usable).  Inserted: this caller owns the key.  On
   PostgreSQL the same statement returns the existing record
-  (:meth:`~stateguard._write.InsertOnce.insert_or_read`), unless it waited
+  (:meth:`~stateguard._kernel.InsertOnce.insert_or_read`), unless it waited
   for a twin that committed meanwhile (its snapshot is older than the twin's
   row): then, and on the other backends, a read follows.
 - otherwise **one read** of the record decides: completed with the same
@@ -42,7 +42,7 @@ Two modes:
 stored response share the session's transaction.  The claim needs no
 SAVEPOINT (its INSERT cannot abort the transaction; on PostgreSQL one
 statement claims the key or returns its record); the block gets one, sent
-just before its first statement (:class:`~stateguard._write.DeferredSavepoint`),
+just before its first statement (:class:`~stateguard._kernel.DeferredSavepoint`),
 so a first call whose block sends nothing is two statements.  If the block
 raises, the savepoint rolls back the block's writes and the claim is deleted
 (a takeover or reclaim opens the savepoint before its UPDATE and is rolled
@@ -64,7 +64,7 @@ next retry, which reads the last checkpoint.
 
 Times are integer epoch milliseconds on the database's clock: every lease
 and expiry is computed and judged by the database inside the statement that
-decides it (:func:`stateguard._sql.db_now_ms`), so application servers whose
+decides it (:func:`stateguard._kernel.db_now_ms`), so application servers whose
 clocks disagree never take over a live claim or keep a dead one.
 """
 
@@ -102,7 +102,7 @@ from sqlalchemy import (
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
-from . import _compat, _sql, _write
+from . import _compat, _kernel
 from . import observe as _observe
 from ._async import (
     AsyncSession,
@@ -193,7 +193,7 @@ class JSONSerializer:
 
     def dumps(self, value: Any) -> str:
         """``value`` as compact JSON."""
-        return _write.dumps_json(value)
+        return _kernel.dumps_json(value)
 
     def loads(self, text: str) -> Any:
         """The value of JSON ``text``."""
@@ -204,7 +204,7 @@ _JSON: Final = JSONSerializer()
 
 
 #: Canonical JSON of a fingerprint (sorted keys, no whitespace), built once.
-_canonical: Final = _write.json_encoder(sort_keys=True)
+_canonical: Final = _kernel.json_encoder(sort_keys=True)
 
 
 def _builtin_sha256() -> Callable[[bytes], Any]:
@@ -282,7 +282,7 @@ def _dump(serializer: Serializer, value: Any, what: str) -> str:
         )
     # PostgreSQL refuses NUL in text and no driver encodes a lone surrogate
     # (JSON with ensure_ascii=False passes one through).
-    return _write.check_storable(text, f"the serialised {what}")
+    return _kernel.check_storable(text, f"the serialised {what}")
 
 
 #: Characters of a stored error description (release reasons, exception messages).
@@ -384,7 +384,7 @@ _t = idempotency_keys
 # Every lease and expiry is judged and stored on the database's clock, inside
 # the deciding statement: an application server whose clock runs ahead must
 # not take over live claims (nor one running behind keep dead ones).
-_NOW: Final = _sql.db_now_ms()
+_NOW: Final = _kernel.db_now_ms()
 _LEASE_END: Final = _NOW + bindparam("sg_lease")
 _EXPIRY: Final = _NOW + bindparam("sg_ttl")
 # The statements below touch one table: their conditions name its columns unqualified
@@ -440,7 +440,7 @@ class _Record(NamedTuple):
 
 
 # One statement on PostgreSQL: the claim, or the record that holds the key (the kernel's CTE form).
-_CLAIM: Final = _write.InsertOnce(
+_CLAIM: Final = _kernel.InsertOnce(
     _t,
     _NEW_ROW,
     returning=[_t.c.scope],
@@ -481,7 +481,7 @@ _TAKEOVER: Final = (
 
 def _owned_update(**values: Any) -> Any:
     """``UPDATE ... SET values, updated_ms = db_now WHERE key AND owner = :me AND status = 'in_progress'``."""
-    return _write.frozen(update(_t).where(*_MINE).values(updated_ms=_NOW, **values))
+    return _kernel.frozen(update(_t).where(*_MINE).values(updated_ms=_NOW, **values))
 
 
 _COMPLETE: Final = _owned_update(
@@ -619,7 +619,7 @@ class IdempotentCall(DualObject[S]):
         :raises LeaseLost: the key was taken over.
         """
         self._check_open("checkpoint")
-        _write.check_text(name, "checkpoint name", 100)
+        _kernel.check_text(name, "checkpoint name", 100)
         claim = self._claim
         serializer = claim.options.serializer
         text = _dump(serializer, data, "checkpoint data")
@@ -670,7 +670,7 @@ class IdempotentCall(DualObject[S]):
                 raise InvalidArgument(
                     f"release reason is {len(reason)} characters long; the limit is {_MAX_ERROR}"
                 )
-            _write.check_storable(reason, "release reason")
+            _kernel.check_storable(reason, "release reason")
         self._claim.release(self, reason, forget)
 
     complete = dual_member(_complete)
@@ -737,7 +737,7 @@ class _Claim(Generic[S]):
         }
         self.call: IdempotentCall[S] | None = None
         #: Same transaction: the savepoint of the block (sent before its first statement).
-        self._block_savepoint: _write.DeferredSavepoint | None = None
+        self._block_savepoint: _kernel.DeferredSavepoint | None = None
         #: Same transaction: this call inserted the record (outside the savepoint).
         self._fresh = False
         self._conn: Connection | None = None
@@ -791,7 +791,7 @@ class _Claim(Generic[S]):
         # savepoint (a takeover or reclaim, which opens it before its UPDATE).
         # A replay wrote nothing and its block only returns the response: no savepoint.
         session = self.session
-        self._binds = {"bind": _write.own_bind(session, idempotency_keys)}
+        self._binds = {"bind": _kernel.own_bind(session, idempotency_keys)}
         conn = self._conn = session.connection(bind_arguments=self._binds)
         try:
             call = self._claim(conn)
@@ -799,14 +799,14 @@ class _Claim(Generic[S]):
             self._drop_savepoint()
             raise
         if self._block_savepoint is None and call._state == "open":
-            self._block_savepoint = _write.DeferredSavepoint(session, conn, self._binds)
+            self._block_savepoint = _kernel.DeferredSavepoint(session, conn, self._binds)
         return call
 
     def _savepoint_now(self) -> None:
         """Same transaction: open the block's savepoint before an UPDATE of an existing record."""
         if self.options.mode == "same_transaction" and self._block_savepoint is None:
             conn = self._open(self._conn)
-            self._block_savepoint = _write.DeferredSavepoint(self.session, conn, self._binds)
+            self._block_savepoint = _kernel.DeferredSavepoint(self.session, conn, self._binds)
             self._block_savepoint.open()
 
     def _drop_savepoint(self) -> None:
@@ -814,7 +814,7 @@ class _Claim(Generic[S]):
         savepoint, self._block_savepoint = self._block_savepoint, None
         if savepoint is not None:
             savepoint.close()
-            _write.abandon_savepoint(savepoint.nested)
+            _kernel.abandon_savepoint(savepoint.nested)
 
     def _undo_same(self) -> None:
         """Same transaction, the block failed or was released: its writes and the claim are undone."""
@@ -823,7 +823,7 @@ class _Claim(Generic[S]):
         if self._fresh and conn is not None:
             self._fresh = False
             try:
-                _write.execute(conn, _UNCLAIM, self._params())
+                _kernel.execute(conn, _UNCLAIM, self._params())
             except (sa_exc.DBAPIError, sa_exc.PendingRollbackError, sa_exc.ResourceClosedError):
                 # The transaction is aborted or gone (a deadlock on MariaDB, a lost connection, a
                 # statement cancelled by an asyncio task's cancellation, which invalidates the
@@ -843,7 +843,7 @@ class _Claim(Generic[S]):
                 "with no transaction open: commit or roll back first, and do not wrap it in "
                 "`with session.begin():`"
             )
-        bind = _write.own_bind(self.session, _t)
+        bind = _kernel.own_bind(self.session, _t)
         engine = bind if isinstance(bind, Engine) else bind.engine
         self._engine = engine
         if self.options.heartbeat_every is not None:
@@ -877,7 +877,7 @@ class _Claim(Generic[S]):
         return IdempotentCall(self)
 
     def _claim(self, conn: Connection) -> IdempotentCall[S]:
-        backend = _sql.backend(conn.dialect)
+        backend = _kernel.backend(conn.dialect)
         params = self._params()
         # PostgreSQL: one statement claims the key or returns its record.
         inserted, values = _CLAIM.insert_or_read(conn, params)
@@ -888,7 +888,7 @@ class _Claim(Generic[S]):
         for _ in range(_MAX_ROUNDS):
             if row is None:
                 # Not read yet (MariaDB, SQLite; PostgreSQL after waiting for a twin that committed).
-                row = _write.execute(conn, read, params).first()
+                row = _kernel.execute(conn, read, params).first()
             if row is None:
                 # Purged (or its claimant rolled back) between our statements.
                 if _CLAIM(conn, params) is not None:
@@ -912,7 +912,7 @@ class _Claim(Generic[S]):
         options = self.options
         if row.expires_ms <= now:
             self._savepoint_now()
-            if _write.execute(conn, _RECLAIM, {**params, "sg_old_owner": row.owner}).rowcount != 1:
+            if _kernel.execute(conn, _RECLAIM, {**params, "sg_old_owner": row.owner}).rowcount != 1:
                 return None
             return self._claimed()
         if (
@@ -952,7 +952,7 @@ class _Claim(Generic[S]):
                 retry_after=timedelta(milliseconds=locked_until - now),
             )
         self._savepoint_now()
-        if _write.execute(conn, _TAKEOVER, {**params, "sg_old_owner": row.owner}).rowcount != 1:
+        if _kernel.execute(conn, _TAKEOVER, {**params, "sg_old_owner": row.owner}).rowcount != 1:
             return None
         call = IdempotentCall(self)
         call.attempt, call.taken_over = row.attempt + 1, True
@@ -974,14 +974,14 @@ class _Claim(Generic[S]):
                 with self._open(self._block_savepoint).paused() as conn:
                     if text is not None:
                         self._check_size(conn, text)
-                    matched = _write.execute(conn, stmt, params).rowcount
+                    matched = _kernel.execute(conn, stmt, params).rowcount
             else:
                 session = self.session
                 try:
-                    conn = _write.own_connection(session, idempotency_keys)
+                    conn = _kernel.own_connection(session, idempotency_keys)
                     if text is not None:
                         self._check_size(conn, text)
-                    matched = _write.execute(conn, stmt, params).rowcount
+                    matched = _kernel.execute(conn, stmt, params).rowcount
                     if matched == 1:
                         session.commit()
                 except InvalidArgument:
@@ -1003,8 +1003,8 @@ class _Claim(Generic[S]):
 
     def _check_size(self, conn: Connection, text: str) -> None:
         """InvalidArgument (nothing sent) when ``text`` cannot travel to the server in one statement."""
-        if _write.needs_size_check(conn, text):
-            _write.check_statement_size(conn, text, f"the stored value of {self._name}")
+        if _kernel.needs_size_check(conn, text):
+            _kernel.check_statement_size(conn, text, f"the stored value of {self._name}")
 
     def heartbeat(self, call: IdempotentCall[S], dedicated: Connection | None = None) -> None:
         """Extend the lease; LeaseLost when another owner took the key (not when this owner finished it).
@@ -1016,13 +1016,13 @@ class _Claim(Generic[S]):
         params = self._params()
         if self.options.mode == "same_transaction":
             with self._open(self._block_savepoint).paused() as conn:
-                matched = _write.execute(conn, _HEARTBEAT, params).rowcount
+                matched = _kernel.execute(conn, _HEARTBEAT, params).rowcount
         elif dedicated is not None:
             with dedicated.begin():
-                matched = _write.execute(dedicated, _HEARTBEAT, params).rowcount
+                matched = _kernel.execute(dedicated, _HEARTBEAT, params).rowcount
         else:
             with self._open(self._engine).begin() as conn:
-                matched = _write.execute(conn, _HEARTBEAT, params).rowcount
+                matched = _kernel.execute(conn, _HEARTBEAT, params).rowcount
         if matched != 1:
             if self._finishing or call._state != "open":
                 # Its own complete()/fail/release() ended the claim between the check
@@ -1181,8 +1181,8 @@ def _options(
     non_retryable: Any,
 ) -> _Options:
     """Check the options of :func:`idempotent` (nothing is written before they pass)."""
-    _write.check_text(scope, "scope", MAX_SCOPE)
-    _write.check_text(key, "idempotency key", MAX_KEY)
+    _kernel.check_text(scope, "scope", MAX_SCOPE)
+    _kernel.check_text(key, "idempotency key", MAX_KEY)
     policy: tuple[Any, ...] = (lease, ttl, mode, heartbeat_every, non_retryable)
     try:
         lease_ms, ttl_ms, mode, interval, non_retryable = _checked_policy(*policy)
@@ -1210,8 +1210,8 @@ def _check_policy(
 ) -> tuple[int, int, Mode, float | None, tuple[type[BaseException], ...]]:
     """The options other than scope, key and serializer, checked: ``(lease_ms, ttl_ms, mode, heartbeat
     interval in seconds, non_retryable)``."""
-    lease_ms = _write.duration_ms(lease, "lease")
-    ttl_ms = _write.duration_ms(ttl, "ttl")
+    lease_ms = _kernel.duration_ms(lease, "lease")
+    ttl_ms = _kernel.duration_ms(ttl, "ttl")
     if ttl_ms < lease_ms:
         raise InvalidArgument(f"ttl ({ttl}) must not be shorter than lease ({lease})")
     if mode not in ("same_transaction", "separate"):
@@ -1223,7 +1223,7 @@ def _check_policy(
                 "heartbeat_every needs mode='separate': in same_transaction mode the claim is invisible to "
                 "other transactions until it commits, so there is no lease to keep alive"
             )
-        interval = _write.duration_ms(heartbeat_every, "heartbeat_every") / 1000
+        interval = _kernel.duration_ms(heartbeat_every, "heartbeat_every") / 1000
         if interval * 1000 >= lease_ms:
             raise InvalidArgument(f"heartbeat_every ({heartbeat_every}) must be shorter than lease ({lease})")
     if isinstance(non_retryable, type):
@@ -1420,7 +1420,7 @@ def purge_expired(bind: Engine | Connection | Session, *, batch: int = 1000) -> 
 
     :raises InvalidArgument: ``batch`` is not a positive int.
     """
-    return _write.purge_rows(_t, bind, batch)
+    return _kernel.purge_rows(_t, bind, batch)
 
 
 #: Names this module defined before the 0.2 layout, and where they live now.

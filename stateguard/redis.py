@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal, NoReturn, TypeV
 
 from sqlalchemy import Connection, Engine, text
 
-from . import _sql, _write
+from . import _kernel
 from . import observe as _observe
 from ._async import Awaited, Steps, run_steps, step
 from .exceptions import InvalidArgument, LockLost, LockNotAcquired, NotSupported, ReplicationTimeout
@@ -142,7 +142,7 @@ def _check_wait(wait_replicas: Any, wait_timeout: Any) -> tuple[int, int]:
             f"wait_replicas must be an int from 0 (0: do not wait for replicas) to {MAX_WAIT_REPLICAS}, "
             f"got {wait_replicas!r}; set it to at most the number of replicas each master has"
         )
-    seconds = _write.required_seconds(wait_timeout, "wait_timeout")
+    seconds = _kernel.required_seconds(wait_timeout, "wait_timeout")
     if not 0.001 <= seconds <= MAX_WAIT_TIMEOUT:
         raise InvalidArgument(
             f"wait_timeout must be from 1 millisecond to {MAX_WAIT_TIMEOUT:g} s (one hour), "
@@ -395,8 +395,8 @@ class _RedisTokens(_RedisClient):
         return _token_key(scope, token_digest(token))
 
     def _issue(self, scope: str, ttl: timedelta) -> Steps[str]:
-        _write.check_text(scope, "scope", MAX_SCOPE)
-        ttl_ms = _write.duration_ms(ttl, "ttl")
+        _kernel.check_text(scope, "scope", MAX_SCOPE)
+        ttl_ms = _kernel.duration_ms(ttl, "ttl")
         while True:
             token = secrets.token_urlsafe(TOKEN_BYTES)
             # NX: a 256-bit collision will not happen, but if it did, the
@@ -418,8 +418,8 @@ class _RedisTokens(_RedisClient):
                 return token
 
     def _consume(self, token: str, scope: str) -> Steps[Result]:
-        _write.check_text(token, "token", MAX_KEY)
-        _write.check_text(scope, "scope", MAX_SCOPE)
+        _kernel.check_text(token, "token", MAX_KEY)
+        _kernel.check_text(scope, "scope", MAX_SCOPE)
         digest = token_digest(token)
         key = _token_key(scope, digest)
         # A consume of this token through this object, by this caller (thread
@@ -1039,11 +1039,11 @@ def _take_fence(conn: Connection, name: str) -> int:
     takes orders concurrent acquirers of one name; the value it returns is
     committed before the fence is used.
     """
-    backend = _sql.backend(conn.dialect)
+    backend = _kernel.backend(conn.dialect)
     if backend.last_insert_id:
-        return int(_write.execute(conn, _FENCE_LAST_INSERT_ID, {"name": name}).lastrowid)
+        return int(_kernel.execute(conn, _FENCE_LAST_INSERT_ID, {"name": name}).lastrowid)
     if backend.on_conflict and backend.returning:
-        return int(_write.execute(conn, _FENCE_RETURNING, {"name": name}).scalar_one())
+        return int(_kernel.execute(conn, _FENCE_RETURNING, {"name": name}).scalar_one())
     raise NotSupported(
         f"fences= needs PostgreSQL, MySQL/MariaDB or SQLite >= 3.35 (upsert with RETURNING); "
         f"{backend.name} has none: leave fences= out to take fences from Redis"
@@ -1091,16 +1091,16 @@ class _RedisLock(_RedisClient):
                 f"{type(self).__name__} name {name!r} holds a lone surrogate, which no Redis key can store; "
                 f"pass valid text"
             ) from None
-        seconds = _write.required_seconds(ttl, "ttl")
+        seconds = _kernel.required_seconds(ttl, "ttl")
         if seconds < 0.001:
             raise InvalidArgument(f"ttl must be at least 1 millisecond, got {ttl!r}")
         if fences is not None:
             self._check_fences(fences)
             # The name is the primary key of its row in stateguard_fences.
-            _write.check_text(name, "name", MAX_KEY)
+            _kernel.check_text(name, "name", MAX_KEY)
         self.name = name
         self.ttl = seconds
-        self.blocking_timeout = _write.seconds(blocking_timeout, "blocking_timeout", allow_zero=True)
+        self.blocking_timeout = _kernel.seconds(blocking_timeout, "blocking_timeout", allow_zero=True)
         self._fences = fences
         self.key = _lock_key(name)
         self.fence_key = f"{self.key}:fence"
@@ -1152,7 +1152,7 @@ class _RedisLock(_RedisClient):
             return fence
 
     def _acquire(self, blocking_timeout: float | timedelta | None) -> Steps[int]:
-        wait = _write.seconds(blocking_timeout, "blocking_timeout", allow_zero=True)
+        wait = _kernel.seconds(blocking_timeout, "blocking_timeout", allow_zero=True)
         if wait is None:
             wait = self.blocking_timeout
         local = self._lock.local
@@ -1330,7 +1330,7 @@ class _RedisLock(_RedisClient):
                 raise
 
     def _extend(self, additional: float | timedelta, replace_ttl: bool) -> Steps[None]:
-        seconds = _write.required_seconds(additional, "additional")
+        seconds = _kernel.required_seconds(additional, "additional")
         local = self._lock.local
         # The call's identity, kept after an error for a second extend() with
         # the same arguments: an extension that did run is not added twice.
@@ -1698,7 +1698,7 @@ class RedisStreamSink:
                 f"RedisStreamSink needs a redis client (redis.Redis or redis.asyncio), got {client!r}"
             )
         self.client = client
-        self.stream = _write.check_text(stream, "stream", MAX_KEY)
+        self.stream = _kernel.check_text(stream, "stream", MAX_KEY)
         if maxlen is not None and (type(maxlen) is not int or not 1 <= maxlen <= MAX_MAXLEN):
             # Redis refuses a larger MAXLEN on every XADD ("value is not an integer or out of
             # range"): the relay would retry forever and publish nothing.

@@ -122,7 +122,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import mysql, postgresql
 from sqlalchemy.orm import Session
 
-from . import _sql, _write
+from . import _kernel
 from ._async import dual_method
 from .counters import (
     LedgerTarget,
@@ -161,7 +161,7 @@ _WAITS: Final = 8
 #: naming the stripes one by one (see :func:`_pick_among`).  A hint: a stale one (another process
 #: restriped) costs a slower path once, never a wrong answer: stripe 0 is among every item's
 #: stripes and every row carries the true count, which the caller then remembers.
-_counts: Final = _write.Memo(4096)
+_counts: Final = _kernel.Memo(4096)
 
 #: Marks a ledger ``row_key`` that holds an item as given rather than as JSON (see :func:`_ledger_key`).
 _AS_GIVEN: Final = "="
@@ -183,8 +183,8 @@ def stripe_ids(stripes: int) -> list[int]:
     return [i * SPACE // stripes for i in range(stripes)]
 
 
-def _memo(kind: str, backend: _sql.Backend, build: Any) -> Any:
-    return _write.memo.get_or_build(("striped", kind, backend), build)
+def _memo(kind: str, backend: _kernel.Backend, build: Any) -> Any:
+    return _kernel.memo.get_or_build(("striped", kind, backend), build)
 
 
 def _fits(sign: int) -> Any:
@@ -196,7 +196,7 @@ def _fits(sign: int) -> Any:
     return _s.c.amount <= bindparam("sg_room")
 
 
-def _pick(backend: _sql.Backend, wrap: bool | None, sign: int) -> Any:
+def _pick(backend: _kernel.Backend, wrap: bool | None, sign: int) -> Any:
     """The stripe a change starts at: the last one at or below ``:start`` (``wrap``: above it;
     ``None``: either, at or below first), free (``SKIP LOCKED``) and one the change fits."""
     start: Any = bindparam("sg_start")
@@ -236,7 +236,7 @@ def _named(stmt: Any) -> Any:
 def _pick_among(sign: int) -> Any:
     """InnoDB: the last free stripe of ``:ids`` the change fits, and the item's stripe count
     (see :func:`_named`)."""
-    return _write.memo.get_or_build(
+    return _kernel.memo.get_or_build(
         ("striped", "pick-among", sign),
         lambda: (
             _named(select(_s.c.stripe, _s.c.stripes))
@@ -248,7 +248,7 @@ def _pick_among(sign: int) -> Any:
     )
 
 
-def _one_statement(backend: _sql.Backend, sign: int) -> Any:
+def _one_statement(backend: _kernel.Backend, sign: int) -> Any:
     """PostgreSQL and SQLite: pick a stripe and change it in one statement (RETURNING its amount)."""
 
     def build() -> Any:
@@ -261,7 +261,7 @@ def _one_statement(backend: _sql.Backend, sign: int) -> Any:
     return _memo(f"one-{sign}", backend, build)
 
 
-def _by_stripe(backend: _sql.Backend, sign: int, guarded: bool) -> Any:
+def _by_stripe(backend: _kernel.Backend, sign: int, guarded: bool) -> Any:
     """Change one named stripe (``:stripe``), a stripe this transaction locked or stripe 0."""
 
     def build() -> Any:
@@ -276,7 +276,7 @@ def _by_stripe(backend: _sql.Backend, sign: int, guarded: bool) -> Any:
     return _memo(f"by-stripe-{sign}-{guarded}", backend, build)
 
 
-def _sweep(backend: _sql.Backend, named: bool) -> Any:
+def _sweep(backend: _kernel.Backend, named: bool) -> Any:
     """Stripes of the item locked in stripe order (the slow path's and restripe's one order).
 
     ``named``: only the stripes named in ``:ids`` (InnoDB's slow path, and restripe on every
@@ -302,7 +302,7 @@ def _sweep(backend: _sql.Backend, named: bool) -> Any:
 
 def _free() -> Any:
     """PostgreSQL: the stripes of the item no other transaction holds, locked (``SKIP LOCKED``)."""
-    return _write.memo.get_or_build(
+    return _kernel.memo.get_or_build(
         ("striped", "free"),
         lambda: (
             select(_s.c.stripe, _s.c.amount)
@@ -315,7 +315,7 @@ def _free() -> Any:
 
 def _lock_one() -> Any:
     """PostgreSQL: lock one stripe (``:stripe``), waiting for the transaction that holds it."""
-    return _write.memo.get_or_build(
+    return _kernel.memo.get_or_build(
         ("striped", "lock-one"),
         lambda: (
             select(_s.c.stripe).where(*_same_item, _s.c.stripe == bindparam("sg_stripe")).with_for_update()
@@ -323,7 +323,7 @@ def _lock_one() -> Any:
     )
 
 
-def _stripe_0(backend: _sql.Backend) -> Any:
+def _stripe_0(backend: _kernel.Backend) -> Any:
     """Stripe 0's amount (an increment's guarded UPDATE of it matched nothing: missing or full?)."""
 
     def build() -> Any:
@@ -336,14 +336,14 @@ def _stripe_0(backend: _sql.Backend) -> Any:
 
 def _hints() -> Any:
     """Each stripe's amount, read without locks: which stripe is worth waiting for."""
-    return _write.memo.get_or_build(
+    return _kernel.memo.get_or_build(
         ("striped", "hints"),
         lambda: select(_s.c.stripe, _s.c.amount, _s.c.stripes).where(*_item_stripes),
     )
 
 
 def _amounts() -> Any:
-    return _write.memo.get_or_build(
+    return _kernel.memo.get_or_build(
         ("striped", "amounts"),
         lambda: select(_s.c.amount).where(*_item_stripes).order_by(_s.c.stripe),
     )
@@ -367,7 +367,7 @@ def _insert_rows(rows: Sequence[Mapping[str, Any]]) -> Any:
     return insert(_s).values(_stripe_values(rows))
 
 
-def _add_stripes(conn: Connection, backend: _sql.Backend, rows: Sequence[Mapping[str, Any]]) -> set[int]:
+def _add_stripes(conn: Connection, backend: _kernel.Backend, rows: Sequence[Mapping[str, Any]]) -> set[int]:
     """Restripe, before it locks anything: insert new stripes; the ids it inserted.
 
     An id taken already (only when the plan came from a snapshot older than the last restripe's
@@ -376,18 +376,18 @@ def _add_stripes(conn: Connection, backend: _sql.Backend, rows: Sequence[Mapping
     nothing is inserted.  The caller inserts what is still missing once it holds the stripes.
     """
     if backend.on_conflict:
-        stmt = _write.insert_or_skip(backend, _s).values(_stripe_values(rows)).returning(_s.c.stripe)
-        return set(_write.execute(conn, stmt).scalars())
+        stmt = _kernel.insert_or_skip(backend, _s).values(_stripe_values(rows)).returning(_s.c.stripe)
+        return set(_kernel.execute(conn, stmt).scalars())
     try:
-        _write.execute(conn, _insert_rows(rows))
+        _kernel.execute(conn, _insert_rows(rows))
     except sa_exc.IntegrityError as error:
-        if _sql.is_duplicate_key(error):
+        if _kernel.is_duplicate_key(error):
             return set()
         raise
     return {int(r["sg_stripe"]) for r in rows}
 
 
-_CREATE: Final = _write.InsertOnce(
+_CREATE: Final = _kernel.InsertOnce(
     _s,
     {
         _s.c.counter: bindparam("sg_counter"),
@@ -401,7 +401,7 @@ _CREATE: Final = _write.InsertOnce(
 
 
 def _set_stripe() -> Any:
-    return _write.memo.get_or_build(
+    return _kernel.memo.get_or_build(
         ("striped", "set"),
         lambda: (
             update(_s)
@@ -419,7 +419,7 @@ def _drop_stripe() -> Any:
     next-key locks; a restripe then waited for a decrement of another item (a deadlock).  A
     whole key is a single-row lookup, which locks that row alone.
     """
-    return _write.memo.get_or_build(
+    return _kernel.memo.get_or_build(
         ("striped", "drop"),
         lambda: delete(_s).where(*_same_item, _s.c.stripe == bindparam("sg_stripe")),
     )
@@ -433,7 +433,7 @@ def _drop_stripe() -> Any:
 _GATE: Final = -1
 
 
-def _gate(backend: _sql.Backend) -> Any:
+def _gate(backend: _kernel.Backend) -> Any:
     """Restripe: make the item's gate row or lock the one there, waiting for the restripe (or the
     waiting decrements) that hold it: ``INSERT ... ON DUPLICATE KEY UPDATE`` / ``ON CONFLICT DO
     UPDATE``, which lock an existing row exclusively in one statement."""
@@ -460,7 +460,7 @@ def _gate(backend: _sql.Backend) -> Any:
 def _gate_shared() -> Any:
     """InnoDB: the item's gate row locked shared, or refused at once (``NOWAIT``) while a
     restripe holds it or waits for it (see :meth:`StripedCounter._restripe_under_way`)."""
-    return _write.memo.get_or_build(
+    return _kernel.memo.get_or_build(
         ("striped", "gate-shared"),
         lambda: (
             select(_s.c.stripe)
@@ -509,7 +509,7 @@ def _check_int(value: Any, what: str, low: int, high: int) -> int:
 def _needed_ref(ref: Any, call: str) -> str:
     if ref is None:
         raise InvalidArgument(f"{call} needs a ref (it is idempotent per ref)")
-    return _write.check_storable(_check_ref(ref) or "", "ref")
+    return _kernel.check_storable(_check_ref(ref) or "", "ref")
 
 
 def _check_ref(ref: Any) -> str | None:
@@ -517,7 +517,7 @@ def _check_ref(ref: Any) -> str | None:
         return None
     if not isinstance(ref, str) or not ref or len(ref) > MAX_REF:
         raise InvalidArgument(f"ref must be a non-empty string of at most {MAX_REF} characters, got {ref!r}")
-    return _write.check_storable(ref, "ref")
+    return _kernel.check_storable(ref, "ref")
 
 
 class StripedCounter:
@@ -543,7 +543,7 @@ class StripedCounter:
     __slots__ = ("name", "stripes", "target")
 
     def __init__(self, name: str, *, stripes: int = 8) -> None:
-        self.name = _write.check_text(name, "counter name", MAX_NAME)
+        self.name = _kernel.check_text(name, "counter name", MAX_NAME)
         self.stripes = _check_int(stripes, "stripes", 1, MAX_STRIPES)
         #: How the counter ledger names this counter's changes.
         self.target = LedgerTarget(_s.fullname, name, f"StripedCounter({name!r})")
@@ -556,12 +556,12 @@ class StripedCounter:
     # ----------------------------------------------------------------------
 
     def _item(self, item: Any) -> str:
-        return _write.check_text(item, "item", MAX_ITEM)
+        return _kernel.check_text(item, "item", MAX_ITEM)
 
     def _conn(self, session: Session) -> Connection:
         if session.autoflush:
             session.flush()
-        return _write.own_connection(session, _s)
+        return _kernel.own_connection(session, _s)
 
     def _params(self, item: str, **more: Any) -> dict[str, Any]:
         return {"sg_counter": self.name, "sg_item": item, **more}
@@ -593,7 +593,7 @@ class StripedCounter:
     def _fast(
         self,
         conn: Connection,
-        backend: _sql.Backend,
+        backend: _kernel.Backend,
         item: str,
         by: int,
         sign: int,
@@ -606,13 +606,13 @@ class StripedCounter:
         start = random.randrange(SPACE)
         params = self._params(item, sg_by=by, sg_room=MAX_AMOUNT - by, sg_start=start)
         if backend.returning:
-            return _write.execute(conn, _one_statement(backend, sign), params).first() is not None
+            return _kernel.execute(conn, _one_statement(backend, sign), params).first() is not None
         if backend.locking_read:
             ids = self._ids(item) if ids is None else ids
             cut = bisect.bisect_right(ids, start)
             for part in (ids[:cut], ids[cut:]):
                 row = (
-                    _write.execute(conn, _pick_among(sign), {**params, "sg_ids": part}).first()
+                    _kernel.execute(conn, _pick_among(sign), {**params, "sg_ids": part}).first()
                     if part
                     else None
                 )
@@ -622,20 +622,22 @@ class StripedCounter:
                     return self._change_picked(conn, backend, params, row.stripe, sign)
             return False
         for wrap in (False, True):
-            stripe = _write.execute(conn, _pick(backend, wrap, sign), params).scalar()
+            stripe = _kernel.execute(conn, _pick(backend, wrap, sign), params).scalar()
             if stripe is not None:
                 return self._change_picked(conn, backend, params, stripe, sign)
         return False
 
     def _change_picked(
-        self, conn: Connection, backend: _sql.Backend, params: dict[str, Any], stripe: int, sign: int
+        self, conn: Connection, backend: _kernel.Backend, params: dict[str, Any], stripe: int, sign: int
     ) -> bool:
         # Locked by this transaction: the UPDATE cannot miss it.
         stmt = _by_stripe(backend, sign, True)
-        return _write.run_guarded(conn, stmt, {**params, "sg_stripe": stripe}, returning=backend.returning)[0]
+        return _kernel.run_guarded(conn, stmt, {**params, "sg_stripe": stripe}, returning=backend.returning)[
+            0
+        ]
 
     def _take(
-        self, conn: Connection, backend: _sql.Backend, item: str, by: int
+        self, conn: Connection, backend: _kernel.Backend, item: str, by: int
     ) -> tuple[Outcome, int | None]:
         """Take ``by`` off ``item``: from a free stripe, else a busy one that holds it, else from several.
 
@@ -653,7 +655,7 @@ class StripedCounter:
                     return decided
         return self._slow_decrement(conn, backend, item, by)
 
-    def _wait_for_one(self, conn: Connection, backend: _sql.Backend, item: str, by: int) -> bool:
+    def _wait_for_one(self, conn: Connection, backend: _kernel.Backend, item: str, by: int) -> bool:
         """MariaDB: a decrement no free stripe took waits for one busy stripe that holds ``by``.
 
         The fast path fails when every stripe that holds ``by`` is held by another buyer
@@ -667,7 +669,7 @@ class StripedCounter:
         REPEATABLE READ's plain reads show the transaction's first snapshot.
         """
         params = self._params(item, sg_by=by)
-        rows = _write.execute(conn, _hints(), params).all()
+        rows = _kernel.execute(conn, _hints(), params).all()
         # The fast path named the stripes of another count (stripe 0 alone, the first time): name
         # the snapshot's before waiting for one.  Not remembered: the snapshot may predate a
         # restripe whose count this process already saw.  The pick's locked row carries the
@@ -686,7 +688,7 @@ class StripedCounter:
                 return False
             params["sg_stripe"] = 0
         stmt = _by_stripe(backend, -1, True)
-        return _write.run_guarded(conn, stmt, params, returning=backend.returning)[0]
+        return _kernel.run_guarded(conn, stmt, params, returning=backend.returning)[0]
 
     def _restripe_under_way(self, conn: Connection, item: str) -> bool:
         """MariaDB: whether a restripe of ``item`` holds (or waits for) its gate; if not, none can
@@ -708,13 +710,13 @@ class StripedCounter:
         restripe).
         """
         try:
-            _write.execute(conn, _gate_shared(), self._params(item)).all()
+            _kernel.execute(conn, _gate_shared(), self._params(item)).all()
         except LockNotAcquired:
             return True
         return False
 
     def _settle(
-        self, conn: Connection, backend: _sql.Backend, item: str, by: int
+        self, conn: Connection, backend: _kernel.Backend, item: str, by: int
     ) -> tuple[Outcome, int | None] | None:
         """PostgreSQL: a decrement no free stripe took, never waiting while it holds what it took.
 
@@ -741,7 +743,7 @@ class StripedCounter:
         """
         params = self._params(item, sg_by=by)
         for _ in range(_WAITS):
-            rows = _write.execute(conn, _hints(), params).all()
+            rows = _kernel.execute(conn, _hints(), params).all()
             if not rows:
                 return None
             total = sum(int(r.amount) for r in rows)
@@ -753,9 +755,9 @@ class StripedCounter:
                 if holding:
                     one = {**params, "sg_stripe": random.choice(holding)}
                     stmt = _by_stripe(backend, -1, True)
-                    applied = _write.run_guarded(conn, stmt, one, returning=backend.returning)[0]
+                    applied = _kernel.run_guarded(conn, stmt, one, returning=backend.returning)[0]
                 else:
-                    free = _write.execute(conn, _free(), params).all()
+                    free = _kernel.execute(conn, _free(), params).all()
                     applied = self._take_from(conn, backend, item, free, by)
                     if not applied:
                         savepoint.rollback()
@@ -766,7 +768,7 @@ class StripedCounter:
                             # Any busy stripe will do (a commit there is what this waits for); a
                             # random one, so a deadlock victim does not wait for the same again.
                             one = {**params, "sg_stripe": random.choice(busy).stripe}
-                            _write.execute(conn, _lock_one(), one).all()
+                            _kernel.execute(conn, _lock_one(), one).all()
             except DeadlockDetected:
                 # This call waited holding nothing taken in the savepoint, so the cycle runs
                 # through a lock its transaction held before (a stripe its fast path examined,
@@ -775,7 +777,7 @@ class StripedCounter:
                 savepoint.rollback()
                 raise
             except BaseException:
-                _write.abandon_savepoint(savepoint)
+                _kernel.abandon_savepoint(savepoint)
                 raise
             if applied:
                 savepoint.commit()
@@ -783,7 +785,7 @@ class StripedCounter:
             savepoint.rollback()  # frees a stripe that no longer holds ``by``, or the one waited for
         return None
 
-    def _add_to_stripe_0(self, conn: Connection, backend: _sql.Backend, item: str, by: int) -> bool:
+    def _add_to_stripe_0(self, conn: Connection, backend: _kernel.Backend, item: str, by: int) -> bool:
         """An increment no free stripe took (all held by others, or too full): wait for stripe 0
         (every item has one).  ``False``: no such item.
 
@@ -792,12 +794,12 @@ class StripedCounter:
             guard is in the statement, which the database never fails).
         """
         params = self._params(item, sg_by=by, sg_room=MAX_AMOUNT - by, sg_stripe=0)
-        applied, _ = _write.run_guarded(
+        applied, _ = _kernel.run_guarded(
             conn, _by_stripe(backend, 1, True), params, returning=backend.returning
         )
         if applied:
             return True
-        found = _write.execute(conn, _stripe_0(backend), params).scalar()
+        found = _kernel.execute(conn, _stripe_0(backend), params).scalar()
         if found is None:
             return False
         raise InvalidArgument(
@@ -805,7 +807,7 @@ class StripedCounter:
             f"(at most {MAX_AMOUNT}); nothing changed"
         )
 
-    def _lock_all(self, conn: Connection, backend: _sql.Backend, item: str) -> Sequence[Any]:
+    def _lock_all(self, conn: Connection, backend: _kernel.Backend, item: str) -> Sequence[Any]:
         """Every stripe of ``item``, locked in stripe order; ``[]`` when the item does not exist.
 
         A statement whose snapshot predates a committed restripe misses the
@@ -821,7 +823,7 @@ class StripedCounter:
             if backend.locking_read:
                 rows = self._lock_named(conn, backend, item)
             else:
-                rows = _write.execute(conn, _sweep(backend, False), params).all()
+                rows = _kernel.execute(conn, _sweep(backend, False), params).all()
             # Stripe 0 is updated in place by a restripe, so a missing item is truly missing.
             if not rows:
                 break
@@ -830,7 +832,7 @@ class StripedCounter:
                 break
         return rows
 
-    def _lock_named(self, conn: Connection, backend: _sql.Backend, item: str) -> Sequence[Any]:
+    def _lock_named(self, conn: Connection, backend: _kernel.Backend, item: str) -> Sequence[Any]:
         """Lock stripe 0, then the other stripes of the count it carries, by name (InnoDB's sweep,
         and restripe's on every backend: the new stripes it inserted are not among them).
 
@@ -846,7 +848,7 @@ class StripedCounter:
         slow path.
         """
         params = self._params(item, sg_ids=(0,))
-        first = _write.execute(conn, _sweep(backend, True), params).all()
+        first = _kernel.execute(conn, _sweep(backend, True), params).all()
         if not first:
             return first
         self._saw(item, first[0].stripes)
@@ -854,10 +856,10 @@ class StripedCounter:
         if not rest:
             return first
         params["sg_ids"] = rest
-        return [*first, *_write.execute(conn, _sweep(backend, True), params).all()]
+        return [*first, *_kernel.execute(conn, _sweep(backend, True), params).all()]
 
     def _slow_decrement(
-        self, conn: Connection, backend: _sql.Backend, item: str, by: int
+        self, conn: Connection, backend: _kernel.Backend, item: str, by: int
     ) -> tuple[Outcome, int | None]:
         """Take ``by`` from as many stripes as needed, all of them locked in stripe order.
 
@@ -878,7 +880,7 @@ class StripedCounter:
                 found = self._take_locked(conn, backend, item, by)
             except DeadlockDetected as deadlock:
                 if attempt == _DEADLOCK_SWEEPS - 1:
-                    _write.abandon_savepoint(savepoint)
+                    _kernel.abandon_savepoint(savepoint)
                     raise
                 try:
                     savepoint.rollback()
@@ -887,14 +889,14 @@ class StripedCounter:
                     raise deadlock from None
                 continue
             except BaseException:
-                _write.abandon_savepoint(savepoint)
+                _kernel.abandon_savepoint(savepoint)
                 raise
             savepoint.commit()
             return found
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _take_locked(
-        self, conn: Connection, backend: _sql.Backend, item: str, by: int
+        self, conn: Connection, backend: _kernel.Backend, item: str, by: int
     ) -> tuple[Outcome, int | None]:
         rows = self._lock_all(conn, backend, item)
         if not rows:
@@ -905,7 +907,7 @@ class StripedCounter:
         return Outcome.APPLIED, total - by
 
     def _take_from(
-        self, conn: Connection, backend: _sql.Backend, item: str, rows: Sequence[Any], by: int
+        self, conn: Connection, backend: _kernel.Backend, item: str, rows: Sequence[Any], by: int
     ) -> bool:
         """Take ``by`` from ``rows`` (stripes this transaction locked), the fullest first: the fewest
         UPDATEs, and stripes stay even.  ``False`` (nothing changed) when they hold less."""
@@ -922,14 +924,14 @@ class StripedCounter:
                 break
         stmt = _by_stripe(backend, -1, False)
         for stripe, take in takes.items():
-            _write.execute(conn, stmt, self._params(item, sg_by=take, sg_stripe=stripe))
+            _kernel.execute(conn, stmt, self._params(item, sg_by=take, sg_stripe=stripe))
         return True
 
     def _change(
         self,
         session: Session,
         conn: Connection,
-        backend: _sql.Backend,
+        backend: _kernel.Backend,
         item: str,
         by: int,
         sign: int,
@@ -989,7 +991,7 @@ class StripedCounter:
         if _CREATE(conn, rows[0]) is None:
             return self._result(session, Outcome.REPEATED, item)
         if rows[1:]:
-            _write.execute(conn, _insert_rows(rows[1:]))
+            _kernel.execute(conn, _insert_rows(rows[1:]))
         self._saw(item, k)
         return self._result(session, Outcome.APPLIED, item, amount)
 
@@ -1020,7 +1022,7 @@ class StripedCounter:
         _check_int(by, "by", 1, MAX_AMOUNT)
         _check_ref(ref)
         conn = self._conn(session)
-        return self._change(session, conn, _sql.backend(conn.dialect), item, by, -1, ref)
+        return self._change(session, conn, _kernel.backend(conn.dialect), item, by, -1, ref)
 
     decrement = dual_method(_decrement, operation="striped.decrement")
 
@@ -1039,7 +1041,7 @@ class StripedCounter:
         _check_int(by, "by", 1, MAX_AMOUNT)
         _check_ref(ref)
         conn = self._conn(session)
-        return self._change(session, conn, _sql.backend(conn.dialect), item, by, 1, ref)
+        return self._change(session, conn, _kernel.backend(conn.dialect), item, by, 1, ref)
 
     increment = dual_method(_increment, operation="striped.increment")
 
@@ -1064,7 +1066,7 @@ class StripedCounter:
         for item, by in amounts.items():
             resolved[self._item(item)] = _check_int(by, "an amount", 1, MAX_AMOUNT)
         conn = self._conn(session)
-        backend = _sql.backend(conn.dialect)
+        backend = _kernel.backend(conn.dialect)
         done = reserve_all(
             conn, backend, self.target, checked_ref, sorted(resolved),
             lambda item: self._change(session, conn, backend, item, resolved[item], -1, checked_ref),
@@ -1096,7 +1098,7 @@ class StripedCounter:
         """
         checked_ref = _needed_ref(ref, "release")
         conn = self._conn(session)
-        backend = _sql.backend(conn.dialect)
+        backend = _kernel.backend(conn.dialect)
 
         def undo_entries(rows: Sequence[Any]) -> list[tuple[Any, Any]]:
             undo: dict[str, int] = {}
@@ -1117,7 +1119,9 @@ class StripedCounter:
 
     release = dual_method(_release, operation="striped.release")
 
-    def _give_back(self, conn: Connection, backend: _sql.Backend, item: str, delta: int) -> Shortfall | None:
+    def _give_back(
+        self, conn: Connection, backend: _kernel.Backend, item: str, delta: int
+    ) -> Shortfall | None:
         """Add ``delta`` back to ``item``: a free stripe if any, else stripe 0.
 
         A released increment (``delta < 0``) takes its units back as a decrement does: from
@@ -1141,7 +1145,7 @@ class StripedCounter:
         conn = self._conn(session)
         # Summed here, not by SUM(): the stripes may hold more than a BIGINT in all (SQLite's SUM
         # then fails with "integer overflow"); an item has at most MAX_STRIPES of them.
-        amounts = _write.execute(conn, _amounts(), self._params(item)).scalars().all()
+        amounts = _kernel.execute(conn, _amounts(), self._params(item)).scalars().all()
         return sum(int(a) for a in amounts) if amounts else None
 
     total = dual_method(_total, operation="striped.total")
@@ -1153,7 +1157,7 @@ class StripedCounter:
         """
         item = self._item(item)
         conn = self._conn(session)
-        return [int(a) for a in _write.execute(conn, _amounts(), self._params(item)).scalars()]
+        return [int(a) for a in _kernel.execute(conn, _amounts(), self._params(item)).scalars()]
 
     stripe_amounts = dual_method(_stripe_amounts, operation="striped.stripe_amounts")
 
@@ -1176,13 +1180,13 @@ class StripedCounter:
         item = self._item(item)
         k = _check_int(stripes, "stripes", 1, MAX_STRIPES)
         conn = self._conn(session)
-        backend = _sql.backend(conn.dialect)
+        backend = _kernel.backend(conn.dialect)
         # SQLite: a read-then-write holds the write lock from the read on (it is the gate there).
-        _write.sqlite_write_lock(conn)
+        _kernel.sqlite_write_lock(conn)
         params = self._params(item)
         if backend.row_locks:
             # Behind this, no other restripe of the item is under way until this one commits.
-            _write.execute(conn, _gate(backend), params)
+            _kernel.execute(conn, _gate(backend), params)
         ids = stripe_ids(k)
         # Insert the new stripes before locking anything a decrement waits for (see the module
         # docstring: InnoDB keeps a decrement's lock where a stripe is missing or deleted, and an
@@ -1192,7 +1196,7 @@ class StripedCounter:
         # older than the last restripe's commit (InnoDB, REPEATABLE READ); then ids found taken
         # are left alone and what is still missing is inserted below.  No plan for a total the
         # new count cannot hold: the check below refuses it.
-        seen = _write.execute(conn, _hints(), params).all()
+        seen = _kernel.execute(conn, _hints(), params).all()
         mine: set[int] = set()
         if seen and sum(int(r.amount) for r in seen) <= k * MAX_AMOUNT:
             had = {r.stripe for r in seen}
@@ -1220,7 +1224,7 @@ class StripedCounter:
         # ones the new count lacks deleted.
         for s, a in new.items():
             if s in old or s in mine:
-                _write.execute(
+                _kernel.execute(
                     conn, _set_stripe(), self._params(item, sg_stripe=s, sg_amount=a, sg_stripes=k)
                 )
         self._drop(conn, item, sorted(old - new.keys()))
@@ -1231,7 +1235,7 @@ class StripedCounter:
             if s not in old and s not in mine
         ]
         if missing:
-            _write.execute(conn, _insert_rows(missing))
+            _kernel.execute(conn, _insert_rows(missing))
         self._saw(item, k)
         return self._result(session, Outcome.APPLIED, item, total)
 
@@ -1240,4 +1244,4 @@ class StripedCounter:
     def _drop(self, conn: Connection, item: str, stripes: Sequence[int]) -> None:
         """Delete these stripes of ``item`` (or its gate), one statement each (see :func:`_drop_stripe`)."""
         for stripe in stripes:
-            _write.execute(conn, _drop_stripe(), self._params(item, sg_stripe=stripe))
+            _kernel.execute(conn, _drop_stripe(), self._params(item, sg_stripe=stripe))

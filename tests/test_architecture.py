@@ -181,7 +181,7 @@ def owner_of(module: str, name: str, modules: set[str], paths: dict[str, Path]) 
     """The package or module owning private ``name`` imported from ``module``.
 
     ``from pkg import _mod`` names a private module, owned by ``pkg`` (so
-    ``stateguard._write`` serves all of stateguard).  ``from mod import _x``
+    ``stateguard._kernel`` serves all of stateguard).  ``from mod import _x``
     names a private member of ``mod``: a module of a subpackage shares it
     with its package (``stateguard.machine``); a top-level module keeps it
     to itself.
@@ -320,11 +320,11 @@ def test_every_module_imports_on_its_own() -> None:
 
 def test_the_graph_sees_subpackage_inits_and_skips_ancestors() -> None:
     """Importing a.b.c runs a.b's __init__; a module's own ancestors add no edge."""
-    modules = {"stateguard", "stateguard.machine", "stateguard.machine.trigger", "stateguard._write"}
+    modules = {"stateguard", "stateguard.machine", "stateguard.machine.trigger", "stateguard._kernel"}
     deep = Import("stateguard.versioning", "stateguard.machine.trigger", ("Trigger",), 1)
     assert targets(deep, modules) == {"stateguard.machine", "stateguard.machine.trigger"}
-    up = Import("stateguard.machine.trigger", "stateguard", ("_write",), 1)
-    assert targets(up, modules) == {"stateguard._write"}
+    up = Import("stateguard.machine.trigger", "stateguard", ("_kernel",), 1)
+    assert targets(up, modules) == {"stateguard._kernel"}
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:
@@ -347,17 +347,24 @@ def test_type_checking_imports_are_ignored_and_function_imports_are_not() -> Non
 
 def test_private_owners() -> None:
     """A private module belongs to the package above it; a private member to its module's package."""
-    modules = {"stateguard", "stateguard._write", "stateguard.machine", "stateguard.machine.trigger"}
+    modules = {
+        "stateguard",
+        "stateguard._kernel",
+        "stateguard._kernel.purge",
+        "stateguard.machine",
+        "stateguard.machine.trigger",
+    }
     paths = {
         "stateguard": PACKAGE_DIR / "__init__.py",
-        "stateguard._write": PACKAGE_DIR / "_write.py",
+        "stateguard._kernel": PACKAGE_DIR / "_kernel" / "__init__.py",
+        "stateguard._kernel.purge": PACKAGE_DIR / "_kernel" / "purge.py",
         "stateguard.machine": PACKAGE_DIR / "machine" / "__init__.py",
         "stateguard.machine.trigger": PACKAGE_DIR / "machine" / "trigger.py",
     }
-    assert owner_of("stateguard", "_write", modules, paths) == "stateguard"
+    assert owner_of("stateguard", "_kernel", modules, paths) == "stateguard"
     assert owner_of("stateguard.machine.trigger", "_Plan", modules, paths) == "stateguard.machine"
     assert owner_of("stateguard.machine", "_x", modules, paths) == "stateguard.machine"
-    assert owner_of("stateguard._write", "_purge", modules, paths) == "stateguard._write"
+    assert owner_of("stateguard._kernel.purge", "_purge", modules, paths) == "stateguard._kernel"
 
 
 @pytest.mark.parametrize("module", ["stateguard"])

@@ -250,7 +250,7 @@ def test_a_key_is_held_back_while_its_earlier_event_is_claimed_elsewhere(
 
 
 def _wait_for_db_clock_past(engine: Engine, ms: int) -> None:
-    from stateguard._sql import db_now_ms
+    from stateguard._kernel import db_now_ms
 
     while True:
         with engine.connect() as conn:
