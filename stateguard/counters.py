@@ -41,6 +41,8 @@ from typing import Any, NamedTuple, TypeVar
 
 from sqlalchemy import (
     Connection,
+    Delete,
+    Update,
     bindparam,
     delete,
     func,
@@ -172,7 +174,7 @@ def _room(limits: tuple[int, int] | None, sign: int, by: int) -> int | None:
 
 def _plan(
     counter: _Counter, backend: _kernel.Backend, sign: int, has_bound: bool, lid: bool, guard: bool = False
-) -> Any:
+) -> Update:
     """The guarded UPDATE for one backend, direction, bound kind and value-return mode (cached).
 
     ``guard``: an integer column whose range is known gets ``amount <= :sg_room``
@@ -184,7 +186,7 @@ def _plan(
     before the bound's ``amount + :delta`` so that is not computed either.
     """
     cache_key = ("counter", counter, backend, sign, has_bound, lid, guard)
-    found = _kernel.memo.get(cache_key)
+    found: Update | None = _kernel.memo.get(cache_key)
     if found is not None:
         return found
     info, col = counter.info, counter.column
@@ -212,10 +214,10 @@ def _plan(
     return _kernel.memo.put(cache_key, stmt)
 
 
-def _ledger_stmt(kind: str, backend: _kernel.Backend) -> Any:
+def _ledger_stmt(kind: str, backend: _kernel.Backend) -> _kernel.AnySelect | Update | Delete:
     """The ledger statements, built once per backend (all parameters bound)."""
     cache_key = ("ledger", kind, backend)
-    found = _kernel.memo.get(cache_key)
+    found: _kernel.AnySelect | Update | Delete | None = _kernel.memo.get(cache_key)
     if found is not None:
         return found
     ledger = counter_ledger
@@ -224,10 +226,10 @@ def _ledger_stmt(kind: str, backend: _kernel.Backend) -> Any:
         ledger.c.table_name == bindparam("sg_table_name"),
         ledger.c.column_name == bindparam("sg_column_name"),
     )
-    stmt: Any
+    stmt: _kernel.AnySelect | Update | Delete
     if kind == "find":
         stmt = select(ledger.c.delta).where(*same_ref, ledger.c.row_key == bindparam("sg_row_key"))
-        if backend.locking_read:
+        if backend.fresh_read_needs_lock:
             # InnoDB: a plain SELECT reads the REPEATABLE READ snapshot, which
             # may predate the twin's row that just made our INSERT a duplicate.
             stmt = stmt.with_for_update()

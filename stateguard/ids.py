@@ -415,7 +415,7 @@ class Snowflake:
         if self._lost is not None:
             raise self._lost
         if _observe.hooked or log.isEnabledFor(logging.DEBUG):
-            backend = self.engine.dialect.name
+            backend = _kernel.backend(self.engine.dialect).name
             with _observe.observed("next_id", log, scope=str(self.worker_id), backend=backend):
                 return self._next_id()
         return self._next_id()

@@ -119,9 +119,6 @@ def consume_once(session: Session, consumer: str, message_id: str) -> Result:
     )
 
 
-_c = consumed_messages
-
-
 @dual_bind
 def purge_consumed(bind: Engine | Connection | Session, *, older_than: timedelta, batch: int = 1000) -> int:
     """Delete at most ``batch`` records of messages consumed more than ``older_than`` ago; return how many.
@@ -141,5 +138,6 @@ def purge_consumed(bind: Engine | Connection | Session, *, older_than: timedelta
     :raises InvalidArgument: ``older_than`` is not a positive timedelta or
         ``batch`` not a positive int; nothing was deleted.
     """
-    old = _c.c.consumed_ms <= _kernel.db_now_ms() - bindparam("sg_older")
-    return _kernel.purge_rows(_c, bind, batch, old, sg_older=_kernel.duration_ms(older_than, "older_than"))
+    old = consumed_messages.c.consumed_ms <= _kernel.db_now_ms() - bindparam("sg_older")
+    older = _kernel.duration_ms(older_than, "older_than")
+    return _kernel.purge_rows(consumed_messages, bind, batch, old, sg_older=older)

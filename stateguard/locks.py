@@ -174,7 +174,7 @@ def _check_row_lock_support(conn: Connection, *, nowait: bool, skip_locked: bool
                     f"this server is {found}"
                 )
         return
-    if backend.name not in _kernel.POSTGRESQL_FAMILY:
+    if backend.family == "other":
         raise NotSupported(
             f"row_lock supports PostgreSQL (and CockroachDB), MySQL/MariaDB and SQLite, not {backend.name}"
         )
@@ -314,10 +314,11 @@ def _advisory_lock(
             wait = None  # wait forever, as timeout=None does (GET_LOCK would refuse 'inf')
         # Decided from the bind's dialect before the session checks out a
         # connection, so nothing is sent to a server that cannot honour the lock.
-        _refuse_unlocking_dialect(_kernel.own_bind(session, None).dialect.name)
+        backend = _kernel.backend(_kernel.own_bind(session, None).dialect)
+        _refuse_unlocking(backend)
         conn = _kernel.own_connection(session, None)
-        box["backend"] = conn.dialect.name
-        kind = _kernel.backend(conn.dialect).named_locks
+        box["backend"] = backend.name
+        kind = backend.named_locks
         lock_name = ""
         if kind == "transaction":
             _pg_advisory_lock(conn, name, wait, shared)
@@ -337,7 +338,7 @@ def _advisory_lock(
             _mysql_get_lock(conn, name, lock_name, wait)
         else:
             raise NotSupported(
-                f"advisory_lock is not available on {conn.dialect.name}: it has no named locks "
+                f"advisory_lock is not available on {backend.name}: it has no named locks "
                 f"(use row_lock with stateguard.sqlite_engine() on SQLite)"
             )
     if kind == "transaction":
@@ -351,7 +352,7 @@ def _advisory_lock(
         _mysql_release(conn, name, lock_name, raised)
 
 
-#: Dialects that speak PostgreSQL but have no advisory locks, and what to use instead.
+#: Backends (by name) that speak PostgreSQL but have no advisory locks, and what to use instead.
 _NO_ADVISORY_LOCKS: Final = {
     "cockroachdb": (
         "advisory_lock is not supported on CockroachDB: its releases have had no "
@@ -364,9 +365,9 @@ _NO_ADVISORY_LOCKS: Final = {
 }
 
 
-def _refuse_unlocking_dialect(dialect_name: str) -> None:
-    """:class:`NotSupported` for a dialect whose named locks cannot exclude (checked before any SQL)."""
-    message = _NO_ADVISORY_LOCKS.get(dialect_name)
+def _refuse_unlocking(backend: _kernel.Backend) -> None:
+    """:class:`NotSupported` for a backend whose named locks cannot exclude (checked before any SQL)."""
+    message = None if backend.named_locks else _NO_ADVISORY_LOCKS.get(backend.name)
     if message is not None:
         raise NotSupported(message)
 

@@ -112,8 +112,8 @@ class ExactString(TypeDecorator[str]):
         self.length = length
 
     def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
-        if dialect.name in ("mysql", "mariadb"):
-            collation = "utf8mb4_nopad_bin" if getattr(dialect, "is_mariadb", False) else "utf8mb4_0900_bin"
+        collation = _kernel.exact_collation(dialect)
+        if collation is not None:
             return dialect.type_descriptor(mysql.VARCHAR(self.length, charset="utf8mb4", collation=collation))
         return dialect.type_descriptor(String(self.length))
 
@@ -141,7 +141,7 @@ class Utf8Text(TypeDecorator[str]):
         self.long = long
 
     def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
-        if dialect.name in ("mysql", "mariadb"):
+        if _kernel.backend(dialect).column_charsets:
             kind = mysql.LONGTEXT if self.long else mysql.TEXT
             return kind(charset="utf8mb4", collation="utf8mb4_bin")
         # Not dialect.type_descriptor(Text()): that adapts TEXT to the dialect's String (VARCHAR).
@@ -189,7 +189,7 @@ def _has_surrogate(text: str) -> bool:
     return False
 
 
-def _serial() -> Any:
+def _serial() -> TypeEngine[int]:
     # SQLite only autoincrements an INTEGER PRIMARY KEY (a rowid alias), not a BIGINT one.
     return BigInteger().with_variant(Integer, "sqlite")
 

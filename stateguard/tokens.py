@@ -193,7 +193,7 @@ def consume_token(
     if _kernel.execute(conn, _CONSUME, params).rowcount == 1:
         return Result(Outcome.APPLIED, model=OneTimeToken, key=digest, state="consumed", session=session)
     backend = _kernel.backend(conn.dialect)
-    row = _kernel.execute(conn, _FIND_LOCKING if backend.locking_read else _FIND, params).first()
+    row = _kernel.execute(conn, _FIND_LOCKING if backend.fresh_read_needs_lock else _FIND, params).first()
     if row is None:
         return Result(Outcome.NOT_FOUND, model=OneTimeToken, key=digest, trigger="consume", session=session)
     if row.consumed_ms is not None:

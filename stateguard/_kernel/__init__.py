@@ -85,6 +85,7 @@ from .models import (
 )
 from .purge import purge_rows, purge_statement
 from .statements import (
+    AnySelect,
     by_primary_key,
     fence_allows,
     fence_condition,
@@ -101,6 +102,7 @@ __all__ = [
     "INFO_KEY",
     "MAX_LIMIT",
     "POSTGRESQL_FAMILY",
+    "AnySelect",
     "Backend",
     "ClauseElement",
     "DeferredSavepoint",

@@ -8,7 +8,7 @@ No I/O: :mod:`~stateguard._kernel.execute` runs what these build.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 from sqlalchemy import ColumnElement, Select, Table, Update, bindparam, func, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
@@ -20,6 +20,7 @@ from .memo import memo
 from .models import ModelInfo
 
 __all__ = [
+    "AnySelect",
     "by_primary_key",
     "fence_allows",
     "fence_condition",
@@ -32,6 +33,8 @@ __all__ = [
     "version_increment",
 ]
 
+#: A SELECT of any columns (SQLAlchemy 2.1 types a Select by the tuple of its columns).
+AnySelect: TypeAlias = "Select[*tuple[Any, ...]]"
 #: A statement :func:`by_primary_key` holds to the primary key.
 Keyed = TypeVar("Keyed", Select[Any], Update)
 

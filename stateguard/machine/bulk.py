@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import ColumnElement, Connection, any_, bindparam, select, tuple_, update
+from sqlalchemy import ColumnElement, Connection, Update, any_, bindparam, select, tuple_, update
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
 from sqlalchemy.schema import Column
@@ -127,7 +127,7 @@ class _Batch:
         version = row[npk + 1] + 1 if self.vcol is not None else None
         return key, m.codec.to_db(dest), version, old_state
 
-    def update_locked(self, stmt: Any, keys: list[tuple[Any, ...]], what: str) -> None:
+    def update_locked(self, stmt: Update, keys: list[tuple[Any, ...]], what: str) -> None:
         """Run ``stmt``, the UPDATE of rows this transaction has locked and found eligible."""
         result = _kernel.execute(self.conn, stmt, {**self.params, "sg_keys": _key_param(keys, self.npk == 1)})
         if result.rowcount != len(keys):  # pragma: no cover - the rows are locked
@@ -165,7 +165,7 @@ class _Batch:
         return out
 
 
-def _locked_update(batch: _Batch, keys_in: ColumnElement[bool]) -> Any:
+def _locked_update(batch: _Batch, keys_in: ColumnElement[bool]) -> Update:
     """PostgreSQL: the chunk's UPDATE of rows it first locks in key order, judged on the locked rows.
 
     ::

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import ColumnElement, Update, and_, case, literal, or_, select, update
+from sqlalchemy import ColumnElement, Select, Update, and_, case, literal, or_, select, update
 from sqlalchemy.schema import Column
 
 from .. import _kernel
@@ -183,10 +183,10 @@ def plan(
     return found
 
 
-def lock_statement(machine: StateMachine[Any], backend: _kernel.Backend) -> Any:
+def lock_statement(machine: StateMachine[Any], backend: _kernel.Backend) -> Select[Any]:
     """``SELECT state, version ... FOR UPDATE`` (plain on SQLite, which has one writer)."""
     key = ("machine.lock", machine, backend.row_locks)
-    stmt = _kernel.memo.get(key)
+    stmt: Select[Any] | None = _kernel.memo.get(key)
     if stmt is None:
         info = machine.info
         cols = [machine.state_column]
@@ -199,6 +199,6 @@ def lock_statement(machine: StateMachine[Any], backend: _kernel.Backend) -> Any:
     return stmt
 
 
-def read_statement(machine: StateMachine[Any], backend: _kernel.Backend) -> Any:
+def read_statement(machine: StateMachine[Any], backend: _kernel.Backend) -> Select[Any]:
     """``SELECT state, version, fence WHERE pk``: what a 0-row UPDATE found (``FOR UPDATE`` on InnoDB)."""
     return _kernel.read_back(machine.info, machine._read_columns, backend)

@@ -50,7 +50,22 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
-from sqlalchemy import Connection, Text, and_, bindparam, case, cast, func, insert, literal, select, true
+from sqlalchemy import (
+    Case,
+    ColumnElement,
+    Connection,
+    Select,
+    Text,
+    and_,
+    bindparam,
+    case,
+    cast,
+    func,
+    insert,
+    literal,
+    select,
+    true,
+)
 
 from .. import _kernel
 from ..exceptions import ConfigurationError
@@ -217,13 +232,13 @@ class CtePlan:
 
     __slots__ = ("returns_source", "returns_state", "stmt")
 
-    def __init__(self, stmt: Any, returns_state: bool, returns_source: bool) -> None:
+    def __init__(self, stmt: Select[Any], returns_state: bool, returns_source: bool) -> None:
         self.stmt = stmt
         self.returns_state = returns_state
         self.returns_source = returns_source
 
 
-def _names(machine: StateMachine[Any], column: Any, states: Sequence[Any]) -> Any:
+def _names(machine: StateMachine[Any], column: ColumnElement[Any], states: Sequence[Any]) -> Case[Any]:
     """SQL turning a database state value of ``column`` into its name as JSON text."""
     codec = machine.codec
     return case(*((column == codec.to_db(s), literal(_dumps(codec.name(s)))) for s in states), else_="null")
