@@ -41,7 +41,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.lambdas import StatementLambdaElement
 
 from ..engine import BEGIN_MARK, PENDING
-from ..exceptions import ConfigurationError, InvalidArgument
+from ..exceptions import ConfigurationError, InvalidArgument, StateguardError
 from .backend import Backend
 from .backend import backend as backend_of
 from .checks import check_exact, check_integer, check_string, key_bounds, out_of_range_error
@@ -57,6 +57,7 @@ __all__ = [
     "ensure_real_transaction",
     "execute",
     "insert_rows",
+    "mapped_error",
     "needs_size_check",
     "own_bind",
     "own_connection",
@@ -93,9 +94,13 @@ def connection_for(
     if session.autoflush:
         session.flush()
     conn = session.connection(bind_arguments=info.bind_arguments)
+    backend = backend_of(conn.dialect)
     if keys:
-        bounds = key_bounds(conn, info)
-        if bounds is not None:
+        # The memo key_bounds fills, read here first: this runs on every guarded write.
+        bounds = info.key_limits.get(backend)
+        if bounds is None:
+            bounds = key_bounds(conn, info) or ()
+        if bounds:
             for key in keys:
                 for value, column, limits in zip(key, info.pk_columns, bounds, strict=True):
                     if limits is not None and type(value) is int and not limits[0] <= value <= limits[1]:
@@ -112,7 +117,8 @@ def connection_for(
         check_integer(conn, info, column, value, what)
         if type(value) is not int and isinstance(value, Decimal | float):
             check_exact(info, column, value, what)
-    if conn.info.get(BEGIN_MARK) == PENDING:
+    # Connection.info is three properties deep: asked only where sqlite_engine() can have set it.
+    if backend.driver_begins_lazily and conn.info.get(BEGIN_MARK) == PENDING:
         # sqlite_engine(begin="auto"): a stateguard write starts this
         # transaction, and may read before it writes; take the write lock now.
         sqlite_write_lock(conn)
@@ -168,10 +174,15 @@ def execute(conn: Connection, stmt: Executable, params: Mapping[str, Any] | None
     try:
         return conn.execute(stmt, params)
     except sa_exc.DBAPIError as error:
-        mapped = conflict_error(error) or missing_own_table(error) or out_of_range(error)
+        mapped = mapped_error(error)
         if mapped is None:
             raise
         raise mapped from error
+
+
+def mapped_error(error: sa_exc.DBAPIError) -> StateguardError | None:
+    """What :func:`execute` raises instead of ``error`` (``None``: the driver's error itself)."""
+    return conflict_error(error) or missing_own_table(error) or out_of_range(error)
 
 
 #: Bytes of values one multi-row INSERT of :func:`insert_rows` carries at most (beyond its first
@@ -222,7 +233,14 @@ def run_guarded(
     ``SET v = LAST_INSERT_ID(expr)`` hands the new value back in the OK
     packet) ``values`` is ``(lastrowid,)``.
     """
-    result = execute(conn, stmt, params)
+    # execute() written out: one Python call less on every guarded write.
+    try:
+        result = conn.execute(stmt, params)
+    except sa_exc.DBAPIError as error:
+        mapped = mapped_error(error)
+        if mapped is None:
+            raise
+        raise mapped from error
     if returning:
         row = result.first()
         return row is not None, row
