@@ -52,7 +52,6 @@ LONG_MODULES = {
     "stateguard.tooling.cli": "being split into stateguard/tooling/cli/",
     "stateguard.tooling.demo": "being split into stateguard/tooling/demo/",
     "stateguard.tooling.inspection": "tooling is being reorganised; its split follows",
-    "stateguard.http.core": "the HTTP middleware is being split by its owner",
     "stateguard.counters": "the counter ledger (shared with striped counters) is to move out of it",
 }
 
