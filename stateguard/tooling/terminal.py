@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
-    from .demo import SchemeRow
+    from .demo.results import SchemeRow
 
 __all__ = ["Progress", "RelayProgress", "StderrProgress", "isatty", "use_color"]
 
