@@ -16,6 +16,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from ...machine import StateMachine
 from ...versioning import version_column
 
+__all__ = ["DemoBase", "DemoInbox", "DemoOrder", "DemoPlainInbox", "DemoSideEffect", "DemoStock"]
+
 
 class DemoBase(DeclarativeBase):
     """The demo's own metadata, so it drops and creates only its ``sg_demo_*`` tables."""

@@ -20,6 +20,16 @@ from sqlalchemy.engine import URL
 
 from ...exceptions import InvalidArgument
 
+__all__ = [
+    "DEFAULT_SCHEMA",
+    "MARKER_TABLE",
+    "DemoNamespace",
+    "DemoNamespaceTaken",
+    "check_schema_name",
+    "namespace_url",
+    "open_namespace",
+]
+
 #: The table that marks a namespace as made by ``stateguard demo`` (only such a namespace is ever dropped).
 MARKER_TABLE = "sg_demo_namespace"
 #: ``--schema`` default.

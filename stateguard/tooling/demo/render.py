@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from .results import DemoReport, SchemeRow
 from .storm import DemoRun
 
+__all__ = ["COLUMNS", "damage_text", "explanations", "render"]
+
 _GREEN = "\x1b[32m"
 _RED = "\x1b[1;31m"
 _BOLD = "\x1b[1m"

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 from ...result import Outcome
 
+__all__ = ["HAND_WRITTEN", "STATEGUARD", "Delivery", "DemoReport", "Request", "SchemeRow", "Tally"]
+
 #: The ``code`` of a row run by stateguard.
 STATEGUARD = "stateguard"
 #: The ``code`` of a row run by the usual hand-written code (load, check in Python, save).

@@ -30,6 +30,20 @@ from ..terminal import Progress
 from .models import DemoOrder, DemoSideEffect
 from .results import HAND_WRITTEN, STATEGUARD, Delivery, Request, SchemeRow, Tally
 
+__all__ = [
+    "SCENARIOS",
+    "Call",
+    "Deliver",
+    "DemoRun",
+    "Group",
+    "Scenario",
+    "ScenarioFn",
+    "Sender",
+    "first_line",
+    "now",
+    "scenario",
+]
+
 Deliver = Callable[[Session, Request, str], Result]
 Call = Callable[[Session, Request], Result]
 Sender = Callable[[Delivery], Outcome]

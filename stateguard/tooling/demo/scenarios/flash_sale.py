@@ -19,6 +19,8 @@ from ..models import DemoSideEffect, DemoStock
 from ..results import HAND_WRITTEN, STATEGUARD, Request, SchemeRow
 from ..storm import DemoRun, scenario
 
+__all__ = ["flash_sale"]
+
 
 @scenario("flash sale")
 def flash_sale(run: DemoRun) -> list[SchemeRow]:

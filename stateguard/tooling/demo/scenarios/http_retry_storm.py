@@ -30,6 +30,8 @@ from ..storm import DemoRun, Sender, scenario
 if TYPE_CHECKING:
     from ....http.asgi import ASGIApp, Message
 
+__all__ = ["DEMO_KEY_SCOPE", "HttpAnswer", "asgi_request", "http_retry_storm"]
+
 
 #: Scope prefix of the demo's idempotency keys; a run deletes the keys of earlier runs.
 DEMO_KEY_SCOPE = "stateguard-demo:"

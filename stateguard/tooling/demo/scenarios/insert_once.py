@@ -16,6 +16,8 @@ from ..models import DemoInbox, DemoPlainInbox
 from ..results import HAND_WRITTEN, STATEGUARD, Request, SchemeRow
 from ..storm import DemoRun, scenario
 
+__all__ = ["insert_once_consumer"]
+
 
 @scenario("insert-once")
 def insert_once_consumer(run: DemoRun) -> list[SchemeRow]:

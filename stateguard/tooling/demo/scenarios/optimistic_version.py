@@ -17,6 +17,8 @@ from ..models import DemoOrder, DemoSideEffect
 from ..results import HAND_WRITTEN, STATEGUARD, Request, SchemeRow
 from ..storm import DemoRun, Group, now, scenario
 
+__all__ = ["optimistic_version"]
+
 
 @scenario("optimistic version")
 def optimistic_version(run: DemoRun) -> list[SchemeRow]:

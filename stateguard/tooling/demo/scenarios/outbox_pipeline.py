@@ -30,6 +30,8 @@ from ..models import DemoOrder, DemoSideEffect
 from ..results import HAND_WRITTEN, STATEGUARD, Request, SchemeRow
 from ..storm import DemoRun, Group, first_line, scenario
 
+__all__ = ["PIPELINE_SCOPE", "PIPELINE_TOPICS", "outbox_pipeline"]
+
 #: The demo's outbox topics: its relays publish only these, never an application's own events.
 PIPELINE_TOPICS = ("sg_demo.order.paid", "sg_demo.order.shipped")
 _PIPELINE_TOPIC = dict(zip(("pay", "ship"), PIPELINE_TOPICS, strict=True))

@@ -18,6 +18,8 @@ from ..models import DemoOrder
 from ..results import HAND_WRITTEN, STATEGUARD, Request, SchemeRow
 from ..storm import DemoRun, Group, now, scenario
 
+__all__ = ["state_machine"]
+
 #: Where each of DemoOrder.flow's triggers leaves from and goes (for the hand-written variant).
 _SOURCES = {"pay": ("pending",), "ship": ("paid",), "cancel": ("pending", "paid")}
 _DESTS = {"pay": "paid", "ship": "shipped", "cancel": "cancelled"}
