@@ -160,8 +160,19 @@ class PgReplicaPair:
             self.primary = self._new_node("node")
             self._run(
                 # --no-sync: only the files initdb writes skip the flush; the server runs with fsync on.
-                [str(BIN / "initdb"), "-D", str(self.primary.datadir), "-U", USER, "--auth=trust",
-                 "-E", "UTF8", "--locale=C", "--no-sync", "--no-instructions"],
+                [
+                    str(BIN / "initdb"),
+                    "-D",
+                    str(self.primary.datadir),
+                    "-U",
+                    USER,
+                    "--auth=trust",
+                    "-E",
+                    "UTF8",
+                    "--locale=C",
+                    "--no-sync",
+                    "--no-instructions",
+                ],
             )
             with open(self.primary.datadir / "postgresql.conf", "a") as conf:
                 conf.write("".join(f"{k} = '{v}'\n" for k, v in SETTINGS.items()))
@@ -216,15 +227,28 @@ class PgReplicaPair:
             except Exception as exc:  # not up yet
                 last = exc
             time.sleep(0.1)
-        raise RuntimeError(f"postgres {node.name} not up after {self.startup_timeout}s ({last}): {self._tail(node)}")
+        raise RuntimeError(
+            f"postgres {node.name} not up after {self.startup_timeout}s ({last}): {self._tail(node)}"
+        )
 
     def _make_standby(self) -> None:
         assert self.primary is not None
         node = self._new_node("node")
         conninfo = f"host=127.0.0.1 port={self.primary.port} user={USER} application_name={STANDBY_NAME}"
         self._run(
-            [str(BIN / "pg_basebackup"), "-d", conninfo, "-D", str(node.datadir), "-R", "-X", "stream",
-             "-c", "fast", "--no-sync"],
+            [
+                str(BIN / "pg_basebackup"),
+                "-d",
+                conninfo,
+                "-D",
+                str(node.datadir),
+                "-R",
+                "-X",
+                "stream",
+                "-c",
+                "fast",
+                "--no-sync",
+            ],
         )
         with open(node.datadir / "postgresql.auto.conf", "a") as conf:
             # The last setting wins: the standby's name is what synchronous_standby_names refers to.
@@ -241,7 +265,8 @@ class PgReplicaPair:
         seen: object = None
         while time.monotonic() < deadline:
             seen = self.primary.scalar(
-                "SELECT sync_state FROM pg_stat_replication WHERE application_name = %s AND state = 'streaming'",
+                "SELECT sync_state FROM pg_stat_replication"
+                " WHERE application_name = %s AND state = 'streaming'",
                 STANDBY_NAME,
             )
             if seen is not None and (sync_state is None or seen == sync_state):
@@ -318,7 +343,9 @@ class PgReplicaPair:
         """
         assert self.standby is not None and self.primary is not None
         assert not self.primary.running, "promoting while the primary runs makes two primaries"
-        self._run([str(BIN / "pg_ctl"), "promote", "-D", str(self.standby.datadir), "-w", "-t", str(int(timeout))])
+        self._run(
+            [str(BIN / "pg_ctl"), "promote", "-D", str(self.standby.datadir), "-w", "-t", str(int(timeout))]
+        )
         deadline = time.monotonic() + timeout
         while self.standby.scalar("SELECT pg_is_in_recovery()"):
             if time.monotonic() > deadline:

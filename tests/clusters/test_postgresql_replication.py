@@ -222,7 +222,9 @@ def count_losses(engine: Engine, tokens: list[str], measured: Measured) -> Measu
         replayed, message, consumed = rerun(engine, n, tokens[n])
         kept = (True, Outcome.REPEATED, Outcome.REPEATED)
         gone = (False, Outcome.APPLIED, Outcome.APPLIED)
-        assert (replayed, message, consumed) in (kept, gone), f"unit {n} survived in part: {message, consumed}"
+        assert (replayed, message, consumed) in (kept, gone), (
+            f"unit {n} survived in part: {message, consumed}"
+        )
         if (replayed, message, consumed) == gone:
             measured.lost += 1
             measured.tokens_twice += 1
@@ -256,7 +258,7 @@ def test_a_read_write_multi_host_url_reaches_the_primary_before_and_after_a_prom
 
         pair.stop_primary()
         engine.dispose()
-        with pytest.raises(sa_exc.OperationalError, match="read-only|refused|failed"):
+        with pytest.raises(sa_exc.OperationalError, match=r"read-only|refused|failed"):
             server_port(engine)  # only a standby is left: no session is handed out for writes
         pair.promote()
         engine.dispose()
@@ -344,7 +346,7 @@ def test_a_synchronous_standby_with_remote_apply_loses_no_acknowledged_write(
 def test_a_cancelled_synchronous_replication_wait_returns_a_commit_that_a_failover_loses(
     pair: pg_cluster.PgReplicaPair,
 ) -> None:
-    """With the sync standby down COMMIT waits; cancelled, it returns with a WARNING and only the primary has it.
+    """Sync standby down: COMMIT waits; cancelled, it returns with a WARNING; only the primary has the row.
 
     The server then says, as a WARNING and not an error, "canceling wait for synchronous replication
     due to user request" with the detail "The transaction has already committed locally, but might
@@ -367,7 +369,9 @@ def test_a_cancelled_synchronous_replication_wait_returns_a_commit_that_a_failov
                 assert raw is not None
                 # A Diagnostic is readable only inside the handler: keep its fields.
                 raw.add_notice_handler(
-                    lambda d: notices.append((d.severity_nonlocalized, d.message_primary or "", d.message_detail or ""))
+                    lambda d: notices.append(
+                        (d.severity_nonlocalized, d.message_primary or "", d.message_detail or "")
+                    )
                 )
                 outcome["consume"] = consume_once(s, "billing", "m-local").outcome
                 s.commit()
@@ -396,7 +400,9 @@ def test_a_cancelled_synchronous_replication_wait_returns_a_commit_that_a_failov
         warned = [n for n in notices if "synchronous replication" in n[1]]
         assert len(warned) == 1, notices
         severity, message, detail = warned[0]
-        assert severity == "WARNING" and message.startswith("canceling wait for synchronous replication"), message
+        assert severity == "WARNING" and message.startswith("canceling wait for synchronous replication"), (
+            message
+        )
         assert "already committed locally" in detail, detail
         count = "SELECT count(*) FROM stateguard_consumed_messages WHERE message_id = 'm-local'"
         assert primary.scalar(count) == 1
