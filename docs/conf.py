@@ -15,6 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "docs" / "_ext"))
 
 project = "stateguard"
 author = "stateguard's maintainers"
@@ -25,6 +26,9 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinxarg.ext",
     "sphinx_copybutton",
+    # A reference to any public path of an object (stateguard.outbox.Sink) links to the page that
+    # documents it (stateguard.Sink): docs/_ext/public_names.py.
+    "public_names",
 ]
 
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
@@ -94,6 +98,25 @@ _EXTERNAL = [
     "socket",
     "_thread",
     "builtins",
+    "time",
+    "secrets",
+    "hashlib",
+    "weakref",
+    "httpx",
+    "flask",
+    "werkzeug",
+    "anyio",
+]
+# Names other projects' types appear under in signatures when an annotation is a string that
+# names a class imported for type checking only (``session: Session``): the same classes.
+_EXTERNAL_UNQUALIFIED = [
+    "Session", "AsyncSession", "Engine", "AsyncEngine", "Connection", "AsyncConnection",
+    "sessionmaker", "async_sessionmaker", "scoped_session", "Mapped", "MetaData", "Table", "Column",
+    "ColumnElement", "InstrumentedAttribute", "QueryableAttribute", "Select", "Executable", "TypeEngine",
+    "Operations", "UUID", "Decimal", "datetime", "timedelta", "date", "Path", "Logger",
+    "Redis", "AsyncRedis", "RedisCluster", "KazooClient", "Tracer", "Meter", "Span",
+    "BlockingConnection", "Channel", "AbstractRobustConnection", "NATS", "JetStreamContext",
+    "Request", "Response", "Starlette", "WSGIApplication", "StartResponse", "WSGIEnvironment",
 ]
 nitpick_ignore_regex = [
     (r"py:.*", rf"({'|'.join(_EXTERNAL)})(\..*)?"),
@@ -102,8 +125,12 @@ nitpick_ignore_regex = [
      r"Exception|BaseException|TypeError|ValueError|KeyError|RuntimeError|TimeoutError|"
      r"Any|Self|Callable|Iterator|Iterable|Mapping|Sequence|Awaitable|Coroutine|AsyncIterator|"
      r"Generator|AsyncGenerator|Literal|TypeVar|ParamSpec|Concatenate|Never|NoReturn)"),
-    # Type variables and ParamSpecs of stateguard's generics (``T``, ``P``, ``R``...).
-    (r"py:.*", r"(stateguard\.[\w.]*\.)?_?[A-Z]\w{0,2}"),
+    (r"py:.*", rf"({'|'.join(_EXTERNAL_UNQUALIFIED)})"),
+    # Type variables and ParamSpecs of stateguard's generics (``T``, ``P``, ``SessionT``...).
+    (r"py:.*", r"(stateguard\.[\w.]*\.)?_?([A-Z]\w{0,2}|[A-Z]\w*T)"),
+    # Private names (a module or class whose name starts with ``_``) have no page: a signature or a
+    # base class may show one (``Bases: _RedisLock``), a reader cannot import it.
+    (r"py:.*", r"(.+\.)?_[A-Za-z]\w*(\..+)?"),
 ]
 
 # -- HTML -------------------------------------------------------------------------
