@@ -36,6 +36,8 @@ root_doc = "index"
 exclude_patterns = ["_build", "**/.ipynb_checkpoints"]
 # The Graphviz source of docs/order-flow.svg: an input of the picture, not a page.
 exclude_patterns += ["order-flow.dot"]
+# ``--db`` stays two hyphens (docutils would make it an en dash) and quotes stay straight.
+smartquotes = False
 
 # -- MyST ---------------------------------------------------------------------
 myst_enable_extensions = ["colon_fence", "deflist", "fieldlist", "attrs_inline", "attrs_block"]
