@@ -135,6 +135,14 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(.+\.)?_[A-Za-z]\w*(\..+)?"),
 ]
 
+# ``stateguard graph`` prints Mermaid; the pages show it as text (no diagram JavaScript from a CDN).
+def setup(app: object) -> None:
+    from pygments.lexers.special import TextLexer
+    from sphinx.highlighting import lexers
+
+    lexers["mermaid"] = TextLexer()
+
+
 # -- HTML -------------------------------------------------------------------------
 html_theme = "furo"
 html_title = "stateguard"
