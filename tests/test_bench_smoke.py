@@ -164,7 +164,7 @@ def test_report_writes_png_charts(sqlite: Backend, tmp_path: Path, monkeypatch: 
 
 
 def test_committed_charts_are_drawn_from_the_committed_results(tmp_path: Path) -> None:
-    """bench/plots holds exactly the charts of bench/plots/results.json, each linked from the benchmarks page."""
+    """bench/plots holds exactly the charts of bench/plots/results.json, each linked from the docs page."""
     from PIL import Image
 
     from bench.plots import file_names, write_plots
