@@ -98,7 +98,8 @@ class IdempotentCall(DualObject[S]):
         :raises LeaseLost: the lease expired and another worker took the key
             over; its record was left as it was.
         """
-        self._check_open("complete")
+        if self._state != "open":
+            self._check_open("complete")
         claim = self._claim
         text = dump(claim.options.serializer, response, "response")
         fresh = claim.fresh and claim.options.mode == "same_transaction"

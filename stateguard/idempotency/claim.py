@@ -147,7 +147,7 @@ class Claim(Generic[S]):
             self.call = self._enter_separate()
         if self.options.heartbeat_every is not None and self.call._state == "open":
             self._start_heartbeat()
-        else:
+        elif self._beat_conn is not None:
             self._close_beat_conn()  # replayed or refused: nothing to keep alive
         return self.call
 
@@ -242,18 +242,17 @@ class Claim(Generic[S]):
 
     def _claimed(self) -> IdempotentCall[S]:
         self.fresh = True
-        self._emit("claimed", 1)
+        emit("claimed", self.scope, self.key, 1, self.options.mode)
         return IdempotentCall(self)
 
     def _claim(self, conn: Connection) -> IdempotentCall[S]:
-        backend = _sql.backend(conn.dialect)
-        params = self._params()
+        params = self._base_params.copy()
         # PostgreSQL: one statement claims the key or returns its record.
         inserted, values = CLAIM.insert_or_read(conn, params)
         if inserted:
             return self._claimed()
         row: Any = None if values is None else Record._make(values)
-        read = READ_LOCKING if backend.locking_read else READ
+        read = READ_LOCKING if _sql.backend(conn.dialect).locking_read else READ
         for _ in range(MAX_ROUNDS):
             if row is None:
                 # Not read yet (MariaDB, SQLite; PostgreSQL after waiting for a twin that committed).
@@ -341,14 +340,14 @@ class Claim(Generic[S]):
         try:
             if self.options.mode == "same_transaction":
                 with self._open(self._block_savepoint).paused() as conn:
-                    if text is not None:
+                    if text is not None and _write.needs_size_check(conn, text):
                         self._check_size(conn, text)
                     matched = _write.execute(conn, stmt, params).rowcount
             else:
                 session = self.session
                 try:
                     conn = _write.own_connection(session, idempotency_keys)
-                    if text is not None:
+                    if text is not None and _write.needs_size_check(conn, text):
                         self._check_size(conn, text)
                     matched = _write.execute(conn, stmt, params).rowcount
                     if matched == 1:
@@ -366,14 +365,17 @@ class Claim(Generic[S]):
         if matched != 1:
             self._lost(call)
         if kind is not None:
-            self._stop_heartbeat()
+            if self._beater is not None or self._beat_conn is not None:
+                self._stop_heartbeat()
             call._state = kind
-            self._emit(kind, call.attempt)
+            emit(kind, self.scope, self.key, call.attempt, self.options.mode)
 
     def _check_size(self, conn: Connection, text: str) -> None:
-        """InvalidArgument (nothing sent) when ``text`` cannot travel to the server in one statement."""
-        if _write.needs_size_check(conn, text):
-            _write.check_statement_size(conn, text, f"the stored value of {self._name}")
+        """InvalidArgument (nothing sent) when ``text`` cannot travel to the server in one statement.
+
+        Called only when :func:`stateguard._write.needs_size_check` says ``text`` may be too large.
+        """
+        _write.check_statement_size(conn, text, f"the stored value of {self._name}")
 
     def heartbeat(self, call: IdempotentCall[S], dedicated: Connection | None = None) -> None:
         """Extend the lease; LeaseLost when another owner took the key (not when this owner finished it).
@@ -487,7 +489,8 @@ class Claim(Generic[S]):
         call = self.call
         if call is None:
             return
-        self._stop_heartbeat()
+        if self._beater is not None or self._beat_conn is not None:
+            self._stop_heartbeat()
         if exc is None:
             if call._state == "open":
                 # The block finished without complete(): its work is done, the response is None.
