@@ -133,6 +133,9 @@ nitpick_ignore_regex = [
     # Private names (a module or class whose name starts with ``_``) have no page: a signature or a
     # base class may show one (``Bases: _RedisLock``), a reader cannot import it.
     (r"py:.*", r"(.+\.)?_[A-Za-z]\w*(\..+)?"),
+    # IdempotentCall's constructor takes the internal claim object; users get the call from
+    # idempotent() and never build one, so the claim class has no page.
+    (r"py:class", r"(stateguard\.idempotency\.claim\.)?Claim"),
 ]
 
 # ``stateguard graph`` prints Mermaid; the pages show it as text (no diagram JavaScript from a CDN).

@@ -106,6 +106,7 @@ def idempotent(
     :param non_retryable: separate mode: exception classes that mark the key
         failed for good (retries get :class:`~stateguard.RequestFailed`);
         any other exception releases the key for a retry.
+
     With an :class:`~sqlalchemy.ext.asyncio.AsyncSession`, use ``async with``;
     the call's methods are then awaited, and a task cancelled inside the
     block frees the key like an exception does.

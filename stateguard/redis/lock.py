@@ -489,16 +489,16 @@ class RedisLock(_RedisLock):
     def owned(self) -> bool:
         """Whether this thread holds the lock right now (one ``GET``)::
 
-        if not lock.owned():
-            raise RuntimeError("lost the lock")
+            if not lock.owned():
+                raise RuntimeError("lost the lock")
         """
         return run_steps(self._owned())
 
     def locked(self) -> bool:
         """Whether anyone holds the lock right now (one ``GET``)::
 
-        if lock.locked():
-            print("someone is running the payout")
+            if lock.locked():
+                print("someone is running the payout")
         """
         return run_steps(self._locked())
 
@@ -609,16 +609,16 @@ class AsyncRedisLock(_RedisLock):
     async def owned(self) -> bool:
         """Whether this task holds the lock right now (one ``GET``)::
 
-        if not await lock.owned():
-            raise RuntimeError("lost the lock")
+            if not await lock.owned():
+                raise RuntimeError("lost the lock")
         """
         return await Awaited(self._owned())
 
     async def locked(self) -> bool:
         """Whether anyone holds the lock right now (one ``GET``)::
 
-        if await lock.locked():
-            print("someone is running the payout")
+            if await lock.locked():
+                print("someone is running the payout")
         """
         return await Awaited(self._locked())
 

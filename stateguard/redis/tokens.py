@@ -101,7 +101,7 @@ class _RedisTokens(_RedisClient):
     def key(scope: str, token: str) -> str:
         """The Redis key of ``token`` in ``scope`` (the token itself never appears in it)::
 
-        RedisTokens.key("reset-password:42", token)   # 'stateguard:token:reset-password:42:9f86...'
+            RedisTokens.key("reset-password:42", token)   # 'stateguard:token:reset-password:42:9f86...'
         """
         return _token_key(scope, token_digest(token))
 
