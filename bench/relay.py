@@ -6,7 +6,7 @@ attached SQLite file, reached through ``schema_translate_map``), then
 published into a Redis stream by
 
 - stateguard's :class:`~stateguard.outbox.Relay` with
-  :class:`~stateguard.redis.RedisStreamSink`, at two batch sizes, and
+  :class:`~stateguard.RedisStreamSink`, at two batch sizes, and
 - a hand-written poll-and-publish loop (the baseline): in one transaction,
   ``SELECT ... WHERE published_ms IS NULL ORDER BY id LIMIT batch FOR UPDATE
   SKIP LOCKED``, XADD the rows in one pipeline, ``UPDATE ... SET
@@ -33,7 +33,7 @@ from sqlalchemy import Engine, String, bindparam, delete, func, select, update
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from stateguard import Relay, StateMachine, create_tables, emit, version_column
-from stateguard.redis import RedisStreamSink
+from stateguard.outbox.sinks.redis_streams import RedisStreamSink
 from stateguard.tables import outbox
 
 from .idempotency import _namespaces

@@ -25,7 +25,11 @@ ROOT = "stateguard"
 
 #: Optional dependencies and the only stateguard modules allowed to import them.
 OPTIONAL = {
-    "redis": {"stateguard.redis"},
+    "redis": {
+        "stateguard.redis.client",
+        "stateguard.redis.fences",
+        "stateguard.redis.lock",
+    },
     "starlette": {"stateguard.asgi"},
     "kazoo": {"stateguard.zookeeper"},
     "opentelemetry": {"stateguard.otel"},

@@ -607,7 +607,7 @@ class AsyncRelay(_RelayCore["AsyncEngine"]):
         await relay.run(stop)     # stop: an asyncio.Event
 
     The sink's ``publish`` may be a coroutine function (a ``redis.asyncio``
-    client's :class:`~stateguard.redis.RedisStreamSink`); a synchronous one
+    client's :class:`~stateguard.RedisStreamSink`); a synchronous one
     runs in the event loop's thread.  ``run()`` keeps :meth:`Relay.run`'s
     promise; a cancellation ends it (after the batch in hand is given back).
     """

@@ -119,7 +119,7 @@ def _pipeline(run: DemoRun, code: str, plan: Sequence[Group]) -> SchemeRow:
     stream = f"{PIPELINE_SCOPE.rstrip(':')}-{token}"
     stream_sink = None
     if run.redis is not None:
-        from ....redis import RedisStreamSink
+        from ....outbox.sinks.redis_streams import RedisStreamSink
 
         stream_sink = RedisStreamSink(run.redis, stream=stream)
         if code == STATEGUARD:
