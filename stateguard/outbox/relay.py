@@ -95,13 +95,36 @@ def _error_text(error: BaseException) -> str:
     return text.encode("utf-8", "replace").decode("utf-8")
 
 
-def _named(error: BaseException, part: list[OutboxEvent]) -> set[int]:
-    """The events of ``part`` a sink's error names as not published (``PublishFailed.event_ids``)."""
-    ids = getattr(error, "event_ids", None)
+def _ids(error: BaseException, name: str, wanted: set[int]) -> set[int]:
+    """The ids of ``wanted`` that the error's attribute ``name`` lists."""
+    ids = getattr(error, name, None)
     if not isinstance(ids, Iterable) or isinstance(ids, str | bytes):
         return set()
-    wanted = {e.id for e in part}
     return {i for i in ids if type(i) is int and i in wanted}
+
+
+def _verdict(error: BaseException, part: list[OutboxEvent]) -> tuple[set[int], set[int]] | None:
+    """What a sink's error says of ``part``: ``(refused, not published)`` ids, or ``None`` when it
+    names no event of it (``refused_ids`` and ``event_ids``, as :class:`~stateguard.PublishFailed`
+    carries them; every refused event is unpublished too)."""
+    wanted = {e.id for e in part}
+    refused = _ids(error, "refused_ids", wanted)
+    lost = _ids(error, "event_ids", wanted) | refused
+    return (refused, lost) if lost else None
+
+
+#: Names of exception classes that say a connection failed, whichever client defines them (redis-py's
+#: ConnectionError and TimeoutError are not the builtins): an outage, never an event's refusal.
+_OUTAGE_NAMES: Final = frozenset({"ConnectionError", "TimeoutError"})
+
+
+def _outage(error: BaseException) -> bool:
+    """Whether ``error`` says the sink is unreachable or unusable rather than refusing the event: an
+    OSError (connection refused or reset, a timeout), a class named ConnectionError or TimeoutError,
+    a retryable error (PublishFailed naming no refused event), a ConfigurationError."""
+    if isinstance(error, OSError | ConfigurationError) or getattr(error, "retryable", False) is True:
+        return True
+    return any(c.__name__ in _OUTAGE_NAMES for c in type(error).__mro__)
 
 
 @dataclass
@@ -109,10 +132,22 @@ class _Round:
     """What the sink did with one claimed batch."""
 
     accepted: list[OutboxEvent] = field(default_factory=list)
-    #: Refused events in id order, with the sink's error.
+    #: Events whose refusal counts (see :class:`Relay`), in id order, with the sink's error.
     refused: list[tuple[OutboxEvent, BaseException]] = field(default_factory=list)
+    #: The round's first sink error (raised by run_once when the sink took nothing).
+    error: BaseException | None = None
     #: An error that ends the round at once (KeyboardInterrupt, a cancellation, the relay's own mistake).
     interrupt: BaseException | None = None
+
+
+@dataclass
+class _Suspect:
+    """An event that failed when published alone: refused, or the sink was down at that moment."""
+
+    event: OutboxEvent
+    error: BaseException
+    #: The sink took something (or named a refusal) after this failure, in the same round.
+    worked_after: bool = False
 
 
 class _RelayCore(Generic[E]):
@@ -190,9 +225,13 @@ class _RelayCore(Generic[E]):
         """``fn(conn, *args)`` in a short transaction of its own (on PostgreSQL one statement)."""
         raise NotImplementedError
 
+    def _call_sink(self, fn: Callable[..., Any], /, *args: Any) -> Steps[Any]:
+        """``fn(*args)``, a method of the sink (``publish``, ``probe``): its result, awaited if need be."""
+        raise NotImplementedError
+
     def _publish(self, events: list[OutboxEvent]) -> Steps[Any]:
         """Hand ``events`` to the sink."""
-        raise NotImplementedError
+        return self._call_sink(self.sink.publish, events)
 
     def _idle(self, stop: Any, seconds: float) -> Steps[Any]:
         """Wait ``seconds`` or until ``stop`` is set."""
@@ -267,9 +306,9 @@ class _RelayCore(Generic[E]):
         free: list[int],
         delayed: bool,
     ) -> list[int]:
-        """Count the refusals of ``counted`` (parking those refused ``max_attempts`` times; ``delayed``:
-        claimable again only after their retry delay) and give ``free`` back at once; return the ids
-        parked dead."""
+        """Count the refusals of ``counted`` (parked dead once refused ``max_attempts`` times;
+        ``delayed``: claimable again only after their retry delay) and give ``free`` back at once;
+        return the ids parked dead."""
         backend = _begin(conn)
         dead: list[int] = []
         for event, error in counted:
@@ -315,55 +354,83 @@ class _RelayCore(Generic[E]):
     # -- the cycle -------------------------------------------------------------
 
     def _isolate(self, events: list[OutboxEvent]) -> Steps[_Round]:
-        """Publish ``events``; when the sink refuses a part, take it apart to find the events it refuses.
+        """Publish ``events``; when the sink fails a part, take it apart to find what it refuses.
 
         Halves, depth first from the left: a key's earlier events are settled
-        before any later one is tried, and once one event of a key is refused
-        the key's later events of the batch are left for a later claim (per-key
-        order).  A sink error that names events (``event_ids``, as
-        :class:`~stateguard.PublishFailed` does) refuses those and counts the
-        others as accepted.  The search stops when two calls failed and the
-        sink has accepted nothing (it is down, not refusing one event: the
-        rest is given back untried), and when half the lease is spent.
+        before any later one is tried, and once one event of a key is not
+        taken the key's later events of the batch are left for a later claim
+        (per-key order).  A sink error naming events (``refused_ids`` /
+        ``event_ids``, as :class:`~stateguard.PublishFailed` does) settles
+        them at once: the refused ones count, the rest of what it names is
+        tried again (a refusal was named: the broker works) or given back (it
+        named none: the broker did not confirm, the round ends).  An event
+        that fails alone is a *suspect*; after two suspects in a row the next
+        call is one event alone, and a third suspect in a row ends the round
+        as an outage.  Which suspects count as refusals is
+        :meth:`_judge`'s; the search also stops when half the lease is spent.
         """
         result = _Round()
         deadline = time.monotonic() + self.lease_ms / 2000
         blocked: set[str] = set()
+        suspects: list[_Suspect] = []
+        streak = 0  # suspects since the sink last took something
+        down = False
         parts = [events]
         while parts:
             part = [e for e in parts.pop() if e.key is None or e.key not in blocked]
             if not part:
                 continue
-            if time.monotonic() > deadline and (result.accepted or result.refused):
+            if time.monotonic() > deadline and (result.accepted or result.refused or suspects):
                 break
+            if streak >= 2 and len(part) > 1:
+                # Two events failed alone in a row: one more, alone, says whether the sink works at all.
+                parts.append(part[1:])
+                part = part[:1]
             try:
                 yield from self._publish(part)
             except Exception as error:
                 if error is self._fatal:
                     result.interrupt = error
                     break
-                named = _named(error, part)
-                if named:
+                if result.error is None:
+                    result.error = error
+                verdict = _verdict(error, part)
+                if verdict is not None:
+                    refused, lost = verdict
+                    again: list[OutboxEvent] = []
                     for e in part:
                         if e.key is not None and e.key in blocked:
                             continue
-                        if e.id in named:
-                            result.refused.append((e, error))
+                        if e.id not in lost:
+                            result.accepted.append(e)
+                        elif e.id in refused or not refused:
+                            if e.id in refused:
+                                result.refused.append((e, error))
                             if e.key is not None:
                                 blocked.add(e.key)
                         else:
-                            result.accepted.append(e)
+                            again.append(e)
+                    if not refused:
+                        down = True  # nothing refused, something unconfirmed: the broker is not answering
+                        break
+                    streak = 0
+                    for suspect in suspects:
+                        suspect.worked_after = True
+                    if again:
+                        parts.append(again)
                     continue
-                if not result.accepted and result.refused:
-                    break  # a second failure and nothing taken: the sink is down
-                if len(part) == 1:
-                    result.refused.append((part[0], error))
-                    if part[0].key is not None:
-                        blocked.add(part[0].key)
+                if len(part) > 1:
+                    middle = len(part) // 2
+                    parts.append(part[middle:])
+                    parts.append(part[:middle])
                     continue
-                middle = len(part) // 2
-                parts.append(part[middle:])
-                parts.append(part[:middle])
+                suspects.append(_Suspect(part[0], error))
+                if part[0].key is not None:
+                    blocked.add(part[0].key)
+                streak += 1
+                if streak >= 3:
+                    down = True
+                    break
             except GeneratorExit:
                 raise
             except BaseException as error:  # KeyboardInterrupt, SystemExit, a cancellation
@@ -371,7 +438,60 @@ class _RelayCore(Generic[E]):
                 break
             else:
                 result.accepted.extend(part)
+                streak = 0
+                for suspect in suspects:
+                    suspect.worked_after = True
+        if suspects and not down and result.interrupt is None:
+            yield from self._judge(suspects, result, deadline)
         return result
+
+    def _judge(self, suspects: list[_Suspect], result: _Round, deadline: float) -> Steps[None]:
+        """Count the suspects the sink refuses while it works; the others are given back uncounted.
+
+        A suspect after which the sink took other events of the round, or
+        whose sink answers :meth:`probe() <stateguard.outbox.Sink>`, is
+        published alone once more: taken, it is published; refused again,
+        its refusal counts.  Without that evidence (nothing taken after it,
+        a sink without ``probe``) it counts unless its error is one of an
+        unreachable sink (:func:`_outage`).
+        """
+        retry = [s for s in suspects if s.worked_after]
+        unknown = [s for s in suspects if not s.worked_after]
+        if unknown:
+            probe = getattr(self.sink, "probe", None)
+            if callable(probe):
+                try:
+                    yield from self._call_sink(probe)
+                except Exception as error:
+                    if error is self._fatal:
+                        result.interrupt = error
+                    return  # the sink is down: no suspect's failure is its own
+                except GeneratorExit:
+                    raise
+                except BaseException as error:
+                    result.interrupt = error
+                    return
+                retry += unknown
+            else:
+                result.refused += [(s.event, s.error) for s in unknown if not _outage(s.error)]
+        for suspect in sorted(retry, key=lambda s: s.event.id):
+            if time.monotonic() > deadline:
+                break
+            try:
+                yield from self._publish([suspect.event])
+            except Exception as error:
+                if error is self._fatal:
+                    result.interrupt = error
+                    return
+                result.refused.append((suspect.event, error))
+            except GeneratorExit:
+                raise
+            except BaseException as error:
+                result.interrupt = error
+                return
+            else:
+                result.accepted.append(suspect.event)
+        result.refused.sort(key=lambda r: r[0].id)
 
     def _cycle(self) -> Steps[int]:
         """Claim, publish, mark: the one algorithm of both relays."""
@@ -397,8 +517,8 @@ class _RelayCore(Generic[E]):
             yield from self._give_back(owner, outcome, rest)
         if outcome.interrupt is not None:
             raise outcome.interrupt
-        if not accepted and outcome.refused:
-            raise outcome.refused[0][1]
+        if not accepted and outcome.error is not None:
+            raise outcome.error
         return len(accepted)
 
     def _mark_accepted(self, owner: str, accepted: list[OutboxEvent]) -> Steps[None]:
@@ -422,21 +542,17 @@ class _RelayCore(Generic[E]):
             )
 
     def _give_back(self, owner: str, outcome: _Round, rest: list[OutboxEvent]) -> Steps[None]:
-        """Release what the sink did not take; count the refusals that are the events' own.
+        """Release what the sink did not take; count the refusals :meth:`_isolate` found.
 
-        A refusal counts when the sink accepted other events of the round (it
-        works, and refuses these: they are claimable again after their retry
-        delay); in a round where it accepted nothing only the oldest refused
-        event's counts and the batch is free at once (the sink is down: run()
-        backs off), so a sink that is down for ``max_attempts`` rounds parks
-        one event.
+        A counted event is claimable again after its retry delay when the
+        sink took other events of the round (they keep flowing while it
+        waits), at once when it took nothing (``run()``'s backoff spaces the
+        next try).  Every other event of ``rest`` (untried, behind a refused
+        event of its key, or failed while the sink was down) is free at once
+        and nothing is counted for it: a sink that is down for any number of
+        rounds parks no event.
         """
-        if outcome.interrupt is not None:
-            counted: list[tuple[OutboxEvent, BaseException]] = []
-        elif outcome.accepted:
-            counted = outcome.refused
-        else:
-            counted = outcome.refused[:1]
+        counted = outcome.refused if outcome.interrupt is None else []
         kept = {e.id for e, _ in counted}
         free = [e.id for e in rest if e.id not in kept]
         try:
@@ -580,8 +696,8 @@ class Relay(_RelayCore[Engine]):
         with self._steps_engine.begin() as conn:
             return step(fn(conn, *args))
 
-    def _publish(self, events: list[OutboxEvent]) -> Steps[Any]:
-        result = self.sink.publish(events)
+    def _call_sink(self, fn: Callable[..., Any], /, *args: Any) -> Steps[Any]:
+        result = fn(*args)
         if inspect.isawaitable(result):
             if inspect.iscoroutine(result):
                 result.close()
@@ -633,8 +749,8 @@ class AsyncRelay(_RelayCore["AsyncEngine"]):
         async with self._steps_engine.begin() as conn:
             return await conn.run_sync(fn, *args)
 
-    def _publish(self, events: list[OutboxEvent]) -> Steps[Any]:
-        return step(self.sink.publish(events))
+    def _call_sink(self, fn: Callable[..., Any], /, *args: Any) -> Steps[Any]:
+        return step(fn(*args))
 
     def _idle(self, stop: asyncio.Event, seconds: float) -> Steps[None]:
         return step(self._wait(stop, seconds))
