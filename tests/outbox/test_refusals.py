@@ -7,16 +7,22 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from sqlalchemy import Engine
 
-from stateguard import OutboxEvent, PublishFailed, Relay
+from stateguard import OutboxEvent, PublishFailed, RedisStreamSink, Relay, create_tables, drop_tables
 
+from .._redis_server import RedisServer
 from ..conftest import Backend
-from ._events import Refusing, emit_one, event_row
+from ._events import Refusing, emit_one, event_row, event_rows
 
 
 def _rounds(relay: Relay, n: int) -> None:
@@ -241,3 +247,54 @@ def _rounds_raising(relay: Relay, n: int) -> None:
     for _ in range(n):
         with contextlib.suppress(Exception):
             relay.run_once()
+
+
+def _stream_ids(client: Any, stream: str) -> list[int]:
+    return [int(fields[b"id"]) for _, fields in client.xrange(stream)]
+
+
+@pytest.mark.restart
+def test_a_redis_server_stopped_for_many_rounds_parks_no_event(
+    pg: Backend, private_redis: RedisServer
+) -> None:
+    """A private redis-server SIGKILLed by pid under a RedisStreamSink for 30 rounds with 24 pending events,
+    then for 15 rounds with one: no refusal is counted, nothing is parked (max_attempts=3), and after the
+    restart every event is in the stream once, each key's in id order."""
+    engine = pg.engine
+    drop_tables(engine)
+    create_tables(engine)
+    # No client retries (each would wait out redis-py's backoff): every call meets the outage at once.
+    client = redis.Redis(host=private_redis.host, port=private_redis.port, retry=Retry(NoBackoff(), 0))
+    stream = f"sg-test-outage-{uuid.uuid4().hex}"
+    relay = Relay(
+        engine,
+        RedisStreamSink(client, stream=stream),
+        batch=8,
+        max_attempts=3,
+        retry_delay=timedelta(milliseconds=1),
+    )
+    try:
+        before = [emit_one(engine, "t", {"n": n}, key=f"k{n % 3}") for n in range(4)]
+        while relay.run_once():
+            pass
+        assert _stream_ids(client, stream) == before
+        private_redis.kill()
+        during = [emit_one(engine, "t", {"n": n}, key=f"k{n % 3}" if n % 4 else None) for n in range(24)]
+        _rounds_raising(relay, 30)
+        private_redis.start()
+        while relay.run_once():
+            pass
+        private_redis.kill()
+        lone = emit_one(engine, "t", {"n": 99}, key="k0")
+        _rounds_raising(relay, 15)
+        private_redis.start()
+        while relay.run_once():
+            pass
+        rows = event_rows(engine)
+        assert [(r.id, r.refusals, r.dead_ms) for r in rows if r.refusals or r.dead_ms] == []
+        assert all(r.published_ms is not None for r in rows)
+        assert _stream_ids(client, stream) == [lone], "the second restart's stream holds the lone event"
+    finally:
+        client.close()
+        drop_tables(engine)
+    assert len(during) == 24
