@@ -28,7 +28,7 @@ data-modifying CTE, built once per trigger and call variant)::
     WITH moved AS (UPDATE t SET ... WHERE pk = :pk AND state = :source RETURNING version),
          sent AS (INSERT INTO stateguard_outbox (topic, key, payload, created_ms, attempts)
                   SELECT :topic, :key, :p0 || CAST(moved.version AS TEXT) || :p1, <db clock>, 0
-                  FROM moved RETURNING id)
+                  FROM moved RETURNING id, pg_notify('stateguard_outbox', ''))
     SELECT moved.version FROM moved JOIN sent ON true
 
 The payload is JSON text (``stateguard_outbox.payload``), the same text
@@ -54,6 +54,7 @@ from sqlalchemy import Connection, Text, and_, bindparam, case, cast, func, inse
 
 from .. import _sql, _write
 from ..exceptions import ConfigurationError
+from ..outbox.wakeup import notifies, notify_column, notify_statement
 from ..tables import DIGEST_PREFIX, MAX_KEY, outbox, row_key
 from . import compile
 
@@ -205,6 +206,8 @@ def record(
         for entry, text in zip(entries, payloads, strict=True)
     ]
     _write.insert_rows(conn, outbox, rows, max(len(p.encode("utf-8")) for p in payloads))
+    if notifies(_sql.backend(conn.dialect)):
+        _write.execute(conn, notify_statement())  # wakes the relays at COMMIT (stateguard.outbox.wakeup)
 
 
 class CtePlan:
@@ -241,7 +244,9 @@ def _holes(trigger: Trigger) -> tuple[str, ...]:
     return tuple(holes)
 
 
-def _build(trigger: Trigger, items: compile.Items, expected: bool, fence: bool) -> CtePlan:
+def _build(
+    trigger: Trigger, items: compile.Items, expected: bool, fence: bool, backend: _sql.Backend
+) -> CtePlan:
     m = trigger.machine
     info = m.info
     base = compile.build(trigger, None, items, expected, embed=False, fence=fence).stmt
@@ -293,7 +298,7 @@ def _build(trigger: Trigger, items: compile.Items, expected: bool, fence: bool) 
                 literal(0),
             ).select_from(moved),
         )
-        .returning(outbox.c.id)
+        .returning(outbox.c.id, *((notify_column(),) if notifies(backend) else ()))
         .cte("sg_sent")
     )
     stmt = select(*moved.c).select_from(moved.join(sent, true()))
@@ -306,11 +311,11 @@ def cte_plan(
     """The memoised :class:`CtePlan` for one call variant (built afresh when a SQL value cannot be cached)."""
     variant = _sql.variant_key(items, has_sql) if items else ()
     if variant is None:
-        return _build(trigger, items, expected, fence)
+        return _build(trigger, items, expected, fence, backend)
     key = ("machine.event", trigger, backend, variant, expected, fence)
     found: CtePlan | None = _write.memo.get(key)
     if found is None:
-        found = _write.memo.put(key, _build(trigger, items, expected, fence))
+        found = _write.memo.put(key, _build(trigger, items, expected, fence, backend))
     return found
 
 

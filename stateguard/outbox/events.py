@@ -18,6 +18,7 @@ from .. import _sql, _write
 from .._async import dual
 from ..exceptions import InvalidArgument
 from ..tables import MAX_KEY, outbox
+from .wakeup import notifies, notify_column
 
 #: Longest topic accepted (characters): the ``topic`` column's length.
 MAX_TOPIC: Final = 200
@@ -122,8 +123,13 @@ def _insert(backend: _sql.Backend) -> Any:
             created_ms=_sql.db_now_ms(),
             attempts=0,
         )
-        # MariaDB answers with LAST_INSERT_ID in the OK packet (lastrowid): no RETURNING needed.
-        return stmt.returning(_o.c.id) if backend.returning else stmt
+        if not backend.returning:
+            # MariaDB answers with LAST_INSERT_ID in the OK packet (lastrowid): no RETURNING needed.
+            return stmt
+        if notifies(backend):
+            # Wakes the relays when the transaction commits, in the same round trip (see .wakeup).
+            return stmt.returning(_o.c.id, notify_column())
+        return stmt.returning(_o.c.id)
 
     return _write.memo.get_or_build(("outbox_insert", backend), build)
 

@@ -48,6 +48,7 @@ from .statements import (
     _refuse_statement,
     _release_statement,
 )
+from .wakeup import AsyncListener, Listener, Poll, notifies
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -208,6 +209,10 @@ class _RelayCore(Generic[E]):
         self._steps_engine: E = (
             engine.execution_options(isolation_level="AUTOCOMMIT") if _autocommit(dialect) else engine
         )
+        #: Whether run() waits on LISTEN/NOTIFY (PostgreSQL) rather than polling alone.
+        self._notified = notifies(_sql.backend(dialect))
+        #: The listening connection of run(), while it runs (tests reach it to kill it).
+        self._listener: Any = None
         #: The last error of the relay's own making that ends run() (its setup is wrong).
         self._fatal: BaseException | None = None
         self._schema_checked = False
@@ -235,6 +240,10 @@ class _RelayCore(Generic[E]):
 
     def _idle(self, stop: Any, seconds: float) -> Steps[Any]:
         """Wait ``seconds`` or until ``stop`` is set."""
+        raise NotImplementedError
+
+    def _make_listener(self) -> Any:
+        """A :class:`~.wakeup.Listener` (or its async twin) on the relay's engine."""
         raise NotImplementedError
 
     # -- the statements of one cycle, each in its own transaction ---------------
@@ -579,38 +588,51 @@ class _RelayCore(Generic[E]):
             )
 
     def _serve(self, stop: Any, idle_sleep: float) -> Steps[None]:
-        """Cycles until ``stop`` is set, waiting ``idle_sleep`` after one that published nothing and
-        backing off (bounded, jittered) after rounds that failed."""
+        """Cycles until ``stop`` is set: at once after one that published, after a wake-up (a NOTIFY,
+        or the adaptive poll's sleep, :mod:`.wakeup`) after one that found nothing, after a bounded,
+        jittered backoff after rounds that failed."""
         idle = _write.required_seconds(idle_sleep, "idle_sleep")
         failed = 0
-        while not stop.is_set():
-            try:
-                if not self._schema_checked:
-                    # Once per relay: a table of an older stateguard would fail only at a refusal.
-                    try:
-                        yield from self._db(self._check_schema)
-                    except ConfigurationError as error:
-                        self._fatal = error
+        poll = Poll()
+        self._listener = self._make_listener() if self._notified else None
+        try:
+            while not stop.is_set():
+                try:
+                    if not self._schema_checked:
+                        # Once per relay: a table of an older stateguard would fail only at a refusal.
+                        try:
+                            yield from self._db(self._check_schema)
+                        except ConfigurationError as error:
+                            self._fatal = error
+                            raise
+                        self._schema_checked = True
+                    # through run_once(), which a subclass may extend (the CLI counts with it)
+                    published = yield from step(self.run_once())
+                except Exception as error:
+                    if error is self._fatal:
+                        log.error("outbox relay: stopped: %s", error)
                         raise
-                    self._schema_checked = True
-                # through run_once(), which a subclass may extend (the CLI counts with it)
-                published = yield from step(self.run_once())
-            except Exception as error:
-                if error is self._fatal:
-                    log.error("outbox relay: stopped: %s", error)
-                    raise
-                failed += 1
-                pause = _backoff(idle, failed)
-                log.warning(
-                    "outbox relay: batch not published, retrying in %.2f s: %s",
-                    pause,
-                    _error_text(error),
-                )
-                yield from self._idle(stop, pause)
-                continue
-            failed = 0
-            if published == 0:
-                yield from self._idle(stop, idle)
+                    failed += 1
+                    pause = _backoff(idle, failed)
+                    log.warning(
+                        "outbox relay: batch not published, retrying in %.2f s: %s",
+                        pause,
+                        _error_text(error),
+                    )
+                    yield from self._idle(stop, pause)
+                    continue
+                failed = 0
+                if published:
+                    poll.worked()
+                    continue
+                listener = self._listener
+                if listener is not None and listener.usable and (yield from step(listener.wait(stop, idle))):
+                    continue
+                yield from self._idle(stop, poll.seconds(idle))
+        finally:
+            listener, self._listener = self._listener, None
+            if listener is not None:
+                yield from step(listener.close())
 
 
 def _backoff(idle: float, failed: int) -> float:
@@ -712,6 +734,9 @@ class Relay(_RelayCore[Engine]):
         stop.wait(seconds)
         return step(None)
 
+    def _make_listener(self) -> Listener:
+        return Listener(self.engine)
+
 
 class AsyncRelay(_RelayCore["AsyncEngine"]):
     """:class:`Relay` on an :class:`~sqlalchemy.ext.asyncio.AsyncEngine`: the same cycle, awaited.
@@ -754,6 +779,9 @@ class AsyncRelay(_RelayCore["AsyncEngine"]):
 
     def _idle(self, stop: asyncio.Event, seconds: float) -> Steps[None]:
         return step(self._wait(stop, seconds))
+
+    def _make_listener(self) -> AsyncListener:
+        return AsyncListener(self.engine)
 
     @staticmethod
     async def _wait(stop: asyncio.Event, seconds: float) -> None:
