@@ -296,9 +296,8 @@ class _RelayCore(Generic[E]):
     @staticmethod
     def _mark(conn: Connection, owner: str, ids: list[int]) -> int:
         backend = _begin(conn)
-        return int(
-            _write.execute(conn, _mark_statement(backend), {"sg_ids": ids, "sg_owner": owner}).rowcount
-        )
+        result = _write.execute(conn, _mark_statement(backend), {"sg_ids": ids, "sg_owner": owner})
+        return len(result.all()) if result.returns_rows else int(result.rowcount)
 
     @staticmethod
     def _release(conn: Connection, owner: str, ids: list[int]) -> int:
@@ -344,7 +343,9 @@ class _RelayCore(Generic[E]):
     def _check_schema(conn: Connection) -> None:
         """:class:`ConfigurationError` when stateguard's outbox table, or a column of it, is missing."""
         try:
-            have = {c["name"] for c in sa_inspect(conn).get_columns(outbox.name)}
+            # schema_for_object: the schema a schema_translate_map sends the table to.
+            schema = conn.schema_for_object(outbox)
+            have = {c["name"] for c in sa_inspect(conn).get_columns(outbox.name, schema=schema)}
         except sa_exc.NoSuchTableError:
             have = set()
         missing = [c.name for c in outbox.columns if c.name not in have]
