@@ -31,7 +31,7 @@ from stateguard import (
 )
 from stateguard.tables import outbox
 
-from .._async_helpers import ASYNC_TARGETS, AsyncTarget, target_from
+from .._async_helpers import AsyncTarget
 from .._support import outbox_workers as w
 from ..conftest import Backend
 from ._events import Recorder, emit_one, event_rows, wait_for_db_clock_past
@@ -232,12 +232,6 @@ def test_a_relay_killed_after_publishing_is_republished_by_another_after_its_lea
     assert [event_id for _, event_id, _, _ in next(iter(seen))] == ids
     assert survivor.ids == ids
     assert all(r.published_ms is not None and r.attempts == 2 for r in event_rows(engine))
-
-
-@pytest.fixture(params=list(ASYNC_TARGETS))
-def target(request: pytest.FixtureRequest) -> AsyncTarget:
-    """Each async driver, on the namespace of its backend."""
-    return target_from(request)
 
 
 def test_async_emit_and_async_relay(target: AsyncTarget) -> None:

@@ -16,18 +16,26 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session
 
 from stateguard import ConfigurationError, InvalidArgument, OutboxEvent, PublishFailed, Relay, emit
 from stateguard.outbox import AsyncRelay
 from stateguard.outbox.sinks import AsyncRabbitMQSink, RabbitMQSink
-from stateguard.tables import outbox
 
 from ..._faultproxy import FaultProxy
 from ...conftest import Backend
-from ._brokers import RABBITMQ_PORT, RABBITMQ_URL, Delivered, Rabbit, via
+from ._brokers import (
+    RABBITMQ_PORT,
+    RABBITMQ_URL,
+    Delivered,
+    Rabbit,
+    drain_relay,
+    outbox_rows,
+    publish_all,
+    via,
+)
 
 #: Payloads that are not plain ASCII text: the body is the stored JSON in UTF-8.
 PAYLOADS: list[Any] = [{"n": 0, "name": "Zoë ✓"}, [1, 2.5, None, True], "text", 7, {"nested": {"a": [{}]}}]
@@ -45,11 +53,6 @@ def emit_events(engine: Engine, n: int, *, topic: str = "order.paid", start: int
             )
             for i in range(start, start + n)
         ]
-
-
-def outbox_rows(engine: Engine) -> dict[int, Any]:
-    with engine.connect() as conn:
-        return {r.id: r for r in conn.execute(select(outbox))}
 
 
 def assert_is_event(message: Delivered, row: Any) -> None:
@@ -76,23 +79,6 @@ def assert_in_key_order(got: list[Delivered], rows: dict[int, Any]) -> None:
     for message in got:
         by_key[rows[int(message.properties.message_id)].key].append(int(message.properties.message_id))
     assert all(seen == sorted(seen) for key, seen in by_key.items() if key is not None)
-
-
-def drain_relay(relay: Relay) -> int:
-    total = 0
-    while (published := relay.run_once()) > 0:
-        total += published
-    return total
-
-
-def publish_all(relay: Relay, engine: Engine) -> None:
-    """Run the relay until every event is marked published (a batch the sink refused comes again)."""
-    deadline = time.monotonic() + 60
-    while any(r.published_ms is None for r in outbox_rows(engine).values()):
-        assert time.monotonic() < deadline, "the relay did not publish every event within 60 s"
-        with contextlib.suppress(PublishFailed):
-            if relay.run_once() == 0:
-                time.sleep(0.1)
 
 
 def test_every_event_arrives_persistent_with_its_properties(

@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from stateguard import AsyncRelay, InvalidArgument, RedisStreamSink, Relay, create_tables, drop_tables, emit
 
-from ..._async_helpers import ASYNC_TARGETS, AsyncTarget, target_from
+from ..._async_helpers import AsyncTarget
 from ...conftest import REDIS_URL, Backend
 from .._events import emit_one
 
@@ -54,12 +54,6 @@ def test_redis_stream_sink_refuses_bad_options(redis_client: Any) -> None:
     ]:
         with pytest.raises(InvalidArgument):
             RedisStreamSink(*args, **kwargs)
-
-
-@pytest.fixture(params=list(ASYNC_TARGETS))
-def target(request: pytest.FixtureRequest) -> AsyncTarget:
-    """Each async driver, on the namespace of its backend."""
-    return target_from(request)
 
 
 def test_async_relay_publishes_to_a_redis_stream_through_redis_asyncio(
