@@ -1,19 +1,19 @@
 """The transactional outbox: events stored in the transaction that caused them, published by a relay.
 
-``after_commit`` callbacks run in the process that committed: if it dies
-between COMMIT and the callback, the side effect never happens.  An outbox
-stores the event *in* the transaction instead (:func:`emit`), so the event
-exists exactly when the change that caused it does; a :class:`Relay` then
-hands committed events to a :class:`Sink` (a Redis stream, a queue, a
-function) at least once, and a consumer that records what it handled with
+An ``after_commit`` callback is lost when its process dies right after COMMIT.
+:func:`emit` stores the event *in* the transaction instead, so it exists
+exactly when the change that caused it does; a :class:`Relay` (or
+:class:`AsyncRelay`) then claims committed events on a lease, hands them to a
+:class:`Sink` outside any transaction, and marks them published with an
+owner-checked UPDATE: at least once, one key's events in id order, relays
+sharing the work.  A consumer that records each event id with
 :func:`~stateguard.consume_once` applies each one once::
 
     with Session(engine) as session, session.begin():
-        order.pay(session)                                  # the change
-        emit(session, "order.paid", {"order": 7}, key="order-7")   # its event, same transaction
+        Order.flow.pay(session, 7)                                   # the change
+        emit(session, "order.paid", {"order": 7}, key="order-7")    # its event, same transaction
 
-    relay = Relay(engine, RedisStreamSink(redis, stream="orders"))
-    relay.run(stop_event)                                   # claim, publish, mark; repeat
+    Relay(engine, RedisStreamSink(redis, stream="orders")).run(stop_event)
 
 A relay claims a batch of committed events in one short transaction,
 publishes it outside any transaction and marks what the sink took; events
@@ -22,8 +22,8 @@ only its key and is parked *dead* after ``max_attempts`` refusals (never
 deleted; :func:`requeue_dead` gives it back); a sink that is down refuses
 nothing, so an outage parks no event.  ``Relay.run()`` ends only when asked
 to, waking on LISTEN/NOTIFY on PostgreSQL and polling adaptively elsewhere.
-The design (claim, per-key order, refusals, dead events, key-order modes,
-wake-ups): docs/explanation/relay.md.
+Using it: ``docs/how-to/outbox.md``; the design (claim, per-key order,
+refusals, dead events, key-order modes, wake-ups): ``docs/explanation/relay.md``.
 
 Not promised: any order across keys, a bound on publish latency, delivery
 exactly once (a consumer deduplicates by the event id: :attr:`OutboxEvent.id`).
