@@ -310,8 +310,11 @@ def events_cost(url: str, n: int) -> Table:
 # ---------------------------------------------------------------------------
 
 
-def _relay_process(url: str, schema: str, attach: list[tuple[str, str]], stream: str, stop: Any) -> None:
-    """``Relay(engine, RedisStreamSink(...)).run(stop)`` with every default, in a process of its own."""
+def _relay_process(
+    url: str, schema: str, attach: list[tuple[str, str]], stream: str, stop: Any, ready: Any
+) -> None:
+    """``Relay(engine, RedisStreamSink(...)).run(stop)`` with every default, in a process of its own;
+    ``ready`` is set once its first (empty) round ran: imports and connections are behind it."""
     import redis
     from sqlalchemy import event
 
@@ -328,7 +331,10 @@ def _relay_process(url: str, schema: str, attach: list[tuple[str, str]], stream:
     engine = base.execution_options(schema_translate_map={None: schema})
     client = redis.Redis.from_url(REDIS_URL)
     try:
-        Relay(engine, RedisStreamSink(client, stream=stream)).run(stop)
+        relay = Relay(engine, RedisStreamSink(client, stream=stream))
+        relay.run_once()
+        ready.set()
+        relay.run(stop)
     finally:
         client.close()
         base.dispose()
@@ -356,9 +362,11 @@ def latency_scenario(url: str, rate: int, seconds: float, producers: int) -> Tab
             stem = str(base.url.database).rsplit(".", 1)[0]
             attach = [(schemas[0], f"{stem}-sglat0.db")]
         ctx = multiprocessing.get_context("spawn")
-        stop = ctx.Event()
-        relay = ctx.Process(target=_relay_process, args=(url, schemas[0], attach, stream, stop))
+        stop, ready = ctx.Event(), ctx.Event()
+        relay = ctx.Process(target=_relay_process, args=(url, schemas[0], attach, stream, stop, ready))
         relay.start()
+        if not ready.wait(120):
+            raise AssertionError("the relay process did not start within 120 s")
         done = threading.Event()
 
         def consume() -> None:
@@ -386,7 +394,7 @@ def latency_scenario(url: str, rate: int, seconds: float, producers: int) -> Tab
 
         consumer = threading.Thread(target=consume, daemon=True)
         consumer.start()
-        time.sleep(3.0)  # the relay process starts, finds nothing and settles into its idle wait
+        time.sleep(3.0)  # past the poll's backoff: the relay process waits idle, as in production
         per = int(rate * seconds) // producers
         t0 = time.monotonic() + 0.1
         threads = [threading.Thread(target=produce, args=(p, per, t0)) for p in range(producers)]
