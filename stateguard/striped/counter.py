@@ -281,7 +281,7 @@ class StripedCounter:
         # Summed here, not by SUM(): the stripes may hold more than a BIGINT in all (SQLite's SUM
         # then fails with "integer overflow"); an item has at most MAX_STRIPES of them.
         amounts = _write.execute(conn, AMOUNTS, item_params(self.name, item)).scalars().all()
-        return sum(int(a) for a in amounts) if amounts else None
+        return sum(int(amount) for amount in amounts) if amounts else None
 
     total = dual_method(_total, operation="striped.total")
 
@@ -292,7 +292,8 @@ class StripedCounter:
         """
         item = self._item(item)
         conn = self._conn(session)
-        return [int(a) for a in _write.execute(conn, AMOUNTS, item_params(self.name, item)).scalars()]
+        amounts = _write.execute(conn, AMOUNTS, item_params(self.name, item)).scalars()
+        return [int(amount) for amount in amounts]
 
     stripe_amounts = dual_method(_stripe_amounts, operation="striped.stripe_amounts")
 
