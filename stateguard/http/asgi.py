@@ -79,19 +79,14 @@ from sqlalchemy.orm import Session
 
 from ..exceptions import ConfigurationError, LeaseLost
 from .core import (
-    REFUSED_BEFORE_EXECUTION,
     KeyedRequest,
-    Options,
-    RouteOptions,
-    RoutesFn,
-    ScopeFn,
     anonymous_refused,
-    default_store_status,
     missing_key,
     request_scope,
     too_large,
 )
 from .keys import KEY_HEADER, BadKey, parse_key
+from .options import REFUSED_BEFORE_EXECUTION, Options, RouteOptions, RoutesFn, ScopeFn, default_store_status
 from .principal import Anonymous, PrincipalFn, principal, scope_from_principal
 from .request import HttpRequest
 from .responses import CREDENTIAL_HEADERS

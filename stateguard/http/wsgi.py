@@ -42,17 +42,13 @@ from sqlalchemy.orm import Session
 from ..exceptions import ConfigurationError
 from .core import (
     KeyedRequest,
-    Options,
-    RouteOptions,
-    RoutesFn,
-    ScopeFn,
     anonymous_refused,
-    default_store_status,
     missing_key,
     request_scope,
     too_large,
 )
 from .keys import KEY_HEADER, BadKey, parse_key
+from .options import Options, RouteOptions, RoutesFn, ScopeFn, default_store_status
 from .principal import Anonymous, PrincipalFn, principal, scope_from_principal
 from .request import HttpRequest
 from .responses import Response
