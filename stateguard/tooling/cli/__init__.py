@@ -32,7 +32,16 @@ from typing import Final
 
 from ... import __version__
 from . import check, demo, graph, inspect, outbox, purge, relay
-from .common import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, UsageError, database_url, first_line, open_engine
+from .common import (
+    EXIT_OK,
+    EXIT_PROBLEMS,
+    EXIT_USAGE,
+    HelpFormatter,
+    UsageError,
+    database_url,
+    first_line,
+    open_engine,
+)
 from .targets import import_module
 
 __all__ = [
@@ -53,7 +62,8 @@ COMMANDS: Final[tuple[ModuleType, ...]] = (demo, graph, check, purge, relay, out
 
 #: The ``exit codes:`` epilog of ``stateguard --help`` (each command's ``--help`` lists its own).
 EXIT_CODES: Final = """\
-exit codes (each command's --help lists its own):
+exit codes (each command's --help lists its own)::
+
   0  ok
   1  demo: an invariant was violated; check: problems were found; inspect: stuck work was found
   2  usage error (bad arguments, unreachable or missing database or Redis, missing driver,
@@ -70,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="stateguard",
         description="Safe retried, duplicated and concurrent writes for SQLAlchemy.",
         epilog=EXIT_CODES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"stateguard {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

@@ -33,7 +33,8 @@ from .common import (
 from .targets import import_module, model_machines, split_target
 
 EXIT_CODES: Final = """\
-exit codes:
+exit codes::
+
   0  ok: no problems (warnings allowed)
   1  problems were found
   2  usage error (bad arguments, unimportable module, unreachable database,

@@ -25,6 +25,19 @@ EXIT_USAGE: Final = 2
 
 DEFAULT_DB: Final = "sqlite:///stateguard-demo.db"
 
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions and epilogs printed as written, each epilog's ``exit codes::`` as ``exit codes:``.
+
+    The epilogs are reStructuredText too: the documentation's CLI reference (sphinx-argparse,
+    which reads them from :func:`~stateguard.tooling.cli.build_parser`) renders the codes after the
+    ``::`` and its blank line as a literal block, exactly as ``--help`` lines them up.
+    """
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return super()._fill_text(text.replace("::\n\n", ":\n", 1), width, indent)
+
+
 #: The subcommands of a parser, to which each command module adds its own.
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 #: A command: ``run(args, out, err)`` returns the exit code.
@@ -50,7 +63,7 @@ def add_command(
         help=help,
         description=description,
         epilog=epilog,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     command.set_defaults(handler=handler)
     return command

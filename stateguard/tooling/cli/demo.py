@@ -38,7 +38,8 @@ from .common import (
 )
 
 EXIT_CODES: Final = """\
-exit codes:
+exit codes::
+
   0  ok: every invariant of stateguard's rows held (the hand-written rows' damage is expected)
   1  an invariant was violated in a stateguard row, a hand-written row raised an unexpected
      error, or the database failed during the run

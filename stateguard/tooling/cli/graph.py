@@ -26,7 +26,8 @@ from .common import (
 from .targets import import_module, model_machines, split_target
 
 EXIT_CODES: Final = """\
-exit codes:
+exit codes::
+
   0  ok: the graph was written
   2  usage error (bad arguments, unimportable module, no such model or machine,
      Graphviz missing, output not writable)

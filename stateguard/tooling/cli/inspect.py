@@ -39,7 +39,8 @@ from .common import (
 from .targets import import_module, split_target
 
 EXIT_CODES: Final = """\
-exit codes:
+exit codes::
+
   0  ok: nothing stuck
   1  stuck work was found: idempotency keys in progress past their lease, or outbox
      events unpublished for --stale seconds or longer

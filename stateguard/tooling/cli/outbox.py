@@ -20,6 +20,7 @@ from .arguments import (
 )
 from .common import (
     EXIT_OK,
+    HelpFormatter,
     Subparsers,
     UsageError,
     add_command,
@@ -28,7 +29,8 @@ from .common import (
 )
 
 EXIT_CODES: Final = """\
-exit codes:
+exit codes::
+
   0  ok: the dead events asked for were requeued (or none were dead)
   2  usage error (bad arguments, unreachable database, a SQLite file that does
      not exist, the stateguard_outbox table missing or older than this stateguard)
@@ -42,7 +44,7 @@ def register(commands: Subparsers) -> argparse.ArgumentParser:
         help="manage outbox events: requeue the dead ones",
         description="Manage the transactional outbox's events (see `stateguard outbox requeue --help`).",
         epilog=EXIT_CODES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     outbox_commands = outbox_cmd.add_subparsers(dest="outbox_command", metavar="COMMAND", required=True)
     requeue = add_command(

@@ -35,7 +35,8 @@ from .common import (
 )
 
 EXIT_CODES: Final = """\
-exit codes:
+exit codes::
+
   0  ok: expired rows deleted (or none were left)
   2  usage error (bad arguments, unreachable database, a SQLite file that does
      not exist, stateguard's tables missing, a database error)

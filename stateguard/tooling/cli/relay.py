@@ -43,7 +43,8 @@ from .common import (
 )
 
 EXIT_CODES: Final = """\
-exit codes:
+exit codes::
+
   0  ok: stopped by SIGTERM or SIGINT after finishing the batch in hand
   2  usage error (bad arguments, unreachable database or broker, a SQLite file
      that does not exist, the stateguard_outbox table missing, the broker's client
