@@ -16,9 +16,7 @@ from sqlalchemy import exc as sa_exc
 from ...schema import machines_in_module
 from .. import check as checks
 from ..terminal import use_color
-from .arguments import (
-    text_arg,
-)
+from .arguments import text_arg
 from .common import (
     EXIT_OK,
     EXIT_PROBLEMS,

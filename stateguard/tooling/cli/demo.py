@@ -17,11 +17,7 @@ from sqlalchemy import exc as sa_exc
 
 from ...exceptions import StateguardError
 from ..terminal import StderrProgress, use_color
-from .arguments import (
-    order_count,
-    text_arg,
-    worker_count,
-)
+from .arguments import order_count, text_arg, worker_count
 from .common import (
     DEFAULT_DB,
     EXIT_OK,

@@ -14,15 +14,8 @@ from typing import Final, TextIO
 
 from .. import graph as drawing
 from ..terminal import isatty
-from .arguments import (
-    text_arg,
-)
-from .common import (
-    EXIT_OK,
-    Subparsers,
-    UsageError,
-    add_command,
-)
+from .arguments import text_arg
+from .common import EXIT_OK, Subparsers, UsageError, add_command
 from .targets import import_module, model_machines, split_target
 
 EXIT_CODES: Final = """\

@@ -20,11 +20,7 @@ from ...tables import counter_ledger, transition_log
 from .. import graph as drawing
 from .. import inspection
 from ..terminal import use_color
-from .arguments import (
-    positive_int,
-    positive_seconds,
-    text_arg,
-)
+from .arguments import positive_int, positive_seconds, text_arg
 from .common import (
     EXIT_OK,
     EXIT_PROBLEMS,

@@ -14,19 +14,8 @@ from sqlalchemy import exc as sa_exc
 
 from ...exceptions import StateguardError
 from ...outbox import requeue_dead
-from .arguments import (
-    positive_int,
-    text_arg,
-)
-from .common import (
-    EXIT_OK,
-    HelpFormatter,
-    Subparsers,
-    UsageError,
-    add_command,
-    first_line,
-    open_engine,
-)
+from .arguments import positive_int, text_arg
+from .common import EXIT_OK, HelpFormatter, Subparsers, UsageError, add_command, first_line, open_engine
 
 EXIT_CODES: Final = """\
 exit codes::

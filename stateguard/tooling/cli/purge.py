@@ -19,20 +19,8 @@ from ...idempotency import purge_expired as _purge_keys
 from ...inserts import purge_consumed as _purge_consumed
 from ...outbox import purge_published as _purge_outbox
 from ...tokens import purge_expired_tokens as _purge_tokens
-from .arguments import (
-    hours,
-    nonnegative_seconds,
-    positive_int,
-    text_arg,
-)
-from .common import (
-    EXIT_OK,
-    EXIT_USAGE,
-    Subparsers,
-    add_command,
-    first_line,
-    open_engine,
-)
+from .arguments import hours, nonnegative_seconds, positive_int, text_arg
+from .common import EXIT_OK, EXIT_USAGE, Subparsers, add_command, first_line, open_engine
 
 EXIT_CODES: Final = """\
 exit codes::

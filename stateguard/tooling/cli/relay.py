@@ -25,12 +25,7 @@ from ...exceptions import StateguardError
 from ...outbox import Relay
 from ...tables import outbox
 from ..terminal import RelayProgress
-from .arguments import (
-    positive_int,
-    positive_seconds,
-    stream_length,
-    text_arg,
-)
+from .arguments import positive_int, positive_seconds, stream_length, text_arg
 from .common import (
     EXIT_OK,
     EXIT_USAGE,
