@@ -245,7 +245,7 @@ counter_ledger = Table(
 )
 
 # --------------------------------------------------------------------------
-# Striped counters: one item's amount split over several rows (striped.py)
+# Striped counters: one item's amount split over several rows (stateguard.striped)
 # --------------------------------------------------------------------------
 
 counter_stripes = Table(

@@ -73,9 +73,6 @@ class Backend:
     locks_scanned_rows: bool
     #: ``INSERT ... ON DUPLICATE KEY UPDATE`` is the upsert (MySQL/MariaDB).
     on_duplicate_key: bool
-    #: The InnoDB flag every one of the three above once was; the modules still reading it say
-    #: which of them they mean when they next change.
-    locking_read: bool
     #: ``INSERT ... ON CONFLICT DO NOTHING`` exists (PostgreSQL, SQLite).
     on_conflict: bool
     #: ``SELECT ... FOR UPDATE`` exists (SQLite has one writer instead).
@@ -150,7 +147,6 @@ class Backend:
             fresh_read_needs_lock=True,
             locks_scanned_rows=True,
             on_duplicate_key=True,
-            locking_read=True,
             on_conflict=False,
             row_locks=True,
             driver_begins_lazily=False,
@@ -209,7 +205,6 @@ _NOT_INNODB: Final[dict[str, Any]] = {
     "fresh_read_needs_lock": False,
     "locks_scanned_rows": False,
     "on_duplicate_key": False,
-    "locking_read": False,
     "delete_limit_literal": False,
     "backslash_escapes": False,
     "packet_limit": False,

@@ -252,7 +252,7 @@ class Claim(Generic[S]):
         if inserted:
             return self._claimed()
         row: Any = None if values is None else Record._make(values)
-        read = READ_LOCKING if _kernel.backend(conn.dialect).locking_read else READ
+        read = READ_LOCKING if _kernel.backend(conn.dialect).fresh_read_needs_lock else READ
         for _ in range(MAX_ROUNDS):
             if row is None:
                 # Not read yet (MariaDB, SQLite; PostgreSQL after waiting for a twin that committed).

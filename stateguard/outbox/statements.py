@@ -315,7 +315,7 @@ def _begin(conn: Connection) -> _kernel.Backend:
     rejected, and claims and marks of several relays deadlock on them.
     """
     backend = _kernel.backend(conn.dialect)
-    if backend.locking_read:
+    if backend.locks_scanned_rows:  # InnoDB gap locks: see above
         # Before the transaction's first statement: SET TRANSACTION applies to the next one.
         _kernel.execute(conn, _READ_COMMITTED)
     _kernel.sqlite_write_lock(conn)
