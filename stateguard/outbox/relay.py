@@ -501,7 +501,7 @@ class Relay(_RelayCore[Engine]):
     ``run()`` wakes on PostgreSQL's LISTEN/NOTIFY: :func:`~stateguard.emit`
     and transitions with ``events=True`` NOTIFY in their own statement, so an
     idle relay claims an event moments after its COMMIT; elsewhere it polls
-    adaptively (:mod:`stateguard.outbox.wakeup`).  A lost notification loses
+    adaptively (``stateguard.outbox.wakeup``).  A lost notification loses
     no event: the poll every ``idle_sleep`` finds it.  On PostgreSQL the
     claim and the mark commit without waiting for the disk flush: a crash
     can only free a claim again or publish an event again (at least once).

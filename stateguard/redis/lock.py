@@ -487,7 +487,9 @@ class RedisLock(_RedisLock):
             run_steps(self._extend(additional, replace_ttl))
 
     def owned(self) -> bool:
-        """Whether this thread holds the lock right now (one ``GET``)::
+        """Whether this thread holds the lock right now (one ``GET``).
+
+        For example::
 
             if not lock.owned():
                 raise RuntimeError("lost the lock")
@@ -495,7 +497,9 @@ class RedisLock(_RedisLock):
         return run_steps(self._owned())
 
     def locked(self) -> bool:
-        """Whether anyone holds the lock right now (one ``GET``)::
+        """Whether anyone holds the lock right now (one ``GET``).
+
+        For example::
 
             if lock.locked():
                 print("someone is running the payout")
@@ -607,7 +611,9 @@ class AsyncRedisLock(_RedisLock):
             await Awaited(self._extend(additional, replace_ttl))
 
     async def owned(self) -> bool:
-        """Whether this task holds the lock right now (one ``GET``)::
+        """Whether this task holds the lock right now (one ``GET``).
+
+        For example::
 
             if not await lock.owned():
                 raise RuntimeError("lost the lock")
@@ -615,7 +621,9 @@ class AsyncRedisLock(_RedisLock):
         return await Awaited(self._owned())
 
     async def locked(self) -> bool:
-        """Whether anyone holds the lock right now (one ``GET``)::
+        """Whether anyone holds the lock right now (one ``GET``).
+
+        For example::
 
             if await lock.locked():
                 print("someone is running the payout")

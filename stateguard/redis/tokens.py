@@ -99,7 +99,9 @@ class _RedisTokens(_RedisClient):
 
     @staticmethod
     def key(scope: str, token: str) -> str:
-        """The Redis key of ``token`` in ``scope`` (the token itself never appears in it)::
+        """The Redis key of ``token`` in ``scope`` (the token itself never appears in it).
+
+        For example::
 
             RedisTokens.key("reset-password:42", token)   # 'stateguard:token:reset-password:42:9f86...'
         """
@@ -246,22 +248,26 @@ class RedisTokens(_RedisTokens):
     """
 
     def issue(self, *, scope: str, ttl: timedelta) -> str:
-        """Create a token for ``scope`` that expires after ``ttl`` and return it (one SET)::
+        """Create a token for ``scope`` that expires after ``ttl`` and return it (one SET).
 
-            token = tokens.issue(scope="checkout:cart-7", ttl=timedelta(minutes=10))
+        For example::
 
-        :raises InvalidArgument: bad ``scope`` or a ``ttl`` under 1 ms.
+                token = tokens.issue(scope="checkout:cart-7", ttl=timedelta(minutes=10))
+
+            :raises InvalidArgument: bad ``scope`` or a ``ttl`` under 1 ms.
         """
         with _watch("redis_token.issue", scope):
             return run_steps(self._issue(scope, ttl))
 
     def consume(self, token: str, *, scope: str) -> Result:
-        """Consume ``token`` once: APPLIED, REPEATED, or NOT_FOUND (unknown *or* expired)::
+        """Consume ``token`` once: APPLIED, REPEATED, or NOT_FOUND (unknown *or* expired).
 
-            r = tokens.consume(form["token"], scope="checkout:cart-7")
-            r.raise_for_outcome()     # NotFound for unknown or expired tokens
+        For example::
 
-        :raises InvalidArgument: bad ``token`` or ``scope``; Redis was not called.
+                r = tokens.consume(form["token"], scope="checkout:cart-7")
+                r.raise_for_outcome()     # NotFound for unknown or expired tokens
+
+            :raises InvalidArgument: bad ``token`` or ``scope``; Redis was not called.
         """
         with _watch("redis_token.consume", scope) as box:
             box["outcome"] = (result := run_steps(self._consume(token, scope))).outcome.name
@@ -295,22 +301,26 @@ class AsyncRedisTokens(_RedisTokens):
     _asynchronous = True
 
     async def issue(self, *, scope: str, ttl: timedelta) -> str:
-        """Create a token for ``scope`` that expires after ``ttl`` and return it (one SET)::
+        """Create a token for ``scope`` that expires after ``ttl`` and return it (one SET).
 
-            token = await tokens.issue(scope="checkout:cart-7", ttl=timedelta(minutes=10))
+        For example::
 
-        :raises InvalidArgument: bad ``scope`` or a ``ttl`` under 1 ms.
+                token = await tokens.issue(scope="checkout:cart-7", ttl=timedelta(minutes=10))
+
+            :raises InvalidArgument: bad ``scope`` or a ``ttl`` under 1 ms.
         """
         with _watch("redis_token.issue", scope):
             return await Awaited(self._issue(scope, ttl))
 
     async def consume(self, token: str, *, scope: str) -> Result:
-        """Consume ``token`` once: APPLIED, REPEATED, or NOT_FOUND (unknown *or* expired)::
+        """Consume ``token`` once: APPLIED, REPEATED, or NOT_FOUND (unknown *or* expired).
 
-            r = await tokens.consume(form["token"], scope="checkout:cart-7")
-            r.raise_for_outcome()     # NotFound for unknown or expired tokens
+        For example::
 
-        :raises InvalidArgument: bad ``token`` or ``scope``; Redis was not called.
+                r = await tokens.consume(form["token"], scope="checkout:cart-7")
+                r.raise_for_outcome()     # NotFound for unknown or expired tokens
+
+            :raises InvalidArgument: bad ``token`` or ``scope``; Redis was not called.
         """
         with _watch("redis_token.consume", scope) as box:
             box["outcome"] = (result := await Awaited(self._consume(token, scope))).outcome.name

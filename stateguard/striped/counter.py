@@ -272,9 +272,11 @@ class StripedCounter:
     release = dual_method(_release, operation="striped.release")
 
     def _total(self, session: Session, item: str) -> int | None:
-        """The item's amount (the sum of its stripes, read without locks), or ``None`` for no such item::
+        """The item's amount (the sum of its stripes, read without locks), or ``None`` for no such item.
 
-        left = stock.total(session, "sku-1")
+        For example::
+
+            left = stock.total(session, "sku-1")
         """
         item = self._item(item)
         conn = self._conn(session)
@@ -286,9 +288,11 @@ class StripedCounter:
     total = dual_method(_total, operation="striped.total")
 
     def _stripe_amounts(self, session: Session, item: str) -> list[int]:
-        """The amount of each stripe of ``item`` in stripe order (``[]``: no such item)::
+        """The amount of each stripe of ``item`` in stripe order (``[]``: no such item).
 
-        stock.stripe_amounts(session, "sku-1")     # [13, 13, 13, 13, 12, 12, 12, 12]
+        For example::
+
+            stock.stripe_amounts(session, "sku-1")     # [13, 13, 13, 13, 12, 12, 12, 12]
         """
         item = self._item(item)
         conn = self._conn(session)
