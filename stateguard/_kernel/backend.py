@@ -91,6 +91,12 @@ class Backend:
     #: ``CREATE FUNCTION ... RETURNS trigger`` (PL/pgSQL, PostgreSQL), where the legal-edges
     #: trigger of a state machine lives.
     trigger_functions: bool
+    #: ``LISTEN``/``NOTIFY`` exist, delivered on commit (PostgreSQL; not CockroachDB): the outbox
+    #: wakes its relays with them.
+    listen_notify: bool
+    #: ``synchronous_commit`` can be turned off for one transaction (PostgreSQL): the relay's
+    #: claim and mark do not wait for a WAL flush.
+    commit_without_flush: bool
     #: String literals in reflected SQL escape quotes with a backslash (MySQL/MariaDB).
     backslash_escapes: bool
     #: An ``UPDATE``/``INSERT ... RETURNING`` may stand in a ``WITH`` clause, so two writes are
@@ -130,6 +136,8 @@ class Backend:
             named_locks="transaction" if postgres else "",
             array_params=True,
             trigger_functions=postgres,
+            listen_notify=postgres,
+            commit_without_flush=postgres,
             dml_cte=True,
             driver_begins_lazily=False,
             loose_integers=False,
@@ -154,6 +162,8 @@ class Backend:
             named_locks="connection",
             array_params=False,
             trigger_functions=False,
+            listen_notify=False,
+            commit_without_flush=False,
             backslash_escapes=True,
             dml_cte=False,
             packet_limit=True,
@@ -175,6 +185,8 @@ class Backend:
             named_locks="",
             array_params=False,
             trigger_functions=False,
+            listen_notify=False,
+            commit_without_flush=False,
             dml_cte=False,
             loose_integers=True,
             **_NOT_INNODB,
@@ -192,6 +204,8 @@ class Backend:
             named_locks="",
             array_params=False,
             trigger_functions=False,
+            listen_notify=False,
+            commit_without_flush=False,
             dml_cte=False,
             driver_begins_lazily=False,
             loose_integers=False,

@@ -45,8 +45,8 @@ KEY_ORDERS: Final = (SKIP_DEAD, STRICT)
 
 
 def _async_commit(backend: _kernel.Backend) -> bool:
-    """Whether the relay's own writes commit without waiting for the WAL flush: PostgreSQL proper (the
-    member of its family with PL/pgSQL trigger functions; CockroachDB has no synchronous_commit).
+    """Whether the relay's own writes commit without waiting for the WAL flush: PostgreSQL proper
+    (CockroachDB has no synchronous_commit).
 
     ``synchronous_commit = off`` for the claim's and the mark's transactions
     only (``set_config(..., true)`` in their RETURNING): a PostgreSQL crash
@@ -55,7 +55,7 @@ def _async_commit(backend: _kernel.Backend) -> bool:
     least once) holds, and neither waits for a disk flush.  The events
     themselves are written by the application's own transaction.
     """
-    return backend.trigger_functions
+    return backend.commit_without_flush
 
 
 def _no_flush() -> Any:

@@ -49,13 +49,9 @@ MAX_RECONNECT_S: Final = 30.0
 
 
 def notifies(backend: _kernel.Backend) -> bool:
-    """Whether outbox writes on ``backend`` NOTIFY the relays: PostgreSQL itself.
-
-    PostgreSQL proper is the member of its SQL family with PL/pgSQL trigger
-    functions; CockroachDB, the other member, has neither those nor
-    LISTEN/NOTIFY.
-    """
-    return backend.trigger_functions
+    """Whether outbox writes on ``backend`` NOTIFY the relays: PostgreSQL itself
+    (CockroachDB, the other member of its SQL family, has no LISTEN/NOTIFY)."""
+    return backend.listen_notify
 
 
 def notify_column() -> Any:
