@@ -21,6 +21,7 @@ calling thread and each handler in a worker thread.  See
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import threading
@@ -237,10 +238,11 @@ class NATSConsumer:
                         break
                     await self._handle(js, raw)
         finally:
-            try:
-                await client.drain()
-            except Exception:  # a broken connection: nothing left to flush
-                await client.close()
+            # Not drain(): it waits on the pull subscription's pending fetch. The acks went out with
+            # ack_sync; flush sends the naks still buffered.
+            with contextlib.suppress(Exception):  # a broken connection: nothing left to flush
+                await client.flush(timeout=2)
+            await client.close()
 
     async def _handle(self, js: Any, raw: Any) -> None:
         headers = raw.headers or {}

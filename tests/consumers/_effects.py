@@ -32,9 +32,7 @@ def record(session: Session, message: Message) -> None:
     """The handler most tests use: one effect row for the message, in the consume_once transaction."""
     payload = message.payload
     seq = payload.get("seq") if isinstance(payload, dict) else None
-    session.execute(
-        insert(effects).values(event_id=message.id, key=message.key, seq=seq, pid=os.getpid())
-    )
+    session.execute(insert(effects).values(event_id=message.id, key=message.key, seq=seq, pid=os.getpid()))
 
 
 def emit_events(engine: Engine, n: int, *, topic: str = "order.paid", keys: int = 3) -> list[int]:

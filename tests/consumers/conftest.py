@@ -18,7 +18,7 @@ from ._effects import metadata
 
 @pytest.fixture
 def db(sqlite: Backend) -> Iterator[Engine]:
-    """A SQLite database with stateguard's tables and ``consumer_effects``: for tests of a broker's consumer."""
+    """SQLite with stateguard's tables and ``consumer_effects``: for tests of a broker's consumer."""
     drop_tables(sqlite.engine)
     create_tables(sqlite.engine)
     sqlite.create(metadata)

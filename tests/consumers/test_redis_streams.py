@@ -57,7 +57,7 @@ def test_relayed_events_are_applied_once_and_acknowledged(db: Engine, stream: tu
 def test_an_entry_committed_before_a_crash_is_acknowledged_without_the_handler(
     db: Engine, stream: tuple[Any, str]
 ) -> None:
-    """A worker that committed and died before XACK: the entry comes again, REPEATED, acked, handler not run."""
+    """Committed, then died before XACK: the entry comes again, REPEATED, acked, the handler not run."""
     client, name = stream
     client.xadd(name, {"id": "77", "topic": "t", "key": "k", "payload": "{}"})
     with Session(db) as session, session.begin():
@@ -90,7 +90,9 @@ def test_a_failed_entry_stays_pending_and_is_claimed_again_after_claim_idle(
     assert deliveries == [1, 2]
 
 
-def test_a_restarted_worker_handles_its_own_pending_entries_at_once(db: Engine, stream: tuple[Any, str]) -> None:
+def test_a_restarted_worker_handles_its_own_pending_entries_at_once(
+    db: Engine, stream: tuple[Any, str]
+) -> None:
     """Entries read by w1 before it died are handled by the new w1's first round (no claim_idle wait)."""
     client, name = stream
     client.xgroup_create(name, GROUP, id="0", mkstream=True)
@@ -106,7 +108,7 @@ def test_a_restarted_worker_handles_its_own_pending_entries_at_once(db: Engine, 
 def test_another_workers_stuck_entries_are_claimed_only_after_claim_idle(
     db: Engine, stream: tuple[Any, str]
 ) -> None:
-    """w2 leaves w1's pending entries alone until they were idle claim_idle, then XAUTOCLAIMs and handles them."""
+    """w2 leaves w1's pending entries alone until idle for claim_idle, then XAUTOCLAIMs and handles them."""
     client, name = stream
     client.xgroup_create(name, GROUP, id="0", mkstream=True)
     client.xadd(name, {"id": "1", "topic": "t", "key": "", "payload": "{}"})
@@ -123,7 +125,7 @@ def test_another_workers_stuck_entries_are_claimed_only_after_claim_idle(
 def test_a_poison_entry_goes_to_the_dead_letter_stream_after_max_deliveries(
     db: Engine, stream: tuple[Any, str]
 ) -> None:
-    """An entry whose handler always fails is tried max_deliveries times, then XADDed to <stream>:dead and acked."""
+    """An entry that always fails is tried max_deliveries times, then XADDed to <stream>:dead and acked."""
     client, name = stream
     client.xadd(name, {"id": "9", "topic": "t", "key": "k", "payload": "not json"})
     client.xadd(name, {"id": "10", "topic": "t", "key": "k", "payload": '{"seq": 2}'})
@@ -139,8 +141,10 @@ def test_a_poison_entry_goes_to_the_dead_letter_stream_after_max_deliveries(
     assert c.dead_lettered == 1
 
 
-def test_an_entry_that_crashed_workers_is_dead_lettered_without_running(db: Engine, stream: tuple[Any, str]) -> None:
-    """An entry delivered more than max_deliveries times (its workers died) is dead-lettered, the handler not run."""
+def test_an_entry_that_crashed_workers_is_dead_lettered_without_running(
+    db: Engine, stream: tuple[Any, str]
+) -> None:
+    """An entry delivered over max_deliveries times (workers died) is dead-lettered, the handler not run."""
     client, name = stream
     client.xgroup_create(name, GROUP, id="0", mkstream=True)
     client.xadd(name, {"id": "3", "topic": "t", "key": "k", "payload": "{}"})
@@ -160,8 +164,10 @@ def test_an_entry_without_an_id_is_dead_lettered_at_once(db: Engine, stream: tup
     assert client.xlen(f"{name}:dead") == 1 and pending(stream) == 0
 
 
-def test_stop_finishes_the_entry_in_hand_and_leaves_the_rest_pending(db: Engine, stream: tuple[Any, str]) -> None:
-    """stop() during a handler: that entry commits and is acked, run() returns, unread entries stay in the stream."""
+def test_stop_finishes_the_entry_in_hand_and_leaves_the_rest_pending(
+    db: Engine, stream: tuple[Any, str]
+) -> None:
+    """stop() during a handler: that entry commits and is acked, run() returns, the rest stay pending."""
     client, name = stream
     for i in range(5):
         client.xadd(name, {"id": str(i), "topic": "t", "key": "k", "payload": "{}"})
@@ -188,8 +194,8 @@ def test_stop_finishes_the_entry_in_hand_and_leaves_the_rest_pending(db: Engine,
 
 
 def test_bad_arguments_are_refused(db: Engine, stream: tuple[Any, str]) -> None:
-    """A missing client, a zero max_deliveries or claim_idle, a dead stream equal to the stream: InvalidArgument."""
-    client, name = stream
+    """No client, a zero max_deliveries or claim_idle, the stream as its own dead stream: InvalidArgument."""
+    _, name = stream
     with pytest.raises(InvalidArgument, match="redis"):
         RedisStreamConsumer(db, record, None, stream=name, group=GROUP, worker="w")
     with pytest.raises(InvalidArgument, match="max_deliveries"):
