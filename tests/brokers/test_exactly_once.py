@@ -181,6 +181,7 @@ def test_every_committed_event_is_applied_exactly_once(
         while set(_applied(pg_db)) != set(committed) and time.monotonic() < deadline:
             time.sleep(0.1)
         codes = cluster.stop_all()
+        _assert_broker_order(broker, handle, _committed(pg_db))
 
     applied = _applied(pg_db)
     assert set(applied) == set(committed), f"missing {sorted(set(committed) - set(applied))[:10]}; {cluster.errors()}"
@@ -190,7 +191,6 @@ def test_every_committed_event_is_applied_exactly_once(
     assert all(starts[i] >= 2 and applied[i] == 1 for i in killed_mid_handler), (killed_mid_handler, starts)
     survivors = {n: c for n, c in codes.items() if not n.startswith("producer")}
     assert survivors == dict.fromkeys(survivors, 0), f"a graceful stop did not exit 0: {codes}"
-    _assert_broker_order(broker, handle, committed)
 
 
 def _committed(db: Engine) -> dict[str, tuple[str, int]]:
@@ -220,6 +220,7 @@ def _assert_broker_order(broker: str, handle: Any, committed: dict[str, tuple[st
         assert len(ids) == len(set(ids)) == len(committed), "JetStream stored a re-publication twice"
     else:
         return
+    assert set(ids) == set(committed), "the stream does not hold every committed event"
     first: dict[str, int] = {}
     for i in ids:
         first.setdefault(i, len(first))
