@@ -25,15 +25,16 @@ ROOT = "stateguard"
 
 #: Optional dependencies and the only stateguard modules allowed to import them.
 OPTIONAL = {
-    "redis": {"stateguard.redis"},
+    "redis": {"stateguard.redis", "stateguard.consumers.redis_streams"},
     "starlette": {"stateguard.asgi"},
     "kazoo": {"stateguard.zookeeper"},
     "opentelemetry": {"stateguard.otel"},
     "mypy": {"stateguard.mypy"},
-    "pika": {"stateguard.outbox.sinks.rabbitmq"},
+    "pika": {"stateguard.outbox.sinks.rabbitmq", "stateguard.consumers.rabbitmq"},
     "aio_pika": {"stateguard.outbox.sinks.rabbitmq"},
     "aiormq": {"stateguard.outbox.sinks.rabbitmq"},
-    "nats": {"stateguard.outbox.sinks.nats"},
+    "nats": {"stateguard.outbox.sinks.nats", "stateguard.consumers.nats"},
+    "celery": {"stateguard.consumers.celery"},
 }
 
 

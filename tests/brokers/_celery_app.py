@@ -34,6 +34,7 @@ app.conf.update(
     broker_transport_options={"confirm_publish": True},
 )
 
+
 @worker_ready.connect
 def _ready(**kw: object) -> None:
     Log().write("ready", os.getpid())

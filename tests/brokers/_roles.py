@@ -2,8 +2,8 @@
 
 ``python -m tests.brokers._roles ROLE BROKER`` with the settings in environment variables
 (``SG_DB_URL``, ``SG_LOG`` (this process's log file), ``SG_TARGET`` (queue or stream), ``SG_NAME``,
-``SG_PRODUCER``); every process runs until SIGTERM.  Logs are lines ``<word> <event id>``, flushed at once, so the test
-sees what a process is doing when it kills it:
+``SG_PRODUCER``); every process runs until SIGTERM.  Logs are lines ``<word> <event id>``, flushed
+at once, so the test sees what a process is doing when it kills it:
 
 - relays, consumers and workers write ``ready <pid>`` once they are about to take work;
 - a relay writes ``published <ids>`` after its sink took a batch, then waits 0.15 s before the
@@ -173,7 +173,9 @@ def consume(broker: str) -> int:
     elif broker == "rabbitmq":
         from stateguard.consumers import RabbitMQConsumer
 
-        consumer = RabbitMQConsumer(db, handle, RABBITMQ_URL, queue=env("SG_TARGET"), consumer="e2e", poll=0.1)
+        consumer = RabbitMQConsumer(
+            db, handle, RABBITMQ_URL, queue=env("SG_TARGET"), consumer="e2e", poll=0.1
+        )
     else:
         from stateguard.consumers import NATSConsumer
 

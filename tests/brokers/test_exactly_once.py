@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, create_engine, select
+from sqlalchemy import Engine, select
 
 from stateguard import create_tables, drop_tables
 from stateguard.tables import outbox
@@ -100,7 +100,9 @@ class Cluster:
             time.sleep(0.02)
 
     def errors(self) -> str:
-        return "\n".join(f"{p.name}: {p.read_text()[-800:]}" for p in self.tmp.glob("*.err") if p.stat().st_size)
+        return "\n".join(
+            f"{p.name}: {p.read_text()[-800:]}" for p in self.tmp.glob("*.err") if p.stat().st_size
+        )
 
     def stop_all(self) -> dict[str, int | None]:
         for proc in self.procs.values():
@@ -153,7 +155,9 @@ def test_every_committed_event_is_applied_exactly_once(
         target, handle = _target(broker, stack)
         cluster = Cluster(broker, tmp_path, pg.url, target)
         stack.callback(cluster.stop_all)
-        consumers = ["worker-a", "worker-b"] if broker == "celery" else ["consumer-a", "consumer-b", "consumer-c"]
+        consumers = (
+            ["worker-a", "worker-b"] if broker == "celery" else ["consumer-a", "consumer-b", "consumer-c"]
+        )
         role = "worker" if broker == "celery" else "consumer"
         for name in consumers:
             cluster.start(role, name)
@@ -184,7 +188,9 @@ def test_every_committed_event_is_applied_exactly_once(
         _assert_broker_order(broker, handle, _committed(pg_db))
 
     applied = _applied(pg_db)
-    assert set(applied) == set(committed), f"missing {sorted(set(committed) - set(applied))[:10]}; {cluster.errors()}"
+    assert set(applied) == set(committed), (
+        f"missing {sorted(set(committed) - set(applied))[:10]}; {cluster.errors()}"
+    )
     assert [i for i, n in applied.items() if n > 1] == [], "an effect applied twice"
     # The kills hit inside a handler's transaction: those events were started again and applied once.
     starts = Counter(cluster.all_lines("start"))

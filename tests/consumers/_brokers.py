@@ -26,6 +26,32 @@ def _unavailable(what: str, error: BaseException) -> None:
     unavailable(what, error)
 
 
+def check_rabbitmq() -> None:
+    """Skip (laptop) or fail (CI) unless RabbitMQ answers."""
+    import pika
+
+    try:
+        pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL)).close()
+    except Exception as error:  # AMQPConnectionError, OSError
+        _unavailable(f"RabbitMQ at {RABBITMQ_URL}", error)
+
+
+def check_nats() -> None:
+    """Skip (laptop) or fail (CI) unless NATS with JetStream answers."""
+
+    async def probe() -> None:
+        client = await _client()
+        try:
+            await client.jetstream().account_info()
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(probe())
+    except Exception as error:  # NoServersError, OSError, no JetStream
+        _unavailable(f"NATS JetStream at {NATS_URL}", error)
+
+
 # -- RabbitMQ ------------------------------------------------------------------
 
 
