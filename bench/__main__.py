@@ -3,7 +3,7 @@
 Prints one table per scenario and database and writes them, with the machine
 and server versions, as JSON.  Every comparison runs in the same process, on
 the same database, in the same run.  ``python -m bench report [PATH]`` turns
-a JSON file into the Markdown of bench/README.md (``--plots DIR``: and PNG charts).
+a JSON file into the Markdown of docs/development/benchmarks.md (``--plots DIR``: and PNG charts).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ SIZES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"events": 200, "rounds": 1, "batches": [100, 500]},
     ),
     "events": ({"n": 1000}, {"n": 10}),
+    "latency": ({"rate": 1000, "seconds": 10, "producers": 2}, {"rate": 100, "seconds": 1, "producers": 2}),
     "locks": ({"workers": 8, "ops": 50, "rounds": 3}, {"workers": 2, "ops": 3, "rounds": 1}),
     "observe": ({"n": 1500}, {"n": 20}),
     "striped": (
@@ -66,6 +67,7 @@ RUNNERS: dict[str, Any] = {
     "scale": scenarios.scale,
     "relay": relay.relay_scenario,
     "events": relay.events_cost,
+    "latency": relay.latency_scenario,
     "locks": locks.lock_comparison,
     "observe": observe.observe_cost,
     "striped": striped.striped_flash_sale,

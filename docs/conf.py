@@ -15,6 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "docs" / "_ext"))
 
 project = "stateguard"
 author = "stateguard's maintainers"
@@ -25,6 +26,9 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinxarg.ext",
     "sphinx_copybutton",
+    # A reference to any public path of an object (stateguard.outbox.Sink) links to the page that
+    # documents it (stateguard.Sink): docs/_ext/public_names.py.
+    "public_names",
 ]
 
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
@@ -32,6 +36,8 @@ root_doc = "index"
 exclude_patterns = ["_build", "**/.ipynb_checkpoints"]
 # The Graphviz source of docs/order-flow.svg: an input of the picture, not a page.
 exclude_patterns += ["order-flow.dot"]
+# ``--db`` stays two hyphens (docutils would make it an en dash) and quotes stay straight.
+smartquotes = False
 
 # -- MyST ---------------------------------------------------------------------
 myst_enable_extensions = ["colon_fence", "deflist", "fieldlist", "attrs_inline", "attrs_block"]
@@ -94,6 +100,25 @@ _EXTERNAL = [
     "socket",
     "_thread",
     "builtins",
+    "time",
+    "secrets",
+    "hashlib",
+    "weakref",
+    "httpx",
+    "flask",
+    "werkzeug",
+    "anyio",
+]
+# Names other projects' types appear under in signatures when an annotation is a string that
+# names a class imported for type checking only (``session: Session``): the same classes.
+_EXTERNAL_UNQUALIFIED = [
+    "Session", "AsyncSession", "Engine", "AsyncEngine", "Connection", "AsyncConnection",
+    "sessionmaker", "async_sessionmaker", "scoped_session", "Mapped", "MetaData", "Table", "Column",
+    "ColumnElement", "InstrumentedAttribute", "QueryableAttribute", "Select", "Executable", "TypeEngine",
+    "Operations", "UUID", "Decimal", "datetime", "timedelta", "date", "Path", "Logger",
+    "Redis", "AsyncRedis", "RedisCluster", "KazooClient", "Tracer", "Meter", "Span",
+    "BlockingConnection", "Channel", "AbstractRobustConnection", "NATS", "JetStreamContext",
+    "Request", "Response", "Starlette", "WSGIApplication", "StartResponse", "WSGIEnvironment",
 ]
 nitpick_ignore_regex = [
     (r"py:.*", rf"({'|'.join(_EXTERNAL)})(\..*)?"),
@@ -102,9 +127,24 @@ nitpick_ignore_regex = [
      r"Exception|BaseException|TypeError|ValueError|KeyError|RuntimeError|TimeoutError|"
      r"Any|Self|Callable|Iterator|Iterable|Mapping|Sequence|Awaitable|Coroutine|AsyncIterator|"
      r"Generator|AsyncGenerator|Literal|TypeVar|ParamSpec|Concatenate|Never|NoReturn)"),
-    # Type variables and ParamSpecs of stateguard's generics (``T``, ``P``, ``R``...).
-    (r"py:.*", r"(stateguard\.[\w.]*\.)?_?[A-Z]\w{0,2}"),
+    (r"py:.*", rf"({'|'.join(_EXTERNAL_UNQUALIFIED)})"),
+    # Type variables and ParamSpecs of stateguard's generics (``T``, ``P``, ``SessionT``...).
+    (r"py:.*", r"(stateguard\.[\w.]*\.)?_?([A-Z]\w{0,2}|[A-Z]\w*T)"),
+    # Private names (a module or class whose name starts with ``_``) have no page: a signature or a
+    # base class may show one (``Bases: _RedisLock``), a reader cannot import it.
+    (r"py:.*", r"(.+\.)?_[A-Za-z]\w*(\..+)?"),
+    # IdempotentCall's constructor takes the internal claim object; users get the call from
+    # idempotent() and never build one, so the claim class has no page.
+    (r"py:class", r"(stateguard\.idempotency\.claim\.)?Claim"),
 ]
+
+# ``stateguard graph`` prints Mermaid; the pages show it as text (no diagram JavaScript from a CDN).
+def setup(app: object) -> None:
+    from pygments.lexers.special import TextLexer
+    from sphinx.highlighting import lexers
+
+    lexers["mermaid"] = TextLexer()
+
 
 # -- HTML -------------------------------------------------------------------------
 html_theme = "furo"

@@ -50,7 +50,8 @@ from .locks import advisory_lock, row_lock
 from .machine import HistoryEntry, StateMachine, Trigger
 from .observe import GuardEvent, on_event
 from .outbox import AsyncRelay, CallableSink, OutboxEvent, Relay, Sink, emit, purge_published, requeue_dead
-from .redis import AsyncRedisLock, AsyncRedisTokens, RedisLock, RedisStreamSink, RedisTokens
+from .outbox.sinks.redis_streams import RedisStreamSink
+from .redis import AsyncRedisLock, AsyncRedisTokens, RedisLock, RedisTokens
 from .result import Outcome, Result
 from .retry import retry_on_conflict
 from .striped import StripedCounter

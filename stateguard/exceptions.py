@@ -274,11 +274,24 @@ class PublishFailed(StateguardError):
     Raised by the RabbitMQ and NATS sinks (:mod:`stateguard.outbox.sinks`)
     for a message the broker could not route (``mandatory``), refused (a
     nack, a JetStream error) or never confirmed (the connection was lost or
-    the confirmation did not come within the sink's ``timeout``).
-    ``event_ids`` are every event of the batch the broker did not confirm:
-    refused, unconfirmed, or not sent after the first failure (the others
-    were confirmed); empty when the broker could not be reached at all.  A
-    message whose confirmation was lost may have reached the broker anyway:
+    the confirmation did not come within the sink's ``timeout``).  Two
+    fields say which events:
+
+    ``event_ids``
+        every event of the batch that is *not* published: refused,
+        unconfirmed, or not sent after the first failure (the batch's other
+        events were confirmed); empty when the broker could not be reached
+        at all (then nothing of the batch is published).  A relay counts none
+        of them published.
+    ``refused_ids``
+        those of ``event_ids`` the broker answered *for that message* with a
+        refusal (unroutable, nacked, a JetStream error, too large): the
+        broker works and does not want these.  A relay counts a refusal for
+        each (after ``max_attempts`` it parks the event dead).  An event that
+        is only unconfirmed or unsent is not refused: a broker that is down
+        refuses nothing, so an outage parks no event.
+
+    A message whose confirmation was lost may have reached the broker anyway:
     its event comes again, so consumers see duplicates and deduplicate by
     the event id.  The client's error is chained as ``__cause__``.
     ``retryable`` is ``True``: a running relay logs it and tries again::
@@ -291,8 +304,12 @@ class PublishFailed(StateguardError):
 
     retryable = True
 
-    def __init__(self, message: str, *, event_ids: tuple[int, ...] = ()) -> None:
-        self.event_ids = event_ids
+    def __init__(
+        self, message: str, *, event_ids: tuple[int, ...] = (), refused_ids: tuple[int, ...] = ()
+    ) -> None:
+        # A refused event is not published either: event_ids holds it whatever the caller passed.
+        self.event_ids = tuple(event_ids) + tuple(i for i in refused_ids if i not in event_ids)
+        self.refused_ids = tuple(refused_ids)
         super().__init__(message)
 
 

@@ -420,7 +420,7 @@ def watch(
     scope: str | None = None,
     backend: str | None = None,
 ) -> AbstractContextManager[dict[str, Any]]:
-    """:func:`observed` when anything listens (or ``logger`` is at DEBUG), else a no-op block.
+    """``observed()`` when anything listens (or ``logger`` is at DEBUG), else a no-op block.
 
     The block writes to the box it gets either way; unobserved, nobody reads it.
     """

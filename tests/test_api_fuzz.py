@@ -27,7 +27,7 @@ from stateguard import (
     insert_once,
 )
 from stateguard._sql import backend as backend_of
-from stateguard.idempotency import _CLAIM
+from stateguard.idempotency.statements import CLAIM as _CLAIM
 from stateguard.tables import consumed_messages, idempotency_keys
 
 from .conftest import Backend

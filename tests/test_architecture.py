@@ -25,7 +25,12 @@ ROOT = "stateguard"
 
 #: Optional dependencies and the only stateguard modules allowed to import them.
 OPTIONAL = {
-    "redis": {"stateguard.redis", "stateguard.consumers.redis_streams"},
+    "redis": {
+        "stateguard.redis.client",
+        "stateguard.redis.fences",
+        "stateguard.redis.lock",
+        "stateguard.consumers.redis_streams",
+    },
     "starlette": {"stateguard.asgi"},
     "kazoo": {"stateguard.zookeeper"},
     "opentelemetry": {"stateguard.otel"},

@@ -41,7 +41,7 @@ from typing import Any
 import pytest
 
 from stateguard import AsyncRedisLock, LockNotAcquired
-from stateguard.redis import _ACQUIRE_SCRIPT, _RELEASE_SCRIPT
+from stateguard.redis.fences import _ACQUIRE_SCRIPT, _RELEASE_SCRIPT
 
 from .conftest import REDIS_URL
 

@@ -48,7 +48,8 @@ from stateguard import (
     idempotent,
     retry_on_conflict,
 )
-from stateguard.idempotency import _CLAIM, purge_expired
+from stateguard.idempotency import purge_expired
+from stateguard.idempotency.statements import CLAIM as _CLAIM
 from stateguard.tables import MAX_KEY, MAX_SCOPE, idempotency_keys
 
 from .conftest import Backend

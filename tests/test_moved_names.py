@@ -24,11 +24,12 @@ from .conftest import Backend
         ("stateguard.tokens", "RedisTokens"),
         ("stateguard.tokens", "AsyncRedisTokens"),
         ("stateguard.idempotency", "consume_once"),
+        ("stateguard.redis", "RedisStreamSink"),
     ],
 )
 def test_a_moved_name_still_imports_from_its_old_module_with_a_warning(module: str, name: str) -> None:
     """from stateguard.locks import RedisLock (and the like) still works, warning where it lives now."""
-    with pytest.warns(DeprecationWarning, match=rf"{module}\.{name} moved to stateguard\.\w+\.{name}"):
+    with pytest.warns(DeprecationWarning, match=rf"{module}\.{name} moved to stateguard\.[\w.]+\.{name}"):
         found = getattr(importlib.import_module(module), name)
     assert found is getattr(stateguard, name)
 

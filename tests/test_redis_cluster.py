@@ -25,7 +25,7 @@ from stateguard import (
     RedisLock,
     RedisTokens,
 )
-from stateguard.redis import _acquire_call, _extend_call, _release_call
+from stateguard.redis.fences import _acquire_call, _extend_call, _release_call
 
 from ._redis_server import LocalCluster, RedisServer
 
@@ -105,7 +105,7 @@ def test_lock_name_with_a_lone_surrogate_is_invalid() -> None:
 
 def test_a_token_is_one_key_per_script_call() -> None:
     """RedisTokens' consume script takes exactly one key, so it cannot straddle slots."""
-    from stateguard import redis as sg_redis
+    from stateguard.redis import tokens as sg_redis
 
     assert "KEYS[2]" not in sg_redis._CONSUME_SCRIPT
     for scope in HOSTILE:

@@ -24,7 +24,7 @@ import pytest
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
-import stateguard.redis
+import stateguard.redis.lock
 from stateguard import (
     AsyncRedisLock,
     AsyncRedisTokens,
@@ -339,7 +339,7 @@ def test_acquisition_whose_wait_fails_gives_the_lock_back(
             pass
 
         # The constructor refuses this client now: skip its check to make the socket time out under WAIT.
-        monkeypatch.setattr(stateguard.redis, "_check_socket_timeout", lambda *args: None)
+        monkeypatch.setattr(stateguard.redis.lock, "_check_socket_timeout", lambda *args: None)
         impatient = redis.Redis(port=master.port, socket_timeout=0.2, retry=Retry(NoBackoff(), 0))
         slow = RedisLock(
             impatient, "wait-times-out", ttl=30, wait_replicas=2, wait_timeout=1, blocking_timeout=0

@@ -36,6 +36,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from ..exceptions import ConfigurationError, LeaseLost
+from ..idempotency.options import DEFAULT_LEASE, DEFAULT_TTL
 from .core import (
     KeyedRequest,
     anonymous_refused,
@@ -287,8 +288,8 @@ class IdempotencyMiddleware:
         anonymous: Anonymous = "refuse",
         required_paths: Iterable[str] = (),
         methods: Iterable[str] = ("POST", "PATCH"),
-        lease: timedelta = timedelta(seconds=60),
-        ttl: timedelta = timedelta(hours=24),
+        lease: timedelta = DEFAULT_LEASE,
+        ttl: timedelta = DEFAULT_TTL,
         max_body: int = 1024 * 1024,
         routes: Mapping[str, RouteOptions | Mapping[str, Any]] | RoutesFn | None = None,
         store_status: Callable[[int], bool] = default_store_status,
@@ -373,7 +374,7 @@ class IdempotencyMiddleware:
             await _send_response(send, *answer)
             return
         beat: _Heartbeat | None = None
-        every = keyed.settings.heartbeat_every
+        every = keyed.settings.idempotency.heartbeat_every
         if every is not None and isinstance(session.made, AsyncSession):
             beat = _Heartbeat(session, keyed, every)
 

@@ -33,7 +33,8 @@ from ..exceptions import (
     RequestInProgress,
     SerializationConflict,
 )
-from ..idempotency import IdempotentCall, idempotent
+from ..idempotency import IdempotentCall
+from ..idempotency.api import idempotent_with
 from .fingerprint import request_fingerprint as request_fingerprint
 from .keys import KEY_HEADER as KEY_HEADER
 from .keys import BadKey as BadKey
@@ -185,16 +186,11 @@ class KeyedRequest:
         another request holds the key, 422 for a reused key, 503 when the
         database cannot be reached (nothing claimed, the app must not run).
         """
-        settings = self.settings
-        manager = idempotent(
-            session,
-            scope=self.scope,
-            key=self.key,
-            fingerprint=self.fingerprint,
-            lease=settings.lease,
-            ttl=settings.ttl,
-            mode="separate",
-            heartbeat_every=settings.heartbeat_every if self.heartbeat_thread else None,
+        options = self.settings.idempotency
+        if not self.heartbeat_thread:
+            options = options.without_heartbeat()
+        manager = idempotent_with(
+            session, options, scope=self.scope, key=self.key, fingerprint=self.fingerprint
         )
         problem = self.options.problem
         try:

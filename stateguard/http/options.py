@@ -22,6 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_scoped_sessi
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 from ..exceptions import InvalidArgument
+from ..idempotency.options import IdempotencyOptions, duration_ms, options_of
 from ..tables import MAX_SCOPE
 from .principal import Anonymous, PrincipalFn, check_anonymous, check_session_cookies
 from .request import Headers, Native
@@ -116,8 +117,8 @@ def _iterable(value: Any, what: str) -> list[Any]:
 
 
 def check_duration(name: str, value: Any) -> None:
-    if not isinstance(value, timedelta) or value <= timedelta(0):
-        raise InvalidArgument(f"{name} must be a positive datetime.timedelta, got {value!r}")
+    """A lease, ttl or heartbeat interval, checked as :func:`stateguard.idempotent` checks it."""
+    duration_ms(value, name)
 
 
 def check_store_status(value: Any) -> None:
@@ -263,23 +264,21 @@ class Settings:
     #: ``None``: derived from the request's principal (:func:`request_scope`).
     scope: str | ScopeFn | None
     methods: frozenset[str]
-    lease: timedelta
-    ttl: timedelta
+    #: The claim's lease, ttl and heartbeat (``mode="separate"``), checked as idempotent() checks them.
+    idempotency: IdempotencyOptions
     max_body: int
-    heartbeat_every: timedelta | None
     store_status: Callable[[int], bool]
     anonymous: Anonymous
 
 
-def _check_timing(settings: Settings, where: str) -> None:
-    """The rules :func:`stateguard.idempotent` enforces, checked when the middleware is built."""
-    lease = settings.lease
-    if settings.ttl < lease:
-        raise InvalidArgument(f"{where}: ttl ({settings.ttl}) must not be shorter than lease ({lease})")
-    if settings.heartbeat_every is not None and settings.heartbeat_every >= lease:
-        raise InvalidArgument(
-            f"{where}: heartbeat_every ({settings.heartbeat_every}) must be shorter than lease ({lease})"
-        )
+def _idempotency(
+    lease: timedelta, ttl: timedelta, heartbeat_every: timedelta | None, where: str
+) -> IdempotencyOptions:
+    """The claim options of a route (always ``mode="separate"``); an error names where they came from."""
+    try:
+        return options_of(lease, ttl, "separate", None, heartbeat_every, ())
+    except InvalidArgument as error:
+        raise InvalidArgument(f"{where}: {error}") from None
 
 
 def _route_options(value: Any, pattern: str) -> RouteOptions:
@@ -351,10 +350,7 @@ class Options:
             raise InvalidArgument(
                 f"required_paths must be a list of paths, not the string {required_paths!r}"
             )
-        check_duration("lease", lease)
-        check_duration("ttl", ttl)
-        if heartbeat_every is not None:
-            check_duration("heartbeat_every", heartbeat_every)
+        idempotency = _idempotency(lease, ttl, heartbeat_every, where)
         check_max_body(max_body)
         check_store_status(store_status)
         if documentation is not None and not isinstance(documentation, str):
@@ -369,10 +365,8 @@ class Options:
             required=False,
             scope=scope,
             methods=check_methods(methods),
-            lease=lease,
-            ttl=ttl,
+            idempotency=idempotency,
             max_body=max_body,
-            heartbeat_every=heartbeat_every,
             store_status=store_status,
             anonymous=self.anonymous,
         )
@@ -388,11 +382,8 @@ class Options:
             table = [(check_pattern(p, "routes"), _route_options(o, p)) for p, o in routes.items()]
             # Longest pattern first: the most specific route wins.
             self.routes = sorted(table, key=lambda item: len(item[0]), reverse=True)
-        _check_timing(self.defaults, where)
         for pattern, options in self.routes:
-            merged = self.merge(options, required=False)
-            if merged is not None:
-                _check_timing(merged, f"routes[{pattern!r}]")
+            self.merge(options, required=False, where=f"routes[{pattern!r}]")
 
     def settings_for(self, path: str, native: Native) -> Settings | None:
         """The effective settings for a request, or ``None`` when its route is disabled."""
@@ -406,21 +397,28 @@ class Options:
         required = any(matches(p, path) for p in self.required_paths)
         if route is None:
             return replace(self.defaults, required=required)
-        return self.merge(route, required=required)
+        where = "routes" if self.routes_fn is None else "the RouteOptions of the routes callable"
+        return self.merge(route, required=required, where=where)
 
-    def merge(self, route: RouteOptions, *, required: bool) -> Settings | None:
+    def merge(self, route: RouteOptions, *, required: bool, where: str) -> Settings | None:
         """``route``'s settings over the middleware's; ``None`` for a disabled route."""
         if not route.enabled:
             return None
         base = self.defaults
+        idempotency = base.idempotency
+        if route.lease or route.ttl or route.heartbeat_every:
+            idempotency = _idempotency(
+                route.lease or idempotency.lease,
+                route.ttl or idempotency.ttl,
+                route.heartbeat_every or idempotency.heartbeat_every,
+                where,
+            )
         return Settings(
             required=required if route.required is None else route.required,
             scope=base.scope if route.scope is None else route.scope,
             methods=base.methods if route.methods is None else frozenset(route.methods),
-            lease=route.lease or base.lease,
-            ttl=route.ttl or base.ttl,
+            idempotency=idempotency,
             max_body=base.max_body if route.max_body is None else route.max_body,
-            heartbeat_every=route.heartbeat_every or base.heartbeat_every,
             store_status=route.store_status or base.store_status,
             anonymous=route.anonymous or base.anonymous,
         )

@@ -31,6 +31,7 @@ from typing import Any, TypeAlias
 from sqlalchemy.orm import Session
 
 from ..exceptions import ConfigurationError
+from ..idempotency.options import DEFAULT_LEASE, DEFAULT_TTL
 from .core import (
     KeyedRequest,
     anonymous_refused,
@@ -166,8 +167,8 @@ class WSGIIdempotencyMiddleware:
         anonymous: Anonymous = "refuse",
         required_paths: Iterable[str] = (),
         methods: Iterable[str] = ("POST", "PATCH"),
-        lease: timedelta = timedelta(seconds=60),
-        ttl: timedelta = timedelta(hours=24),
+        lease: timedelta = DEFAULT_LEASE,
+        ttl: timedelta = DEFAULT_TTL,
         max_body: int = 1024 * 1024,
         routes: Mapping[str, RouteOptions | Mapping[str, Any]] | RoutesFn | None = None,
         store_status: Callable[[int], bool] = default_store_status,

@@ -17,8 +17,9 @@ order.  On PostgreSQL the UPDATE and the INSERT are one statement, a
 data-modifying CTE built once per trigger and call variant (a trigger with
 several sources joins the row read ``FOR UPDATE`` to learn its real source);
 other databases run the UPDATE, then the INSERT.  ``many()`` and ``where()``
-insert a chunk's events with one multi-row INSERT.  The statements are shown
-in ``docs/how-to/outbox.md``.
+insert a chunk's events with one multi-row INSERT.  On PostgreSQL each also
+NOTIFYs the relays (:mod:`stateguard.outbox.wakeup`).  The statements are
+shown in ``docs/how-to/outbox.md``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from sqlalchemy import Connection, Text, and_, bindparam, case, cast, func, inse
 
 from .. import _sql, _write
 from ..exceptions import ConfigurationError
+from ..outbox.wakeup import notifies, notify_column, notify_statement
 from ..tables import DIGEST_PREFIX, MAX_KEY, outbox, row_key
 from . import compile
 
@@ -183,6 +185,8 @@ def record(
         for entry, text in zip(entries, payloads, strict=True)
     ]
     _write.insert_rows(conn, outbox, rows, max(len(p.encode("utf-8")) for p in payloads))
+    if notifies(_sql.backend(conn.dialect)):
+        _write.execute(conn, notify_statement())  # wakes the relays at COMMIT (stateguard.outbox.wakeup)
 
 
 class CtePlan:
@@ -219,7 +223,9 @@ def _holes(trigger: Trigger) -> tuple[str, ...]:
     return tuple(holes)
 
 
-def _build(trigger: Trigger, items: compile.Items, expected: bool, fence: bool) -> CtePlan:
+def _build(
+    trigger: Trigger, items: compile.Items, expected: bool, fence: bool, backend: _sql.Backend
+) -> CtePlan:
     m = trigger.machine
     info = m.info
     base = compile.build(trigger, None, items, expected, embed=False, fence=fence).stmt
@@ -271,7 +277,7 @@ def _build(trigger: Trigger, items: compile.Items, expected: bool, fence: bool) 
                 literal(0),
             ).select_from(moved),
         )
-        .returning(outbox.c.id)
+        .returning(outbox.c.id, *((notify_column(),) if notifies(backend) else ()))
         .cte("sg_sent")
     )
     stmt = select(*moved.c).select_from(moved.join(sent, true()))
@@ -284,11 +290,11 @@ def cte_plan(
     """The memoised :class:`CtePlan` for one call variant (built afresh when a SQL value cannot be cached)."""
     variant = _sql.variant_key(items, has_sql) if items else ()
     if variant is None:
-        return _build(trigger, items, expected, fence)
+        return _build(trigger, items, expected, fence, backend)
     key = ("machine.event", trigger, backend, variant, expected, fence)
     found: CtePlan | None = _write.memo.get(key)
     if found is None:
-        found = _write.memo.put(key, _build(trigger, items, expected, fence))
+        found = _write.memo.put(key, _build(trigger, items, expected, fence, backend))
     return found
 
 

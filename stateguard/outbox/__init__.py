@@ -15,12 +15,24 @@ sharing the work.  A consumer that records each event id with
 
     Relay(engine, RedisStreamSink(redis, stream="orders")).run(stop_event)
 
-An event the sink keeps refusing holds back only its key and is parked dead
-after ``max_attempts`` (:func:`requeue_dead` gives it back).  The guarantees,
-per-key order and dead events are explained in ``docs/how-to/outbox.md``.
-Modules: :mod:`.events` (events, sinks, emit), :mod:`.statements` (the
-relay's statements), :mod:`.relay` (the cycle and the loop), :mod:`.dead`
-(requeue and purge), :mod:`.sinks` (brokers).
+A relay claims a batch of committed events in one short transaction,
+publishes it outside any transaction and marks what the sink took; events
+of one key are published in id order.  An event the sink refuses holds back
+only its key and is parked *dead* after ``max_attempts`` refusals (never
+deleted; :func:`requeue_dead` gives it back); a sink that is down refuses
+nothing, so an outage parks no event.  ``Relay.run()`` ends only when asked
+to, waking on LISTEN/NOTIFY on PostgreSQL and polling adaptively elsewhere.
+Using it: ``docs/how-to/outbox.md``; the design (claim, per-key order,
+refusals, dead events, key-order modes, wake-ups): ``docs/explanation/relay.md``.
+
+Not promised: any order across keys, a bound on publish latency, delivery
+exactly once (a consumer deduplicates by the event id: :attr:`OutboxEvent.id`).
+
+The package's modules: :mod:`.events` (events, sinks, emit),
+:mod:`.statements` (the relay's statements), :mod:`.relay` (the cycle and
+the loop), :mod:`.refusals` (a failed batch taken apart, refusal or
+outage), :mod:`.wakeup` (LISTEN/NOTIFY, the adaptive poll), :mod:`.dead`
+(requeue and purge); :mod:`.sinks` (brokers).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from .. import _sql, _write
 from .._async import dual
 from ..exceptions import InvalidArgument
 from ..tables import MAX_KEY, outbox
+from .wakeup import notifies, notify_column
 
 #: Longest topic accepted (characters): the ``topic`` column's length.
 MAX_TOPIC: Final = 200
@@ -31,10 +32,14 @@ _o = outbox
 class OutboxEvent:
     """One event as a relay hands it to a sink.
 
-    ``id`` is unique and stable across redeliveries: a consumer deduplicates
-    with ``consume_once(session, consumer, str(event.id))``.  ``payload`` is
-    what :func:`emit` got, read back from its JSON (tuples come back as lists).
-    ``created_ms`` is the database's clock at the INSERT (epoch milliseconds).
+    ``id`` (int) is unique and stable across redeliveries: a consumer
+    deduplicates with ``consume_once(session, consumer, str(event.id))``.
+    ``topic`` (str) and ``key`` (str or ``None``) are what :func:`emit` got;
+    events of one key are published in id order.  ``payload`` is what
+    :func:`emit` got, read back from its JSON (tuples come back as lists).
+    ``created_ms`` is the database's clock at the INSERT (epoch
+    milliseconds).  :meth:`payload_json` is the payload as the JSON text
+    stored, what a sink sends as a message body.
     """
 
     id: int
@@ -48,7 +53,15 @@ class OutboxEvent:
     _refusals: int = field(default=0, repr=False, compare=False)
 
     def payload_json(self) -> str:
-        """The payload as JSON text, as stored (compact, non-ASCII kept as is)."""
+        """The payload as JSON text, exactly as stored: compact (no spaces), non-ASCII kept as is.
+
+        An event a relay claimed returns the stored text without serialising
+        again; one built by hand serialises ``payload`` the way :func:`emit`
+        does::
+
+            >>> OutboxEvent(7, "order.paid", "order-7", {"total": 120, "name": "Zoë"}, 0).payload_json()
+            '{"total":120,"name":"Zoë"}'
+        """
         return self._json if self._json is not None else _write.dumps_json(self.payload)
 
 
@@ -56,23 +69,39 @@ class OutboxEvent:
 class Sink(Protocol):
     """Where a relay publishes events: any object with this one method.
 
-    ``publish(events)`` gets a batch in id order and must return only once
-    every event of it is accepted (written to the stream, acknowledged by
-    the broker).  Raising means *nothing* of the batch counts as published:
-    the relay releases its claim and the whole batch comes again.  A sink
-    may get an event more than once (a relay that died after ``publish`` and
-    before marking; a retried batch after a partial failure): delivery is at
-    least once, and consumers deduplicate by :attr:`OutboxEvent.id`.  For
-    :class:`AsyncRelay`, ``publish`` may return an awaitable, which is
-    awaited.  A Kafka sink is a few lines::
+    ``publish(events)`` gets a batch of :class:`OutboxEvent` in id order and
+    must return only once every event of it is accepted (written to the
+    stream, acknowledged by the broker).  Raising means *nothing* of the
+    batch counts as published, unless the error says which events were not
+    (``event_ids``) and which the broker refused (``refused_ids``), as
+    :class:`~stateguard.PublishFailed` does: the relay then counts the
+    others published and a refusal for each refused one.  An error that says
+    the broker is unreachable (an OSError, a ``ConnectionError`` or
+    ``TimeoutError`` class, ``PublishFailed`` refusing nothing) never counts
+    against an event; see :class:`~stateguard.Relay` for which errors do.  A
+    sink may also offer ``probe()``, returning when the broker answers and
+    raising otherwise: the relay asks it before it counts a refusal it cannot
+    tell from an outage.  A sink may get an event more than once (a relay
+    that died after ``publish`` and before marking): delivery is at least
+    once, and consumers deduplicate by :attr:`OutboxEvent.id`.  For
+    :class:`AsyncRelay`, ``publish`` (and ``probe``) may return an awaitable.
+    A sink for a queue client is a few lines::
 
-        class KafkaSink:
-            def __init__(self, producer): self.producer = producer
+        class QueueSink:
+            def __init__(self, queue): self.queue = queue
             def publish(self, events):
-                for e in events:
-                    self.producer.produce(e.topic, e.payload_json(), key=e.key, headers={"id": str(e.id)})
-                if self.producer.flush(30) != 0:
-                    raise RuntimeError("kafka did not acknowledge the batch")
+                for e in events:                       # id order; a key's events in order
+                    self.queue.put(
+                        e.payload_json().encode(),     # the stored JSON text
+                        headers={"id": str(e.id), "topic": e.topic, "key": e.key or "",
+                                 "created_ms": str(e.created_ms)},
+                    )
+                self.queue.flush()                     # raise unless the broker took them all
+            def probe(self):
+                self.queue.ping()
+
+    :mod:`stateguard.outbox.sinks` has RabbitMQ and NATS JetStream sinks, and
+    Redis Streams has :class:`~stateguard.RedisStreamSink`.
     """
 
     def publish(self, events: Sequence[OutboxEvent]) -> Any:
@@ -122,8 +151,13 @@ def _insert(backend: _sql.Backend) -> Any:
             created_ms=_sql.db_now_ms(),
             attempts=0,
         )
-        # MariaDB answers with LAST_INSERT_ID in the OK packet (lastrowid): no RETURNING needed.
-        return stmt.returning(_o.c.id) if backend.returning else stmt
+        if not backend.returning:
+            # MariaDB answers with LAST_INSERT_ID in the OK packet (lastrowid): no RETURNING needed.
+            return stmt
+        if notifies(backend):
+            # Wakes the relays when the transaction commits, in the same round trip (see .wakeup).
+            return stmt.returning(_o.c.id, notify_column())
+        return stmt.returning(_o.c.id)
 
     return _write.memo.get_or_build(("outbox_insert", backend), build)
 
@@ -142,7 +176,10 @@ def emit(session: Session, topic: str, payload: Any, *, key: str | None = None) 
         event_id = await emit(async_session, "invoice.created", {...})   # AsyncSession: awaited
 
     Events with the same ``key`` are published in id order (see the module
-    docstring); ``key=None`` events have no order with any other.
+    docstring); ``key=None`` events have no order with any other.  On
+    PostgreSQL the INSERT also NOTIFYs the relays (``pg_notify`` in its
+    RETURNING, no extra round trip), delivered only if the transaction
+    commits: a running relay publishes the event moments after the COMMIT.
 
     :raises InvalidArgument: a blank, oversize (200 / 255 characters) or
         non-str ``topic`` or ``key``; a payload that is not JSON (NaN or

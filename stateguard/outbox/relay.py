@@ -18,10 +18,8 @@ import inspect
 import logging
 import random
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
@@ -34,6 +32,7 @@ from .._async import Awaited, Steps, run_steps, step
 from ..exceptions import ConfigurationError, InvalidArgument, SerializationConflict
 from ..tables import outbox
 from .events import MAX_TOPIC, OutboxEvent, Sink
+from .refusals import _Isolation, _Round
 from .statements import (
     KEY_ORDERS,
     SKIP_DEAD,
@@ -48,6 +47,7 @@ from .statements import (
     _refuse_statement,
     _release_statement,
 )
+from .wakeup import AsyncListener, Listener, Poll, notifies
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -95,27 +95,7 @@ def _error_text(error: BaseException) -> str:
     return text.encode("utf-8", "replace").decode("utf-8")
 
 
-def _named(error: BaseException, part: list[OutboxEvent]) -> set[int]:
-    """The events of ``part`` a sink's error names as not published (``PublishFailed.event_ids``)."""
-    ids = getattr(error, "event_ids", None)
-    if not isinstance(ids, Iterable) or isinstance(ids, str | bytes):
-        return set()
-    wanted = {e.id for e in part}
-    return {i for i in ids if type(i) is int and i in wanted}
-
-
-@dataclass
-class _Round:
-    """What the sink did with one claimed batch."""
-
-    accepted: list[OutboxEvent] = field(default_factory=list)
-    #: Refused events in id order, with the sink's error.
-    refused: list[tuple[OutboxEvent, BaseException]] = field(default_factory=list)
-    #: An error that ends the round at once (KeyboardInterrupt, a cancellation, the relay's own mistake).
-    interrupt: BaseException | None = None
-
-
-class _RelayCore(Generic[E]):
+class _RelayCore(_Isolation, Generic[E]):
     """What :class:`Relay` and :class:`AsyncRelay` share: the options, the cycle and the loop, written once.
 
     The cycle and the loop are generators of steps (``stateguard._async.Steps``):
@@ -173,6 +153,10 @@ class _RelayCore(Generic[E]):
         self._steps_engine: E = (
             engine.execution_options(isolation_level="AUTOCOMMIT") if _autocommit(dialect) else engine
         )
+        #: Whether run() waits on LISTEN/NOTIFY (PostgreSQL) rather than polling alone.
+        self._notified = notifies(_sql.backend(dialect))
+        #: The listening connection of run(), while it runs (tests reach it to kill it).
+        self._listener: Any = None
         #: The last error of the relay's own making that ends run() (its setup is wrong).
         self._fatal: BaseException | None = None
         self._schema_checked = False
@@ -190,12 +174,20 @@ class _RelayCore(Generic[E]):
         """``fn(conn, *args)`` in a short transaction of its own (on PostgreSQL one statement)."""
         raise NotImplementedError
 
+    def _call_sink(self, fn: Callable[..., Any], /, *args: Any) -> Steps[Any]:
+        """``fn(*args)``, a method of the sink (``publish``, ``probe``): its result, awaited if need be."""
+        raise NotImplementedError
+
     def _publish(self, events: list[OutboxEvent]) -> Steps[Any]:
         """Hand ``events`` to the sink."""
-        raise NotImplementedError
+        return self._call_sink(self.sink.publish, events)
 
     def _idle(self, stop: Any, seconds: float) -> Steps[Any]:
         """Wait ``seconds`` or until ``stop`` is set."""
+        raise NotImplementedError
+
+    def _make_listener(self) -> Any:
+        """A :class:`~.wakeup.Listener` (or its async twin) on the relay's engine."""
         raise NotImplementedError
 
     # -- the statements of one cycle, each in its own transaction ---------------
@@ -248,9 +240,8 @@ class _RelayCore(Generic[E]):
     @staticmethod
     def _mark(conn: Connection, owner: str, ids: list[int]) -> int:
         backend = _begin(conn)
-        return int(
-            _write.execute(conn, _mark_statement(backend), {"sg_ids": ids, "sg_owner": owner}).rowcount
-        )
+        result = _write.execute(conn, _mark_statement(backend), {"sg_ids": ids, "sg_owner": owner})
+        return len(result.all()) if result.returns_rows else int(result.rowcount)
 
     @staticmethod
     def _release(conn: Connection, owner: str, ids: list[int]) -> int:
@@ -267,9 +258,9 @@ class _RelayCore(Generic[E]):
         free: list[int],
         delayed: bool,
     ) -> list[int]:
-        """Count the refusals of ``counted`` (parking those refused ``max_attempts`` times; ``delayed``:
-        claimable again only after their retry delay) and give ``free`` back at once; return the ids
-        parked dead."""
+        """Count the refusals of ``counted`` (parked dead once refused ``max_attempts`` times;
+        ``delayed``: claimable again only after their retry delay) and give ``free`` back at once;
+        return the ids parked dead."""
         backend = _begin(conn)
         dead: list[int] = []
         for event, error in counted:
@@ -296,7 +287,9 @@ class _RelayCore(Generic[E]):
     def _check_schema(conn: Connection) -> None:
         """:class:`ConfigurationError` when stateguard's outbox table, or a column of it, is missing."""
         try:
-            have = {c["name"] for c in sa_inspect(conn).get_columns(outbox.name)}
+            # schema_for_object: the schema a schema_translate_map sends the table to.
+            schema = conn.schema_for_object(outbox)
+            have = {c["name"] for c in sa_inspect(conn).get_columns(outbox.name, schema=schema)}
         except sa_exc.NoSuchTableError:
             have = set()
         missing = [c.name for c in outbox.columns if c.name not in have]
@@ -313,65 +306,6 @@ class _RelayCore(Generic[E]):
             )
 
     # -- the cycle -------------------------------------------------------------
-
-    def _isolate(self, events: list[OutboxEvent]) -> Steps[_Round]:
-        """Publish ``events``; when the sink refuses a part, take it apart to find the events it refuses.
-
-        Halves, depth first from the left: a key's earlier events are settled
-        before any later one is tried, and once one event of a key is refused
-        the key's later events of the batch are left for a later claim (per-key
-        order).  A sink error that names events (``event_ids``, as
-        :class:`~stateguard.PublishFailed` does) refuses those and counts the
-        others as accepted.  The search stops when two calls failed and the
-        sink has accepted nothing (it is down, not refusing one event: the
-        rest is given back untried), and when half the lease is spent.
-        """
-        result = _Round()
-        deadline = time.monotonic() + self.lease_ms / 2000
-        blocked: set[str] = set()
-        parts = [events]
-        while parts:
-            part = [e for e in parts.pop() if e.key is None or e.key not in blocked]
-            if not part:
-                continue
-            if time.monotonic() > deadline and (result.accepted or result.refused):
-                break
-            try:
-                yield from self._publish(part)
-            except Exception as error:
-                if error is self._fatal:
-                    result.interrupt = error
-                    break
-                named = _named(error, part)
-                if named:
-                    for e in part:
-                        if e.key is not None and e.key in blocked:
-                            continue
-                        if e.id in named:
-                            result.refused.append((e, error))
-                            if e.key is not None:
-                                blocked.add(e.key)
-                        else:
-                            result.accepted.append(e)
-                    continue
-                if not result.accepted and result.refused:
-                    break  # a second failure and nothing taken: the sink is down
-                if len(part) == 1:
-                    result.refused.append((part[0], error))
-                    if part[0].key is not None:
-                        blocked.add(part[0].key)
-                    continue
-                middle = len(part) // 2
-                parts.append(part[middle:])
-                parts.append(part[:middle])
-            except GeneratorExit:
-                raise
-            except BaseException as error:  # KeyboardInterrupt, SystemExit, a cancellation
-                result.interrupt = error
-                break
-            else:
-                result.accepted.extend(part)
-        return result
 
     def _cycle(self) -> Steps[int]:
         """Claim, publish, mark: the one algorithm of both relays."""
@@ -397,8 +331,8 @@ class _RelayCore(Generic[E]):
             yield from self._give_back(owner, outcome, rest)
         if outcome.interrupt is not None:
             raise outcome.interrupt
-        if not accepted and outcome.refused:
-            raise outcome.refused[0][1]
+        if not accepted and outcome.error is not None:
+            raise outcome.error
         return len(accepted)
 
     def _mark_accepted(self, owner: str, accepted: list[OutboxEvent]) -> Steps[None]:
@@ -422,21 +356,17 @@ class _RelayCore(Generic[E]):
             )
 
     def _give_back(self, owner: str, outcome: _Round, rest: list[OutboxEvent]) -> Steps[None]:
-        """Release what the sink did not take; count the refusals that are the events' own.
+        """Release what the sink did not take; count the refusals :meth:`_isolate` found.
 
-        A refusal counts when the sink accepted other events of the round (it
-        works, and refuses these: they are claimable again after their retry
-        delay); in a round where it accepted nothing only the oldest refused
-        event's counts and the batch is free at once (the sink is down: run()
-        backs off), so a sink that is down for ``max_attempts`` rounds parks
-        one event.
+        A counted event is claimable again after its retry delay when the
+        sink took other events of the round (they keep flowing while it
+        waits), at once when it took nothing (``run()``'s backoff spaces the
+        next try).  Every other event of ``rest`` (untried, behind a refused
+        event of its key, or failed while the sink was down) is free at once
+        and nothing is counted for it: a sink that is down for any number of
+        rounds parks no event.
         """
-        if outcome.interrupt is not None:
-            counted: list[tuple[OutboxEvent, BaseException]] = []
-        elif outcome.accepted:
-            counted = outcome.refused
-        else:
-            counted = outcome.refused[:1]
+        counted = outcome.refused if outcome.interrupt is None else []
         kept = {e.id for e, _ in counted}
         free = [e.id for e in rest if e.id not in kept]
         try:
@@ -463,38 +393,51 @@ class _RelayCore(Generic[E]):
             )
 
     def _serve(self, stop: Any, idle_sleep: float) -> Steps[None]:
-        """Cycles until ``stop`` is set, waiting ``idle_sleep`` after one that published nothing and
-        backing off (bounded, jittered) after rounds that failed."""
+        """Cycles until ``stop`` is set: at once after one that published, after a wake-up (a NOTIFY,
+        or the adaptive poll's sleep, :mod:`.wakeup`) after one that found nothing, after a bounded,
+        jittered backoff after rounds that failed."""
         idle = _write.required_seconds(idle_sleep, "idle_sleep")
         failed = 0
-        while not stop.is_set():
-            try:
-                if not self._schema_checked:
-                    # Once per relay: a table of an older stateguard would fail only at a refusal.
-                    try:
-                        yield from self._db(self._check_schema)
-                    except ConfigurationError as error:
-                        self._fatal = error
+        poll = Poll()
+        self._listener = self._make_listener() if self._notified else None
+        try:
+            while not stop.is_set():
+                try:
+                    if not self._schema_checked:
+                        # Once per relay: a table of an older stateguard would fail only at a refusal.
+                        try:
+                            yield from self._db(self._check_schema)
+                        except ConfigurationError as error:
+                            self._fatal = error
+                            raise
+                        self._schema_checked = True
+                    # through run_once(), which a subclass may extend (the CLI counts with it)
+                    published = yield from step(self.run_once())
+                except Exception as error:
+                    if error is self._fatal:
+                        log.error("outbox relay: stopped: %s", error)
                         raise
-                    self._schema_checked = True
-                # through run_once(), which a subclass may extend (the CLI counts with it)
-                published = yield from step(self.run_once())
-            except Exception as error:
-                if error is self._fatal:
-                    log.error("outbox relay: stopped: %s", error)
-                    raise
-                failed += 1
-                pause = _backoff(idle, failed)
-                log.warning(
-                    "outbox relay: batch not published, retrying in %.2f s: %s",
-                    pause,
-                    _error_text(error),
-                )
-                yield from self._idle(stop, pause)
-                continue
-            failed = 0
-            if published == 0:
-                yield from self._idle(stop, idle)
+                    failed += 1
+                    pause = _backoff(idle, failed)
+                    log.warning(
+                        "outbox relay: batch not published, retrying in %.2f s: %s",
+                        pause,
+                        _error_text(error),
+                    )
+                    yield from self._idle(stop, pause)
+                    continue
+                failed = 0
+                if published:
+                    poll.worked()
+                    continue
+                listener = self._listener
+                if listener is not None and listener.usable and (yield from step(listener.wait(stop, idle))):
+                    continue
+                yield from self._idle(stop, poll.seconds(idle))
+        finally:
+            listener, self._listener = self._listener, None
+            if listener is not None:
+                yield from step(listener.close())
 
 
 def _backoff(idle: float, failed: int) -> float:
@@ -531,6 +474,38 @@ class Relay(_RelayCore[Engine]):
     default) then lets the key's later events go; ``key_order="strict"``
     keeps them waiting until the dead event is requeued and published.
 
+    What counts as a refusal: a sink that is *down* refuses nothing, however
+    long it lasts, so an outage parks no event and keeps every key's order.
+    A refusal is counted for an event only when the sink works and still
+    does not take it:
+
+    * the sink's error names it refused (``refused_ids`` of
+      :class:`~stateguard.PublishFailed`: a nack, an unroutable or too
+      large message); events it names only as not published
+      (``event_ids``: unconfirmed, unsent) are given back uncounted;
+    * or the relay isolated it (published it alone after its batch failed),
+      the sink took other events after that failure in the same round (or
+      answered the sink's ``probe()``), and it failed again when tried alone
+      once more;
+    * or, with no such evidence (nothing else to try, a sink without
+      ``probe()``), it failed alone with an error that is not one of an
+      unreachable sink.
+
+    Never counted: OSError (connection refused or reset, timeouts), classes
+    named ``ConnectionError`` or ``TimeoutError`` (redis-py's too),
+    retryable errors (``PublishFailed`` that refuses nothing), a
+    ConfigurationError, a round in which three events in a row failed alone
+    (the round ends there), a failed ``probe()``.  Those events are free
+    again at once and ``run()`` backs off.
+
+    ``run()`` wakes on PostgreSQL's LISTEN/NOTIFY: :func:`~stateguard.emit`
+    and transitions with ``events=True`` NOTIFY in their own statement, so an
+    idle relay claims an event moments after its COMMIT; elsewhere it polls
+    adaptively (:mod:`stateguard.outbox.wakeup`).  A lost notification loses
+    no event: the poll every ``idle_sleep`` finds it.  On PostgreSQL the
+    claim and the mark commit without waiting for the disk flush: a crash
+    can only free a claim again or publish an event again (at least once).
+
     :raises InvalidArgument: a sink without ``publish``, a ``batch`` that is
         not an int from 1 to 10000, a ``lease`` or ``retry_delay`` that is not
         a positive timedelta, ``max_attempts`` not an int >= 1, an unknown
@@ -563,8 +538,12 @@ class Relay(_RelayCore[Engine]):
     def run(self, stop_event: threading.Event | None = None, *, idle_sleep: float = 1.0) -> None:
         """Run batches until ``stop_event`` is set (forever without one).
 
-        After a batch that found nothing to publish, waits ``idle_sleep``
-        seconds (or until ``stop_event`` is set).  Any error of the sink
+        After a batch that published, the next comes at once; after one that
+        found nothing, it waits for a wake-up: a NOTIFY on PostgreSQL (at most
+        ``idle_sleep`` seconds, the poll that finds what a lost notification
+        announced), elsewhere an adaptive poll (5 ms, doubling up to
+        ``idle_sleep`` while rounds keep finding nothing); ``stop_event`` ends
+        any wait at once (within 50 ms on PostgreSQL).  Any error of the sink
         (whatever its type, a :class:`~stateguard.StateguardError` too) or of
         the database is logged (logger ``stateguard.outbox``) and the batch
         tried again after a pause that doubles from ``idle_sleep`` up to 30
@@ -580,8 +559,8 @@ class Relay(_RelayCore[Engine]):
         with self._steps_engine.begin() as conn:
             return step(fn(conn, *args))
 
-    def _publish(self, events: list[OutboxEvent]) -> Steps[Any]:
-        result = self.sink.publish(events)
+    def _call_sink(self, fn: Callable[..., Any], /, *args: Any) -> Steps[Any]:
+        result = fn(*args)
         if inspect.isawaitable(result):
             if inspect.iscoroutine(result):
                 result.close()
@@ -596,6 +575,9 @@ class Relay(_RelayCore[Engine]):
         stop.wait(seconds)
         return step(None)
 
+    def _make_listener(self) -> Listener:
+        return Listener(self.engine)
+
 
 class AsyncRelay(_RelayCore["AsyncEngine"]):
     """:class:`Relay` on an :class:`~sqlalchemy.ext.asyncio.AsyncEngine`: the same cycle, awaited.
@@ -607,7 +589,7 @@ class AsyncRelay(_RelayCore["AsyncEngine"]):
         await relay.run(stop)     # stop: an asyncio.Event
 
     The sink's ``publish`` may be a coroutine function (a ``redis.asyncio``
-    client's :class:`~stateguard.redis.RedisStreamSink`); a synchronous one
+    client's :class:`~stateguard.RedisStreamSink`); a synchronous one
     runs in the event loop's thread.  ``run()`` keeps :meth:`Relay.run`'s
     promise; a cancellation ends it (after the batch in hand is given back).
     """
@@ -633,11 +615,14 @@ class AsyncRelay(_RelayCore["AsyncEngine"]):
         async with self._steps_engine.begin() as conn:
             return await conn.run_sync(fn, *args)
 
-    def _publish(self, events: list[OutboxEvent]) -> Steps[Any]:
-        return step(self.sink.publish(events))
+    def _call_sink(self, fn: Callable[..., Any], /, *args: Any) -> Steps[Any]:
+        return step(fn(*args))
 
     def _idle(self, stop: asyncio.Event, seconds: float) -> Steps[None]:
         return step(self._wait(stop, seconds))
+
+    def _make_listener(self) -> AsyncListener:
+        return AsyncListener(self.engine)
 
     @staticmethod
     async def _wait(stop: asyncio.Event, seconds: float) -> None:

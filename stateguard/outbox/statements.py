@@ -17,16 +17,16 @@ from sqlalchemy import (
     BigInteger,
     ColumnElement,
     Connection,
-    and_,
     any_,
     bindparam,
     case,
     exists,
     func,
+    literal,
     or_,
     select,
     text,
-    union_all,
+    true,
     update,
 )
 
@@ -42,6 +42,26 @@ _EVENT_COLUMNS: Final = (_o.c.id, _o.c.topic, _o.c.key, _o.c.payload, _o.c.creat
 SKIP_DEAD: Final = "skip_dead"
 STRICT: Final = "strict"
 KEY_ORDERS: Final = (SKIP_DEAD, STRICT)
+
+
+def _async_commit(backend: _sql.Backend) -> bool:
+    """Whether the relay's own writes commit without waiting for the WAL flush: PostgreSQL proper (the
+    member of its family with PL/pgSQL trigger functions; CockroachDB has no synchronous_commit).
+
+    ``synchronous_commit = off`` for the claim's and the mark's transactions
+    only (``set_config(..., true)`` in their RETURNING): a PostgreSQL crash
+    may forget the last fraction of a second of them, which makes a claim
+    free again or a published event come again: the relay's promise (at
+    least once) holds, and neither waits for a disk flush.  The events
+    themselves are written by the application's own transaction.
+    """
+    return backend.trigger_functions
+
+
+def _no_flush() -> Any:
+    """``set_config('synchronous_commit', 'off', true)``: this statement's transaction commits without
+    waiting for its WAL to reach the disk (see :func:`_async_commit`)."""
+    return func.set_config(literal("synchronous_commit"), literal("off"), true()).label("sg_no_flush")
 
 
 def _lease_free() -> Any:
@@ -126,23 +146,44 @@ def _claim_statement(backend: _sql.Backend) -> Any:
 def _claim_once_statement(backend: _sql.Backend, topics: bool, strict: bool) -> Any:
     """The whole claim as one ``UPDATE ... RETURNING`` (PostgreSQL, SQLite): one round trip.
 
-    The same rule as the three statements of :meth:`_RelayCore._claim`, in SQL:
-    ``sg_heads`` locks up to ``batch`` free heads (``FOR UPDATE SKIP LOCKED``
-    on PostgreSQL; SQLite holds its write lock); ``sg_followers`` numbers the
-    other unpublished events of their keys in id order with a running count
-    of events this relay may not take (earlier than the head, claimed by a
-    live lease, of a topic it does not publish), so only the contiguous run
-    right after each head has a count of 0; the heads and, in id order, as
-    many of those as fit in ``batch`` are claimed.  The followers come from
-    the statement's snapshot: another relay can claim an event of a key only
-    while holding the key's head, which this statement locked (or, when that
-    relay committed first, PostgreSQL's re-check of the locked head sees its
-    live lease and leaves the key out).  On PostgreSQL the relay runs it in
-    autocommit: one round trip claims a batch.
+    The same rule as the three statements of :meth:`_RelayCore._claim`, in SQL,
+    as a prefix of the outbox: ``sg_heads`` locks (``FOR UPDATE SKIP LOCKED``
+    on PostgreSQL; SQLite holds its write lock) the first ``batch`` free
+    unpublished events in id order whose key has no earlier event this relay
+    could not take anyway (leased, of a topic it does not publish, dead in
+    strict order): so a key held back by such an event never fills the batch
+    with events it cannot claim.  Of those, an event is claimed when every
+    earlier unpublished event of its key is among them: a key's events go
+    together from its head on, contiguous, in id order, and an earlier event
+    that another relay holds locked (skipped) or claimed after this
+    statement's snapshot (its lease seen at the lock) keeps the key's later
+    events out.  Another relay can claim an event of a key only while
+    holding all of the key's earlier unpublished events, which this
+    statement locked.  In the common case (no other relay, nothing refused)
+    it claims the first ``batch`` unpublished events, as a plain ``SELECT
+    ... LIMIT ... FOR UPDATE SKIP LOCKED`` would.
     """
 
     def build() -> Any:
-        conditions = _head_conditions(topics, strict)
+        now = _sql.db_now_ms()
+        earlier = _o.alias("sg_earlier")
+        before = [earlier.c.key == _o.c.key, earlier.c.published_ms.is_(None), earlier.c.id < _o.c.id]
+        if not strict:
+            before.append(earlier.c.dead_ms.is_(None))
+        untakeable = [earlier.c.claimed_until_ms > now]
+        if strict:
+            untakeable.append(earlier.c.dead_ms.is_not(None))
+        if topics:
+            untakeable.append(earlier.c.topic.not_in(bindparam("sg_topics", expanding=True)))
+        held_back = exists().where(*before, or_(*untakeable))
+        conditions = [
+            _o.c.published_ms.is_(None),
+            _o.c.dead_ms.is_(None),
+            _lease_free(),
+            or_(_o.c.key.is_(None), ~held_back),
+        ]
+        if topics:
+            conditions.append(_o.c.topic.in_(bindparam("sg_topics", expanding=True)))
         # ORDER BY (published_ms, id), all NULL: id order, and the order of ix_stateguard_outbox_pending,
         # so the planner walks that index from the first unpublished event instead of the primary key
         # through every published one (what it chose for ORDER BY id while its statistics were stale).
@@ -155,35 +196,12 @@ def _claim_once_statement(backend: _sql.Backend, topics: bool, strict: bool) -> 
         if backend.row_locks:
             heads_select = heads_select.with_for_update(skip_locked=True)
         heads = heads_select.cte("sg_heads").prefix_with("MATERIALIZED")
-        ev = _o.alias("sg_ev")
-        now = _sql.db_now_ms()
-        free = or_(ev.c.claimed_until_ms.is_(None), ev.c.claimed_until_ms <= now)
-        # A dead event after a head holds back the rest of its key (strict order; in the default
-        # order dead events are not followers at all).
-        ok = and_(ev.c.id > heads.c.id, free, ev.c.dead_ms.is_(None))
-        if topics:
-            ok = and_(ok, ev.c.topic.in_(bindparam("sg_topics", expanding=True)))
-        bad = case((ok, 0), else_=1)
-        followers = (
-            select(
-                ev.c.id,
-                func.sum(bad).over(partition_by=ev.c.key, order_by=ev.c.id).label("sg_bad"),
-            )
-            .select_from(ev.join(heads, ev.c.key == heads.c.key))
-            .where(
-                ev.c.published_ms.is_(None),
-                ev.c.id != heads.c.id,
-                *(() if strict else (ev.c.dead_ms.is_(None),)),
-            )
-            .cte("sg_followers")
-        )
-        ranked = (
-            select(followers.c.id, func.row_number().over(order_by=followers.c.id).label("sg_rank"))
-            .where(followers.c.sg_bad == 0)
-            .subquery("sg_ranked")
-        )
-        room: Any = bindparam("sg_batch") - select(func.count()).select_from(heads).scalar_subquery()
-        picked = union_all(select(heads.c.id), select(ranked.c.id).where(ranked.c.sg_rank <= room))
+        outside = _o.alias("sg_outside")
+        gap = [outside.c.key == heads.c.key, outside.c.published_ms.is_(None), outside.c.id < heads.c.id]
+        if not strict:
+            gap.append(outside.c.dead_ms.is_(None))
+        gap.append(outside.c.id.not_in(select(heads.c.id).scalar_subquery()))
+        picked = select(heads.c.id).where(or_(heads.c.key.is_(None), ~exists().where(*gap)))
         if backend.array_params:
             # id = ANY(ARRAY(...)): the picked ids are computed once and the rows reached through the
             # primary key, whatever the planner estimates (an IN (...) join became a nested loop over
@@ -199,7 +217,7 @@ def _claim_once_statement(backend: _sql.Backend, topics: bool, strict: bool) -> 
                 claimed_until_ms=_sql.db_now_ms() + bindparam("sg_lease"),
                 attempts=_o.c.attempts + 1,
             )
-            .returning(*_EVENT_COLUMNS)
+            .returning(*_EVENT_COLUMNS, *((_no_flush(),) if _async_commit(backend) else ()))
         )
 
     return _write.memo.get_or_build(("outbox_claim_once", backend, topics, strict), build)
@@ -229,10 +247,15 @@ def _owned_update(backend: _sql.Backend, what: str, values: Callable[[], dict[st
 
 
 def _mark_statement(backend: _sql.Backend) -> Any:
-    """Mark the batch published (and free its lease)."""
-    return _owned_update(
-        backend, "mark", lambda: {"published_ms": _sql.db_now_ms(), "claimed_until_ms": None}
-    )
+    """Mark the batch published (and free its lease); on PostgreSQL it returns a row per event marked,
+    committed without waiting for the WAL flush (:func:`_async_commit`)."""
+
+    def build() -> Any:
+        mine = (_ids_in(backend), _o.c.claimed_by == bindparam("sg_owner"), _o.c.published_ms.is_(None))
+        stmt = update(_o).where(*mine).values(published_ms=_sql.db_now_ms(), claimed_until_ms=None)
+        return stmt.returning(_no_flush()) if _async_commit(backend) else stmt
+
+    return _write.memo.get_or_build(("outbox_mark", backend), build)
 
 
 def _release_statement(backend: _sql.Backend) -> Any:

@@ -51,7 +51,7 @@ from ..inserts import purge_consumed as _purge_consumed
 from ..machine import StateMachine, machines_of
 from ..outbox import Relay, requeue_dead
 from ..outbox import purge_published as _purge_outbox
-from ..redis import MAX_MAXLEN
+from ..outbox.sinks.redis_streams import MAX_MAXLEN
 from ..schema import machines_in_module
 from ..tables import counter_ledger, outbox, transition_log
 from ..tokens import purge_expired_tokens as _purge_tokens
@@ -604,7 +604,7 @@ def _connect(sink: Any) -> None:
 
 
 def _cmd_relay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from ..redis import RedisStreamSink
+    from ..outbox.sinks.redis_streams import RedisStreamSink
 
     if threading.current_thread() is not threading.main_thread():
         raise UsageError("runs only in the main thread (it handles SIGTERM and SIGINT)")

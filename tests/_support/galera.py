@@ -219,8 +219,10 @@ class GaleraCluster:
                 last = exc
             else:
                 last = st.get("wsrep_local_state_comment"), st.get("wsrep_cluster_size")
-                if st.get("wsrep_ready") == "ON" and st.get("wsrep_local_state_comment") == "Synced" and (
-                    size is None or int(st.get("wsrep_cluster_size", "0")) >= size
+                if (
+                    st.get("wsrep_ready") == "ON"
+                    and st.get("wsrep_local_state_comment") == "Synced"
+                    and (size is None or int(st.get("wsrep_cluster_size", "0")) >= size)
                 ):
                     return
             time.sleep(0.3)

@@ -283,16 +283,26 @@ def test_block_runs_as_written(block: Block, tmp_path: Path, monkeypatch: pytest
 def test_directives_are_well_formed(page: str) -> None:
     """Every docs-test comment sits directly above a python block, names are unique, chains resolve."""
     lines = (ROOT / page).read_text(encoding="utf-8").splitlines()
+    fence = ""  # the backticks of the code block the line is in ("" outside one)
     for number, line in enumerate(lines, 1):
+        ticks = re.match(r"^\s*(`{3,})", line)
+        if ticks and not fence:
+            fence = ticks[1]
+            if not _FENCE.match(line):
+                assert not _UNTESTED_FENCE.match(line), (
+                    f"{page}:{number}: write a Python example as a ```python block (the tests run those) "
+                    "or include it from examples/ with {literalinclude}"
+                )
+            continue
+        if fence:
+            if ticks and set(line.strip()) == {"`"} and len(line.strip()) >= len(fence):
+                fence = ""
+            continue
         if "docs-test:" in line and line.lstrip().startswith("<!--"):
             assert _DIRECTIVE.match(line), f"{page}:{number}: malformed docs-test comment"
             assert number < len(lines) and _FENCE.match(lines[number]), (
                 f"{page}:{number}: a docs-test comment must be directly above a ```python block"
             )
-        assert not _UNTESTED_FENCE.match(line), (
-            f"{page}:{number}: write a Python example as a ```python block (the tests run those) "
-            "or include it from examples/ with {literalinclude}"
-        )
     names = [b.name for b in PAGES[page] if b.name]
     assert len(names) == len(set(names)), f"{page}: duplicate docs-test names: {names}"
     for b in PAGES[page]:

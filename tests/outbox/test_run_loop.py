@@ -28,7 +28,7 @@ from stateguard import (
 )
 from stateguard.tables import outbox
 
-from .._async_helpers import ASYNC_TARGETS, AsyncTarget, target_from
+from .._async_helpers import AsyncTarget
 from ..conftest import Backend
 
 pytestmark = pytest.mark.hostile
@@ -142,12 +142,6 @@ def test_run_ends_with_a_configuration_error_when_the_outbox_lacks_new_columns(
     finally:
         drop_tables(engine)
         create_tables(engine)
-
-
-@pytest.fixture(params=list(ASYNC_TARGETS))
-def target(request: pytest.FixtureRequest) -> AsyncTarget:
-    """Each async driver, on the namespace of its backend."""
-    return target_from(request)
 
 
 @pytest.mark.parametrize("error", ["ConfigurationError", "RuntimeError"])

@@ -20,9 +20,9 @@ import pytest
 from sqlalchemy import Engine, func, insert, select
 from sqlalchemy.orm import Session
 
-import stateguard.redis
+import stateguard.outbox.sinks.redis_streams
 from stateguard import create_tables, drop_tables, emit
-from stateguard.redis import RedisStreamSink
+from stateguard.outbox.sinks.redis_streams import RedisStreamSink
 from stateguard.tables import consumed_messages, idempotency_keys, outbox, tokens
 from stateguard.tooling import cli
 from stateguard.tooling.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, main
@@ -515,7 +515,7 @@ def test_relay_finishes_the_batch_in_hand_on_sigterm(
             time.sleep(0.5)
             return super().publish(events)
 
-    monkeypatch.setattr(stateguard.redis, "RedisStreamSink", SlowSink)
+    monkeypatch.setattr(stateguard.outbox.sinks.redis_streams, "RedisStreamSink", SlowSink)
     handler_before = signal.getsignal(signal.SIGTERM)
 
     def terminate() -> None:

@@ -18,7 +18,7 @@ from sqlalchemy import Engine, MetaData, create_engine, insert, select
 from sqlalchemy.orm import Session
 
 from stateguard import CallableSink, InvalidArgument, Relay, create_tables, emit
-from stateguard.redis import RedisStreamSink
+from stateguard.outbox.sinks.redis_streams import RedisStreamSink
 from stateguard.tables import outbox
 from stateguard.tooling.cli import EXIT_OK, EXIT_USAGE, main
 

@@ -13,10 +13,11 @@ sink                          relay                        module (extra)
 :class:`AsyncRabbitMQSink`    ``AsyncRelay``               ``rabbitmq`` (aio-pika)
 :class:`NATSSink`             :class:`~stateguard.Relay`   ``nats`` (nats-py)
 :class:`AsyncNATSSink`        ``AsyncRelay``               ``nats`` (nats-py)
+:class:`RedisStreamSink`      either (by its client)       ``redis`` (redis-py)
 ============================  ===========================  =======================
 
-:class:`~stateguard.RedisStreamSink` lives in :mod:`stateguard.redis`.  Every
-sink raises :class:`~stateguard.PublishFailed` when its broker did not take
+The RabbitMQ and NATS
+sinks raise :class:`~stateguard.PublishFailed` when their broker did not take
 the whole batch, so the relay publishes the batch again: delivery is at least
 once, and consumers deduplicate by the event id (the AMQP ``message_id``,
 the ``Nats-Msg-Id`` header, which JetStream also deduplicates on).
@@ -30,8 +31,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .nats import AsyncNATSSink, NATSSink
     from .rabbitmq import AsyncRabbitMQSink, RabbitMQSink
+    from .redis_streams import RedisStreamSink
 
-__all__ = ["AsyncNATSSink", "AsyncRabbitMQSink", "NATSSink", "RabbitMQSink"]
+__all__ = ["AsyncNATSSink", "AsyncRabbitMQSink", "NATSSink", "RabbitMQSink", "RedisStreamSink"]
 
 #: Which module defines each sink (imported on first use: each needs its own client).
 _MODULES = {
@@ -39,6 +41,7 @@ _MODULES = {
     "NATSSink": "nats",
     "AsyncRabbitMQSink": "rabbitmq",
     "RabbitMQSink": "rabbitmq",
+    "RedisStreamSink": "redis_streams",
 }
 
 

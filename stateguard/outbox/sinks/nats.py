@@ -92,6 +92,14 @@ def _acked(future: asyncio.Future[Any]) -> bool:
     return future.done() and not future.cancelled() and future.exception() is None
 
 
+def _is_refusal(error: BaseException) -> bool:
+    """JetStream answered this message with an error of its own (a 4xx API error: a bad header, a
+    full stream with DiscardNew, ...), not that it is unavailable (503) or failing (5xx)."""
+    from nats.js.errors import APIError, ServerError, ServiceUnavailableError
+
+    return isinstance(error, APIError) and not isinstance(error, ServerError | ServiceUnavailableError)
+
+
 class AsyncNATSSink:
     """A :class:`~stateguard.outbox.Sink` publishing to JetStream, for :class:`~stateguard.AsyncRelay`.
 
@@ -163,15 +171,37 @@ class AsyncNATSSink:
         async with self._turn():
             await self._open()
 
+    async def probe(self) -> None:
+        """Return when the NATS server answers a PING on the sink's connection (made if need be).
+
+        A relay asks this when the sink refused an event and nothing else
+        told whether the broker works (see :class:`~stateguard.Relay`).
+
+        :raises PublishFailed: no NATS server could be reached or it did not answer in ``timeout``.
+        :raises ConfigurationError: see :meth:`connect`.
+        """
+        async with self._turn():
+            await self._open()
+            try:
+                await self._client.flush(self.timeout)
+            except Exception as error:  # FlushTimeoutError, ConnectionClosedError ...
+                raise PublishFailed(
+                    f"NATS at {self.servers} did not answer a PING: {type(error).__name__}: {error}"
+                ) from error
+
     async def publish(self, events: Sequence[OutboxEvent]) -> None:
         """Publish ``events`` in order; return once JetStream acknowledged every message.
 
         A message JetStream reports as a duplicate (its ``Nats-Msg-Id`` is
         already in the stream) is acknowledged too: it is there.
 
-        :raises PublishFailed: a PubAck failed or did not come within ``timeout``.
+        :raises PublishFailed: a PubAck failed (a JetStream error for that
+            message, or a message larger than the server's max_payload: its
+            event in ``refused_ids``) or did not come within ``timeout``.
         :raises ConfigurationError: see :meth:`connect`.
         """
+        from nats.errors import MaxPayloadError
+
         async with self._turn():
             js = await self._open()
             futures: list[asyncio.Future[Any]] = []
@@ -196,13 +226,19 @@ class AsyncNATSSink:
                         )
                     )
                 await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), self.timeout)
-            except InvalidArgument as error:
+            except (InvalidArgument, MaxPayloadError) as error:
+                # Refused before it was sent: this event, and nothing about the broker.
+                why = (
+                    f"{error}: set subject= or relay such topics to another sink (topics=)"
+                    if isinstance(error, InvalidArgument)
+                    else f"larger than the server's max_payload ({error})"
+                )
+                refused = events[len(futures)].id
+                # The ones already sent may be stored: they come again, and JetStream drops the copies.
                 for future in futures:
                     future.cancel()
-                raise PublishFailed(
-                    f"{error}: set subject= or relay such topics to another sink (topics=); "
-                    "the batch is not published",
-                    event_ids=tuple(e.id for e in events[len(futures) :]),
+                raise self._unconfirmed(
+                    events, [e.id for e in events], f"event {refused} refused: {why}", (refused,)
                 ) from error
             except BaseException as error:
                 acked = [_acked(f) for f in futures]
@@ -218,11 +254,14 @@ class AsyncNATSSink:
                 (e.id, asyncio.CancelledError() if f.cancelled() else f.exception())
                 for e, f in zip(events, futures, strict=True)
             ]
-            refused = [(i, x) for i, x in failures if x is not None]
-            if refused:
-                first = refused[0][1]
+            failed_ids = [(i, x) for i, x in failures if x is not None]
+            if failed_ids:
+                first = failed_ids[0][1]
                 raise self._unconfirmed(
-                    events, [i for i, _ in refused], f"{type(first).__name__}: {first}"
+                    events,
+                    [i for i, _ in failed_ids],
+                    f"{type(first).__name__}: {first}",
+                    [i for i, x in failed_ids if _is_refusal(x)],
                 ) from first
 
     async def close(self) -> None:
@@ -241,13 +280,17 @@ class AsyncNATSSink:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.servers!r}, stream={self.stream!r})"
 
-    def _unconfirmed(self, events: Sequence[OutboxEvent], failed: Sequence[int], why: str) -> PublishFailed:
-        """The error for a batch whose events ``failed`` (ids) JetStream did not acknowledge."""
+    def _unconfirmed(
+        self, events: Sequence[OutboxEvent], failed: Sequence[int], why: str, refused: Sequence[int] = ()
+    ) -> PublishFailed:
+        """The error for a batch whose events ``failed`` (ids) JetStream did not acknowledge, of which
+        it refused ``refused`` (the others are unacknowledged or unsent)."""
         return PublishFailed(
             f"JetStream stream {self.stream!r} did not acknowledge outbox event {failed[0]} ({why}); "
             f"{len(failed)} of the batch's {len(events)} events failed: the batch is not published "
             "(JetStream drops the copies it holds when it comes again)",
             event_ids=tuple(failed),
+            refused_ids=tuple(refused),
         )
 
     def _turn(self) -> asyncio.Lock:
@@ -346,6 +389,10 @@ class NATSSink:
     def connect(self) -> None:
         """Connect now and check the stream; see :meth:`AsyncNATSSink.connect`."""
         self._run(self._sink.connect())
+
+    def probe(self) -> None:
+        """Return when the NATS server answers a PING; see :meth:`AsyncNATSSink.probe`."""
+        self._run(self._sink.probe())
 
     def publish(self, events: Sequence[OutboxEvent]) -> None:
         """Publish ``events`` and wait for every PubAck; see :meth:`AsyncNATSSink.publish`."""

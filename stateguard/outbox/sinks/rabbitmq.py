@@ -72,13 +72,18 @@ def _shown_url(url: str) -> str:
     return parts._replace(netloc=f"{parts.username or ''}:***@{host}").geturl()
 
 
+class _TooLong(Exception):
+    """An event's topic or routing key does not fit AMQP's short string: a refusal of that event."""
+
+
 class _Options:
-    """What both faces share: where to publish and how an event becomes a message."""
+    """What both faces share: where to publish, how an event becomes a message, the errors they raise."""
 
     def __init__(
         self, url: Any, sink: str, exchange: Any, routing_key: Any, key_as_routing_key: Any, timeout: Any
     ) -> None:
         self.url = _check_url(url, sink)
+        self.sink = sink
         self.exchange = _short_string(exchange, "exchange", blank=True)
         if routing_key is not None:
             routing_key = _short_string(routing_key, "routing_key", blank=True)
@@ -95,43 +100,65 @@ class _Options:
         self.timeout = float(timeout)
 
     def route(self, event: OutboxEvent) -> str:
-        """The routing key of ``event``; PublishFailed when it does not fit AMQP's 255 bytes."""
+        """The routing key of ``event``; :class:`_TooLong` when it does not fit AMQP's 255 bytes."""
         if self.routing_key is not None:
             return self.routing_key
         key = event.key if self.key_as_routing_key and event.key is not None else event.topic
         if len(key.encode("utf-8")) > MAX_SHORT_STRING:
-            raise PublishFailed(
-                f"outbox event {event.id}: its routing key {key[:40]!r}... is longer than "
-                f"{MAX_SHORT_STRING} UTF-8 bytes (AMQP's limit): pass routing_key=",
-                event_ids=(event.id,),
+            raise _TooLong(
+                f"its routing key {key[:40]!r}... is longer than {MAX_SHORT_STRING} UTF-8 bytes "
+                f"(AMQP's limit): pass routing_key="
             )
         return key
 
-    @staticmethod
-    def headers(event: OutboxEvent) -> dict[str, Any]:
+    def message(self, event: OutboxEvent) -> tuple[bytes, dict[str, Any], str]:
+        """``(body, properties, routing key)`` of ``event``'s message, the properties as keywords of
+        pika's ``BasicProperties`` and aio-pika's ``Message`` alike; :class:`_TooLong` for a topic or
+        routing key AMQP cannot carry."""
+        if len(event.topic.encode("utf-8")) > MAX_SHORT_STRING:
+            raise _TooLong(
+                f"its topic is longer than {MAX_SHORT_STRING} UTF-8 bytes, what AMQP's type property "
+                f"holds: relay such topics to another sink (topics=)"
+            )
         headers: dict[str, Any] = {"created_ms": event.created_ms}
         if event.key is not None:
             headers["key"] = event.key
-        return headers
+        properties = {
+            "content_type": CONTENT_TYPE,
+            "delivery_mode": PERSISTENT,
+            "message_id": str(event.id),
+            "type": event.topic,
+            "timestamp": event.created_ms // 1000,
+            "headers": headers,
+        }
+        return event.payload_json().encode("utf-8"), properties, self.route(event)
 
-    @staticmethod
-    def topic(event: OutboxEvent) -> str:
-        if len(event.topic.encode("utf-8")) > MAX_SHORT_STRING:
-            raise PublishFailed(
-                f"outbox event {event.id}: its topic is longer than {MAX_SHORT_STRING} UTF-8 bytes, "
-                f"what AMQP's type property holds: relay such topics to another sink (topics=)",
-                event_ids=(event.id,),
-            )
-        return event.topic
-
-    def unconfirmed(self, events: Sequence[OutboxEvent], failed: Sequence[int], why: str) -> PublishFailed:
-        """The error for a batch whose events ``failed`` (ids) the broker did not confirm."""
+    def unconfirmed(
+        self, events: Sequence[OutboxEvent], failed: Sequence[int], why: str, refused: Sequence[int] = ()
+    ) -> PublishFailed:
+        """The error for a batch whose events ``failed`` (ids) the broker did not confirm, of which it
+        refused ``refused`` outright (the others are unconfirmed or unsent)."""
         return PublishFailed(
             f"RabbitMQ at {_shown_url(self.url)} (exchange {self.exchange!r}) did not confirm "
             f"outbox event {failed[0]} ({why}); {len(failed)} of the batch's {len(events)} events "
             f"failed: the batch is not published",
             event_ids=tuple(failed),
+            refused_ids=tuple(refused),
         )
+
+    def too_long(self, events: Sequence[OutboxEvent], done: int, error: _TooLong) -> PublishFailed:
+        """The error for ``events[done]``, which no AMQP message can carry (the later ones are unsent)."""
+        return self.unconfirmed(
+            events, _from(events, done), f"refused before sending: {error}", (events[done].id,)
+        )
+
+    def unreachable(self, error: BaseException) -> PublishFailed:
+        return PublishFailed(
+            f"cannot connect to RabbitMQ at {_shown_url(self.url)}: {type(error).__name__}: {error}"
+        )
+
+    def no_channel(self, error: BaseException) -> PublishFailed:
+        return PublishFailed(f"cannot open a channel on RabbitMQ at {_shown_url(self.url)}: {error}")
 
     def missing_exchange(self, error: BaseException) -> ConfigurationError:
         return ConfigurationError(
@@ -140,7 +167,21 @@ class _Options:
         )
 
 
-class RabbitMQSink:
+class _Face:
+    """What :class:`RabbitMQSink` and :class:`AsyncRabbitMQSink` share beside their client."""
+
+    _options: _Options
+
+    @property
+    def exchange(self) -> str:
+        """The exchange messages are published to."""
+        return self._options.exchange
+
+    def __repr__(self) -> str:
+        return f"{self._options.sink}({_shown_url(self._options.url)!r}, exchange={self._options.exchange!r})"
+
+
+class RabbitMQSink(_Face):
     """A :class:`~stateguard.outbox.Sink` publishing to RabbitMQ with pika, for :class:`~stateguard.Relay`.
 
     ::
@@ -205,11 +246,6 @@ class RabbitMQSink:
         self._channel: Any = None
         self._lock = threading.Lock()
 
-    @property
-    def exchange(self) -> str:
-        """The exchange messages are published to."""
-        return self._options.exchange
-
     def connect(self) -> None:
         """Open the connection now (it is opened by the first :meth:`publish` otherwise).
 
@@ -219,45 +255,57 @@ class RabbitMQSink:
         with self._lock:
             self._open()
 
+    def probe(self) -> None:
+        """Return when the broker answers on the sink's connection (a new one if it was lost).
+
+        A relay asks this when the sink refused an event and nothing else
+        told whether the broker works (see :class:`~stateguard.Relay`).
+
+        :raises PublishFailed: the broker cannot be reached.
+        :raises ConfigurationError: the exchange does not exist.
+        """
+        with self._lock:
+            self._open()
+
     def publish(self, events: Sequence[OutboxEvent]) -> None:
         """Publish ``events`` in order; return once the broker confirmed every message.
 
-        :raises PublishFailed: a message was unroutable or nacked, or the
-            connection was lost (the relay publishes the batch again).
+        :raises PublishFailed: a message was unroutable or nacked (its event
+            in ``refused_ids``), or the connection was lost (the relay
+            publishes the batch again).
         :raises ConfigurationError: the exchange does not exist.
         """
         from pika import BasicProperties
-        from pika.exceptions import AMQPError, NackError, UnroutableError
+        from pika.exceptions import AMQPError, ChannelClosedByBroker, NackError, UnroutableError
 
         options = self._options
         with self._lock:
             channel = self._open()
             for done, event in enumerate(events):
-                properties = BasicProperties(
-                    content_type=CONTENT_TYPE,
-                    delivery_mode=PERSISTENT,
-                    message_id=str(event.id),
-                    type=options.topic(event),
-                    timestamp=event.created_ms // 1000,
-                    headers=options.headers(event),
-                )
-                body = event.payload_json().encode("utf-8")
+                try:
+                    body, properties, route = options.message(event)
+                except _TooLong as error:
+                    raise options.too_long(events, done, error) from None
+                failed = _from(events, done)
                 try:
                     channel.basic_publish(
-                        options.exchange, options.route(event), body, properties, mandatory=True
+                        options.exchange, route, body, BasicProperties(**properties), mandatory=True
                     )
                 except UnroutableError as error:
                     raise options.unconfirmed(
-                        events, _from(events, done), "unroutable: no queue is bound for it"
+                        events, failed, "unroutable: no queue is bound for it", failed[:1]
                     ) from error
                 except NackError as error:
-                    raise options.unconfirmed(events, _from(events, done), "the broker nacked it") from error
+                    raise options.unconfirmed(events, failed, "the broker nacked it", failed[:1]) from error
                 except (AMQPError, OSError) as error:
                     self._drop()
                     if _is_not_found(error):
                         raise options.missing_exchange(error) from error
+                    # 406 PRECONDITION_FAILED on the publish: this message (its size, a header) is refused.
+                    precondition = isinstance(error, ChannelClosedByBroker) and _code(error) == 406
+                    refused = failed[:1] if precondition else []
                     raise options.unconfirmed(
-                        events, _from(events, done), f"{type(error).__name__}: {error}"
+                        events, failed, f"{type(error).__name__}: {error}", refused
                     ) from error
 
     def close(self) -> None:
@@ -275,9 +323,6 @@ class RabbitMQSink:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __repr__(self) -> str:
-        return f"RabbitMQSink({_shown_url(self._options.url)!r}, exchange={self._options.exchange!r})"
 
     def _open(self) -> Any:
         """The channel, in confirm mode; a new connection if there is none or it was lost."""
@@ -298,9 +343,7 @@ class RabbitMQSink:
         try:
             connection = pika.BlockingConnection(self._parameters)
         except (AMQPError, OSError) as error:
-            raise PublishFailed(
-                f"cannot connect to RabbitMQ at {_shown_url(options.url)}: {type(error).__name__}: {error}"
-            ) from error
+            raise options.unreachable(error) from error
         try:
             channel = connection.channel()
             if options.exchange:
@@ -310,9 +353,7 @@ class RabbitMQSink:
             self._drop_socket(connection)
             if _is_not_found(error):
                 raise options.missing_exchange(error) from error
-            raise PublishFailed(
-                f"cannot open a channel on RabbitMQ at {_shown_url(options.url)}: {error}"
-            ) from error
+            raise options.no_channel(error) from error
         self._connection, self._channel = connection, channel
         return channel
 
@@ -335,13 +376,18 @@ def _from(events: Sequence[OutboxEvent], done: int) -> list[int]:
     return [e.id for e in events[done:]]
 
 
+def _code(error: BaseException) -> Any:
+    """The AMQP reply code a channel or connection was closed with (pika: the first argument)."""
+    args: tuple[Any, ...] = tuple(getattr(error, "args", ()))
+    return args[0] if args else None
+
+
 def _is_not_found(error: BaseException) -> bool:
     """The broker closed the channel with 404 NOT_FOUND (no such exchange)."""
-    args: tuple[Any, ...] = tuple(getattr(error, "args", ()))
-    return len(args) > 0 and args[0] == 404
+    return bool(_code(error) == 404)
 
 
-class AsyncRabbitMQSink:
+class AsyncRabbitMQSink(_Face):
     """:class:`RabbitMQSink` on aio-pika, for :class:`~stateguard.AsyncRelay`: the same messages, awaited.
 
     ::
@@ -381,13 +427,13 @@ class AsyncRabbitMQSink:
         self._exchange: Any = None
         self._lock: asyncio.Lock | None = None
 
-    @property
-    def exchange(self) -> str:
-        """The exchange messages are published to."""
-        return self._options.exchange
-
     async def connect(self) -> None:
         """Open the connection now; see :meth:`RabbitMQSink.connect`."""
+        async with self._turn():
+            await self._open()
+
+    async def probe(self) -> None:
+        """Return when the broker answers; see :meth:`RabbitMQSink.probe`."""
         async with self._turn():
             await self._open()
 
@@ -403,21 +449,16 @@ class AsyncRabbitMQSink:
         options = self._options
         async with self._turn():
             exchange = await self._open()
-            messages = [
-                (
-                    aio_pika.Message(
-                        event.payload_json().encode("utf-8"),
-                        content_type=CONTENT_TYPE,
-                        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                        message_id=str(event.id),
-                        type=options.topic(event),
-                        timestamp=event.created_ms // 1000,
-                        headers=options.headers(event),
-                    ),
-                    options.route(event),
-                )
-                for event in events
-            ]
+            messages = []
+            for event in events:
+                try:
+                    body, properties, route = options.message(event)
+                except _TooLong as error:
+                    # Nothing of the batch was sent yet.
+                    raise options.unconfirmed(
+                        events, _from(events, 0), f"event {event.id} refused: {error}", (event.id,)
+                    ) from None
+                messages.append((aio_pika.Message(body, **properties), route))
             # gather starts the publishes in list order, and each takes the channel's lock (FIFO)
             # before it awaits anything: the frames go out in id order, the confirmations are awaited
             # together.
@@ -440,9 +481,10 @@ class AsyncRabbitMQSink:
                 why = "the broker nacked it"
             else:
                 why = f"{type(first).__name__}: {first}"
-            if any(not isinstance(r, PublishError | DeliveryError) for _, r in failed):
+            refused = [i for i, r in failed if isinstance(r, PublishError | DeliveryError)]
+            if len(refused) < len(failed):
                 await self._drop()  # a lost connection or channel, a timeout: start afresh
-            raise options.unconfirmed(events, [i for i, _ in failed], why) from first
+            raise options.unconfirmed(events, [i for i, _ in failed], why, refused) from first
 
     async def close(self) -> None:
         """Close the connection (a later :meth:`publish` opens a new one)."""
@@ -454,9 +496,6 @@ class AsyncRabbitMQSink:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-    def __repr__(self) -> str:
-        return f"AsyncRabbitMQSink({_shown_url(self._options.url)!r}, exchange={self._options.exchange!r})"
 
     def _turn(self) -> asyncio.Lock:
         # Made on first use, inside the relay's event loop.
@@ -479,9 +518,7 @@ class AsyncRabbitMQSink:
         try:
             connection = await aio_pika.connect(options.url, timeout=options.timeout)
         except Exception as error:  # OSError, AMQPConnectionError, TimeoutError, a refused login ...
-            raise PublishFailed(
-                f"cannot connect to RabbitMQ at {_shown_url(options.url)}: {type(error).__name__}: {error}"
-            ) from error
+            raise options.unreachable(error) from error
         try:
             channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
             if options.exchange:
@@ -493,9 +530,7 @@ class AsyncRabbitMQSink:
             raise options.missing_exchange(error) from error
         except Exception as error:
             await connection.close()
-            raise PublishFailed(
-                f"cannot open a channel on RabbitMQ at {_shown_url(options.url)}: {error}"
-            ) from error
+            raise options.no_channel(error) from error
         self._connection, self._exchange = connection, exchange
         return exchange
 

@@ -8,13 +8,20 @@ under ``CI=true`` (``conftest.unavailable``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+
+from sqlalchemy import Engine, select
+
+from stateguard import PublishFailed, Relay
+from stateguard.tables import outbox
 
 from ...conftest import unavailable
 
@@ -27,6 +34,33 @@ NATS_PORT = 4222
 def via(url: str, port: int, proxy_port: int) -> str:
     """``url`` with its port replaced by the fault proxy's."""
     return url.replace(f":{port}", f":{proxy_port}", 1)
+
+
+# -- running a relay to the end ----------------------------------------------
+
+
+def outbox_rows(engine: Engine) -> dict[int, Any]:
+    """Every outbox row by id."""
+    with engine.connect() as conn:
+        return {r.id: r for r in conn.execute(select(outbox))}
+
+
+def drain_relay(relay: Relay) -> int:
+    """Run the relay until a cycle publishes nothing; how many it published."""
+    total = 0
+    while (published := relay.run_once()) > 0:
+        total += published
+    return total
+
+
+def publish_all(relay: Relay, engine: Engine) -> None:
+    """Run the relay until every event is marked published (a batch the sink refused comes again)."""
+    deadline = time.monotonic() + 60
+    while any(r.published_ms is None for r in outbox_rows(engine).values()):
+        assert time.monotonic() < deadline, "the relay did not publish every event within 60 s"
+        with contextlib.suppress(PublishFailed):
+            if relay.run_once() == 0:
+                time.sleep(0.1)
 
 
 # -- RabbitMQ --------------------------------------------------------------

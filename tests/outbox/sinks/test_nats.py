@@ -7,25 +7,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 from datetime import timedelta
 from typing import Any
 from urllib.parse import unquote
 
 import pytest
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session
 
 from stateguard import ConfigurationError, InvalidArgument, OutboxEvent, PublishFailed, Relay, emit
 from stateguard.outbox import AsyncRelay
 from stateguard.outbox.sinks import AsyncNATSSink, NATSSink
-from stateguard.tables import outbox
 
 from ..._faultproxy import FaultProxy
 from ...conftest import Backend
 from . import _brokers
-from ._brokers import NATS_PORT, NATS_URL, Stream, via
+from ._brokers import NATS_PORT, NATS_URL, Stream, drain_relay, outbox_rows, publish_all, via
 
 LEASE = timedelta(seconds=30)
 
@@ -37,28 +35,6 @@ def emit_events(engine: Engine, topic: str, n: int) -> list[int]:
             emit(session, topic, {"i": i, "name": "Zoë ✓"}, key=None if i % 3 == 2 else f"k{i % 3}")
             for i in range(n)
         ]
-
-
-def outbox_rows(engine: Engine) -> dict[int, Any]:
-    with engine.connect() as conn:
-        return {r.id: r for r in conn.execute(select(outbox))}
-
-
-def drain_relay(relay: Relay) -> int:
-    total = 0
-    while (published := relay.run_once()) > 0:
-        total += published
-    return total
-
-
-def publish_all(relay: Relay, engine: Engine) -> None:
-    """Run the relay until every event is marked published (a batch the sink refused comes again)."""
-    deadline = time.monotonic() + 60
-    while any(r.published_ms is None for r in outbox_rows(engine).values()):
-        assert time.monotonic() < deadline, "the relay did not publish every event within 60 s"
-        with contextlib.suppress(PublishFailed):
-            if relay.run_once() == 0:
-                time.sleep(0.1)
 
 
 def msg_ids(js: Stream) -> list[int]:

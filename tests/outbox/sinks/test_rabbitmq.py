@@ -5,24 +5,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
+import logging
+import threading
 import time
+import warnings
 from collections import defaultdict
+from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session
 
 from stateguard import ConfigurationError, InvalidArgument, OutboxEvent, PublishFailed, Relay, emit
 from stateguard.outbox import AsyncRelay
 from stateguard.outbox.sinks import AsyncRabbitMQSink, RabbitMQSink
-from stateguard.tables import outbox
 
 from ..._faultproxy import FaultProxy
 from ...conftest import Backend
-from ._brokers import RABBITMQ_PORT, RABBITMQ_URL, Delivered, Rabbit, via
+from ._brokers import (
+    RABBITMQ_PORT,
+    RABBITMQ_URL,
+    Delivered,
+    Rabbit,
+    drain_relay,
+    outbox_rows,
+    publish_all,
+    via,
+)
 
 #: Payloads that are not plain ASCII text: the body is the stored JSON in UTF-8.
 PAYLOADS: list[Any] = [{"n": 0, "name": "Zoë ✓"}, [1, 2.5, None, True], "text", 7, {"nested": {"a": [{}]}}]
@@ -40,11 +53,6 @@ def emit_events(engine: Engine, n: int, *, topic: str = "order.paid", start: int
             )
             for i in range(start, start + n)
         ]
-
-
-def outbox_rows(engine: Engine) -> dict[int, Any]:
-    with engine.connect() as conn:
-        return {r.id: r for r in conn.execute(select(outbox))}
 
 
 def assert_is_event(message: Delivered, row: Any) -> None:
@@ -71,23 +79,6 @@ def assert_in_key_order(got: list[Delivered], rows: dict[int, Any]) -> None:
     for message in got:
         by_key[rows[int(message.properties.message_id)].key].append(int(message.properties.message_id))
     assert all(seen == sorted(seen) for key, seen in by_key.items() if key is not None)
-
-
-def drain_relay(relay: Relay) -> int:
-    total = 0
-    while (published := relay.run_once()) > 0:
-        total += published
-    return total
-
-
-def publish_all(relay: Relay, engine: Engine) -> None:
-    """Run the relay until every event is marked published (a batch the sink refused comes again)."""
-    deadline = time.monotonic() + 60
-    while any(r.published_ms is None for r in outbox_rows(engine).values()):
-        assert time.monotonic() < deadline, "the relay did not publish every event within 60 s"
-        with contextlib.suppress(PublishFailed):
-            if relay.run_once() == 0:
-                time.sleep(0.1)
 
 
 def test_every_event_arrives_persistent_with_its_properties(
@@ -141,6 +132,7 @@ def test_unroutable_message_raises_and_the_batch_stays_unpublished(outbox_db: En
         with pytest.raises(PublishFailed, match="unroutable: no queue is bound") as caught:
             sink.publish(events)
         assert caught.value.retryable and caught.value.event_ids == tuple(ids)  # the first and the unsent
+        assert caught.value.refused_ids == (ids[0],)  # the broker's verdict is on the first alone
         relay = Relay(outbox_db, sink)
         with contextlib.suppress(PublishFailed):
             relay.run_once()
@@ -248,14 +240,82 @@ def test_bad_arguments_are_invalid_argument(kwargs: dict[str, Any], message: str
 
 @pytest.mark.limits
 def test_topic_longer_than_amqp_type_raises_publish_failed(mq: Rabbit) -> None:
-    """A topic over 255 UTF-8 bytes does not fit AMQP's type property: PublishFailed naming the event."""
-    event = OutboxEvent(9, "é" * 200, None, {}, 0)
+    """A topic over 255 UTF-8 bytes does not fit AMQP's type property: PublishFailed refusing that event,
+    naming it and the unsent rest as unpublished (the event before it was confirmed)."""
+    events = [
+        OutboxEvent(8, "t", None, {}, 0),
+        OutboxEvent(9, "é" * 200, None, {}, 0),
+        OutboxEvent(10, "t", None, {}, 0),
+    ]
     with (
         RabbitMQSink(RABBITMQ_URL, exchange=mq.exchange) as sink,
-        pytest.raises(PublishFailed, match="event 9"),
+        pytest.raises(PublishFailed, match="event 9") as caught,
     ):
-        sink.publish([event])
-    assert mq.drain() == []
+        sink.publish(events)
+    assert caught.value.event_ids == (9, 10) and caught.value.refused_ids == (9,)
+    assert [int(m.properties.message_id) for m in mq.drain()] == [8]
+
+
+@pytest.mark.limits
+def test_relay_publishes_around_an_event_amqp_cannot_carry(outbox_db: Engine, mq: Rabbit) -> None:
+    """A relay's batch with a too-long topic in the middle: the events after it are sent in the same round
+    (not counted published unsent), the refused one is counted and stays unpublished."""
+    ids = emit_events(outbox_db, 2)
+    with Session(outbox_db) as session, session.begin():
+        too_long = emit(session, "é" * 150, {}, key="long")
+    ids += emit_events(outbox_db, 2, start=2)
+    with RabbitMQSink(RABBITMQ_URL, exchange=mq.exchange) as sink:
+        assert Relay(outbox_db, sink).run_once() == 4
+    rows = outbox_rows(outbox_db)
+    assert rows[too_long].published_ms is None and rows[too_long].refusals == 1
+    assert sorted(int(m.properties.message_id) for m in mq.drain()) == ids
+
+
+@pytest.mark.restart
+def test_a_broker_cut_off_for_many_rounds_parks_no_event(
+    outbox_db: Engine, mq: Rabbit, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every connection to RabbitMQ is cut as soon as it opens (the fault proxy) for 25 relay rounds with
+    max_attempts=3: no refusal is counted, nothing is parked; once the cuts stop every event arrives, each
+    key's first copies in id order."""
+    # pika logs each cut handshake with its error, whose traceback holds the attempt's sockets: kept by
+    # the log capture they would be closed by the collector in a later test.
+    caplog.set_level(logging.CRITICAL, logger="pika")
+    ids = emit_events(outbox_db, 20)
+    with FaultProxy("127.0.0.1", RABBITMQ_PORT) as proxy:
+        url = via(RABBITMQ_URL, RABBITMQ_PORT, proxy.port)
+        with RabbitMQSink(url, exchange=mq.exchange, timeout=2) as sink:
+            relay = Relay(outbox_db, sink, batch=6, max_attempts=3, retry_delay=timedelta(milliseconds=1))
+            assert relay.run_once() == 6
+            outage = threading.Event()
+
+            def cut() -> None:
+                while not outage.wait(0.002):
+                    proxy.cut_all()
+
+            cutter = threading.Thread(target=cut, daemon=True)
+            cutter.start()
+            try:
+                for _ in range(25):
+                    with contextlib.suppress(PublishFailed):
+                        relay.run_once()
+            finally:
+                outage.set()
+                cutter.join(10)
+            rows = outbox_rows(outbox_db)
+            assert proxy.cut_all_count > 0
+            assert [(i, r.refusals, r.dead_ms) for i, r in rows.items() if r.refusals or r.dead_ms] == []
+            publish_all(relay, outbox_db)
+    # pika leaves the sockets of a connection attempt cut midway (its ioloop's wake-up pair among them)
+    # to the garbage collector: collect them here, where their ResourceWarning is expected.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        for _ in range(3):
+            gc.collect()
+    got = mq.drain()
+    first = list(dict.fromkeys(int(m.properties.message_id) for m in got))
+    assert sorted(first) == ids
+    assert_in_key_order([m for m in got if int(m.properties.message_id) in first], outbox_rows(outbox_db))
 
 
 # -- AsyncRabbitMQSink ------------------------------------------------------

@@ -1,14 +1,14 @@
-"""The outbox relay's promise under real faults: lost replies, a Redis that restarts empty, a
-database whose reply to the relay's claim or mark never arrives.
+"""Delivery at least once, effects exactly once: the relay's promise under lost replies, a Redis that
+restarts empty, a database whose reply to the relay's claim or mark never arrives.
 
-The promise (README "Exactly-once effects", stateguard/outbox.py): every committed event is
+The promise (stateguard.outbox): every committed event is
 published at least once; an event is marked published only after the sink accepted it; a relay
 that fails mid-batch leaves the batch to a later cycle (at once after a sink error, after the
 lease when the relay lost track of its claim); ``Relay.run()`` survives sink errors and
 database errors; ``RedisStreamSink`` XADDs each event with its id, so a consumer that records
 the id with ``consume_once`` in the transaction of its effect applies each event once.
 
-Every fault is real: tests/_faultproxy.FaultProxy forwards a request to Redis, PostgreSQL or
+Every fault is real: the fault proxy (tests/_faultproxy.py) forwards a request to Redis, PostgreSQL or
 MariaDB and drops the server's reply (or closes every connection), and tests/_redis_server
 starts a private Redis without persistence that a test crashes and restarts.  Nothing of a
 database or of Redis is mocked; the only wrapper is a sink that records what the real
@@ -41,9 +41,9 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from stateguard import OutboxEvent, RedisStreamSink, Relay, consume_once, create_tables, drop_tables, emit
 from stateguard.tables import outbox
 
-from ._faultproxy import COMMIT, FaultProxy
-from ._redis_server import RedisServer
-from .conftest import REDIS_URL, Backend
+from .._faultproxy import COMMIT, FaultProxy
+from .._redis_server import RedisServer
+from ..conftest import REDIS_URL, Backend
 
 CONSUMER = "relay-faults"
 #: What a relay's mark statement looks like on the wire (PostgreSQL and MariaDB): only the mark
@@ -274,6 +274,7 @@ RETRIES = pytest.mark.parametrize("retries", [False, True], ids=["redis-no-retry
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.lost_reply
 @RETRIES
 def test_lost_xadd_reply_publishes_every_event_and_the_consumer_applies_each_once(
     db: Engine, redis_proxy: FaultProxy, redis_client: Any, stream: str, retries: bool
@@ -321,13 +322,7 @@ def test_lost_xadd_reply_publishes_every_event_and_the_consumer_applies_each_onc
 # --------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def private_redis() -> Iterator[RedisServer]:
-    """A private Redis without persistence that this module crashes and restarts."""
-    with RedisServer() as running:
-        yield running
-
-
+@pytest.mark.restart
 @RETRIES
 def test_relay_run_survives_a_redis_restart_and_publishes_what_the_restart_did_not_see(
     db: Engine, private_redis: RedisServer, retries: bool, caplog: pytest.LogCaptureFixture
@@ -488,6 +483,7 @@ def proxied(server: Backend) -> Iterator[Proxied]:
     drop_tables(direct)
 
 
+@pytest.mark.lost_reply
 @pytest.mark.parametrize("then", ["same-relay", "other-relay"])
 @pytest.mark.parametrize("fault", ["mark-reply-lost", "mark-connection-lost"])
 def test_lost_mark_leaves_nothing_unpublished_and_applies_each_event_once(
@@ -545,6 +541,7 @@ def test_lost_mark_leaves_nothing_unpublished_and_applies_each_event_once(
     assert_exactly_once_effects(p.direct, entries, emitted)
 
 
+@pytest.mark.lost_reply
 def test_lost_claim_reply_leaves_the_events_to_a_later_cycle_after_the_lease(
     proxied: Proxied, redis_client: Any, stream: str
 ) -> None:
@@ -575,6 +572,7 @@ def test_lost_claim_reply_leaves_the_events_to_a_later_cycle_after_the_lease(
     assert_exactly_once_effects(p.direct, entries, emitted)
 
 
+@pytest.mark.restart
 def test_relay_run_survives_database_connections_dying_under_it(
     proxied: Proxied, redis_client: Any, stream: str
 ) -> None:
@@ -621,6 +619,7 @@ def test_relay_run_survives_database_connections_dying_under_it(
     assert_exactly_once_effects(p.direct, entries, emitted)
 
 
+@pytest.mark.lost_reply
 @pytest.mark.parametrize("fault", ["release-reply-lost", "release-connection-lost"])
 def test_sink_error_whose_release_is_lost_is_published_again_never_marked_early(
     proxied: Proxied, redis_client: Any, stream: str, fault: str

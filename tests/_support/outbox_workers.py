@@ -1,4 +1,4 @@
-"""Workers for tests/test_outbox.py (importable by spawned processes).
+"""Workers for the outbox relay tests (importable by spawned processes).
 
 A relay worker runs a :class:`~stateguard.Relay` whose sink records every
 batch it gets, as the outside world would see it, in a shared (manager)

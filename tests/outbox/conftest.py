@@ -1,0 +1,24 @@
+"""Fixtures of the outbox tests: each async driver, a private Redis server the tests stop, crash and
+restart by pid."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from .._async_helpers import ASYNC_TARGETS, AsyncTarget, target_from
+from .._redis_server import RedisServer
+
+
+@pytest.fixture(scope="module")
+def private_redis() -> Iterator[RedisServer]:
+    """A private Redis without persistence that a test module crashes, stops and restarts."""
+    with RedisServer() as running:
+        yield running
+
+
+@pytest.fixture(params=list(ASYNC_TARGETS))
+def target(request: pytest.FixtureRequest) -> AsyncTarget:
+    """Each async driver, on the namespace of its backend."""
+    return target_from(request)
