@@ -9,7 +9,7 @@ at once, so the test sees what a process is doing when it kills it:
 - a relay writes ``published <ids>`` after its sink took a batch, then waits 0.15 s before the
   relay marks it: a kill then leaves a batch published and unmarked (published again later);
 - a consumer writes ``start <id>`` when its handler runs and, for every tenth event, ``slow <id>``
-  and waits 0.3 s inside the transaction: a kill then leaves a message handled and not committed.
+  and waits 0.2 s inside the transaction: a kill then leaves a message handled and not committed.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ..consumers._brokers import NATS_URL, RABBITMQ_URL, REDIS_URL
 from ..consumers._effects import effects
 
 TOPIC_PREFIX = "e2e"
-LEASE = timedelta(seconds=2)
+LEASE = timedelta(seconds=1)
 
 
 def env(name: str) -> str:
@@ -80,7 +80,7 @@ def produce(broker: str) -> int:
             if i % 7 != 6:
                 seqs[k] += 1
         i += 1
-        stop.wait(0.08)
+        stop.wait(0.2)
     db.dispose()
     return 0
 
@@ -143,7 +143,7 @@ def handler(log: Log) -> Any:
         if payload["seq"] % 10 == 2:
             session.flush()
             log.write("slow", message.id)
-            time.sleep(0.3)  # the window a kill aims at: handled, not committed
+            time.sleep(0.2)  # the window a kill aims at: handled, not committed
 
     return handle
 
@@ -166,7 +166,7 @@ def consume(broker: str) -> int:
             stream=env("SG_TARGET"),
             group="e2e",
             worker=name,
-            claim_idle=timedelta(seconds=1),
+            claim_idle=timedelta(milliseconds=500),
             block=timedelta(milliseconds=100),
             batch=1,
         )
@@ -185,7 +185,7 @@ def consume(broker: str) -> int:
             NATS_URL,
             stream=env("SG_TARGET"),
             durable="e2e",
-            ack_wait=timedelta(seconds=2),
+            ack_wait=timedelta(seconds=1),
             poll=timedelta(milliseconds=200),
         )
     log.write("ready", os.getpid())
@@ -195,13 +195,13 @@ def consume(broker: str) -> int:
 
 
 def worker() -> int:
-    """A Celery worker of the e2e app: one process (solo pool), prefetch 1."""
+    """A Celery worker of the e2e app: one process, one thread, prefetch 1."""
     from ._celery_app import app
 
     app.worker_main(
         [
             "worker",
-            "--pool=solo",
+            "--pool=threads",  # one process (a SIGKILL takes all of it); the solo pool waits ~0.7 s per task
             "--concurrency=1",
             "--prefetch-multiplier=1",
             "--without-gossip",

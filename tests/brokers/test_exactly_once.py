@@ -173,12 +173,13 @@ def test_every_committed_event_is_applied_exactly_once(
             cluster.start("relay", cluster.killed[-1])
             killed_mid_handler.append(cluster.kill_when(consumers, "slow"))
             cluster.start(role, cluster.killed[-1])
-            cluster.wait_ready(cluster.killed[-2:])
         for p in range(PRODUCERS):
             cluster.procs[f"producer-{p}"].send_signal(signal.SIGTERM)
         for p in range(PRODUCERS):
             assert cluster.procs[f"producer-{p}"].wait(60) == 0, cluster.errors()
 
+        # Restarted processes install their SIGTERM handler before the graceful stop below.
+        cluster.wait_ready([*consumers, "relay-a", "relay-b"])
         committed = _committed(pg_db)
         assert len(committed) >= 20, "the producers committed too little to test anything"
         deadline = time.monotonic() + SETTLE
