@@ -37,7 +37,7 @@ from alembic.operations import ops
 from sqlalchemy import column as sa_column
 from sqlalchemy.sql.elements import conv
 
-from . import _sql
+from . import _kernel
 from .machine import StateMachine
 from .machine.ddl import (
     escape_for_text,
@@ -378,7 +378,7 @@ def _compare_table(
     if conn is None or dialect is None:  # pragma: no cover - autogenerate always has both
         return _CONTINUE
     machines = machines_for_table(metadata_table) if metadata_table is not None else []
-    with_triggers = _sql.backend(dialect).trigger_functions
+    with_triggers = _kernel.backend(dialect).trigger_functions
     existing: dict[str, LegalEdges] = {}
     if with_triggers and conn_table is not None:
         existing = reflect_legal_edges(conn, tname, schema=schema)

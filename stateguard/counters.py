@@ -31,6 +31,8 @@ from typing import Any, NamedTuple, TypeVar
 
 from sqlalchemy import (
     Connection,
+    Delete,
+    Update,
     bindparam,
     delete,
     func,
@@ -40,7 +42,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import QueryableAttribute
 
-from . import _sql, _write
+from . import _kernel
 from ._async import dual
 from .exceptions import InvalidArgument, RefConflict, SerializationConflict
 from .result import Outcome, Result
@@ -53,7 +55,7 @@ K = TypeVar("K")
 _LEDGER_FIELDS = ("ref", "table_name", "row_key", "column_name", "delta")
 
 #: Claims a ref: the ledger row's id, or ``None`` when the unique key was taken.
-_LEDGER_CLAIM = _write.InsertOnce(
+_LEDGER_CLAIM = _kernel.InsertOnce(
     counter_ledger,
     {name: bindparam(f"sg_{name}") for name in _LEDGER_FIELDS},
     returning=[counter_ledger.c.id],
@@ -69,7 +71,7 @@ class _Counter:
         if not isinstance(column, QueryableAttribute):
             raise InvalidArgument(f"column must be a mapped attribute such as Stock.amount, got {column!r}")
         model: type[Any] = column.class_  # type: ignore[assignment]
-        info = _sql.model_info(model)
+        info = _kernel.model_info(model)
         col = info.column_by_attr.get(column.key)
         if col is None:
             raise InvalidArgument(f"{model.__name__}.{column.key} is not a mapped column")
@@ -107,9 +109,9 @@ def _counter(column: Any, bound: Any, role: str) -> _Counter:
         return _Counter(column, bound, role)  # raises InvalidArgument
     bound_key = (bound.class_, bound.key) if isinstance(bound, QueryableAttribute) else None
     key = ("counter-column", column.class_, column.key, role, bound_key)
-    found: _Counter | None = _write.memo.get(key)
+    found: _Counter | None = _kernel.memo.get(key)
     if found is None:
-        found = _write.memo.put(key, _Counter(column, bound, role))
+        found = _kernel.memo.put(key, _Counter(column, bound, role))
     return found
 
 
@@ -147,7 +149,7 @@ def _check_ref(ref: Any) -> None:
     if ref is not None and (not isinstance(ref, str) or not ref or len(ref) > MAX_REF):
         raise InvalidArgument(f"ref must be a non-empty string of at most {MAX_REF} characters, got {ref!r}")
     if ref is not None:
-        _write.check_storable(ref, "ref")
+        _kernel.check_storable(ref, "ref")
 
 
 def _room(limits: tuple[int, int] | None, sign: int, by: int) -> int | None:
@@ -161,8 +163,8 @@ def _room(limits: tuple[int, int] | None, sign: int, by: int) -> int | None:
 
 
 def _plan(
-    counter: _Counter, backend: _sql.Backend, sign: int, has_bound: bool, lid: bool, guard: bool = False
-) -> Any:
+    counter: _Counter, backend: _kernel.Backend, sign: int, has_bound: bool, lid: bool, guard: bool = False
+) -> Update:
     """The guarded UPDATE for one backend, direction, bound kind and value-return mode (cached).
 
     ``guard``: an integer column whose range is known gets ``amount <= :sg_room``
@@ -174,7 +176,7 @@ def _plan(
     before the bound's ``amount + :delta`` so that is not computed either.
     """
     cache_key = ("counter", counter, backend, sign, has_bound, lid, guard)
-    found = _write.memo.get(cache_key)
+    found: Update | None = _kernel.memo.get(cache_key)
     if found is not None:
         return found
     info, col = counter.info, counter.column
@@ -199,13 +201,13 @@ def _plan(
     stmt = update(info.table).where(*conditions).ordered_values(*pairs)
     if backend.returning:
         stmt = stmt.returning(col)
-    return _write.memo.put(cache_key, stmt)
+    return _kernel.memo.put(cache_key, stmt)
 
 
-def _ledger_stmt(kind: str, backend: _sql.Backend) -> Any:
+def _ledger_stmt(kind: str, backend: _kernel.Backend) -> _kernel.AnySelect | Update | Delete:
     """The ledger statements, built once per backend (all parameters bound)."""
     cache_key = ("ledger", kind, backend)
-    found = _write.memo.get(cache_key)
+    found: _kernel.AnySelect | Update | Delete | None = _kernel.memo.get(cache_key)
     if found is not None:
         return found
     ledger = counter_ledger
@@ -214,10 +216,10 @@ def _ledger_stmt(kind: str, backend: _sql.Backend) -> Any:
         ledger.c.table_name == bindparam("sg_table_name"),
         ledger.c.column_name == bindparam("sg_column_name"),
     )
-    stmt: Any
+    stmt: _kernel.AnySelect | Update | Delete
     if kind == "find":
         stmt = select(ledger.c.delta).where(*same_ref, ledger.c.row_key == bindparam("sg_row_key"))
-        if backend.locking_read:
+        if backend.fresh_read_needs_lock:
             # InnoDB: a plain SELECT reads the REPEATABLE READ snapshot, which
             # may predate the twin's row that just made our INSERT a duplicate.
             stmt = stmt.with_for_update()
@@ -231,7 +233,7 @@ def _ledger_stmt(kind: str, backend: _sql.Backend) -> Any:
             .where(ledger.c.id.in_(bindparam("sg_ids", expanding=True)), ledger.c.released_at.is_(None))
             .values(released_at=func.current_timestamp())
         )
-    return _write.memo.put(cache_key, stmt)
+    return _kernel.memo.put(cache_key, stmt)
 
 
 def _ledger_key(counter: _Counter, key: tuple[Any, ...]) -> str:
@@ -240,10 +242,10 @@ def _ledger_key(counter: _Counter, key: tuple[Any, ...]) -> str:
     ``release`` reads the keys of a ref back from the ledger, which a digest
     cannot give; refused before any statement.
     """
-    stored = row_key(_sql.canonical_key(counter.info, key))
+    stored = row_key(_kernel.canonical_key(counter.info, key))
     if stored.startswith(DIGEST_PREFIX):
         raise InvalidArgument(
-            f"{counter.model.__name__} key {_sql.public_key(key)!r} is too long for a ref'd counter "
+            f"{counter.model.__name__} key {_kernel.public_key(key)!r} is too long for a ref'd counter "
             f"change: the ledger stores keys of at most {ROW_KEY_LENGTH} characters as JSON; "
             f"use a shorter key or change it without ref="
         )
@@ -263,7 +265,7 @@ class LedgerTarget(NamedTuple):
 
 def ledger_claim(
     conn: Connection,
-    backend: _sql.Backend,
+    backend: _kernel.Backend,
     target: LedgerTarget,
     stored_key: str,
     public: Any,
@@ -286,7 +288,7 @@ def ledger_claim(
     inserted = _LEDGER_CLAIM(conn, params)
     if inserted is not None:
         return inserted[0]
-    existing = _write.execute(conn, _ledger_stmt("find", backend), params).scalar()
+    existing = _kernel.execute(conn, _ledger_stmt("find", backend), params).scalar()
     if existing is None:  # pragma: no cover - the conflicting row vanished in between
         raise SerializationConflict(
             f"the ledger row of ref {ref!r} changed while this call checked it; "
@@ -301,7 +303,7 @@ def ledger_claim(
 
 
 def ledger_same_reservation(
-    conn: Connection, backend: _sql.Backend, target: LedgerTarget, ref: str, stored_keys: Iterable[str]
+    conn: Connection, backend: _kernel.Backend, target: LedgerTarget, ref: str, stored_keys: Iterable[str]
 ) -> None:
     """A reservation found REPEATED row by row must not leave out rows its ref took.
 
@@ -315,7 +317,7 @@ def ledger_same_reservation(
     only rows it does see outside the basket decide.
     """
     params = {"sg_ref": ref, "sg_table_name": target.table_name, "sg_column_name": target.column_name}
-    held = {row.row_key for row in _write.execute(conn, _ledger_stmt("entries", backend), params)}
+    held = {row.row_key for row in _kernel.execute(conn, _ledger_stmt("entries", backend), params)}
     extra = held - set(stored_keys)
     if extra:
         raise RefConflict(
@@ -326,7 +328,7 @@ def ledger_same_reservation(
 
 def reserve_all(
     conn: Connection,
-    backend: _sql.Backend,
+    backend: _kernel.Backend,
     target: LedgerTarget,
     ref: str,
     keys: Sequence[K],
@@ -343,7 +345,7 @@ def reserve_all(
     the applied keys is returned with the savepoint released; the outcome is
     every Result's.  What :func:`reserve` and ``StripedCounter.reserve`` share.
     """
-    _write.ensure_real_transaction(conn)
+    _kernel.ensure_real_transaction(conn)
     savepoint = conn.begin_nested()
     values: dict[Any, Any] = {}
     outcomes: set[Outcome] = set()
@@ -363,15 +365,15 @@ def reserve_all(
         if outcomes == {Outcome.REPEATED}:
             ledger_same_reservation(conn, backend, target, ref, [stored_key(key) for key in keys])
     except BaseException:
-        _write.abandon_savepoint(savepoint)
+        _kernel.abandon_savepoint(savepoint)
         raise
     savepoint.commit()
     return values
 
 
-def ledger_forget(conn: Connection, backend: _sql.Backend, ledger_id: Any) -> None:
+def ledger_forget(conn: Connection, backend: _kernel.Backend, ledger_id: Any) -> None:
     """Delete a claim whose change did not apply, so the same ref can apply later."""
-    _write.execute(conn, _ledger_stmt("forget", backend), {"sg_id": ledger_id})
+    _kernel.execute(conn, _ledger_stmt("forget", backend), {"sg_id": ledger_id})
 
 
 class Shortfall(NamedTuple):
@@ -385,7 +387,7 @@ class Shortfall(NamedTuple):
 
 def ledger_release(
     conn: Connection,
-    backend: _sql.Backend,
+    backend: _kernel.Backend,
     target: LedgerTarget,
     ref: str,
     undo_entries: Callable[[Sequence[Any]], list[tuple[Any, Any]]],
@@ -413,8 +415,8 @@ def ledger_release(
     # locking read of the ref would instead take InnoDB next-key locks on the
     # index range, blocking unrelated refs' ledger inserts and risking
     # deadlocks with concurrent reservations.
-    _write.sqlite_write_lock(conn)
-    entries = _write.execute(conn, _ledger_stmt("entries", backend), params).all()
+    _kernel.sqlite_write_lock(conn)
+    entries = _kernel.execute(conn, _ledger_stmt("entries", backend), params).all()
     if not entries:
         return Outcome.NOT_FOUND
     # Entries released before stay released: a ref reused after its release
@@ -426,11 +428,11 @@ def ledger_release(
     # Any undo can fail: one taking units away finds them gone (a Shortfall), one giving them
     # back finds no room below the column's maximum (InvalidArgument).  Then the mark and
     # every undo before it roll back to this savepoint, whatever the caller does next.
-    _write.ensure_real_transaction(conn)
+    _kernel.ensure_real_transaction(conn)
     savepoint = conn.begin_nested()
     try:
         mark = _ledger_stmt("mark", backend)
-        marked = _write.execute(conn, mark, {"sg_ids": [row.id for row in rows]}).rowcount
+        marked = _kernel.execute(conn, mark, {"sg_ids": [row.id for row in rows]}).rowcount
         if not marked:
             outcome: Any = Outcome.REPEATED
         elif marked != len(rows):  # pragma: no cover - a ref's entries are marked together
@@ -446,7 +448,7 @@ def ledger_release(
                     outcome = short
                     break
     except BaseException:
-        _write.abandon_savepoint(savepoint)
+        _kernel.abandon_savepoint(savepoint)
         raise
     if isinstance(outcome, Shortfall):
         savepoint.rollback()
@@ -460,18 +462,18 @@ def _target(counter: _Counter) -> LedgerTarget:
 
 
 def _claim(
-    conn: Connection, backend: _sql.Backend, counter: _Counter, key: tuple[Any, ...], ref: str, delta: Any
+    conn: Connection, backend: _kernel.Backend, counter: _Counter, key: tuple[Any, ...], ref: str, delta: Any
 ) -> Any:
     """Insert the ledger row; its id, or ``None`` when this ref already applied the same delta."""
     return ledger_claim(
-        conn, backend, _target(counter), _ledger_key(counter, key), _sql.public_key(key), ref, delta
+        conn, backend, _target(counter), _ledger_key(counter, key), _kernel.public_key(key), ref, delta
     )
 
 
 def _apply(
     session: Session,
     conn: Connection,
-    backend: _sql.Backend,
+    backend: _kernel.Backend,
     counter: _Counter,
     key: tuple[Any, ...],
     instance: Any,
@@ -483,12 +485,12 @@ def _apply(
     """Claim the ref (if any), run the guarded UPDATE, classify; input already checked."""
     info = counter.info
     delta = -by if sign < 0 else by
-    public = _sql.public_key(key)
+    public = _kernel.public_key(key)
     ledger_id = None
     if ref is not None:
         # The row's own spelling of a text key (MariaDB's case-insensitive collations).
         ledger_id = _claim(
-            conn, backend, counter, _write.stored_key(conn, info, key) if info.text_key else key, ref, delta
+            conn, backend, counter, _kernel.stored_key(conn, info, key) if info.text_key else key, ref, delta
         )
         if ledger_id is None:
             return Result(
@@ -499,7 +501,7 @@ def _apply(
     # it can return the new value only when that is certainly a non-negative
     # integer: a decrement of an integer column with a number floor >= 0.
     lid = backend.last_insert_id and counter.integer and sign < 0 and numeric_bound and bound >= 0
-    limits = _write.integer_limits(conn, counter.column)
+    limits = _kernel.integer_limits(conn, counter.column)
     room = _room(limits, sign, by)
     stmt = _plan(counter, backend, sign, bound is not None, lid, room is not None)
     params = info.key_params(key)
@@ -508,12 +510,12 @@ def _apply(
         params["sg_bound"] = bound
     if room is not None:
         params["sg_room"] = room
-    applied, returned = _write.run_guarded(
+    applied, returned = _kernel.run_guarded(
         conn, stmt, params, returning=backend.returning, last_insert_id=lid
     )
     value: Any = None if returned is None else returned[0]
     if applied:
-        _write.sync_loaded(
+        _kernel.sync_loaded(
             session, info, key, instance, {} if value is None else {counter.attr: value}, counter.changed
         )
         return Result(Outcome.APPLIED, model=counter.model, key=public, value=value, session=session)
@@ -522,8 +524,8 @@ def _apply(
         ledger_forget(conn, backend, ledger_id)
     # One read tells a missing row from a short one; on MariaDB a locking read,
     # which sees the latest committed row as the UPDATE did.
-    read = _write.read_back(info, [counter.column], backend)
-    row = _write.execute(conn, read, info.key_params(key)).first()
+    read = _kernel.read_back(info, [counter.column], backend)
+    row = _kernel.execute(conn, read, info.key_params(key)).first()
     if row is None:
         return Result(Outcome.NOT_FOUND, model=counter.model, key=public, session=session)
     if (
@@ -556,14 +558,14 @@ def _change(
     _check_amount(counter, by)
     _check_bound(counter, bound, role)
     _check_ref(ref)
-    key, instance = _write.resolve_target(session, counter.info, target)
+    key, instance = _kernel.resolve_target(session, counter.info, target)
     if ref is not None:
         _ledger_key(counter, key)
     integers = [(counter.column, by, "by")]
     if counter.bound_column is None and bound is not None:
         integers.append((counter.column, bound, role))
-    conn = _write.connection_for(session, counter.info, (key,), integers)
-    return _apply(session, conn, _sql.backend(conn.dialect), counter, key, instance, by, sign, bound, ref)
+    conn = _kernel.connection_for(session, counter.info, (key,), integers)
+    return _apply(session, conn, _kernel.backend(conn.dialect), counter, key, instance, by, sign, bound, ref)
 
 
 @dual
@@ -662,24 +664,24 @@ def reserve(session: Session, column: Any, amounts: Mapping[Any, Any], *, ref: s
     resolved: dict[tuple[Any, ...], tuple[Any, Any]] = {}
     for target, by in amounts.items():
         _check_amount(counter, by)
-        key, instance = _write.resolve_target(session, counter.info, target)
+        key, instance = _kernel.resolve_target(session, counter.info, target)
         if key in resolved:
             raise InvalidArgument(
-                f"reserve got {counter.model.__name__} {_sql.public_key(key)!r} twice; "
+                f"reserve got {counter.model.__name__} {_kernel.public_key(key)!r} twice; "
                 f"give each row once with its total amount"
             )
         _ledger_key(counter, key)
         resolved[key] = (by, instance)
     amounts_checked = [(counter.column, by, "an amount") for by, _ in resolved.values()]
-    conn = _write.connection_for(session, counter.info, list(resolved), amounts_checked)
-    backend = _sql.backend(conn.dialect)
+    conn = _kernel.connection_for(session, counter.info, list(resolved), amounts_checked)
+    backend = _kernel.backend(conn.dialect)
 
     def apply(key: tuple[Any, ...]) -> Result:
         by, instance = resolved[key]
         return _apply(session, conn, backend, counter, key, instance, by, -1, 0, ref)
 
     done = reserve_all(
-        conn, backend, _target(counter), ref, sorted(resolved, key=_sql.key_order), apply,
+        conn, backend, _target(counter), ref, sorted(resolved, key=_kernel.key_order), apply,
         lambda key: _ledger_key(counter, key),
     )  # fmt: skip
     if isinstance(done, Result):
@@ -724,19 +726,19 @@ def release(session: Session, column: Any, ref: str) -> Result:
         raise InvalidArgument("release needs a ref")
     _check_ref(ref)
     info = counter.info
-    conn = _write.connection_for(session, info)
-    backend = _sql.backend(conn.dialect)
-    limits = _write.integer_limits(conn, counter.column)
+    conn = _kernel.connection_for(session, info)
+    backend = _kernel.backend(conn.dialect)
+    limits = _kernel.integer_limits(conn, counter.column)
 
     def undo_entries(rows: Sequence[Any]) -> list[tuple[Any, Any]]:
         undo: list[tuple[tuple[Any, ...], Any]] = []
         for row in rows:
             delta = -Decimal(row.delta)
-            key = _sql.decode_key(info, json.loads(row.row_key))
+            key = _kernel.decode_key(info, json.loads(row.row_key))
             undo.append((key, int(delta) if counter.integer else delta))
         # The same row order as reserve() (keys, not their JSON text: 10 sorts after
         # 2), so a release and a reservation over the same rows cannot deadlock.
-        undo.sort(key=lambda item: _sql.key_order(item[0]))
+        undo.sort(key=lambda item: _kernel.key_order(item[0]))
         return undo
 
     def give_back(key: tuple[Any, ...], amount: Any) -> Shortfall | None:
@@ -748,14 +750,14 @@ def release(session: Session, column: Any, ref: str) -> Result:
             stmt = _plan(counter, backend, 1, False, False, room is not None)
             if room is not None:
                 params["sg_room"] = room
-            applied, _ = _write.run_guarded(conn, stmt, params, returning=backend.returning)
+            applied, _ = _kernel.run_guarded(conn, stmt, params, returning=backend.returning)
             if not applied and limits is not None:
-                read = _write.read_back(info, [counter.column], backend)
-                row = _write.execute(conn, read, info.key_params(key)).first()
+                read = _kernel.read_back(info, [counter.column], backend)
+                row = _kernel.execute(conn, read, info.key_params(key)).first()
                 if row is not None:  # a missing row has nothing to give back to (as ever)
                     raise InvalidArgument(
                         f"releasing ref {ref!r} would add {amount} to {counter.name} of "
-                        f"{_sql.public_key(key)!r} ({row[0]}), past the column's range: on this database "
+                        f"{_kernel.public_key(key)!r} ({row[0]}), past the column's range: on this database "
                         f"it holds integers from {limits[0]} to {limits[1]}; nothing was given back and "
                         f"the ref is not released (take units off the row, then release again)"
                     )
@@ -766,15 +768,15 @@ def release(session: Session, column: Any, ref: str) -> Result:
             stmt = _plan(counter, backend, -1, True, False, room is not None)
             if room is not None:
                 params["sg_room"] = room
-            applied, _ = _write.run_guarded(
+            applied, _ = _kernel.run_guarded(
                 conn, stmt, {**params, "sg_bound": 0}, returning=backend.returning
             )
             if not applied:
-                read = _write.read_back(info, [counter.column], backend)
-                row = _write.execute(conn, read, info.key_params(key)).first()
+                read = _kernel.read_back(info, [counter.column], backend)
+                row = _kernel.execute(conn, read, info.key_params(key)).first()
                 if row is not None:
-                    return Shortfall(_sql.public_key(key), row[0])
-        _write.sync_loaded(session, info, key, None, {}, counter.changed)
+                    return Shortfall(_kernel.public_key(key), row[0])
+        _kernel.sync_loaded(session, info, key, None, {}, counter.changed)
         return None
 
     found = ledger_release(conn, backend, _target(counter), ref, undo_entries, give_back)
@@ -785,5 +787,5 @@ def release(session: Session, column: Any, ref: str) -> Result:
         return Result(
             Outcome.INSUFFICIENT, model=counter.model, key=found.key, value=found.value, session=session
         )
-    given_back = {_sql.public_key(key): amount for key, amount in found}
+    given_back = {_kernel.public_key(key): amount for key, amount in found}
     return Result(Outcome.APPLIED, model=counter.model, key=ref, value=given_back, session=session)

@@ -150,7 +150,7 @@ def _configure_sqlite(engine: Engine, *, begin: Begin, busy_timeout: float, wal:
     def _begin(conn: Any) -> None:
         if begin == "auto":
             # Nothing is sent yet: the first statement (or a stateguard write,
-            # through _write.connection_for) decides how the transaction begins.
+            # through _kernel.connection_for) decides how the transaction begins.
             conn.info[BEGIN_MARK] = PENDING
             return
         conn.exec_driver_sql(statement)
@@ -169,7 +169,7 @@ def _configure_sqlite(engine: Engine, *, begin: Begin, busy_timeout: float, wal:
             return
         head = statement.lstrip()[:15].upper()
         if head.startswith("BEGIN"):
-            # stateguard's own BEGIN IMMEDIATE (_write.sqlite_write_lock) or BEGIN before a savepoint.
+            # stateguard's own BEGIN IMMEDIATE (_kernel.sqlite_write_lock) or BEGIN before a savepoint.
             conn.info[BEGIN_MARK] = "immediate" if "IMMEDIATE" in head or "EXCLUSIVE" in head else "deferred"
             return
         # A reader begins DEFERRED and never waits for the write lock; a writer

@@ -24,7 +24,7 @@ from typing import Any, Final
 
 from sqlalchemy import Engine, bindparam, select, update
 
-from . import _sql, _write
+from . import _kernel
 from . import observe as _observe
 from .exceptions import InvalidArgument, WorkerIdsExhausted, WorkerLeaseLost
 from .tables import worker_leases
@@ -141,7 +141,7 @@ def _wall_ms() -> int:
 # renewal can pass (its clock + lease: it renews, or stops, a third of a lease
 # later); the next holder starts after that, and an orderly close() stores the
 # exact last millisecond instead.
-_NOW: Final = _sql.db_now_ms()
+_NOW: Final = _kernel.db_now_ms()
 _LIVE_ROWS: Final = (
     select(
         worker_leases.c.worker_id,
@@ -189,7 +189,7 @@ _NEW_ROW_VALUES: Final = {
     "lease_expires_ms": _NOW + bindparam("sg_lease"),
     "last_ms": bindparam("sg_last"),
 }
-_INSERT: Final = _write.InsertOnce(worker_leases, _NEW_ROW_VALUES, returning=[worker_leases.c.namespace])
+_INSERT: Final = _kernel.InsertOnce(worker_leases, _NEW_ROW_VALUES, returning=[worker_leases.c.namespace])
 
 
 class Snowflake:
@@ -245,7 +245,7 @@ class Snowflake:
         if not isinstance(engine, Engine):
             raise InvalidArgument(f"Snowflake needs a SQLAlchemy Engine, got {type(engine).__name__}")
         # Non-blank, at most 100 characters, no NUL (PostgreSQL) or lone surrogate (no UTF-8).
-        _write.check_text(namespace, "namespace", _MAX_NAMESPACE)
+        _kernel.check_text(namespace, "namespace", _MAX_NAMESPACE)
         if not isinstance(lease, timedelta) or not timedelta(seconds=1) <= lease <= _MAX_LEASE:
             raise InvalidArgument(
                 f"lease must be a timedelta from 1 second to 365 days, got {lease!r}; a dead "
@@ -300,7 +300,7 @@ class Snowflake:
             started_mono = time.monotonic()
             now = self._clock()
             with self.engine.connect() as conn:
-                rows = _write.execute(conn, _LIVE_ROWS, params).all()
+                rows = _kernel.execute(conn, _LIVE_ROWS, params).all()
             taken = {row.worker_id for row in rows}
             # Live or not is the database's judgement (its clock), as in the UPDATE.
             free = [row for row in rows if row.owner is None or row.lease_expires_ms < row.db_now]
@@ -309,7 +309,7 @@ class Snowflake:
                 params["sg_seen_last"] = row.last_ms
                 params["sg_last"] = max(row.last_ms, self._horizon(now))
                 with self.engine.begin() as conn:
-                    if _write.execute(conn, _CLAIM, params).rowcount == 1:
+                    if _kernel.execute(conn, _CLAIM, params).rowcount == 1:
                         self._set_deadlines(now, started_mono)
                         return row.worker_id, int(row.last_ms)
             unused = next((w for w in range(MAX_WORKERS) if w not in taken), None)
@@ -368,7 +368,7 @@ class Snowflake:
             params["sg_lease"] = self._lease_ms
             params["sg_last"] = max(params["sg_last"], self._horizon(now))
             with self.engine.begin() as conn:
-                renewed = _write.execute(conn, _RENEW, params).rowcount == 1
+                renewed = _kernel.execute(conn, _RENEW, params).rowcount == 1
             if not renewed:
                 self._lost = WorkerLeaseLost(
                     f"Snowflake lost its lease on worker id {self.worker_id} of namespace "
@@ -415,7 +415,7 @@ class Snowflake:
         if self._lost is not None:
             raise self._lost
         if _observe.hooked or log.isEnabledFor(logging.DEBUG):
-            backend = self.engine.dialect.name
+            backend = _kernel.backend(self.engine.dialect).name
             with _observe.observed("next_id", log, scope=str(self.worker_id), backend=backend):
                 return self._next_id()
         return self._next_id()
@@ -472,7 +472,7 @@ class Snowflake:
             if self._lost is not None:
                 return
             with self.engine.begin() as conn:
-                _write.execute(conn, _RELEASE, self._lease_params())
+                _kernel.execute(conn, _RELEASE, self._lease_params())
 
     def __enter__(self) -> Snowflake:
         return self

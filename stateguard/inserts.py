@@ -1,7 +1,7 @@
 """Insert-once: let a unique key decide the first insert (``docs/explanation/schemes.md``);
 :func:`consume_once`, the same scheme on stateguard's consumed-messages table.
 
-One statement through the kernel's :class:`~stateguard._write.InsertOnce`:
+One statement through the kernel's :class:`~stateguard._kernel.InsertOnce`:
 ``INSERT ... ON CONFLICT DO NOTHING RETURNING pk`` on PostgreSQL and SQLite,
 a plain INSERT whose duplicate-key error (1062) InnoDB rolls back alone on
 MySQL/MariaDB.  Either way the surrounding transaction stays usable, with no
@@ -17,7 +17,7 @@ from typing import Any, Final
 from sqlalchemy import Connection, Engine, bindparam
 from sqlalchemy.orm import Session
 
-from . import _sql, _write
+from . import _kernel
 from ._async import dual, dual_bind
 from .exceptions import InvalidArgument
 from .result import Outcome, Result
@@ -40,28 +40,30 @@ def insert_once(session: Session, model: type[Any], values: Mapping[str, Any]) -
     """
     if not isinstance(values, Mapping) or not values:
         raise InvalidArgument("insert_once needs a non-empty mapping of attribute names to values")
-    info = _sql.model_info(model)
+    info = _kernel.model_info(model)
     items: list[tuple[str, Any, Any]] = []
     for attr in sorted(values):
         if not isinstance(attr, str):
             raise InvalidArgument(f"values keys must be attribute names (str), got {attr!r}")
         items.append((attr, info.column(attr, role="a values entry"), values[attr]))
     frozen = tuple(items)
-    has_sql = any(isinstance(v, _sql.ClauseElement) for _, _, v in frozen)
-    conn = _write.connection_for(session, info, (), _write.value_integers(frozen))
-    variant = _sql.variant_key(frozen, has_sql)
+    has_sql = any(isinstance(v, _kernel.ClauseElement) for _, _, v in frozen)
+    conn = _kernel.connection_for(session, info, (), _kernel.value_integers(frozen))
+    variant = _kernel.variant_key(frozen, has_sql)
     cache_key = ("insert_once", info, variant)
-    insert = _write.memo.get(cache_key) if variant is not None else None
+    insert = _kernel.memo.get(cache_key) if variant is not None else None
     if insert is None:
-        insert = _write.InsertOnce(info.table, dict(_sql.set_clause(frozen, embed=False)), info.pk_columns)
+        insert = _kernel.InsertOnce(
+            info.table, dict(_kernel.set_clause(frozen, embed=False)), info.pk_columns
+        )
         if variant is not None:
-            _write.memo.put(cache_key, insert)
+            _kernel.memo.put(cache_key, insert)
     given_key = tuple(values.get(info.attr_by_column[c]) for c in info.pk_columns)
-    known_key = None if any(k is None for k in given_key) else _sql.public_key(given_key)
-    inserted = insert(conn, _sql.value_params(frozen))
+    known_key = None if any(k is None for k in given_key) else _kernel.public_key(given_key)
+    inserted = insert(conn, _kernel.value_params(frozen))
     if inserted is None:
         return Result(Outcome.REPEATED, model=model, key=known_key, session=session, same_request=True)
-    key = _sql.public_key(inserted) if inserted and None not in inserted else known_key
+    key = _kernel.public_key(inserted) if inserted and None not in inserted else known_key
     return Result(Outcome.APPLIED, model=model, key=key, session=session)
 
 
@@ -78,9 +80,11 @@ _CONSUME_ROW: Final[dict[str, Any]] = {
     "consumer": bindparam("sg_consumer"),
     "message_id": bindparam("sg_message"),
     # The database's clock, as purge_consumed() judges ages on it.
-    "consumed_ms": _sql.db_now_ms(),
+    "consumed_ms": _kernel.db_now_ms(),
 }
-_CONSUME: Final = _write.InsertOnce(consumed_messages, _CONSUME_ROW, returning=[consumed_messages.c.consumer])
+_CONSUME: Final = _kernel.InsertOnce(
+    consumed_messages, _CONSUME_ROW, returning=[consumed_messages.c.consumer]
+)
 
 
 @dual
@@ -98,11 +102,11 @@ def consume_once(session: Session, consumer: str, message_id: str) -> Result:
     :raises InvalidArgument: blank, oversize or non-str ``consumer`` or
         ``message_id``; nothing was written.
     """
-    _write.check_text(consumer, "consumer", MAX_SCOPE)
-    _write.check_text(message_id, "message_id", MAX_KEY)
+    _kernel.check_text(consumer, "consumer", MAX_SCOPE)
+    _kernel.check_text(message_id, "message_id", MAX_KEY)
     if session.autoflush:
         session.flush()
-    conn = _write.own_connection(session, consumed_messages)
+    conn = _kernel.own_connection(session, consumed_messages)
     params = {"sg_consumer": consumer, "sg_message": message_id}
     inserted = _CONSUME(conn, params) is not None
     return Result(
@@ -113,9 +117,6 @@ def consume_once(session: Session, consumer: str, message_id: str) -> Result:
         session=session,
         same_request=not inserted,
     )
-
-
-_c = consumed_messages
 
 
 @dual_bind
@@ -137,5 +138,6 @@ def purge_consumed(bind: Engine | Connection | Session, *, older_than: timedelta
     :raises InvalidArgument: ``older_than`` is not a positive timedelta or
         ``batch`` not a positive int; nothing was deleted.
     """
-    old = _c.c.consumed_ms <= _sql.db_now_ms() - bindparam("sg_older")
-    return _write.purge_rows(_c, bind, batch, old, sg_older=_write.duration_ms(older_than, "older_than"))
+    old = consumed_messages.c.consumed_ms <= _kernel.db_now_ms() - bindparam("sg_older")
+    older = _kernel.duration_ms(older_than, "older_than")
+    return _kernel.purge_rows(consumed_messages, bind, batch, old, sg_older=older)

@@ -30,7 +30,7 @@ from sqlalchemy import Connection, Engine, Select, event, select, text, tuple_
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
-from . import _compat, _sql, _write
+from . import _compat, _kernel
 from . import observe as _observe
 from ._async import AsyncSession, DualContext, dual
 from .engine import BEGIN_MARK
@@ -95,16 +95,16 @@ def row_lock(
     raises :class:`~stateguard.NotSupported`.  There, ``nowait`` and
     ``skip_locked`` are trivially met (no other writer can hold a row).
     """
-    info = _sql.model_info(model)
+    info = _kernel.model_info(model)
     if nowait and skip_locked:
         raise InvalidArgument("row_lock: nowait and skip_locked cannot be combined")
     many = isinstance(target, list | set | frozenset)
     targets = target if many else (target,)
-    keys = list(dict.fromkeys(_write.resolve_target(session, info, t)[0] for t in targets))
+    keys = list(dict.fromkeys(_kernel.resolve_target(session, info, t)[0] for t in targets))
     session.flush()
-    conn = _write.connection_for(session, info, keys)
+    conn = _kernel.connection_for(session, info, keys)
     _check_row_lock_support(conn, nowait=nowait, skip_locked=skip_locked, of=of)
-    if not _sql.backend(conn.dialect).row_locks:
+    if not _kernel.backend(conn.dialect).row_locks:
         nowait = skip_locked = False  # SQLite: the whole database is already ours
         of = None
     base: Select[Any] = (
@@ -136,7 +136,7 @@ def _run(session: Session, stmt: Select[Any]) -> list[Any]:
     try:
         return list(session.execute(stmt).scalars())
     except sa_exc.DBAPIError as error:
-        mapped = _sql.conflict_error(error)
+        mapped = _kernel.conflict_error(error)
         if mapped is None:
             raise
         raise mapped from error
@@ -144,7 +144,7 @@ def _run(session: Session, stmt: Select[Any]) -> list[Any]:
 
 def _check_row_lock_support(conn: Connection, *, nowait: bool, skip_locked: bool, of: Any) -> None:
     dialect = conn.dialect
-    backend = _sql.backend(dialect)
+    backend = _kernel.backend(dialect)
     if not backend.row_locks:
         if conn.info.get(BEGIN_MARK) != "immediate":
             raise NotSupported(
@@ -157,7 +157,7 @@ def _check_row_lock_support(conn: Connection, *, nowait: bool, skip_locked: bool
         if of is not None:
             raise NotSupported("row_lock(of=...) is not supported on SQLite (it locks the whole database)")
         return
-    minimums = _sql.row_lock_minimums(dialect)
+    minimums = _kernel.row_lock_minimums(dialect)
     if minimums is not None:
         server, needs = minimums
         version = dialect.server_version_info or (0,)
@@ -175,7 +175,7 @@ def _check_row_lock_support(conn: Connection, *, nowait: bool, skip_locked: bool
                     f"this server is {found}"
                 )
         return
-    if backend.name not in _sql.POSTGRESQL_FAMILY:
+    if backend.family == "other":
         raise NotSupported(
             f"row_lock supports PostgreSQL (and CockroachDB), MySQL/MariaDB and SQLite, not {backend.name}"
         )
@@ -310,22 +310,23 @@ def _advisory_lock(
     with _observe.watch("advisory_lock", log, scope=name if isinstance(name, str) else None) as box:
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"advisory_lock needs a non-empty str name, got {name!r}")
-        wait = _write.seconds(timeout, "timeout", allow_zero=True)
+        wait = _kernel.seconds(timeout, "timeout", allow_zero=True)
         if wait == float("inf"):
             wait = None  # wait forever, as timeout=None does (GET_LOCK would refuse 'inf')
         # Decided from the bind's dialect before the session checks out a
         # connection, so nothing is sent to a server that cannot honour the lock.
-        _refuse_unlocking_dialect(_write.own_bind(session, None).dialect.name)
-        conn = _write.own_connection(session, None)
-        box["backend"] = conn.dialect.name
-        kind = _sql.backend(conn.dialect).named_locks
+        backend = _kernel.backend(_kernel.own_bind(session, None).dialect)
+        _refuse_unlocking(backend)
+        conn = _kernel.own_connection(session, None)
+        box["backend"] = backend.name
+        kind = backend.named_locks
         lock_name = ""
         if kind == "transaction":
             _pg_advisory_lock(conn, name, wait, shared)
         elif kind == "connection":
             if shared:
                 raise NotSupported("advisory_lock(shared=True): MariaDB/MySQL GET_LOCK has no shared mode")
-            if _sql.is_galera(conn):
+            if _kernel.is_galera(conn):
                 # GET_LOCK is not replicated: two holders on two nodes both get it.
                 raise NotSupported(
                     "advisory_lock is not supported on a MariaDB Galera cluster: GET_LOCK is local to "
@@ -338,7 +339,7 @@ def _advisory_lock(
             _mysql_get_lock(conn, name, lock_name, wait)
         else:
             raise NotSupported(
-                f"advisory_lock is not available on {conn.dialect.name}: it has no named locks "
+                f"advisory_lock is not available on {backend.name}: it has no named locks "
                 f"(use row_lock with stateguard.sqlite_engine() on SQLite)"
             )
     if kind == "transaction":
@@ -352,7 +353,7 @@ def _advisory_lock(
         _mysql_release(conn, name, lock_name, raised)
 
 
-#: Dialects that speak PostgreSQL but have no advisory locks, and what to use instead.
+#: Backends (by name) that speak PostgreSQL but have no advisory locks, and what to use instead.
 _NO_ADVISORY_LOCKS: Final = {
     "cockroachdb": (
         "advisory_lock is not supported on CockroachDB: its releases have had no "
@@ -365,9 +366,9 @@ _NO_ADVISORY_LOCKS: Final = {
 }
 
 
-def _refuse_unlocking_dialect(dialect_name: str) -> None:
-    """:class:`NotSupported` for a dialect whose named locks cannot exclude (checked before any SQL)."""
-    message = _NO_ADVISORY_LOCKS.get(dialect_name)
+def _refuse_unlocking(backend: _kernel.Backend) -> None:
+    """:class:`NotSupported` for a backend whose named locks cannot exclude (checked before any SQL)."""
+    message = None if backend.named_locks else _NO_ADVISORY_LOCKS.get(backend.name)
     if message is not None:
         raise NotSupported(message)
 
@@ -381,12 +382,12 @@ def _pg_advisory_lock(conn: Connection, name: str, wait: float | None, shared: b
         )
     params = {"k": advisory_key(name)}
     if wait is None:
-        _write.execute(conn, _PG_LOCK[shared], params)
+        _kernel.execute(conn, _PG_LOCK[shared], params)
         return
     deadline = time.monotonic() + wait
     delay = 0.002
     while True:
-        if _write.execute(conn, _PG_TRY[shared], params).scalar():
+        if _kernel.execute(conn, _PG_TRY[shared], params).scalar():
             return
         left = deadline - time.monotonic()
         if left <= 0:
@@ -399,7 +400,7 @@ def _pg_advisory_lock(conn: Connection, name: str, wait: float | None, shared: b
 
 
 def _mysql_get_lock(conn: Connection, name: str, lock_name: str, wait: float | None) -> None:
-    got = _write.execute(
+    got = _kernel.execute(
         conn, _GET_LOCK, {"name": lock_name, "timeout": _FOREVER if wait is None else min(wait, _FOREVER)}
     ).scalar()
     if got != 1:
@@ -425,7 +426,7 @@ def _mysql_release(conn: Connection, name: str, lock_name: str, raised: bool) ->
         return
     held[lock_name] -= 1
     try:
-        released = _write.execute(conn, _RELEASE_LOCK, {"name": lock_name}).scalar()
+        released = _kernel.execute(conn, _RELEASE_LOCK, {"name": lock_name}).scalar()
     except Exception as error:
         if raised:
             return  # keep the block's own error; a broken connection dropped its locks anyway

@@ -57,7 +57,7 @@ METADATA_KEY = "stateguard"
 #: Methods whose first argument is a trigger name.
 _NAME_METHODS = frozenset({"trigger", "can", "target_of"})
 #: What mypy calls for ``Order.flow.fire(session, "pay", 42)`` (``fire`` is a dual sync/async method).
-_DUAL_CALL = "stateguard._async.Dual.__call__"
+_DUAL_CALL = "stateguard._async.bridge.Dual.__call__"
 
 
 def plugin(version: str) -> type[Plugin]:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from . import _kernel
 from .result import Result
 
 __all__ = ["GuardEvent", "SpanFactory", "on_event", "on_span", "watch"]
@@ -183,7 +184,7 @@ def _backend_of(session: Any, model: Any) -> str | None:
         bind = session.get_bind(mapper=model) if model is not None else session.get_bind()
     except Exception:  # an unbound session: the event still reports, without a backend
         return None
-    return str(bind.dialect.name)
+    return _kernel.backend(bind.dialect).name
 
 
 def _describe(operation: str, value: Any) -> tuple[str, str | None, str | None, dict[str, int] | None]:

@@ -8,7 +8,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from . import _commit
+from . import _kernel
 from .exceptions import (
     InsufficientQuantity,
     NotFound,
@@ -141,7 +141,7 @@ class Result:
         when it runs; use a new session for further database work.
         """
         if self.outcome is Outcome.APPLIED and self._session is not None:
-            _commit.schedule(self._session, fn, args, kwargs)
+            _kernel.schedule(self._session, fn, args, kwargs)
 
     def __repr__(self) -> str:
         parts = [f"{self.outcome.name}", f"key={self.key!r}"]

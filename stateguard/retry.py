@@ -15,7 +15,7 @@ from typing import Any, TypeVar, overload
 
 from sqlalchemy import exc as sa_exc
 
-from . import _sql
+from . import _kernel
 from . import observe as _observe
 from ._async import Awaited, Steps, run_steps, step
 from .exceptions import InvalidArgument, LockNotAcquired, StateguardError
@@ -71,7 +71,7 @@ def _retryable_here(error: BaseException, lock_not_acquired: bool) -> bool:
     elif isinstance(error, sa_exc.DBAPIError):
         # A serialization failure can surface at COMMIT, outside any stateguard
         # call (PostgreSQL SERIALIZABLE): recognise the driver error itself.
-        kind = _sql.classify_db_error(error)
+        kind = _kernel.classify_db_error(error)
         if kind is None:
             return False
     else:

@@ -29,7 +29,7 @@ from typing import Any, Final
 from sqlalchemy import Connection, String, cast, column, func, select, table, text
 from sqlalchemy.sql.elements import ColumnClause
 
-from . import _sql
+from . import _kernel
 from .machine import StateMachine, machines_of
 from .machine.ddl import LEGAL_EDGES_VERSION, legal_edges_name, machines_for_table, read_legal_edges_marker
 
@@ -128,7 +128,7 @@ def reflect_check_states(
     wanted = name.lower()
     for ck in checks:
         if (ck.get("name") or "").lower() == wanted:
-            escapes = _sql.backend(conn.dialect).backslash_escapes
+            escapes = _kernel.backend(conn.dialect).backslash_escapes
             return True, parse_check_states(str(ck.get("sqltext") or ""), backslash_escapes=escapes)
     return False, None
 
@@ -202,7 +202,7 @@ def reflect_legal_edges(
 
         reflect_legal_edges(conn, "orders")["status"].edges   # (('paid', 'shipped'), ...)
     """
-    if not _sql.backend(conn.dialect).trigger_functions:
+    if not _kernel.backend(conn.dialect).trigger_functions:
         return {}
     found: dict[str, LegalEdges] = {}
     for tgname, proname, prosrc in conn.execute(_REFLECT_TRIGGERS, {"table": table_name, "schema": schema}):

@@ -44,7 +44,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import mysql
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
-from . import _sql, _write
+from . import _kernel
 from ._async import dual_connectable
 from .exceptions import LockNotAcquired
 
@@ -112,8 +112,8 @@ class ExactString(TypeDecorator[str]):
         self.length = length
 
     def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
-        if dialect.name in ("mysql", "mariadb"):
-            collation = "utf8mb4_nopad_bin" if getattr(dialect, "is_mariadb", False) else "utf8mb4_0900_bin"
+        collation = _kernel.exact_collation(dialect)
+        if collation is not None:
             return dialect.type_descriptor(mysql.VARCHAR(self.length, charset="utf8mb4", collation=collation))
         return dialect.type_descriptor(String(self.length))
 
@@ -141,7 +141,7 @@ class Utf8Text(TypeDecorator[str]):
         self.long = long
 
     def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
-        if dialect.name in ("mysql", "mariadb"):
+        if _kernel.backend(dialect).column_charsets:
             kind = mysql.LONGTEXT if self.long else mysql.TEXT
             return kind(charset="utf8mb4", collation="utf8mb4_bin")
         # Not dialect.type_descriptor(Text()): that adapts TEXT to the dialect's String (VARCHAR).
@@ -189,7 +189,7 @@ def _has_surrogate(text: str) -> bool:
     return False
 
 
-def _serial() -> Any:
+def _serial() -> TypeEngine[int]:
     # SQLite only autoincrements an INTEGER PRIMARY KEY (a rowid alias), not a BIGINT one.
     return BigInteger().with_variant(Integer, "sqlite")
 
@@ -245,7 +245,7 @@ counter_ledger = Table(
 )
 
 # --------------------------------------------------------------------------
-# Striped counters: one item's amount split over several rows (striped.py)
+# Striped counters: one item's amount split over several rows (stateguard.striped)
 # --------------------------------------------------------------------------
 
 counter_stripes = Table(
@@ -354,7 +354,7 @@ outbox = Table(
     Column("key", exact_string(MAX_KEY), nullable=True),
     # The payload as JSON text written by stateguard: it reads back exactly as written on every backend.
     Column("payload", long_text(), nullable=False),
-    # The database's clock (_sql.db_now_ms), like every time a lease is judged against.
+    # The database's clock (_kernel.db_now_ms), like every time a lease is judged against.
     Column("created_ms", BigInteger, nullable=False),
     # A relay's claim: its token and lease end (database clock); NULL or past: free to claim.
     Column("claimed_until_ms", BigInteger, nullable=True),
@@ -428,7 +428,7 @@ def create_tables(bind: Engine | Connection) -> None:
         _create_in_turn(bind)
         return
     with bind.connect() as conn:
-        if _sql.backend(conn.dialect).named_locks == "transaction":
+        if _kernel.backend(conn.dialect).named_locks == "transaction":
             # The catalog must be read after the lock is granted: at REPEATABLE READ the
             # snapshot taken by the lock's own SELECT would miss the tables the previous
             # holder committed, and the CREATE would collide with them.
@@ -444,7 +444,7 @@ def _create_in_turn(conn: Connection) -> None:
     refuses the second with ``UniqueViolation`` on ``pg_type_typname_nsp_index`` (or
     ``DuplicateTable``), MariaDB with error 1050, SQLite with "table ... already exists".
     """
-    named_locks = _sql.backend(conn.dialect).named_locks
+    named_locks = _kernel.backend(conn.dialect).named_locks
     if named_locks == "transaction":
         if conn.get_isolation_level() == "AUTOCOMMIT":
             # Each statement is its own transaction: a transaction-level lock would end at once.
@@ -471,7 +471,7 @@ def _create_in_turn(conn: Connection) -> None:
             conn.execute(select(func.release_lock(_CREATE_LOCK)))
     else:
         # SQLite: one writer at a time; hold the write lock before the first existence check.
-        _write.sqlite_write_lock(conn)
+        _kernel.sqlite_write_lock(conn)
         metadata.create_all(conn, checkfirst=True)
 
 

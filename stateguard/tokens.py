@@ -7,7 +7,7 @@ conditional statement consumes it::
     UPDATE stateguard_tokens SET consumed_ms = db_now
     WHERE token_hash = :h AND scope = :scope AND consumed_ms IS NULL AND expires_ms > db_now
 
-``db_now`` is the database's clock (:func:`stateguard._sql.db_now_ms`), never
+``db_now`` is the database's clock (:func:`stateguard._kernel.db_now_ms`), never
 the application's.  One row: APPLIED.  No row: one read says why: consumed
 already → REPEATED, expired → REJECTED, unknown or of another scope →
 NOT_FOUND.  Concurrent consumers serialise on the token's row, so exactly
@@ -29,7 +29,7 @@ from uuid import UUID
 from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 from sqlalchemy.orm import Session
 
-from . import _compat, _sql, _write
+from . import _compat, _kernel
 from ._async import dual, dual_bind
 from .exceptions import SerializationConflict
 from .result import Outcome, Result
@@ -69,11 +69,11 @@ def token_digest(token: str) -> str:
 
 
 def _check_scope(scope: Any) -> str:
-    return _write.check_text(scope, "scope", MAX_SCOPE)
+    return _kernel.check_text(scope, "scope", MAX_SCOPE)
 
 
 def _check_token(token: Any) -> str:
-    return _write.check_text(token, "token", MAX_KEY)
+    return _kernel.check_text(token, "token", MAX_KEY)
 
 
 # --------------------------------------------------------------------------
@@ -85,7 +85,7 @@ def _check_token(token: Any) -> str:
 # database's clock inside each statement: an application server whose clock
 # runs ahead must not reject live tokens (nor one running behind accept
 # expired ones).
-_NOW: Final = _sql.db_now_ms()
+_NOW: Final = _kernel.db_now_ms()
 _ISSUE: Final = insert(tokens).values(
     token_hash=bindparam("sg_hash"),
     scope=bindparam("sg_scope"),
@@ -132,11 +132,11 @@ def issue_token(session: Session, *, scope: str, ttl: timedelta) -> str:
         ``ttl`` under 1 ms; nothing was written.
     """
     _check_scope(scope)
-    ttl_ms = _write.duration_ms(ttl, "ttl")
+    ttl_ms = _kernel.duration_ms(ttl, "ttl")
     token = secrets.token_urlsafe(TOKEN_BYTES)
-    conn = _write.own_connection(session, tokens)
+    conn = _kernel.own_connection(session, tokens)
     params = {"sg_hash": token_digest(token), "sg_scope": scope, "sg_ttl": ttl_ms}
-    _write.execute(conn, _ISSUE, params)
+    _kernel.execute(conn, _ISSUE, params)
     return token
 
 
@@ -175,16 +175,16 @@ def consume_token(
     if type(request_id) is UUID:
         request_id = str(request_id)  # new_request_id()'s UUID, stored as its canonical text
     if request_id is not None:
-        _write.check_text(request_id, "request_id", MAX_REQUEST_ID)
+        _kernel.check_text(request_id, "request_id", MAX_REQUEST_ID)
     digest = token_digest(token)
     params = {"sg_hash": digest, "sg_scope": scope, "sg_by": request_id}
     if session.autoflush:
         session.flush()
-    conn = _write.own_connection(session, tokens)
-    if _write.execute(conn, _CONSUME, params).rowcount == 1:
+    conn = _kernel.own_connection(session, tokens)
+    if _kernel.execute(conn, _CONSUME, params).rowcount == 1:
         return Result(Outcome.APPLIED, model=OneTimeToken, key=digest, state="consumed", session=session)
-    backend = _sql.backend(conn.dialect)
-    row = _write.execute(conn, _FIND_LOCKING if backend.locking_read else _FIND, params).first()
+    backend = _kernel.backend(conn.dialect)
+    row = _kernel.execute(conn, _FIND_LOCKING if backend.fresh_read_needs_lock else _FIND, params).first()
     if row is None:
         return Result(Outcome.NOT_FOUND, model=OneTimeToken, key=digest, trigger="consume", session=session)
     if row.consumed_ms is not None:
@@ -229,7 +229,7 @@ def purge_expired_tokens(bind: Engine | Connection | Session, *, batch: int = 10
 
     :raises InvalidArgument: ``batch`` is not a positive int.
     """
-    return _write.purge_rows(tokens, bind, batch)
+    return _kernel.purge_rows(tokens, bind, batch)
 
 
 #: Names this module defined before the 0.2 layout, and where they live now.

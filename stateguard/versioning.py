@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import BigInteger, Integer, text, update
 from sqlalchemy.orm import MappedColumn, Session
 
-from . import _sql, _write
+from . import _kernel
 from ._async import dual
 from .exceptions import ConfigurationError, InvalidArgument
 from .result import Outcome, Result
@@ -29,7 +29,7 @@ def column_role(column: Any) -> str | None:
         column_role(Order.__table__.c.version)   # 'version'
     """
     info = getattr(column, "info", None)
-    return info.get(_sql.INFO_KEY) if isinstance(info, dict) else None
+    return info.get(_kernel.INFO_KEY) if isinstance(info, dict) else None
 
 
 class _VersionColumn(MappedColumn[int]):
@@ -77,7 +77,7 @@ def version_column(*, name: str | None = None, type_: Any = Integer, **kw: Any) 
     kw.setdefault("nullable", False)
     kw.setdefault("server_default", text("0"))
     info = dict(kw.pop("info", None) or {})
-    info[_sql.INFO_KEY] = "version"
+    info[_kernel.INFO_KEY] = "version"
     kind = type_() if isinstance(type_, type) else type_
     if not isinstance(kind, Integer):
         raise ConfigurationError(
@@ -106,7 +106,7 @@ def fence_column(*, name: str | None = None, **kw: Any) -> MappedColumn[int | No
     """
     kw.setdefault("nullable", True)
     info = dict(kw.pop("info", None) or {})
-    info[_sql.INFO_KEY] = "fence"
+    info[_kernel.INFO_KEY] = "fence"
     args: tuple[Any, ...] = (name, BigInteger) if name else (BigInteger,)
     return MappedColumn(*args, info=info, **kw)
 
@@ -136,56 +136,56 @@ def guarded_update(
     """
     from .machine import machines_of
 
-    info = _sql.model_info(model)
+    info = _kernel.model_info(model)
     if info.version_column is None:
         raise ConfigurationError(f"{model.__name__} has no version column; declare one with version_column()")
     if type(expected_version) is not int:
         raise InvalidArgument(f"expected_version must be an int, got {expected_version!r}")
-    key, instance = _write.resolve_target(session, info, target)
+    key, instance = _kernel.resolve_target(session, info, target)
     if fence is not None:
-        _write.check_fence(info, fence)
+        _kernel.check_fence(info, fence)
     forbidden = {info.version_attr or "": "it is the version column; stateguard increments it"}
     if info.fence_attr is not None:
         forbidden[info.fence_attr] = "it is the fence column; pass fence= instead"
     for m in machines_of(model):
         forbidden[m.attr] = f"it is the state column of {m.name}; fire a trigger instead"
-    items, has_sql = _write.split_values(info, values, forbidden=forbidden)
+    items, has_sql = _kernel.split_values(info, values, forbidden=forbidden)
     if not items:
         raise InvalidArgument("guarded_update needs at least one value to set")
-    integers = _write.value_integers(items)
+    integers = _kernel.value_integers(items)
     integers.append((info.version_column, expected_version, "expected_version"))
     if fence is not None and info.fence_column is not None:
         integers.append((info.fence_column, fence, "fence"))
-    conn = _write.connection_for(session, info, (key,), integers)
-    backend = _sql.backend(conn.dialect)
-    variant = _sql.variant_key(items, has_sql)
+    conn = _kernel.connection_for(session, info, (key,), integers)
+    backend = _kernel.backend(conn.dialect)
+    variant = _kernel.variant_key(items, has_sql)
     cache_key = ("guarded_update", info, variant, fence is not None)
-    stmt = _write.memo.get(cache_key) if variant is not None else None
+    stmt = _kernel.memo.get(cache_key) if variant is not None else None
     if stmt is None:
         vcol = info.version_column
-        pairs = _sql.set_clause(items, embed=False)
+        pairs = _kernel.set_clause(items, embed=False)
         pairs.append((vcol, vcol + 1))
-        conditions = [info.pk_where, vcol == _sql.bindparam("sg_expected", type_=vcol.type)]
+        conditions = [info.pk_where, vcol == _kernel.bindparam("sg_expected", type_=vcol.type)]
         fcol = info.fence_column
         if fence is not None and fcol is not None:
-            pairs.append((fcol, _sql.bindparam("sg_fence", type_=fcol.type)))
-            conditions.append(_sql.fence_condition(fcol))
+            pairs.append((fcol, _kernel.bindparam("sg_fence", type_=fcol.type)))
+            conditions.append(_kernel.fence_condition(fcol))
         stmt = update(info.table).where(*conditions).ordered_values(*pairs)
         if variant is not None:
-            _write.memo.put(cache_key, stmt)
+            _kernel.memo.put(cache_key, stmt)
     params = info.key_params(key)
-    params.update(_sql.value_params(items))
+    params.update(_kernel.value_params(items))
     params["sg_expected"] = expected_version
     if fence is not None:
         params["sg_fence"] = fence
-    applied, _ = _write.run_guarded(conn, stmt, params, returning=False)
-    public = _sql.public_key(key)
+    applied, _ = _kernel.run_guarded(conn, stmt, params, returning=False)
+    public = _kernel.public_key(key)
     if applied:
         version = expected_version + 1
         committed: dict[str, Any] = {info.version_attr: version} if info.version_attr is not None else {}
         if fence is not None and info.fence_attr is not None:
             committed[info.fence_attr] = fence
-        _write.sync_loaded(session, info, key, instance, committed, [a for a, _, _ in items])
+        _kernel.sync_loaded(session, info, key, instance, committed, [a for a, _, _ in items])
         return Result(
             Outcome.APPLIED,
             model=model,
@@ -194,8 +194,8 @@ def guarded_update(
             expected_version=expected_version,
             session=session,
         )
-    read = _write.read_back(info, [info.version_column], backend)
-    row = _write.execute(conn, read, info.key_params(key)).first()
+    read = _kernel.read_back(info, [info.version_column], backend)
+    row = _kernel.execute(conn, read, info.key_params(key)).first()
     if row is None:
         return Result(
             Outcome.NOT_FOUND, model=model, key=public, expected_version=expected_version, session=session

@@ -31,7 +31,7 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any, Final
 
-from . import _write
+from . import _kernel
 from . import observe as _observe
 from .exceptions import InvalidArgument, LockLost, LockNotAcquired
 
@@ -72,7 +72,7 @@ _MAX_WAIT: Final = 365 * 24 * 3600.0
 
 def _timeout(value: Any) -> float | None:
     """A wait in seconds: ``None`` and infinity wait forever; over a year is InvalidArgument."""
-    wait = _write.seconds(value, "timeout", allow_zero=True)
+    wait = _kernel.seconds(value, "timeout", allow_zero=True)
     if wait == float("inf"):
         return None
     if wait is not None and wait > _MAX_WAIT:
@@ -222,7 +222,7 @@ class ZooKeeperLock:
                     f"ZooKeeperLock identifier is over {_MAX_IDENTIFIER} bytes; it is a label stored in "
                     f"the contender's znode, keep it short"
                 )
-            _write.check_storable(identifier, "identifier")
+            _kernel.check_storable(identifier, "identifier")
         self.client = client
         self.identifier = identifier
         self.timeout = _timeout(timeout)

@@ -26,7 +26,7 @@ from stateguard import (
     idempotent,
     insert_once,
 )
-from stateguard._sql import backend as backend_of
+from stateguard._kernel import backend as backend_of
 from stateguard.idempotency.statements import CLAIM as _CLAIM
 from stateguard.tables import consumed_messages, idempotency_keys
 

@@ -23,7 +23,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from stateguard import DeadlockDetected, Outcome, decrement, idempotent
-from stateguard._sql import classify_db_error
+from stateguard._kernel import classify_db_error
 from stateguard.idempotency import Mode
 from stateguard.tables import counter_ledger, idempotency_keys
 from stateguard.tables import metadata as stateguard_metadata

@@ -37,7 +37,7 @@ from stateguard import (
     Outcome,
     SerializationConflict,
     StateMachine,
-    _sql,
+    _kernel,
     advisory_lock,
     consume_once,
     consume_token,
@@ -53,7 +53,7 @@ from stateguard import (
     retry_on_conflict,
     row_lock,
 )
-from stateguard._sql import db_now_ms
+from stateguard._kernel import db_now_ms
 
 from ._stock_workers import Stock, StockBase
 from .conftest import Backend, unavailable
@@ -98,7 +98,7 @@ def test_backend_has_the_postgresql_capabilities_cockroachdb_has(crdb_dialect: D
     """The cockroachdb dialect is PostgreSQL's Backend except named locks and trigger functions."""
     from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
 
-    crdb, pg = _sql.backend(crdb_dialect), _sql.backend(PGDialect_psycopg())  # type: ignore[no-untyped-call]
+    crdb, pg = _kernel.backend(crdb_dialect), _kernel.backend(PGDialect_psycopg())  # type: ignore[no-untyped-call]
     assert crdb.name == "cockroachdb" and crdb is not pg
     assert (crdb.returning, crdb.on_conflict, crdb.dml_cte, crdb.array_params, crdb.row_locks) == (
         True,
@@ -108,8 +108,8 @@ def test_backend_has_the_postgresql_capabilities_cockroachdb_has(crdb_dialect: D
         True,
     )
     assert (crdb.named_locks, crdb.trigger_functions) == ("", False)
-    assert (crdb.last_insert_id, crdb.locking_read, crdb.driver_begins_lazily) == (False, False, False)
-    same = [f for f in _sql.Backend.__slots__ if f not in ("name", "named_locks", "trigger_functions")]
+    assert not (crdb.last_insert_id or crdb.fresh_read_needs_lock or crdb.driver_begins_lazily)
+    same = [f for f in _kernel.Backend.__slots__ if f not in ("name", "named_locks", "trigger_functions")]
     assert {f: getattr(crdb, f) for f in same} == {f: getattr(pg, f) for f in same}
 
 
@@ -172,8 +172,8 @@ RESTART_ERRORS = [
 def test_cockroachdb_restart_errors_are_retried(reason: str) -> None:
     """A 40001 restart error is a SerializationConflict: the unit runs again, sync and async."""
     error = _restart_error(psycopg.errors.SerializationFailure(reason))
-    assert _sql.classify_db_error(error) is SerializationConflict
-    assert "retry_on_conflict" in str(_sql.conflict_error(error))
+    assert _kernel.classify_db_error(error) is SerializationConflict
+    assert "retry_on_conflict" in str(_kernel.conflict_error(error))
     calls = []
 
     def unit() -> str:
@@ -209,7 +209,7 @@ def test_cockroachdb_restart_errors_give_up_at_the_cap() -> None:
 def test_ambiguous_result_is_not_retried() -> None:
     """40003 (statement completion unknown: the COMMIT may have applied) is never retried blindly."""
     error = _restart_error(psycopg.errors.StatementCompletionUnknown("result is ambiguous"))
-    assert _sql.classify_db_error(error) is None
+    assert _kernel.classify_db_error(error) is None
     calls = []
 
     def unit() -> None:

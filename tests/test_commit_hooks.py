@@ -230,14 +230,14 @@ def test_declared_after_commit_dropped_on_rollback(engine: Engine) -> None:
 
 def test_trigger_without_after_commit_schedules_nothing(engine: Engine) -> None:
     """A transition without after_commit leaves no pending callback on the session."""
-    from stateguard import _commit
+    from stateguard import _kernel
 
     with Session(engine) as s, s.begin():
         Job.flow.fail(s, 1)
-        assert _commit.pending(s) == 2
+        assert _kernel.pending(s) == 2
     with Session(engine) as s, s.begin():
         Job.flow.retry(s, 1)
-        assert _commit.pending(s) == 0
+        assert _kernel.pending(s) == 0
     assert [c[0] for c in CALLS] == ["declared", "second"]
 
 

@@ -23,7 +23,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
 from stateguard import Outcome, Result, SerializationConflict, retry_on_conflict
-from stateguard._sql import classify_db_error
+from stateguard._kernel import classify_db_error
 
 from . import _workers as w
 from .conftest import Backend

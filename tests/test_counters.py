@@ -557,10 +557,10 @@ def test_concurrent_releases_of_many_refs_give_back_each_once(engine: Any) -> No
 
 def test_counter_plans_are_cached(engine: Any) -> None:
     """The guarded UPDATE is built once per column, backend and bound kind, then reused."""
-    from stateguard import _write
+    from stateguard import _kernel
 
     def bin_plans() -> dict[Any, Any]:
-        return {k: v for k, v in _write.memo._data.items() if k[0] == "counter" and k[1].model is Bin}
+        return {k: v for k, v in _kernel.memo._data.items() if k[0] == "counter" and k[1].model is Bin}
 
     _bins(engine, {1: 10})
     with Session(engine) as s, s.begin():

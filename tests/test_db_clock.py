@@ -1,6 +1,6 @@
 """Leases and expiries are decided on the database's clock (issue 15, item 14), on every SQL backend.
 
-The application clock stateguard could read (``_write.now_ms``, and a
+The application clock stateguard could read (``_kernel.now_ms``, and a
 Snowflake's injected ``_clock``) is skewed by hours both ways; claims, tokens,
 purges and worker-id leases must come out exactly as with a correct clock.
 Expiries are reached with short leases and real waiting: the database's clock
@@ -22,7 +22,7 @@ from stateguard import (
     Outcome,
     RequestInProgress,
     Snowflake,
-    _write,
+    _kernel,
     consume_token,
     idempotent,
     issue_token,
@@ -57,8 +57,8 @@ class AppClock:
 @pytest.fixture
 def app_clock(monkeypatch: pytest.MonkeyPatch) -> AppClock:
     """Replace the kernel's application clock with one the test skews."""
-    clock = AppClock(_write.now_ms)
-    monkeypatch.setattr(_write, "now_ms", clock)
+    clock = AppClock(_kernel.now_ms)
+    monkeypatch.setattr(_kernel, "now_ms", clock)
     return clock
 
 

@@ -1,4 +1,4 @@
-"""``_write.frozen``: a statement whose SQL cache key is computed once must still run as itself.
+"""``_kernel.frozen``: a statement whose SQL cache key is computed once must still run as itself.
 
 Two frozen statements come from the same lambda (one code object); if they
 shared a compiled form, the second would run the first one's SQL.  They must
@@ -25,7 +25,7 @@ from sqlalchemy import (
     update,
 )
 
-from stateguard import _write
+from stateguard import _kernel
 
 from .conftest import Backend
 
@@ -41,10 +41,10 @@ _items = Table(
 def test_two_frozen_statements_never_share_a_compiled_form(backend: Backend) -> None:
     backend.create(_meta)
     eng: Engine = backend.engine
-    put = _write.frozen(insert(_items).values(id=bindparam("i"), name=bindparam("n")))
-    rename = _write.frozen(update(_items).where(_items.c.id == bindparam("i")).values(name=bindparam("n")))
-    by_id = _write.frozen(select(_items.c.name).where(_items.c.id == bindparam("i")))
-    by_name = _write.frozen(select(_items.c.id).where(_items.c.name == bindparam("n")))
+    put = _kernel.frozen(insert(_items).values(id=bindparam("i"), name=bindparam("n")))
+    rename = _kernel.frozen(update(_items).where(_items.c.id == bindparam("i")).values(name=bindparam("n")))
+    by_id = _kernel.frozen(select(_items.c.name).where(_items.c.id == bindparam("i")))
+    by_name = _kernel.frozen(select(_items.c.id).where(_items.c.name == bindparam("n")))
     with eng.begin() as conn:
         for i, name in ((1, "one"), (2, "two"), (3, "three")):
             conn.execute(put, {"i": i, "n": name})
@@ -58,7 +58,7 @@ def test_two_frozen_statements_never_share_a_compiled_form(backend: Backend) -> 
 def test_a_frozen_statement_follows_schema_translate_map(backend: Backend) -> None:
     backend.create(_meta)
     eng: Engine = backend.engine
-    stmt = _write.frozen(select(_items.c.name).where(_items.c.id == bindparam("i")))
+    stmt = _kernel.frozen(select(_items.c.name).where(_items.c.id == bindparam("i")))
     with eng.begin() as conn:
         conn.execute(insert(_items), [{"id": 1, "name": "here"}])
     # The same statement, rendered for a schema that does not exist: the map is applied per run.

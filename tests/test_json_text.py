@@ -1,4 +1,4 @@
-"""stateguard's JSON encoders (``_write.json_encoder``): the standard library's text and errors, built once.
+"""stateguard's JSON encoders (``_kernel.json_encoder``): the standard library's text and errors, built once.
 
 Stored responses, checkpoint data, outbox payloads, history metadata and
 request fingerprints all go through them; a fingerprint that changed its text
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from stateguard import InvalidArgument, _write
+from stateguard import InvalidArgument, _kernel
 from stateguard.idempotency import fingerprint_of
 
 _SCALARS = (
@@ -45,8 +45,8 @@ def _standard(value: Any, *, sort_keys: bool) -> str:
 @example(2**64)
 def test_same_text_as_the_standard_encoder(value: Any) -> None:
     """Byte for byte the text json.dumps gives with the same options, sorted or not."""
-    assert _write.json_encoder(sort_keys=True)(value) == _standard(value, sort_keys=True)
-    assert _write.dumps_json(value) == _standard(value, sort_keys=False)
+    assert _kernel.json_encoder(sort_keys=True)(value) == _standard(value, sort_keys=True)
+    assert _kernel.dumps_json(value) == _standard(value, sort_keys=False)
 
 
 @given(st.dictionaries(st.text(max_size=8), _SCALARS, max_size=6))
@@ -80,7 +80,7 @@ def test_same_errors_as_the_standard_encoder(value: Any, error: type[Exception])
     """What JSON cannot carry is refused with the standard encoder's error type and message."""
     for sort_keys in (False, True):
         with pytest.raises(error) as ours:
-            _write.json_encoder(sort_keys=sort_keys)(value)
+            _kernel.json_encoder(sort_keys=sort_keys)(value)
         with pytest.raises(error) as theirs:
             _standard(value, sort_keys=sort_keys)
         assert str(ours.value) == str(theirs.value)
@@ -95,8 +95,8 @@ def test_a_cycle_is_the_standard_circular_reference_error() -> None:
     cyclic["a"]["back"] = cyclic
     for value in (loop, cyclic):
         with pytest.raises(ValueError, match="Circular reference"):
-            _write.dumps_json(value)
-    assert _write.dumps_json({"after": [1]}) == '{"after":[1]}'
+            _kernel.dumps_json(value)
+    assert _kernel.dumps_json({"after": [1]}) == '{"after":[1]}'
     with pytest.raises(InvalidArgument):
         fingerprint_of(loop)
 
@@ -107,6 +107,6 @@ def test_too_deep_is_recursion_error_as_before() -> None:
     for _ in range(100_000):
         deep = [deep]
     with pytest.raises(RecursionError):
-        _write.dumps_json(deep)
+        _kernel.dumps_json(deep)
     with pytest.raises(InvalidArgument, match="nested too deeply"):
         fingerprint_of(deep)

@@ -29,7 +29,7 @@ from stateguard import (
     Outcome,
     RefConflict,
     StripedCounter,
-    _sql,
+    _kernel,
     async_sqlite_engine,
     create_tables,
     drop_tables,
@@ -280,7 +280,7 @@ def test_restripe_keeps_the_total(engine: Any) -> None:
             select(counter_stripes.c.item, counter_stripes.c.stripe).order_by(counter_stripes.c.stripe)
         ).all()
     # Where there are row locks a restripe leaves the item's gate row (stripe -1), and none for "nope".
-    gate = [("sku", -1)] if _sql.backend(engine.dialect).row_locks else []
+    gate = [("sku", -1)] if _kernel.backend(engine.dialect).row_locks else []
     assert stored == gate + [("sku", stripe) for stripe in stripe_ids(3)]
 
 
@@ -305,7 +305,7 @@ def test_the_restripe_gate_is_no_stripe(engine: Any) -> None:
                 counter_stripes.c.counter == "gate", counter_stripes.c.stripe < 0
             )
         ).all()
-    assert gate == ([(0, 0)] if _sql.backend(engine.dialect).row_locks else [])
+    assert gate == ([(0, 0)] if _kernel.backend(engine.dialect).row_locks else [])
 
 
 def test_the_longest_items_round_trip_through_the_ledger(engine: Any) -> None:

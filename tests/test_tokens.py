@@ -251,15 +251,15 @@ def test_purge_statement_text_per_dialect() -> None:
 
 
 def purge_statement(table: Any, backend: Any, batch: int) -> Any:
-    from stateguard import _sql
+    from stateguard import _kernel
 
-    return _sql.purge_statement(table, backend, batch)
+    return _kernel.purge_statement(table, backend, batch)
 
 
 def _backend(dialect: Any) -> Any:
-    from stateguard import _sql
+    from stateguard import _kernel
 
-    return _sql.backend(dialect)
+    return _kernel.backend(dialect)
 
 
 # --------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import Any, ParamSpec, TypeVar
 from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
-from .. import _write
+from .. import _kernel
 from .._async import AsyncSession, DualContext, as_session, dual_bind
 from ..exceptions import InvalidArgument, NotSupported
 from ..tables import MAX_KEY, MAX_SCOPE, idempotency_keys
@@ -46,8 +46,8 @@ def idempotent_with(
     :raises InvalidArgument: a bad ``scope``, ``key`` or ``fingerprint`` (nothing written).
     :raises NotSupported: ``heartbeat_every`` with an AsyncSession.
     """
-    _write.check_text(scope, "scope", MAX_SCOPE)
-    _write.check_text(key, "idempotency key", MAX_KEY)
+    _kernel.check_text(scope, "scope", MAX_SCOPE)
+    _kernel.check_text(key, "idempotency key", MAX_KEY)
     if isinstance(session, AsyncSession):
         if options.heartbeat_every is not None:
             raise NotSupported(
@@ -116,8 +116,8 @@ def idempotent(
     :raises IdempotencyKeyReused: on entering, the key was used for another request.
     :raises RequestFailed: on entering, the key's request failed for good.
     """
-    _write.check_text(scope, "scope", MAX_SCOPE)
-    _write.check_text(key, "idempotency key", MAX_KEY)
+    _kernel.check_text(scope, "scope", MAX_SCOPE)
+    _kernel.check_text(key, "idempotency key", MAX_KEY)
     options = options_of(lease, ttl, mode, serializer, heartbeat_every, non_retryable)
     if isinstance(session, AsyncSession):
         if options.heartbeat_every is not None:
@@ -160,7 +160,7 @@ def idempotent_function(
     An ``async def`` function takes an AsyncSession and is awaited the same way.
     """
     if not callable(scope):
-        _write.check_text(scope, "scope", MAX_SCOPE)
+        _kernel.check_text(scope, "scope", MAX_SCOPE)
     options_of(lease, ttl, mode, serializer, heartbeat_every, non_retryable)
     if not callable(key):
         raise InvalidArgument(
@@ -232,4 +232,4 @@ def purge_expired(bind: Engine | Connection | Session, *, batch: int = 1000) -> 
 
     :raises InvalidArgument: ``batch`` is not a positive int.
     """
-    return _write.purge_rows(idempotency_keys, bind, batch)
+    return _kernel.purge_rows(idempotency_keys, bind, batch)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .. import _write
+from .. import _kernel
 from .._async import DualObject, dual_member
 from ..exceptions import InvalidArgument
 from .options import Mode
@@ -123,7 +123,7 @@ class IdempotentCall(DualObject[S]):
         :raises LeaseLost: the key was taken over.
         """
         self._check_open("checkpoint")
-        _write.check_text(name, "checkpoint name", 100)
+        _kernel.check_text(name, "checkpoint name", 100)
         claim = self._claim
         serializer = claim.options.serializer
         text = dump(serializer, data, "checkpoint data")
@@ -174,7 +174,7 @@ class IdempotentCall(DualObject[S]):
                 raise InvalidArgument(
                     f"release reason is {len(reason)} characters long; the limit is {MAX_ERROR}"
                 )
-            _write.check_storable(reason, "release reason")
+            _kernel.check_storable(reason, "release reason")
         self._claim.release(self, reason, forget)
 
     complete = dual_member(_complete)

@@ -26,7 +26,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
-from .. import _sql, _write
+from .. import _kernel
 from ..exceptions import (
     DeadlockDetected,
     IdempotencyKeyReused,
@@ -106,7 +106,7 @@ class Claim(Generic[S]):
         }
         self.call: IdempotentCall[S] | None = None
         #: Same transaction: the savepoint of the block (sent before its first statement).
-        self._block_savepoint: _write.DeferredSavepoint | None = None
+        self._block_savepoint: _kernel.DeferredSavepoint | None = None
         #: Same transaction: this call inserted the record (outside the savepoint).
         self.fresh = False
         self._conn: Connection | None = None
@@ -160,7 +160,7 @@ class Claim(Generic[S]):
         # savepoint (a takeover or reclaim, which opens it before its UPDATE).
         # A replay wrote nothing and its block only returns the response: no savepoint.
         session = self.session
-        self._binds = {"bind": _write.own_bind(session, idempotency_keys)}
+        self._binds = {"bind": _kernel.own_bind(session, idempotency_keys)}
         conn = self._conn = session.connection(bind_arguments=self._binds)
         try:
             call = self._claim(conn)
@@ -168,14 +168,14 @@ class Claim(Generic[S]):
             self._drop_savepoint()
             raise
         if self._block_savepoint is None and call._state == "open":
-            self._block_savepoint = _write.DeferredSavepoint(session, conn, self._binds)
+            self._block_savepoint = _kernel.DeferredSavepoint(session, conn, self._binds)
         return call
 
     def _savepoint_now(self) -> None:
         """Same transaction: open the block's savepoint before an UPDATE of an existing record."""
         if self.options.mode == "same_transaction" and self._block_savepoint is None:
             conn = self._open(self._conn)
-            self._block_savepoint = _write.DeferredSavepoint(self.session, conn, self._binds)
+            self._block_savepoint = _kernel.DeferredSavepoint(self.session, conn, self._binds)
             self._block_savepoint.open()
 
     def _drop_savepoint(self) -> None:
@@ -183,7 +183,7 @@ class Claim(Generic[S]):
         savepoint, self._block_savepoint = self._block_savepoint, None
         if savepoint is not None:
             savepoint.close()
-            _write.abandon_savepoint(savepoint.nested)
+            _kernel.abandon_savepoint(savepoint.nested)
 
     def _undo_same(self) -> None:
         """Same transaction, the block failed or was released: its writes and the claim are undone."""
@@ -192,7 +192,7 @@ class Claim(Generic[S]):
         if self.fresh and conn is not None:
             self.fresh = False
             try:
-                _write.execute(conn, UNCLAIM, self._params())
+                _kernel.execute(conn, UNCLAIM, self._params())
             except (sa_exc.DBAPIError, sa_exc.PendingRollbackError, sa_exc.ResourceClosedError):
                 # The transaction is aborted or gone (a deadlock on MariaDB, a lost connection, a
                 # statement cancelled by an asyncio task's cancellation, which invalidates the
@@ -212,7 +212,7 @@ class Claim(Generic[S]):
                 "with no transaction open: commit or roll back first, and do not wrap it in "
                 "`with session.begin():`"
             )
-        bind = _write.own_bind(self.session, idempotency_keys)
+        bind = _kernel.own_bind(self.session, idempotency_keys)
         engine = bind if isinstance(bind, Engine) else bind.engine
         self._engine = engine
         if self.options.heartbeat_every is not None:
@@ -252,11 +252,11 @@ class Claim(Generic[S]):
         if inserted:
             return self._claimed()
         row: Any = None if values is None else Record._make(values)
-        read = READ_LOCKING if _sql.backend(conn.dialect).locking_read else READ
+        read = READ_LOCKING if _kernel.backend(conn.dialect).fresh_read_needs_lock else READ
         for _ in range(MAX_ROUNDS):
             if row is None:
                 # Not read yet (MariaDB, SQLite; PostgreSQL after waiting for a twin that committed).
-                row = _write.execute(conn, read, params).first()
+                row = _kernel.execute(conn, read, params).first()
             if row is None:
                 # Purged (or its claimant rolled back) between our statements.
                 if CLAIM(conn, params) is not None:
@@ -280,7 +280,7 @@ class Claim(Generic[S]):
         options = self.options
         if row.expires_ms <= now:
             self._savepoint_now()
-            if _write.execute(conn, RECLAIM, {**params, "sg_old_owner": row.owner}).rowcount != 1:
+            if _kernel.execute(conn, RECLAIM, {**params, "sg_old_owner": row.owner}).rowcount != 1:
                 return None
             return self._claimed()
         if (
@@ -320,7 +320,7 @@ class Claim(Generic[S]):
                 retry_after=timedelta(milliseconds=locked_until - now),
             )
         self._savepoint_now()
-        if _write.execute(conn, TAKEOVER, {**params, "sg_old_owner": row.owner}).rowcount != 1:
+        if _kernel.execute(conn, TAKEOVER, {**params, "sg_old_owner": row.owner}).rowcount != 1:
             return None
         call = IdempotentCall(self)
         call.attempt, call.taken_over = row.attempt + 1, True
@@ -340,16 +340,16 @@ class Claim(Generic[S]):
         try:
             if self.options.mode == "same_transaction":
                 with self._open(self._block_savepoint).paused() as conn:
-                    if text is not None and _write.needs_size_check(conn, text):
+                    if text is not None and _kernel.needs_size_check(conn, text):
                         self._check_size(conn, text)
-                    matched = _write.execute(conn, stmt, params).rowcount
+                    matched = _kernel.execute(conn, stmt, params).rowcount
             else:
                 session = self.session
                 try:
-                    conn = _write.own_connection(session, idempotency_keys)
-                    if text is not None and _write.needs_size_check(conn, text):
+                    conn = _kernel.own_connection(session, idempotency_keys)
+                    if text is not None and _kernel.needs_size_check(conn, text):
                         self._check_size(conn, text)
-                    matched = _write.execute(conn, stmt, params).rowcount
+                    matched = _kernel.execute(conn, stmt, params).rowcount
                     if matched == 1:
                         session.commit()
                 except InvalidArgument:
@@ -373,9 +373,9 @@ class Claim(Generic[S]):
     def _check_size(self, conn: Connection, text: str) -> None:
         """InvalidArgument (nothing sent) when ``text`` cannot travel to the server in one statement.
 
-        Called only when :func:`stateguard._write.needs_size_check` says ``text`` may be too large.
+        Called only when :func:`stateguard._kernel.needs_size_check` says ``text`` may be too large.
         """
-        _write.check_statement_size(conn, text, f"the stored value of {self._name}")
+        _kernel.check_statement_size(conn, text, f"the stored value of {self._name}")
 
     def heartbeat(self, call: IdempotentCall[S], dedicated: Connection | None = None) -> None:
         """Extend the lease; LeaseLost when another owner took the key (not when this owner finished it).
@@ -387,13 +387,13 @@ class Claim(Generic[S]):
         params = self._params()
         if self.options.mode == "same_transaction":
             with self._open(self._block_savepoint).paused() as conn:
-                matched = _write.execute(conn, HEARTBEAT, params).rowcount
+                matched = _kernel.execute(conn, HEARTBEAT, params).rowcount
         elif dedicated is not None:
             with dedicated.begin():
-                matched = _write.execute(dedicated, HEARTBEAT, params).rowcount
+                matched = _kernel.execute(dedicated, HEARTBEAT, params).rowcount
         else:
             with self._open(self._engine).begin() as conn:
-                matched = _write.execute(conn, HEARTBEAT, params).rowcount
+                matched = _kernel.execute(conn, HEARTBEAT, params).rowcount
         if matched != 1:
             if self._finishing or call._state != "open":
                 # Its own complete()/fail/release() ended the claim between the check

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Final, Literal
 
-from .. import _write
+from .. import _kernel
 from ..exceptions import InvalidArgument
 from .serialization import JSON, Serializer
 
@@ -41,7 +41,7 @@ DEFAULT_MODE: Final[Mode] = "same_transaction"
 
 def duration_ms(value: Any, what: str) -> int:
     """A lease, ttl or heartbeat interval (a :class:`~datetime.timedelta` of at least 1 ms) in ms."""
-    return _write.duration_ms(value, what)
+    return _kernel.duration_ms(value, what)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ import json
 from collections.abc import Callable
 from typing import Any, Final, Protocol, cast
 
-from .. import _write
+from .. import _kernel
 from ..exceptions import InvalidArgument
 
 __all__ = [
@@ -58,7 +58,7 @@ class JSONSerializer:
 
     def dumps(self, value: Any) -> str:
         """``value`` as compact JSON."""
-        return _write.dumps_json(value)
+        return _kernel.dumps_json(value)
 
     def loads(self, text: str) -> Any:
         """The value of JSON ``text``."""
@@ -70,7 +70,7 @@ JSON: Final = JSONSerializer()
 
 
 #: Canonical JSON of a fingerprint (sorted keys, no whitespace), built once.
-_canonical: Final = _write.json_encoder(sort_keys=True)
+_canonical: Final = _kernel.json_encoder(sort_keys=True)
 
 
 def _builtin_sha256() -> Callable[[bytes], Any]:
@@ -148,7 +148,7 @@ def dump(serializer: Serializer, value: Any, what: str) -> str:
         )
     # PostgreSQL refuses NUL in text and no driver encodes a lone surrogate
     # (JSON with ensure_ascii=False passes one through).
-    return _write.check_storable(text, f"the serialised {what}")
+    return _kernel.check_storable(text, f"the serialised {what}")
 
 
 def load(serializer: Serializer, text: str | None) -> Any:

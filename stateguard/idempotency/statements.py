@@ -6,7 +6,7 @@ the takeover of a dead or released claim, and the owner-conditional writes
 of an open call (complete, checkpoint, heartbeat, release, fail, forget).
 Each is one conditional statement, so the database settles every race; every
 lease and expiry in them is computed on the database's clock.  Statements
-run on every call are frozen (:func:`stateguard._write.frozen`): their SQL
+run on every call are frozen (:func:`stateguard._kernel.frozen`): their SQL
 cache key is computed once, not at every execution.
 """
 
@@ -31,7 +31,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql.lambdas import StatementLambdaElement
 
-from .. import _sql, _write
+from .. import _kernel
 from ..tables import idempotency_keys
 
 __all__ = [
@@ -67,7 +67,7 @@ _columns: Final = idempotency_keys.c
 # Every lease and expiry is judged and stored on the database's clock, inside
 # the deciding statement: an application server whose clock runs ahead must
 # not take over live claims (nor one running behind keep dead ones).
-_NOW: Final = _sql.db_now_ms()
+_NOW: Final = _kernel.db_now_ms()
 _LEASE_END: Final = _NOW + bindparam("sg_lease")
 _EXPIRY: Final = _NOW + bindparam("sg_ttl")
 # The statements below touch one table: their conditions name its columns unqualified
@@ -123,7 +123,7 @@ class Record(NamedTuple):
 
 
 #: One statement on PostgreSQL: the claim, or the record that holds the key (the kernel's CTE form).
-CLAIM: Final = _write.InsertOnce(
+CLAIM: Final = _kernel.InsertOnce(
     idempotency_keys,
     _NEW_ROW,
     returning=[_columns.scope],
@@ -165,7 +165,7 @@ TAKEOVER: Final[Update] = (
 
 def _owned_update(**values: Any) -> StatementLambdaElement:
     """``UPDATE ... SET values, updated_ms = db_now WHERE key AND owner = :me AND status = 'in_progress'``."""
-    return _write.frozen(update(idempotency_keys).where(*_MINE).values(updated_ms=_NOW, **values))
+    return _kernel.frozen(update(idempotency_keys).where(*_MINE).values(updated_ms=_NOW, **values))
 
 
 #: The response is stored, and the key kept ttl from now.

@@ -11,11 +11,11 @@ read back, once, to tell REPEATED, REJECTED and NOT_FOUND apart.
 MySQL/MariaDB have no ``UPDATE ... RETURNING``, so each chunk is a locking
 read in key order (which evaluates the trigger's condition on the latest
 committed rows) and then the UPDATE of the keys that may apply, both held to
-the primary key with ``FORCE INDEX (PRIMARY)`` (:func:`stateguard._sql.by_primary_key`):
+the primary key with ``FORCE INDEX (PRIMARY)`` (:func:`stateguard._kernel.by_primary_key`):
 InnoDB locks every row a plan visits, and an IN list naming most of a small
 table would otherwise scan the whole index out of key order.  History rows and
 outbox events go in one multi-row INSERT per chunk (more when they outgrow one
-statement: :func:`stateguard._write.insert_rows`).  See
+statement: :func:`stateguard._kernel.insert_rows`).  See
 ``docs/how-to/sweepers.md``.
 """
 
@@ -24,14 +24,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import ColumnElement, Connection, any_, bindparam, select, tuple_, update
+from sqlalchemy import ColumnElement, Connection, Update, any_, bindparam, select, tuple_, update
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
 from sqlalchemy.schema import Column
 from sqlalchemy.sql import util as sql_util
 from sqlalchemy.sql import visitors
 
-from .. import _sql, _write
+from .. import _kernel
 from ..exceptions import InvalidArgument
 from ..result import Outcome, Result
 from . import compile, events, history
@@ -49,7 +49,7 @@ DEFAULT_CHUNK_SIZE = 1000
 _Moved = tuple[tuple[Any, ...], Any, int | None, Any]
 
 
-def _keys_in(info: _sql.ModelInfo, backend: _sql.Backend | None = None) -> ColumnElement[bool]:
+def _keys_in(info: _kernel.ModelInfo, backend: _kernel.Backend | None = None) -> ColumnElement[bool]:
     if len(info.pk_columns) == 1:
         col = info.pk_columns[0]
         if backend is not None and backend.array_params:
@@ -65,13 +65,13 @@ def _key_param(keys: Iterable[tuple[Any, ...]], single: bool) -> list[Any]:
 
 
 def _resolve_many(
-    session: Session, info: _sql.ModelInfo, targets: Iterable[Any]
+    session: Session, info: _kernel.ModelInfo, targets: Iterable[Any]
 ) -> tuple[list[tuple[Any, ...]], dict[tuple[Any, ...], Any]]:
     if isinstance(targets, str | bytes) or not isinstance(targets, Iterable):
         raise InvalidArgument(f"many() takes an iterable of targets, got {targets!r}")
     keys: dict[tuple[Any, ...], Any] = {}
     for target in targets:
-        key, instance = _write.resolve_target(session, info, target)
+        key, instance = _kernel.resolve_target(session, info, target)
         if key not in keys or instance is not None:
             keys[key] = instance
     return list(keys), keys
@@ -92,13 +92,15 @@ class _Batch:
         m = trigger.machine
         info = m.info
         self.trigger = trigger
-        self.items, _ = _write.split_values(info, values, forbidden=m._forbidden)
-        self.conn: Connection = _write.connection_for(session, info, keys, _write.value_integers(self.items))
-        self.backend = _sql.backend(self.conn.dialect)
+        self.items, _ = _kernel.split_values(info, values, forbidden=m._forbidden)
+        self.conn: Connection = _kernel.connection_for(
+            session, info, keys, _kernel.value_integers(self.items)
+        )
+        self.backend = _kernel.backend(self.conn.dialect)
         self.pairs, self.state_cond, _ = compile.parts(
             trigger, self.backend, self.items, embed=False, last_insert_id=False
         )
-        self.params = _sql.value_params(self.items)
+        self.params = _kernel.value_params(self.items)
         self.npk = len(info.pk_columns)
         self.vcol = info.version_column
 
@@ -111,9 +113,9 @@ class _Batch:
         version = row[npk + 1] + 1 if self.vcol is not None else None
         return key, m.codec.to_db(dest), version, old_state
 
-    def update_locked(self, stmt: Any, keys: list[tuple[Any, ...]], what: str) -> None:
+    def update_locked(self, stmt: Update, keys: list[tuple[Any, ...]], what: str) -> None:
         """Run ``stmt``, the UPDATE of rows this transaction has locked and found eligible."""
-        result = _write.execute(self.conn, stmt, {**self.params, "sg_keys": _key_param(keys, self.npk == 1)})
+        result = _kernel.execute(self.conn, stmt, {**self.params, "sg_keys": _key_param(keys, self.npk == 1)})
         if result.rowcount != len(keys):  # pragma: no cover - the rows are locked
             raise RuntimeError(
                 f"stateguard: {what} {self.trigger!r} matched {result.rowcount} of {len(keys)} locked rows"
@@ -149,7 +151,7 @@ class _Batch:
         return out
 
 
-def _locked_update(batch: _Batch, keys_in: ColumnElement[bool]) -> Any:
+def _locked_update(batch: _Batch, keys_in: ColumnElement[bool]) -> Update:
     """PostgreSQL: the chunk's UPDATE of rows it first locks in key order, judged on the locked rows.
 
     ::
@@ -248,7 +250,7 @@ def fire_many(
     read_cols: list[Any] = [*info.pk_columns, state_col]
     if vcol is not None:
         read_cols.append(vcol)
-    update_stmt = _sql.by_primary_key(
+    update_stmt = _kernel.by_primary_key(
         update(info.table).where(keys_in, state_cond).ordered_values(*batch.pairs), info.table, backend
     )
     if backend.returning and backend.row_locks:
@@ -261,7 +263,7 @@ def fire_many(
             if vcol is not None:
                 returning.append(vcol)
             returning.append(state_col)
-            rows = _write.execute(
+            rows = _kernel.execute(
                 conn,
                 update_stmt.returning(*returning),
                 {**batch.params, "sg_keys": _key_param(chunk, single)},
@@ -275,7 +277,7 @@ def fire_many(
                 )
             rest = [k for k in chunk if k not in done]
             if rest:
-                found = _write.execute(
+                found = _kernel.execute(
                     conn, select(*read_cols).where(keys_in), {"sg_keys": _key_param(rest, single)}
                 ).all()
                 by_key = {tuple(r[:npk]): r for r in found}
@@ -287,8 +289,8 @@ def fire_many(
         else:
             # No UPDATE RETURNING: lock the batch in key order and let the
             # database evaluate the trigger's condition on the latest rows.
-            _write.sqlite_write_lock(conn)
-            probe = _sql.by_primary_key(
+            _kernel.sqlite_write_lock(conn)
+            probe = _kernel.by_primary_key(
                 select(*read_cols, state_cond.label("sg_ok"))
                 .where(keys_in)
                 .order_by(*info.pk_columns)
@@ -296,7 +298,7 @@ def fire_many(
                 info.table,
                 backend,
             )
-            found = _write.execute(conn, probe, {"sg_keys": _key_param(chunk, single)}).all()
+            found = _kernel.execute(conn, probe, {"sg_keys": _key_param(chunk, single)}).all()
             by_key = {tuple(r[:npk]): r for r in found}
             ok: list[tuple[Any, ...]] = []
             for k in chunk:
@@ -325,12 +327,12 @@ def fire_many(
             _sync(session, info, m.attr, instances.get(key), key, db_state, version, ())
         out[result.key] = result
     # Results in the order the keys were given.
-    return {_sql.public_key(k): out[_sql.public_key(k)] for k in given}
+    return {_kernel.public_key(k): out[_kernel.public_key(k)] for k in given}
 
 
 def _sync(
     session: Session,
-    info: _sql.ModelInfo,
+    info: _kernel.ModelInfo,
     state_attr: str,
     instance: Any,
     key: tuple[Any, ...],
@@ -341,7 +343,7 @@ def _sync(
     committed: dict[str, Any] = {state_attr: db_state}
     if info.version_attr is not None and version is not None:
         committed[info.version_attr] = version
-    _write.sync_loaded(session, info, key, instance, committed, expire)
+    _kernel.sync_loaded(session, info, key, instance, committed, expire)
 
 
 def fire_where(
@@ -369,7 +371,7 @@ def fire_where(
     if limit is not None:
         if type(limit) is not int or limit < 1:
             raise InvalidArgument(f"limit must be a positive int or None, got {limit!r}")
-        limit = _write.check_batch(limit, "limit")
+        limit = _kernel.check_batch(limit, "limit")
     batch = _Batch(trigger, session, values)
     conn, backend, state_cond, npk, vcol = batch.conn, batch.backend, batch.state_cond, batch.npk, batch.vcol
     state_col = m.state_column
@@ -400,7 +402,7 @@ def fire_where(
         if vcol is not None:
             returning.append(vcol)
         stmt = update(info.table).where(where).ordered_values(*batch.pairs).returning(*returning)
-        rows = sorted(_write.execute(conn, stmt, batch.params).all(), key=lambda r: tuple(r[:npk]))
+        rows = sorted(_kernel.execute(conn, stmt, batch.params).all(), key=lambda r: tuple(r[:npk]))
         source = trigger.sources[0]
         applied_rows = [
             (tuple(r[:npk]), r[npk], r[npk + 1] if vcol is not None else None, source) for r in rows
@@ -412,11 +414,11 @@ def fire_where(
         pick = select(*cols).where(condition, state_cond).order_by(*info.pk_columns)
         if limit is not None:
             pick = pick.limit(limit)
-        _write.sqlite_write_lock(conn)
-        found = _write.execute(conn, pick.with_for_update(skip_locked=True), batch.params).all()
+        _kernel.sqlite_write_lock(conn)
+        found = _kernel.execute(conn, pick.with_for_update(skip_locked=True), batch.params).all()
         keys = [tuple(r[:npk]) for r in found]
         if keys:
-            sweep = _sql.by_primary_key(
+            sweep = _kernel.by_primary_key(
                 update(info.table).where(_keys_in(info), state_cond).ordered_values(*batch.pairs),
                 info.table,
                 backend,
@@ -425,4 +427,4 @@ def fire_where(
         applied_rows = [batch.moved(k, r) for k, r in zip(keys, found, strict=True)]
     # One INSERT logs the whole sweep, one more writes its events.
     batch.finish(session, applied_rows, {}, max(len(applied_rows), 1), None)
-    return [_sql.public_key(k) for k, _, _, _ in applied_rows]
+    return [_kernel.public_key(k) for k, _, _, _ in applied_rows]

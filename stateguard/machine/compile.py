@@ -7,8 +7,8 @@ Each trigger compiles to::
           [AND (fence IS NULL OR fence <= :fence)]
 
 and the affected-row count decides the outcome (``docs/explanation/schemes.md``).
-Built statements are kept in :data:`stateguard._write.memo`, keyed by the
-trigger, the interned :class:`~stateguard._sql.Backend` and the call variant
+Built statements are kept in :data:`stateguard._kernel.memo`, keyed by the
+trigger, the interned :class:`~stateguard._kernel.Backend` and the call variant
 (which values are set, whether a version or fence is checked), so an
 application with an engine per tenant builds each statement once.
 """
@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import ColumnElement, Update, and_, case, literal, or_, select, update
+from sqlalchemy import ColumnElement, Select, Update, and_, case, literal, or_, select, update
 from sqlalchemy.schema import Column
 
-from .. import _sql, _write
+from .. import _kernel
 from ..exceptions import InvalidArgument
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class Plan:
         self.returning = returns_state or (returns_version and not lid)
 
 
-def _needed(column: Column[Any] | None, info: _sql.ModelInfo, role: str) -> Column[Any]:
+def _needed(column: Column[Any] | None, info: _kernel.ModelInfo, role: str) -> Column[Any]:
     """The model's version or fence column; InvalidArgument when a call needs one the model lacks."""
     if column is None:
         raise InvalidArgument(f"{info.model.__name__} has no {role} column; declare one with {role}_column()")
@@ -60,7 +60,7 @@ def _needed(column: Column[Any] | None, info: _sql.ModelInfo, role: str) -> Colu
 
 def parts(
     trigger: Trigger,
-    backend: _sql.Backend | None,
+    backend: _kernel.Backend | None,
     items: Items,
     *,
     embed: bool,
@@ -105,19 +105,19 @@ def parts(
             pairs.append((col, whens[0][1]))
         else:
             pairs.append((col, case(*whens, else_=col)))
-    pairs.extend(_sql.set_clause(items, embed=embed))
+    pairs.extend(_kernel.set_clause(items, embed=embed))
     vcol = info.version_column
     lid = False
     if vcol is not None:
         if backend is None or not last_insert_id:
             pairs.append((vcol, vcol + 1))
         else:
-            pairs.append((vcol, _sql.version_increment(vcol, backend)))
+            pairs.append((vcol, _kernel.version_increment(vcol, backend)))
             lid = backend.last_insert_id
     if fence:
         fcol = _needed(info.fence_column, info, "fence")
         fence_value = None if bound is None else bound["sg_fence"]
-        pairs.append((fcol, _sql.bindparam("sg_fence", fence_value, type_=fcol.type)))
+        pairs.append((fcol, _kernel.bindparam("sg_fence", fence_value, type_=fcol.type)))
     if single:
         pairs.append((state_col, to_db(edges[0].dest)))
     else:
@@ -129,7 +129,7 @@ def parts(
 
 def build(
     trigger: Trigger,
-    backend: _sql.Backend | None,
+    backend: _kernel.Backend | None,
     items: Items,
     expected: bool,
     embed: bool,
@@ -149,10 +149,10 @@ def build(
     if expected:
         vcol = _needed(vcol, info, "version")
         expected_value = None if bound is None else bound["sg_expected"]
-        where.append(vcol == _sql.bindparam("sg_expected", expected_value, type_=vcol.type))
+        where.append(vcol == _kernel.bindparam("sg_expected", expected_value, type_=vcol.type))
     if fence:
         fcol = _needed(fcol, info, "fence")
-        where.append(_sql.fence_condition(fcol, None if bound is None else bound["sg_fence"]))
+        where.append(_kernel.fence_condition(fcol, None if bound is None else bound["sg_fence"]))
     stmt = update(info.table).where(*where).ordered_values(*pairs)
     returning: list[Column[Any]] = []
     returns_state = not single
@@ -170,23 +170,23 @@ def build(
 
 
 def plan(
-    trigger: Trigger, backend: _sql.Backend, items: Items, has_sql: bool, expected: bool, fence: bool
+    trigger: Trigger, backend: _kernel.Backend, items: Items, has_sql: bool, expected: bool, fence: bool
 ) -> Plan:
     """The memoised :class:`Plan` for one call variant (built afresh when a SQL value cannot be cached)."""
-    variant = _sql.variant_key(items, has_sql) if items else ()
+    variant = _kernel.variant_key(items, has_sql) if items else ()
     if variant is None:
         return build(trigger, backend, items, expected, embed=False, fence=fence)
     key = (trigger, backend, variant, expected, fence)
-    found: Plan | None = _write.memo.get(key)
+    found: Plan | None = _kernel.memo.get(key)
     if found is None:
-        found = _write.memo.put(key, build(trigger, backend, items, expected, embed=False, fence=fence))
+        found = _kernel.memo.put(key, build(trigger, backend, items, expected, embed=False, fence=fence))
     return found
 
 
-def lock_statement(machine: StateMachine[Any], backend: _sql.Backend) -> Any:
+def lock_statement(machine: StateMachine[Any], backend: _kernel.Backend) -> Select[Any]:
     """``SELECT state, version ... FOR UPDATE`` (plain on SQLite, which has one writer)."""
     key = ("machine.lock", machine, backend.row_locks)
-    stmt = _write.memo.get(key)
+    stmt: Select[Any] | None = _kernel.memo.get(key)
     if stmt is None:
         info = machine.info
         cols = [machine.state_column]
@@ -195,10 +195,10 @@ def lock_statement(machine: StateMachine[Any], backend: _sql.Backend) -> Any:
         stmt = select(*cols).where(info.pk_where)
         if backend.row_locks:
             stmt = stmt.with_for_update()
-        stmt = _write.memo.put(key, stmt)
+        stmt = _kernel.memo.put(key, stmt)
     return stmt
 
 
-def read_statement(machine: StateMachine[Any], backend: _sql.Backend) -> Any:
+def read_statement(machine: StateMachine[Any], backend: _kernel.Backend) -> Select[Any]:
     """``SELECT state, version, fence WHERE pk``: what a 0-row UPDATE found (``FOR UPDATE`` on InnoDB)."""
-    return _write.read_back(machine.info, machine._read_columns, backend)
+    return _kernel.read_back(machine.info, machine._read_columns, backend)

@@ -28,7 +28,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.schema import CheckConstraint, Table
 from sqlalchemy.sql.elements import conv
 
-from .. import _sql
+from .. import _kernel
 
 if TYPE_CHECKING:
     from .declaration import StateMachine
@@ -152,7 +152,9 @@ def add_states_check(machine: StateMachine[Any]) -> None:
         if isinstance(existing, CheckConstraint) and existing.name == name:
             return
     values = [machine.codec.to_db(s) for s in machine.states]
-    table.append_constraint(CheckConstraint(col.in_(values), name=conv(name), info={_sql.INFO_KEY: "states"}))
+    table.append_constraint(
+        CheckConstraint(col.in_(values), name=conv(name), info={_kernel.INFO_KEY: "states"})
+    )
 
 
 def is_stateguard_check(constraint: Any) -> bool:
@@ -166,7 +168,7 @@ def is_stateguard_check(constraint: Any) -> bool:
     if constraint is None:
         return False
     info = getattr(constraint, "info", None) or {}
-    if info.get(_sql.INFO_KEY) == "states":
+    if info.get(_kernel.INFO_KEY) == "states":
         return True
     name = getattr(constraint, "name", None)
     if not isinstance(name, str):
@@ -332,7 +334,7 @@ def _attach_legal_edges_ddl(tbl: Table, machine: StateMachine[Any]) -> None:
     col_name = machine.state_column.name
 
     def after_create(target: Table, connection: Connection, **kw: Any) -> None:
-        if not _sql.backend(connection.dialect).trigger_functions:
+        if not _kernel.backend(connection.dialect).trigger_functions:
             return
         edges = stored_edges(machine, connection.dialect)
         for sql in legal_edges_ddl(target.name, col_name, edges, schema=target.schema):
@@ -340,7 +342,7 @@ def _attach_legal_edges_ddl(tbl: Table, machine: StateMachine[Any]) -> None:
 
     def after_drop(target: Table, connection: Connection, **kw: Any) -> None:
         # The trigger went with the table; the function would outlive it.
-        if not _sql.backend(connection.dialect).trigger_functions:
+        if not _kernel.backend(connection.dialect).trigger_functions:
             return
         name = legal_edges_name(target.name, col_name)
         d = connection.dialect

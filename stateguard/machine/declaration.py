@@ -28,7 +28,7 @@ from sqlalchemy.sql import visitors
 from sqlalchemy.sql.selectable import Exists, ScalarSelect, Select
 from transitions import Machine as _GraphMachine
 
-from .. import _sql
+from .. import _kernel
 from .._async import dual_method
 from ..exceptions import ConfigurationError, InvalidArgument, UnknownTrigger
 from ..result import Result
@@ -193,7 +193,7 @@ class StateMachine(Generic[S]):
         self.triggers: dict[str, Trigger] = {}
         self._edges_by_trigger: dict[str, list[_Edge]] = {}
         self._graph: Any = None
-        self._info: _sql.ModelInfo | None = None
+        self._info: _kernel.ModelInfo | None = None
         self.state_column: Column[Any] = None  # type: ignore[assignment]
         #: The state codec (set when the machine is bound to its mapped class).
         self.codec: StateCodec = StateCodec(self.states, {s: s for s in self.states})
@@ -424,7 +424,7 @@ class StateMachine(Generic[S]):
         return f"ck_{self.state_column.table.name}_{self.state_column.name}_states"
 
     @property
-    def info(self) -> _sql.ModelInfo:
+    def info(self) -> _kernel.ModelInfo:
         info = self._info
         if info is None:
             if self.model is None:
@@ -432,7 +432,7 @@ class StateMachine(Generic[S]):
                     f"StateMachine {self._where()} is not attached to a mapped class; declare it "
                     f"as a class attribute of a mapped (declarative) class"
                 )
-            info = _sql.model_info(self.model)
+            info = _kernel.model_info(self.model)
             forbidden = {self.attr: f"it is the state column; fire a trigger of {self.name} instead"}
             if info.version_attr is not None:
                 forbidden[info.version_attr] = "it is the version column; stateguard increments it"

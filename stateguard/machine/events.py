@@ -29,9 +29,24 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
-from sqlalchemy import Connection, Text, and_, bindparam, case, cast, func, insert, literal, select, true
+from sqlalchemy import (
+    Case,
+    ColumnElement,
+    Connection,
+    Select,
+    Text,
+    and_,
+    bindparam,
+    case,
+    cast,
+    func,
+    insert,
+    literal,
+    select,
+    true,
+)
 
-from .. import _sql, _write
+from .. import _kernel
 from ..exceptions import ConfigurationError
 from ..outbox.wakeup import notifies, notify_column, notify_statement
 from ..tables import DIGEST_PREFIX, MAX_KEY, outbox, row_key
@@ -86,9 +101,9 @@ def topic_for(machine: StateMachine[Any], trigger: Trigger, table_name: str) -> 
     )
 
 
-def json_key(info: _sql.ModelInfo, key: tuple[Any, ...]) -> Any:
+def json_key(info: _kernel.ModelInfo, key: tuple[Any, ...]) -> Any:
     """The primary key as JSON-able data, spelled like :func:`~stateguard.tables.row_key`."""
-    canonical = _sql.canonical_key(info, key)
+    canonical = _kernel.canonical_key(info, key)
     value: Any = canonical[0] if len(canonical) == 1 else list(canonical)
     if all(type(part) in (int, str) for part in canonical):
         return value
@@ -100,7 +115,7 @@ FIELDS: Final = ("model", "key", "trigger", "source", "dest", "version", "reques
 
 
 #: The outbox's JSON text, written the same way whichever path writes an event.
-_dumps = _write.dumps_json
+_dumps = _kernel.dumps_json
 
 
 def payload(
@@ -146,10 +161,10 @@ def pieces(values: dict[str, Any], holes: Sequence[str]) -> list[str]:
     return out
 
 
-def event_key(info: _sql.ModelInfo, key: tuple[Any, ...]) -> str:
+def event_key(info: _kernel.ModelInfo, key: tuple[Any, ...]) -> str:
     """The outbox key of a row's events: ``"<table>:<row key>"``; a row key too long for the
     outbox's key column beside the table name is replaced by its SHA-256."""
-    stored = row_key(_sql.canonical_key(info, key))
+    stored = row_key(_kernel.canonical_key(info, key))
     table = info.table.fullname
     found = f"{table}:{stored}"
     if len(found) > MAX_KEY:
@@ -166,7 +181,7 @@ def record(
     meta: Any,
 ) -> None:
     """Insert the events of ``(key, source, dest, version)``: one (multi-row) INSERT, more when the
-    rows outgrow one statement (:func:`stateguard._write.insert_rows`)."""
+    rows outgrow one statement (:func:`stateguard._kernel.insert_rows`)."""
     if not entries:
         return
     info = trigger.machine.info
@@ -179,14 +194,14 @@ def record(
             "topic": trigger.topic,
             "key": event_key(info, entry[0]),
             "payload": text,
-            "created_ms": _sql.db_now_ms(),
+            "created_ms": _kernel.db_now_ms(),
             "attempts": 0,
         }
         for entry, text in zip(entries, payloads, strict=True)
     ]
-    _write.insert_rows(conn, outbox, rows, max(len(p.encode("utf-8")) for p in payloads))
-    if notifies(_sql.backend(conn.dialect)):
-        _write.execute(conn, notify_statement())  # wakes the relays at COMMIT (stateguard.outbox.wakeup)
+    _kernel.insert_rows(conn, outbox, rows, max(len(p.encode("utf-8")) for p in payloads))
+    if notifies(_kernel.backend(conn.dialect)):
+        _kernel.execute(conn, notify_statement())  # wakes the relays at COMMIT (stateguard.outbox.wakeup)
 
 
 class CtePlan:
@@ -199,13 +214,13 @@ class CtePlan:
 
     __slots__ = ("returns_source", "returns_state", "stmt")
 
-    def __init__(self, stmt: Any, returns_state: bool, returns_source: bool) -> None:
+    def __init__(self, stmt: Select[Any], returns_state: bool, returns_source: bool) -> None:
         self.stmt = stmt
         self.returns_state = returns_state
         self.returns_source = returns_source
 
 
-def _names(machine: StateMachine[Any], column: Any, states: Sequence[Any]) -> Any:
+def _names(machine: StateMachine[Any], column: ColumnElement[Any], states: Sequence[Any]) -> Case[Any]:
     """SQL turning a database state value of ``column`` into its name as JSON text."""
     codec = machine.codec
     return case(*((column == codec.to_db(s), literal(_dumps(codec.name(s)))) for s in states), else_="null")
@@ -224,7 +239,7 @@ def _holes(trigger: Trigger) -> tuple[str, ...]:
 
 
 def _build(
-    trigger: Trigger, items: compile.Items, expected: bool, fence: bool, backend: _sql.Backend
+    trigger: Trigger, items: compile.Items, expected: bool, fence: bool, backend: _kernel.Backend
 ) -> CtePlan:
     m = trigger.machine
     info = m.info
@@ -273,7 +288,7 @@ def _build(
                 bindparam("sg_event_topic", type_=outbox.c.topic.type),
                 bindparam("sg_event_key", type_=outbox.c.key.type),
                 cast(text, outbox.c.payload.type),
-                _sql.db_now_ms(),
+                _kernel.db_now_ms(),
                 literal(0),
             ).select_from(moved),
         )
@@ -285,16 +300,21 @@ def _build(
 
 
 def cte_plan(
-    trigger: Trigger, backend: _sql.Backend, items: compile.Items, has_sql: bool, expected: bool, fence: bool
+    trigger: Trigger,
+    backend: _kernel.Backend,
+    items: compile.Items,
+    has_sql: bool,
+    expected: bool,
+    fence: bool,
 ) -> CtePlan:
     """The memoised :class:`CtePlan` for one call variant (built afresh when a SQL value cannot be cached)."""
-    variant = _sql.variant_key(items, has_sql) if items else ()
+    variant = _kernel.variant_key(items, has_sql) if items else ()
     if variant is None:
         return _build(trigger, items, expected, fence, backend)
     key = ("machine.event", trigger, backend, variant, expected, fence)
-    found: CtePlan | None = _write.memo.get(key)
+    found: CtePlan | None = _kernel.memo.get(key)
     if found is None:
-        found = _write.memo.put(key, _build(trigger, items, expected, fence, backend))
+        found = _kernel.memo.put(key, _build(trigger, items, expected, fence, backend))
     return found
 
 

@@ -32,7 +32,7 @@ from sqlalchemy import (
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
-from .. import _sql, _write
+from .. import _kernel
 from ..exceptions import InvalidArgument, SerializationConflict
 from ..tables import MAX_REQUEST_ID, row_key, transition_log
 
@@ -81,13 +81,13 @@ def check_request(request_id: Any, meta: Any) -> None:
             f"got {request_id!r}"
         )
     if request_id is not None:
-        _write.check_storable(request_id, "request_id")
+        _kernel.check_storable(request_id, "request_id")
     if meta is not None and not isinstance(meta, Mapping):
         raise InvalidArgument(f"metadata must be a mapping (a dict) or None, got {type(meta).__name__}")
     if meta is not None:
         # The rules of an outbox payload, which carries it too (events=True): checked before
         # the UPDATE, as PostgreSQL's json and MariaDB's JSON_VALID refuse NaN only after it.
-        size = len(_write.json_text(meta, "metadata", MAX_META_DEPTH).encode("utf-8"))
+        size = len(_kernel.json_text(meta, "metadata", MAX_META_DEPTH).encode("utf-8"))
         if size > MAX_META_BYTES:
             raise InvalidArgument(
                 f"metadata is {size} bytes as JSON; the transition log takes at most {MAX_META_BYTES}"
@@ -111,13 +111,13 @@ def applied_by_request(
     conn: Connection, machine: StateMachine[Any], trigger: str, key: tuple[Any, ...], request_id: str
 ) -> Any:
     """The logged row (dest, version) if ``request_id`` already applied ``trigger`` to ``key``."""
-    return _write.execute(
+    return _kernel.execute(
         conn,
         _lookup,
         {
             "sg_model": machine.info.table.fullname,
             "sg_machine": machine.name,
-            "sg_row_key": row_key(_sql.canonical_key(machine.info, key)),
+            "sg_row_key": row_key(_kernel.canonical_key(machine.info, key)),
             "sg_trigger": trigger,
             "sg_request_id": request_id,
         },
@@ -132,7 +132,7 @@ def record(
     meta: Any,
 ) -> None:
     """Insert log rows ``(key, source, dest, version)``: one (multi-row) INSERT, more when the rows
-    outgrow one statement (:func:`stateguard._write.insert_rows`)."""
+    outgrow one statement (:func:`stateguard._kernel.insert_rows`)."""
     if not entries:
         return
     m = trigger.machine
@@ -142,7 +142,7 @@ def record(
         {
             "model": model,
             "machine": m.name,
-            "row_key": row_key(_sql.canonical_key(m.info, key)),
+            "row_key": row_key(_kernel.canonical_key(m.info, key)),
             "trigger": trigger.name,
             "source": name(source),
             "dest": name(dest),
@@ -154,10 +154,10 @@ def record(
     ]
     try:
         if len(rows) == 1:
-            _write.execute(conn, insert(transition_log), rows[0])
+            _kernel.execute(conn, insert(transition_log), rows[0])
         else:
-            meta_bytes = 0 if meta is None else len(_write.dumps_json(meta).encode("utf-8"))
-            _write.insert_rows(conn, transition_log, rows, meta_bytes)
+            meta_bytes = 0 if meta is None else len(_kernel.dumps_json(meta).encode("utf-8"))
+            _kernel.insert_rows(conn, transition_log, rows, meta_bytes)
     except sa_exc.IntegrityError as error:
         # Two calls with the same request id raced after the row came back to a
         # source state: the unique index refused the second.  A retry of the
@@ -171,7 +171,7 @@ def record(
 def entries(session: Session, machine: StateMachine[Any], target: Any) -> list[HistoryEntry]:
     """The logged transitions of ``target``, oldest first."""
     info = machine.info
-    key, _ = _write.resolve_target(session, info, target)
+    key, _ = _kernel.resolve_target(session, info, target)
     log = transition_log
     stmt = (
         select(log.c.trigger, log.c.source, log.c.dest, log.c.at, log.c.request_id, log.c.meta, log.c.version)
@@ -179,7 +179,7 @@ def entries(session: Session, machine: StateMachine[Any], target: Any) -> list[H
             and_(
                 log.c.model == info.table.fullname,
                 log.c.machine == machine.name,
-                log.c.row_key == row_key(_sql.canonical_key(info, key)),
+                log.c.row_key == row_key(_kernel.canonical_key(info, key)),
             )
         )
         .order_by(log.c.id)
@@ -196,7 +196,7 @@ def entries(session: Session, machine: StateMachine[Any], target: Any) -> list[H
             r.meta,
             r.version,
         )
-        for r in _write.execute(conn, stmt)
+        for r in _kernel.execute(conn, stmt)
     ]
 
 

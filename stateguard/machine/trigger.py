@@ -17,7 +17,7 @@ from sqlalchemy import Connection, Update
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Session
 
-from .. import _commit, _sql, _write
+from .. import _kernel
 from .._async import dual_method
 from ..exceptions import InvalidArgument
 from ..result import Outcome, Result
@@ -71,12 +71,12 @@ class Trigger:
         values: Mapping[str, Any] | None,
         expected_version: int | None,
         fence: int | None = None,
-    ) -> tuple[_sql.ModelInfo, tuple[Any, ...], Any, compile.Items, bool]:
+    ) -> tuple[_kernel.ModelInfo, tuple[Any, ...], Any, compile.Items, bool]:
         m = self.machine
         info = m.info
-        key, instance = _write.resolve_target(session, info, target)
+        key, instance = _kernel.resolve_target(session, info, target)
         if values:
-            items, has_sql = _write.split_values(info, values, forbidden=m._forbidden)
+            items, has_sql = _kernel.split_values(info, values, forbidden=m._forbidden)
         else:
             items, has_sql = (), False
         if expected_version is not None:
@@ -88,7 +88,7 @@ class Trigger:
             if type(expected_version) is not int:
                 raise InvalidArgument(f"expected_version must be an int, got {expected_version!r}")
         if fence is not None:
-            _write.check_fence(info, fence)
+            _kernel.check_fence(info, fence)
         return info, key, instance, items, has_sql
 
     def statement(
@@ -111,7 +111,7 @@ class Trigger:
             # WHERE orders.id = :sg_pk0 AND orders.status IN (__[POSTCOMPILE_status_1])
         """
         info, key, _, items, _ = self._prepare(None, target, values, expected_version, fence)
-        backend = _sql.backend(dialect) if dialect is not None else None
+        backend = _kernel.backend(dialect) if dialect is not None else None
         params: dict[str, Any] = info.key_params(key)
         params["sg_expected"] = expected_version
         params["sg_fence"] = fence
@@ -206,7 +206,7 @@ class Trigger:
             )
         integers: list[tuple[Any, Any, str]] | tuple[()] = ()
         if items or expected_version is not None or fence is not None:
-            integers = _write.value_integers(items)
+            integers = _kernel.value_integers(items)
             if expected_version is not None and info.version_column is not None:
                 integers.append((info.version_column, expected_version, "expected_version"))
             if fence is not None and info.fence_column is not None:
@@ -215,12 +215,12 @@ class Trigger:
         if m.history_enabled or topic is not None:
             # Before the connection: on SQLite connection_for takes the write lock.
             history.check_request(request_id, metadata)
-        conn = _write.connection_for(session, info, (key,), integers)
+        conn = _kernel.connection_for(session, info, (key,), integers)
         if info.text_key and (m.history_enabled or topic is not None):
             # The row's own spelling of a text key (MariaDB's case-insensitive collations), for
             # the log's request-id lookup and the event's key.
-            key = _write.stored_key(conn, info, key)
-        backend = _sql.backend(conn.dialect)
+            key = _kernel.stored_key(conn, info, key)
+        backend = _kernel.backend(conn.dialect)
         old_db_state: Any = None
         # PostgreSQL writes the event in the UPDATE's own statement (a data-modifying CTE).
         in_cte = topic is not None and backend.dml_cte
@@ -238,15 +238,15 @@ class Trigger:
             )
         if len(self.sources) > 1 and (m.history_enabled or (topic is not None and not in_cte)):
             # Several possible sources: lock the row and read the real one first.
-            _write.sqlite_write_lock(conn)
+            _kernel.sqlite_write_lock(conn)
             lock = compile.lock_statement(m, backend)
-            locked: Any = _write.execute(conn, lock, info.key_params(key)).first()
+            locked: Any = _kernel.execute(conn, lock, info.key_params(key)).first()
             if locked is None:
                 return self._result(Outcome.NOT_FOUND, session, key, expected_version=expected_version)
             old_db_state = locked[0]
         params = info.key_params(key)
         if items:
-            params.update(_sql.value_params(items))
+            params.update(_kernel.value_params(items))
         if expected_version is not None:
             params["sg_expected"] = expected_version
         if fence is not None:
@@ -256,7 +256,7 @@ class Trigger:
             expected = expected_version is not None
             cte = events.cte_plan(self, backend, items, has_sql, expected, fence is not None)
             params.update(events.cte_params(self, key, request_id, history.meta_of(metadata)))
-            applied, row = _write.run_guarded(conn, cte.stmt, params, returning=True)
+            applied, row = _kernel.run_guarded(conn, cte.stmt, params, returning=True)
             returns_state = cte.returns_state
             if row is not None and cte.returns_source:
                 old_db_state, row = row[-1], row[:-1]
@@ -264,7 +264,7 @@ class Trigger:
             plan = compile.plan(
                 self, backend, items, has_sql, expected_version is not None, fence is not None
             )
-            applied, row = _write.run_guarded(
+            applied, row = _kernel.run_guarded(
                 conn, plan.stmt, params, returning=plan.returning, last_insert_id=plan.uses_last_insert_id
             )
             returns_state = plan.returns_state
@@ -289,7 +289,7 @@ class Trigger:
             # MySQL/MariaDB cannot return the new state of a trigger with
             # several destinations: read it back.  Our UPDATE holds the row
             # lock, so this is exactly the row we wrote.
-            read: Any = _write.execute(conn, compile.read_statement(m, backend), info.key_params(key)).one()
+            read: Any = _kernel.execute(conn, compile.read_statement(m, backend), info.key_params(key)).one()
             db_state = read[0]
             if info.version_column is not None:
                 version = read[1]
@@ -307,7 +307,7 @@ class Trigger:
                 events.record(conn, self, entry, request_id, history.meta_of(metadata))
         out = self._applied(session, key, state, version, expected_version)
         if instance is None:
-            instance = _write.identity_instance(session, info, key)
+            instance = _kernel.identity_instance(session, info, key)
         if instance is not None:
             committed = {m.attr: db_state}
             expire = [attr for attr, _, _ in items]
@@ -320,7 +320,7 @@ class Trigger:
                     expire.append(info.version_attr)
             if fence is not None and info.fence_attr is not None:
                 committed[info.fence_attr] = fence
-            _write.sync_loaded(session, info, key, instance, committed, expire)
+            _kernel.sync_loaded(session, info, key, instance, committed, expire)
         return out
 
     def _allows(self, state: Any) -> bool:
@@ -342,7 +342,7 @@ class Trigger:
         return Result(
             outcome,
             model=self.machine.info.model,
-            key=_sql.public_key(key),
+            key=key[0] if len(key) == 1 else key,  # public_key(), written out: on every call
             trigger=self.name,
             state=state,
             version=version,
@@ -365,7 +365,7 @@ class Trigger:
             for edge in self.edges:
                 if edge.after_commit and edge.dest == state:
                     for fn in edge.after_commit:
-                        _commit.schedule(session, fn, (out,), {})
+                        _kernel.schedule(session, fn, (out,), {})
         return out
 
     def _found(
@@ -389,7 +389,7 @@ class Trigger:
             # would have matched it, so a guard, the version or the fence refused it.
             # Only a request_id in the history can tell a repeat there (checked first).
             outcome = Outcome.REPEATED
-        elif fence is not None and not _sql.fence_allows(fence_found, fence) and state in self.sources:
+        elif fence is not None and not _kernel.fence_allows(fence_found, fence) and state in self.sources:
             # A newer lock holder already wrote this row.
             outcome = Outcome.STALE
         elif expected_version is not None and version != expected_version and state in self.sources:
@@ -402,8 +402,8 @@ class Trigger:
         self,
         session: Session,
         conn: Connection,
-        backend: _sql.Backend,
-        info: _sql.ModelInfo,
+        backend: _kernel.Backend,
+        info: _kernel.ModelInfo,
         key: tuple[Any, ...],
         instance: Any,
         expected_version: int | None,
@@ -411,7 +411,7 @@ class Trigger:
     ) -> Result:
         """Read the row a 0-row UPDATE left alone and say why."""
         m = self.machine
-        row: Any = _write.execute(conn, compile.read_statement(m, backend), info.key_params(key)).first()
+        row: Any = _kernel.execute(conn, compile.read_statement(m, backend), info.key_params(key)).first()
         if row is None:
             return self._result(Outcome.NOT_FOUND, session, key, expected_version=expected_version)
         db_state = row[0]
@@ -426,10 +426,10 @@ class Trigger:
             fence_found=row[-1],
         )
         if instance is None:
-            instance = _write.identity_instance(session, info, key)
+            instance = _kernel.identity_instance(session, info, key)
         if instance is not None:
             committed = {m.attr: db_state}
             if info.version_attr is not None:
                 committed[info.version_attr] = version
-            _write.sync_loaded(session, info, key, instance, committed)
+            _kernel.sync_loaded(session, info, key, instance, committed)
         return found

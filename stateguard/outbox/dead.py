@@ -18,7 +18,7 @@ from datetime import timedelta
 from sqlalchemy import Connection, Engine, and_, bindparam
 from sqlalchemy.orm import Session
 
-from .. import _sql, _write
+from .. import _kernel
 from .._async import dual_bind
 from ..exceptions import InvalidArgument
 from ..tables import MAX_KEY, outbox
@@ -57,22 +57,22 @@ def requeue_dead(
         if not id_list:
             return 0
     if key is not None:
-        _write.check_text(key, "key", MAX_KEY)
+        _kernel.check_text(key, "key", MAX_KEY)
     if isinstance(bind, Engine):
         with bind.begin() as conn:
             return _requeue(conn, id_list, key)
-    return _requeue(_write.own_connection(bind, _o) if isinstance(bind, Session) else bind, id_list, key)
+    return _requeue(_kernel.own_connection(bind, _o) if isinstance(bind, Session) else bind, id_list, key)
 
 
 def _requeue(conn: Connection, ids: list[int] | None, key: str | None) -> int:
-    backend = _sql.backend(conn.dialect)
+    backend = _kernel.backend(conn.dialect)
     params: dict[str, object] = {}
     if ids is not None:
         params["sg_ids"] = ids
     if key is not None:
         params["sg_key"] = key
     stmt = _requeue_statement(backend, ids is not None, key is not None)
-    return int(_write.execute(conn, stmt, params).rowcount)
+    return int(_kernel.execute(conn, stmt, params).rowcount)
 
 
 @dual_bind
@@ -90,5 +90,7 @@ def purge_published(bind: Engine | Connection | Session, *, older_than: timedelt
     :raises InvalidArgument: ``older_than`` is not a positive timedelta or
         ``batch`` not a positive int.
     """
-    old = and_(_o.c.published_ms.is_not(None), _o.c.published_ms <= _sql.db_now_ms() - bindparam("sg_older"))
-    return _write.purge_rows(_o, bind, batch, old, sg_older=_write.duration_ms(older_than, "older_than"))
+    old = and_(
+        _o.c.published_ms.is_not(None), _o.c.published_ms <= _kernel.db_now_ms() - bindparam("sg_older")
+    )
+    return _kernel.purge_rows(_o, bind, batch, old, sg_older=_kernel.duration_ms(older_than, "older_than"))

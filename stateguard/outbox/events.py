@@ -14,7 +14,7 @@ from typing import Any, Final, Protocol, runtime_checkable
 from sqlalchemy import bindparam, insert
 from sqlalchemy.orm import Session
 
-from .. import _sql, _write
+from .. import _kernel
 from .._async import dual
 from ..exceptions import InvalidArgument
 from ..tables import MAX_KEY, outbox
@@ -62,7 +62,7 @@ class OutboxEvent:
             >>> OutboxEvent(7, "order.paid", "order-7", {"total": 120, "name": "Zoë"}, 0).payload_json()
             '{"total":120,"name":"Zoë"}'
         """
-        return self._json if self._json is not None else _write.dumps_json(self.payload)
+        return self._json if self._json is not None else _kernel.dumps_json(self.payload)
 
 
 @runtime_checkable
@@ -139,16 +139,16 @@ def payload_text(payload: Any) -> str:
     None); no NaN or infinity (``allow_nan=False``: other JSON readers
     refuse them); no lone surrogates (no UTF-8 for them).
     """
-    return _write.json_text(payload, "payload", MAX_DEPTH)
+    return _kernel.json_text(payload, "payload", MAX_DEPTH)
 
 
-def _insert(backend: _sql.Backend) -> Any:
+def _insert(backend: _kernel.Backend) -> Any:
     def build() -> Any:
         stmt = insert(_o).values(
             topic=bindparam("sg_topic"),
             key=bindparam("sg_key"),
             payload=bindparam("sg_payload"),
-            created_ms=_sql.db_now_ms(),
+            created_ms=_kernel.db_now_ms(),
             attempts=0,
         )
         if not backend.returning:
@@ -159,7 +159,7 @@ def _insert(backend: _sql.Backend) -> Any:
             return stmt.returning(_o.c.id, notify_column())
         return stmt.returning(_o.c.id)
 
-    return _write.memo.get_or_build(("outbox_insert", backend), build)
+    return _kernel.memo.get_or_build(("outbox_insert", backend), build)
 
 
 @dual
@@ -187,14 +187,14 @@ def emit(session: Session, topic: str, payload: Any, *, key: str | None = None) 
         100, a circular reference) or too large for a MariaDB statement;
         nothing was written.
     """
-    _write.check_text(topic, "topic", MAX_TOPIC)
+    _kernel.check_text(topic, "topic", MAX_TOPIC)
     if key is not None:
-        _write.check_text(key, "key", MAX_KEY)
+        _kernel.check_text(key, "key", MAX_KEY)
     text = payload_text(payload)
     if session.autoflush:
         session.flush()
-    conn = _write.own_connection(session, _o)
-    _write.check_statement_size(conn, text, "payload")
-    backend = _sql.backend(conn.dialect)
-    result = _write.execute(conn, _insert(backend), {"sg_topic": topic, "sg_key": key, "sg_payload": text})
+    conn = _kernel.own_connection(session, _o)
+    _kernel.check_statement_size(conn, text, "payload")
+    backend = _kernel.backend(conn.dialect)
+    result = _kernel.execute(conn, _insert(backend), {"sg_topic": topic, "sg_key": key, "sg_payload": text})
     return int(result.scalar_one() if backend.returning else result.lastrowid)

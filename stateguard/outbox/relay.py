@@ -27,7 +27,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import inspect as sa_inspect
 
-from .. import _sql, _write
+from .. import _kernel
 from .._async import Awaited, Steps, run_steps, step
 from ..exceptions import ConfigurationError, InvalidArgument, SerializationConflict
 from ..tables import outbox
@@ -85,7 +85,7 @@ def _autocommit(dialect: Any) -> bool:
     trips.  SQLite takes its write lock with a BEGIN IMMEDIATE first, MariaDB
     sets READ COMMITTED first: they keep their transaction.
     """
-    backend = _sql.backend(dialect)
+    backend = _kernel.backend(dialect)
     return backend.returning and backend.row_locks
 
 
@@ -135,17 +135,17 @@ class _RelayCore(_Isolation, Generic[E]):
                 f"{STRICT!r} (they wait until it is requeued and published), got {key_order!r}"
             )
         self.sink = sink
-        self.batch = _write.check_batch(batch)
-        self.lease_ms = _write.duration_ms(lease, "lease")
+        self.batch = _kernel.check_batch(batch)
+        self.lease_ms = _kernel.duration_ms(lease, "lease")
         self.max_attempts = max_attempts
-        self.retry_delay_ms = _write.duration_ms(retry_delay, "retry_delay")
+        self.retry_delay_ms = _kernel.duration_ms(retry_delay, "retry_delay")
         self.key_order = key_order
         if topics is None:
             self.topics: tuple[str, ...] | None = None
         else:
             if isinstance(topics, str):
                 raise InvalidArgument(f"topics must be a list of topics, not one str: pass [{topics!r}]")
-            self.topics = tuple(_write.check_text(t, "topic", MAX_TOPIC) for t in topics)
+            self.topics = tuple(_kernel.check_text(t, "topic", MAX_TOPIC) for t in topics)
             if not self.topics:
                 raise InvalidArgument("topics must name at least one topic (or be None: every topic)")
         self.engine: E = engine
@@ -154,7 +154,7 @@ class _RelayCore(_Isolation, Generic[E]):
             engine.execution_options(isolation_level="AUTOCOMMIT") if _autocommit(dialect) else engine
         )
         #: Whether run() waits on LISTEN/NOTIFY (PostgreSQL) rather than polling alone.
-        self._notified = notifies(_sql.backend(dialect))
+        self._notified = notifies(_kernel.backend(dialect))
         #: The listening connection of run(), while it runs (tests reach it to kill it).
         self._listener: Any = None
         #: The last error of the relay's own making that ends run() (its setup is wrong).
@@ -203,11 +203,11 @@ class _RelayCore(_Isolation, Generic[E]):
             params["sg_owner"] = owner
             params["sg_lease"] = self.lease_ms
             stmt = _claim_once_statement(backend, self.topics is not None, strict)
-            claimed = _write.execute(conn, stmt, params)
+            claimed = _kernel.execute(conn, stmt, params)
             return sorted((_event(r) for r in claimed), key=lambda e: e.id)
         heads = [
             _event(r)
-            for r in _write.execute(conn, _heads_statement(backend, self.topics is not None, strict), params)
+            for r in _kernel.execute(conn, _heads_statement(backend, self.topics is not None, strict), params)
         ]
         if not heads:
             return []
@@ -216,7 +216,7 @@ class _RelayCore(_Isolation, Generic[E]):
         if head_of and len(taken) < self.batch:
             # The heads are locked by this transaction: no other relay can claim any event of
             # their keys until this claim commits (it would have to lock the same head).
-            rows = _write.execute(conn, _followers_statement(backend, strict), {"sg_keys": list(head_of)})
+            rows = _kernel.execute(conn, _followers_statement(backend, strict), {"sg_keys": list(head_of)})
             blocked: set[str] = set()
             for row in rows:
                 key = row.key
@@ -232,7 +232,7 @@ class _RelayCore(_Isolation, Generic[E]):
                     continue
                 taken[row.id] = _event(row)
         ids = sorted(taken)
-        _write.execute(
+        _kernel.execute(
             conn, _claim_statement(backend), {"sg_ids": ids, "sg_owner": owner, "sg_lease": self.lease_ms}
         )
         return [taken[i] for i in ids]
@@ -240,14 +240,14 @@ class _RelayCore(_Isolation, Generic[E]):
     @staticmethod
     def _mark(conn: Connection, owner: str, ids: list[int]) -> int:
         backend = _begin(conn)
-        result = _write.execute(conn, _mark_statement(backend), {"sg_ids": ids, "sg_owner": owner})
+        result = _kernel.execute(conn, _mark_statement(backend), {"sg_ids": ids, "sg_owner": owner})
         return len(result.all()) if result.returns_rows else int(result.rowcount)
 
     @staticmethod
     def _release(conn: Connection, owner: str, ids: list[int]) -> int:
         backend = _begin(conn)
         return int(
-            _write.execute(conn, _release_statement(backend), {"sg_ids": ids, "sg_owner": owner}).rowcount
+            _kernel.execute(conn, _release_statement(backend), {"sg_ids": ids, "sg_owner": owner}).rowcount
         )
 
     def _settle(
@@ -277,10 +277,10 @@ class _RelayCore(_Isolation, Generic[E]):
                 "sg_delay": delay if delayed else None,  # now + NULL: NULL, free at once
                 "sg_dead": 1 if buried else 0,
             }
-            if _write.execute(conn, _refuse_statement(backend), params).rowcount and buried:
+            if _kernel.execute(conn, _refuse_statement(backend), params).rowcount and buried:
                 dead.append(event.id)
         if free:
-            _write.execute(conn, _release_statement(backend), {"sg_ids": free, "sg_owner": owner})
+            _kernel.execute(conn, _release_statement(backend), {"sg_ids": free, "sg_owner": owner})
         return dead
 
     @staticmethod
@@ -396,7 +396,7 @@ class _RelayCore(_Isolation, Generic[E]):
         """Cycles until ``stop`` is set: at once after one that published, after a wake-up (a NOTIFY,
         or the adaptive poll's sleep, :mod:`.wakeup`) after one that found nothing, after a bounded,
         jittered backoff after rounds that failed."""
-        idle = _write.required_seconds(idle_sleep, "idle_sleep")
+        idle = _kernel.required_seconds(idle_sleep, "idle_sleep")
         failed = 0
         poll = Poll()
         self._listener = self._make_listener() if self._notified else None
@@ -501,7 +501,7 @@ class Relay(_RelayCore[Engine]):
     ``run()`` wakes on PostgreSQL's LISTEN/NOTIFY: :func:`~stateguard.emit`
     and transitions with ``events=True`` NOTIFY in their own statement, so an
     idle relay claims an event moments after its COMMIT; elsewhere it polls
-    adaptively (:mod:`stateguard.outbox.wakeup`).  A lost notification loses
+    adaptively (``stateguard.outbox.wakeup``).  A lost notification loses
     no event: the poll every ``idle_sleep`` finds it.  On PostgreSQL the
     claim and the mark commit without waiting for the disk flush: a crash
     can only free a claim again or publish an event again (at least once).

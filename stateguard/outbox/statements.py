@@ -30,7 +30,7 @@ from sqlalchemy import (
     update,
 )
 
-from .. import _sql, _write
+from .. import _kernel
 from ..tables import outbox
 from .events import OutboxEvent
 
@@ -44,7 +44,7 @@ STRICT: Final = "strict"
 KEY_ORDERS: Final = (SKIP_DEAD, STRICT)
 
 
-def _async_commit(backend: _sql.Backend) -> bool:
+def _async_commit(backend: _kernel.Backend) -> bool:
     """Whether the relay's own writes commit without waiting for the WAL flush: PostgreSQL proper (the
     member of its family with PL/pgSQL trigger functions; CockroachDB has no synchronous_commit).
 
@@ -65,7 +65,7 @@ def _no_flush() -> Any:
 
 
 def _lease_free() -> Any:
-    return or_(_o.c.claimed_until_ms.is_(None), _o.c.claimed_until_ms <= _sql.db_now_ms())
+    return or_(_o.c.claimed_until_ms.is_(None), _o.c.claimed_until_ms <= _kernel.db_now_ms())
 
 
 def _head_conditions(topics: bool, strict: bool) -> list[Any]:
@@ -91,7 +91,7 @@ def _head_conditions(topics: bool, strict: bool) -> list[Any]:
     return conditions
 
 
-def _heads_statement(backend: _sql.Backend, topics: bool, strict: bool) -> Any:
+def _heads_statement(backend: _kernel.Backend, topics: bool, strict: bool) -> Any:
     """Free unpublished events that are their key's earliest unpublished one (or have no key)."""
 
     def build() -> Any:
@@ -104,10 +104,10 @@ def _heads_statement(backend: _sql.Backend, topics: bool, strict: bool) -> Any:
             stmt = stmt.with_for_update(skip_locked=True)
         return stmt
 
-    return _write.memo.get_or_build(("outbox_heads", backend, topics, strict), build)
+    return _kernel.memo.get_or_build(("outbox_heads", backend, topics, strict), build)
 
 
-def _followers_statement(backend: _sql.Backend, strict: bool) -> Any:
+def _followers_statement(backend: _kernel.Backend, strict: bool) -> Any:
     """Every unpublished event of the given keys, id order, with the lease state on the database clock
     (dead ones only in strict key order, where they hold back what follows them)."""
 
@@ -116,15 +116,15 @@ def _followers_statement(backend: _sql.Backend, strict: bool) -> Any:
         if not strict:
             conditions.append(_o.c.dead_ms.is_(None))
         return (
-            select(*_EVENT_COLUMNS, _o.c.claimed_until_ms, _o.c.dead_ms, _sql.db_now_ms().label("sg_now"))
+            select(*_EVENT_COLUMNS, _o.c.claimed_until_ms, _o.c.dead_ms, _kernel.db_now_ms().label("sg_now"))
             .where(*conditions)
             .order_by(_o.c.id)
         )
 
-    return _write.memo.get_or_build(("outbox_followers", backend, strict), build)
+    return _kernel.memo.get_or_build(("outbox_followers", backend, strict), build)
 
 
-def _claim_statement(backend: _sql.Backend) -> Any:
+def _claim_statement(backend: _kernel.Backend) -> Any:
     def build() -> Any:
         return (
             update(_o)
@@ -135,15 +135,15 @@ def _claim_statement(backend: _sql.Backend) -> Any:
             )
             .values(
                 claimed_by=bindparam("sg_owner"),
-                claimed_until_ms=_sql.db_now_ms() + bindparam("sg_lease"),
+                claimed_until_ms=_kernel.db_now_ms() + bindparam("sg_lease"),
                 attempts=_o.c.attempts + 1,
             )
         )
 
-    return _write.memo.get_or_build(("outbox_claim", backend), build)
+    return _kernel.memo.get_or_build(("outbox_claim", backend), build)
 
 
-def _claim_once_statement(backend: _sql.Backend, topics: bool, strict: bool) -> Any:
+def _claim_once_statement(backend: _kernel.Backend, topics: bool, strict: bool) -> Any:
     """The whole claim as one ``UPDATE ... RETURNING`` (PostgreSQL, SQLite): one round trip.
 
     The same rule as the three statements of :meth:`_RelayCore._claim`, in SQL,
@@ -165,7 +165,7 @@ def _claim_once_statement(backend: _sql.Backend, topics: bool, strict: bool) -> 
     """
 
     def build() -> Any:
-        now = _sql.db_now_ms()
+        now = _kernel.db_now_ms()
         earlier = _o.alias("sg_earlier")
         before = [earlier.c.key == _o.c.key, earlier.c.published_ms.is_(None), earlier.c.id < _o.c.id]
         if not strict:
@@ -214,16 +214,16 @@ def _claim_once_statement(backend: _sql.Backend, topics: bool, strict: bool) -> 
             .where(chosen, _o.c.published_ms.is_(None), _o.c.dead_ms.is_(None))
             .values(
                 claimed_by=bindparam("sg_owner"),
-                claimed_until_ms=_sql.db_now_ms() + bindparam("sg_lease"),
+                claimed_until_ms=_kernel.db_now_ms() + bindparam("sg_lease"),
                 attempts=_o.c.attempts + 1,
             )
             .returning(*_EVENT_COLUMNS, *((_no_flush(),) if _async_commit(backend) else ()))
         )
 
-    return _write.memo.get_or_build(("outbox_claim_once", backend, topics, strict), build)
+    return _kernel.memo.get_or_build(("outbox_claim_once", backend, topics, strict), build)
 
 
-def _ids_in(backend: _sql.Backend) -> Any:
+def _ids_in(backend: _kernel.Backend) -> Any:
     """``id`` among the bound list ``sg_ids``: ``= ANY(:sg_ids)``, one ARRAY parameter, on PostgreSQL.
 
     One statement text whatever the batch's size, and a primary-key lookup the
@@ -236,39 +236,39 @@ def _ids_in(backend: _sql.Backend) -> Any:
     return _o.c.id.in_(bindparam("sg_ids", expanding=True))
 
 
-def _owned_update(backend: _sql.Backend, what: str, values: Callable[[], dict[str, Any]]) -> Any:
+def _owned_update(backend: _kernel.Backend, what: str, values: Callable[[], dict[str, Any]]) -> Any:
     """``UPDATE`` of the batch ``:sg_ids`` this relay (``:sg_owner``) still holds unpublished (built once)."""
 
     def build() -> Any:
         mine = (_ids_in(backend), _o.c.claimed_by == bindparam("sg_owner"), _o.c.published_ms.is_(None))
         return update(_o).where(*mine).values(**values())
 
-    return _write.memo.get_or_build((f"outbox_{what}", backend), build)
+    return _kernel.memo.get_or_build((f"outbox_{what}", backend), build)
 
 
-def _mark_statement(backend: _sql.Backend) -> Any:
+def _mark_statement(backend: _kernel.Backend) -> Any:
     """Mark the batch published (and free its lease); on PostgreSQL it returns a row per event marked,
     committed without waiting for the WAL flush (:func:`_async_commit`)."""
 
     def build() -> Any:
         mine = (_ids_in(backend), _o.c.claimed_by == bindparam("sg_owner"), _o.c.published_ms.is_(None))
-        stmt = update(_o).where(*mine).values(published_ms=_sql.db_now_ms(), claimed_until_ms=None)
+        stmt = update(_o).where(*mine).values(published_ms=_kernel.db_now_ms(), claimed_until_ms=None)
         return stmt.returning(_no_flush()) if _async_commit(backend) else stmt
 
-    return _write.memo.get_or_build(("outbox_mark", backend), build)
+    return _kernel.memo.get_or_build(("outbox_mark", backend), build)
 
 
-def _release_statement(backend: _sql.Backend) -> Any:
+def _release_statement(backend: _kernel.Backend) -> Any:
     """Give the batch back unpublished: claimable again at once."""
     return _owned_update(backend, "release", lambda: {"claimed_until_ms": None})
 
 
-def _refuse_statement(backend: _sql.Backend) -> Any:
+def _refuse_statement(backend: _kernel.Backend) -> Any:
     """One refused event of the batch (``:sg_id``) back unpublished, claimable after ``:sg_delay`` ms,
     its refusal counted and its error kept; ``:sg_dead`` 1: parked dead instead (executemany)."""
 
     def build() -> Any:
-        now = _sql.db_now_ms()
+        now = _kernel.db_now_ms()
         dead = bindparam("sg_dead", type_=BigInteger) == 1
         return (
             update(_o)
@@ -285,10 +285,10 @@ def _refuse_statement(backend: _sql.Backend) -> Any:
             )
         )
 
-    return _write.memo.get_or_build(("outbox_refuse", backend), build)
+    return _kernel.memo.get_or_build(("outbox_refuse", backend), build)
 
 
-def _requeue_statement(backend: _sql.Backend, ids: bool, key: bool) -> Any:
+def _requeue_statement(backend: _kernel.Backend, ids: bool, key: bool) -> Any:
     """Dead events (of ``:sg_ids``, of ``:sg_key``) alive again, refusals from 0, claimable at once."""
 
     def build() -> Any:
@@ -299,13 +299,13 @@ def _requeue_statement(backend: _sql.Backend, ids: bool, key: bool) -> Any:
             conditions.append(_o.c.key == bindparam("sg_key"))
         return update(_o).where(*conditions).values(dead_ms=None, refusals=0, claimed_until_ms=None)
 
-    return _write.memo.get_or_build(("outbox_requeue", backend, ids, key), build)
+    return _kernel.memo.get_or_build(("outbox_requeue", backend, ids, key), build)
 
 
 _READ_COMMITTED: Final = text("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
 
 
-def _begin(conn: Connection) -> _sql.Backend:
+def _begin(conn: Connection) -> _kernel.Backend:
     """Start one of the relay's short transactions on ``conn``; its Backend.
 
     SQLite: take the write lock first (its only lock).  InnoDB: READ
@@ -314,11 +314,11 @@ def _begin(conn: Connection) -> _sql.Backend:
     new events are inserted into (emit would wait on a relay) and the rows it
     rejected, and claims and marks of several relays deadlock on them.
     """
-    backend = _sql.backend(conn.dialect)
-    if backend.locking_read:
+    backend = _kernel.backend(conn.dialect)
+    if backend.locks_scanned_rows:  # InnoDB gap locks: see above
         # Before the transaction's first statement: SET TRANSACTION applies to the next one.
-        _write.execute(conn, _READ_COMMITTED)
-    _write.sqlite_write_lock(conn)
+        _kernel.execute(conn, _READ_COMMITTED)
+    _kernel.sqlite_write_lock(conn)
     return backend
 
 

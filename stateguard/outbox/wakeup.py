@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from sqlalchemy import func, literal, select
 
-from .. import _sql
+from .. import _kernel
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -48,7 +48,7 @@ RECONNECT_S: Final = 1.0
 MAX_RECONNECT_S: Final = 30.0
 
 
-def notifies(backend: _sql.Backend) -> bool:
+def notifies(backend: _kernel.Backend) -> bool:
     """Whether outbox writes on ``backend`` NOTIFY the relays: PostgreSQL itself.
 
     PostgreSQL proper is the member of its SQL family with PL/pgSQL trigger

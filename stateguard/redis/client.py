@@ -20,7 +20,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, suppress
 from typing import Any, ClassVar, Final
 
-from .. import _write
+from .. import _kernel
 from .. import observe as _observe
 from .._async import Steps, step
 from ..exceptions import InvalidArgument, ReplicationTimeout
@@ -96,7 +96,7 @@ def _check_wait(wait_replicas: Any, wait_timeout: Any) -> tuple[int, int]:
             f"wait_replicas must be an int from 0 (0: do not wait for replicas) to {MAX_WAIT_REPLICAS}, "
             f"got {wait_replicas!r}; set it to at most the number of replicas each master has"
         )
-    seconds = _write.required_seconds(wait_timeout, "wait_timeout")
+    seconds = _kernel.required_seconds(wait_timeout, "wait_timeout")
     if not 0.001 <= seconds <= MAX_WAIT_TIMEOUT:
         raise InvalidArgument(
             f"wait_timeout must be from 1 millisecond to {MAX_WAIT_TIMEOUT:g} s (one hour), "

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, cast
 
 from sqlalchemy import Connection, text
 
-from .. import _sql, _write
+from .. import _kernel
 from .._async import Awaited, Steps, run_steps, step
 from ..exceptions import InvalidArgument, NotSupported, ReplicationTimeout
 from .cancellation import _cancel_swallowed, _still_cancelled, _TaskLocal
@@ -356,11 +356,11 @@ def _take_fence(conn: Connection, name: str) -> int:
     takes orders concurrent acquirers of one name; the value it returns is
     committed before the fence is used.
     """
-    backend = _sql.backend(conn.dialect)
+    backend = _kernel.backend(conn.dialect)
     if backend.last_insert_id:
-        return int(_write.execute(conn, _FENCE_LAST_INSERT_ID, {"name": name}).lastrowid)
+        return int(_kernel.execute(conn, _FENCE_LAST_INSERT_ID, {"name": name}).lastrowid)
     if backend.on_conflict and backend.returning:
-        return int(_write.execute(conn, _FENCE_RETURNING, {"name": name}).scalar_one())
+        return int(_kernel.execute(conn, _FENCE_RETURNING, {"name": name}).scalar_one())
     raise NotSupported(
         f"fences= needs PostgreSQL, MySQL/MariaDB or SQLite >= 3.35 (upsert with RETURNING); "
         f"{backend.name} has none: leave fences= out to take fences from Redis"

@@ -19,7 +19,7 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from .. import _write
+from .. import _kernel
 from .._async import Awaited, Steps, run_steps, step
 from ..exceptions import InvalidArgument, LockLost, LockNotAcquired, ReplicationTimeout
 from ..tables import MAX_KEY
@@ -68,16 +68,16 @@ class _RedisLock(_RedisClient):
                 f"{type(self).__name__} name {name!r} holds a lone surrogate, which no Redis key can store; "
                 f"pass valid text"
             ) from None
-        seconds = _write.required_seconds(ttl, "ttl")
+        seconds = _kernel.required_seconds(ttl, "ttl")
         if seconds < 0.001:
             raise InvalidArgument(f"ttl must be at least 1 millisecond, got {ttl!r}")
         if fences is not None:
             self._check_fences(fences)
             # The name is the primary key of its row in stateguard_fences.
-            _write.check_text(name, "name", MAX_KEY)
+            _kernel.check_text(name, "name", MAX_KEY)
         self.name = name
         self.ttl = seconds
-        self.blocking_timeout = _write.seconds(blocking_timeout, "blocking_timeout", allow_zero=True)
+        self.blocking_timeout = _kernel.seconds(blocking_timeout, "blocking_timeout", allow_zero=True)
         self._fences = fences
         self.key = _lock_key(name)
         self.fence_key = f"{self.key}:fence"
@@ -129,7 +129,7 @@ class _RedisLock(_RedisClient):
             return fence
 
     def _acquire(self, blocking_timeout: float | timedelta | None) -> Steps[int]:
-        wait = _write.seconds(blocking_timeout, "blocking_timeout", allow_zero=True)
+        wait = _kernel.seconds(blocking_timeout, "blocking_timeout", allow_zero=True)
         if wait is None:
             wait = self.blocking_timeout
         local = self._lock.local
@@ -307,7 +307,7 @@ class _RedisLock(_RedisClient):
                 raise
 
     def _extend(self, additional: float | timedelta, replace_ttl: bool) -> Steps[None]:
-        seconds = _write.required_seconds(additional, "additional")
+        seconds = _kernel.required_seconds(additional, "additional")
         local = self._lock.local
         # The call's identity, kept after an error for a second extend() with
         # the same arguments: an extension that did run is not added twice.
@@ -487,7 +487,9 @@ class RedisLock(_RedisLock):
             run_steps(self._extend(additional, replace_ttl))
 
     def owned(self) -> bool:
-        """Whether this thread holds the lock right now (one ``GET``)::
+        """Whether this thread holds the lock right now (one ``GET``).
+
+        For example::
 
             if not lock.owned():
                 raise RuntimeError("lost the lock")
@@ -495,7 +497,9 @@ class RedisLock(_RedisLock):
         return run_steps(self._owned())
 
     def locked(self) -> bool:
-        """Whether anyone holds the lock right now (one ``GET``)::
+        """Whether anyone holds the lock right now (one ``GET``).
+
+        For example::
 
             if lock.locked():
                 print("someone is running the payout")
@@ -607,7 +611,9 @@ class AsyncRedisLock(_RedisLock):
             await Awaited(self._extend(additional, replace_ttl))
 
     async def owned(self) -> bool:
-        """Whether this task holds the lock right now (one ``GET``)::
+        """Whether this task holds the lock right now (one ``GET``).
+
+        For example::
 
             if not await lock.owned():
                 raise RuntimeError("lost the lock")
@@ -615,7 +621,9 @@ class AsyncRedisLock(_RedisLock):
         return await Awaited(self._owned())
 
     async def locked(self) -> bool:
-        """Whether anyone holds the lock right now (one ``GET``)::
+        """Whether anyone holds the lock right now (one ``GET``).
+
+        For example::
 
             if await lock.locked():
                 print("someone is running the payout")

@@ -16,7 +16,7 @@ from contextlib import suppress
 from datetime import timedelta
 from typing import Any, Final
 
-from .. import _write
+from .. import _kernel
 from .._async import Awaited, Steps, run_steps
 from ..result import Outcome, Result
 from ..tables import MAX_KEY, MAX_SCOPE
@@ -99,15 +99,17 @@ class _RedisTokens(_RedisClient):
 
     @staticmethod
     def key(scope: str, token: str) -> str:
-        """The Redis key of ``token`` in ``scope`` (the token itself never appears in it)::
+        """The Redis key of ``token`` in ``scope`` (the token itself never appears in it).
+
+        For example::
 
             RedisTokens.key("reset-password:42", token)   # 'stateguard:token:reset-password:42:9f86...'
         """
         return _token_key(scope, token_digest(token))
 
     def _issue(self, scope: str, ttl: timedelta) -> Steps[str]:
-        _write.check_text(scope, "scope", MAX_SCOPE)
-        ttl_ms = _write.duration_ms(ttl, "ttl")
+        _kernel.check_text(scope, "scope", MAX_SCOPE)
+        ttl_ms = _kernel.duration_ms(ttl, "ttl")
         while True:
             token = secrets.token_urlsafe(TOKEN_BYTES)
             # NX: a 256-bit collision will not happen, but if it did, the
@@ -129,8 +131,8 @@ class _RedisTokens(_RedisClient):
                 return token
 
     def _consume(self, token: str, scope: str) -> Steps[Result]:
-        _write.check_text(token, "token", MAX_KEY)
-        _write.check_text(scope, "scope", MAX_SCOPE)
+        _kernel.check_text(token, "token", MAX_KEY)
+        _kernel.check_text(scope, "scope", MAX_SCOPE)
         digest = token_digest(token)
         key = _token_key(scope, digest)
         # A consume of this token through this object, by this caller (thread
@@ -246,22 +248,26 @@ class RedisTokens(_RedisTokens):
     """
 
     def issue(self, *, scope: str, ttl: timedelta) -> str:
-        """Create a token for ``scope`` that expires after ``ttl`` and return it (one SET)::
+        """Create a token for ``scope`` that expires after ``ttl`` and return it (one SET).
 
-            token = tokens.issue(scope="checkout:cart-7", ttl=timedelta(minutes=10))
+        For example::
 
-        :raises InvalidArgument: bad ``scope`` or a ``ttl`` under 1 ms.
+                token = tokens.issue(scope="checkout:cart-7", ttl=timedelta(minutes=10))
+
+            :raises InvalidArgument: bad ``scope`` or a ``ttl`` under 1 ms.
         """
         with _watch("redis_token.issue", scope):
             return run_steps(self._issue(scope, ttl))
 
     def consume(self, token: str, *, scope: str) -> Result:
-        """Consume ``token`` once: APPLIED, REPEATED, or NOT_FOUND (unknown *or* expired)::
+        """Consume ``token`` once: APPLIED, REPEATED, or NOT_FOUND (unknown *or* expired).
 
-            r = tokens.consume(form["token"], scope="checkout:cart-7")
-            r.raise_for_outcome()     # NotFound for unknown or expired tokens
+        For example::
 
-        :raises InvalidArgument: bad ``token`` or ``scope``; Redis was not called.
+                r = tokens.consume(form["token"], scope="checkout:cart-7")
+                r.raise_for_outcome()     # NotFound for unknown or expired tokens
+
+            :raises InvalidArgument: bad ``token`` or ``scope``; Redis was not called.
         """
         with _watch("redis_token.consume", scope) as box:
             box["outcome"] = (result := run_steps(self._consume(token, scope))).outcome.name
@@ -295,22 +301,26 @@ class AsyncRedisTokens(_RedisTokens):
     _asynchronous = True
 
     async def issue(self, *, scope: str, ttl: timedelta) -> str:
-        """Create a token for ``scope`` that expires after ``ttl`` and return it (one SET)::
+        """Create a token for ``scope`` that expires after ``ttl`` and return it (one SET).
 
-            token = await tokens.issue(scope="checkout:cart-7", ttl=timedelta(minutes=10))
+        For example::
 
-        :raises InvalidArgument: bad ``scope`` or a ``ttl`` under 1 ms.
+                token = await tokens.issue(scope="checkout:cart-7", ttl=timedelta(minutes=10))
+
+            :raises InvalidArgument: bad ``scope`` or a ``ttl`` under 1 ms.
         """
         with _watch("redis_token.issue", scope):
             return await Awaited(self._issue(scope, ttl))
 
     async def consume(self, token: str, *, scope: str) -> Result:
-        """Consume ``token`` once: APPLIED, REPEATED, or NOT_FOUND (unknown *or* expired)::
+        """Consume ``token`` once: APPLIED, REPEATED, or NOT_FOUND (unknown *or* expired).
 
-            r = await tokens.consume(form["token"], scope="checkout:cart-7")
-            r.raise_for_outcome()     # NotFound for unknown or expired tokens
+        For example::
 
-        :raises InvalidArgument: bad ``token`` or ``scope``; Redis was not called.
+                r = await tokens.consume(form["token"], scope="checkout:cart-7")
+                r.raise_for_outcome()     # NotFound for unknown or expired tokens
+
+            :raises InvalidArgument: bad ``token`` or ``scope``; Redis was not called.
         """
         with _watch("redis_token.consume", scope) as box:
             box["outcome"] = (result := await Awaited(self._consume(token, scope))).outcome.name

@@ -5,7 +5,7 @@ Read-only.  Per declared state machine, the rows in each state (one
 stuck or waiting: idempotency keys in progress past their lease, expired keys
 and tokens not purged yet, worker-id leases, the outbox backlog.  Every
 "past", "expired" and "age" is judged on the database's clock
-(:func:`stateguard._sql.db_now_ms`, inside the reading statement), as the
+(:func:`stateguard._kernel.db_now_ms`, inside the reading statement), as the
 claims themselves are, so an application server whose clock is off reports
 the same.  A missing stateguard table is reported, not an error.  The text
 report is :mod:`~stateguard.tooling.inspection_text`'s, ``--row`` and
@@ -27,7 +27,7 @@ from typing import Any, Final
 
 from sqlalchemy import ColumnElement, Connection, String, and_, case, cast, func, inspect, literal, select
 
-from .._sql import db_now_ms, is_galera
+from .._kernel import db_now_ms, is_galera
 from ..machine import StateMachine
 from ..machine.ddl import stored_states
 from ..tables import idempotency_keys, metadata, outbox, tokens, worker_leases

@@ -38,7 +38,7 @@ from stateguard import (
     retry_on_conflict,
     version_column,
 )
-from stateguard._sql import classify_db_error, is_galera
+from stateguard._kernel import classify_db_error, is_galera
 from stateguard.tooling.inspection import describe_server
 
 from .._support import galera

@@ -19,7 +19,7 @@ from sqlalchemy import Engine, Integer, String, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 import stateguard
-from stateguard import _write, create_tables, drop_tables, guarded_update, version_column
+from stateguard import _kernel, create_tables, drop_tables, guarded_update, version_column
 
 from ..conftest import Backend
 
@@ -51,7 +51,7 @@ _COUNT = textwrap.dedent(
                 if not call.replayed:
                     s.execute(select(1))
                     call.complete({"ok": True})
-        assert stateguard._write.hooked(engine)
+        assert stateguard._kernel.hooked(engine)
     def work():
         for _ in range(200):
             with Session(engine) as s, s.begin():
@@ -121,7 +121,7 @@ def fresh(backend: Backend) -> Iterator[Engine]:
     """A new engine (so a new dialect, never hooked) on the backend's namespace, with one stock row."""
     backend.create(_Base.metadata)
     engine = backend.new_engine(pool_size=2)
-    assert not _write.hooked(engine)
+    assert not _kernel.hooked(engine)
     with Session(engine) as s, s.begin():
         s.add(Stock(id=1, amount=5))
     yield engine

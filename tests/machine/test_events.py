@@ -554,7 +554,7 @@ def test_async_sessions_write_the_same_events(driver: str, request: pytest.Fixtu
 def test_rows_of_different_tables_with_the_same_key_have_different_event_keys() -> None:
     """Event keys carry the table, so another table's unpublished event never holds a row back; a key
     too long beside the table name is digested to fit the outbox's key column."""
-    from stateguard._sql import model_info
+    from stateguard._kernel import model_info
     from stateguard.machine.events import event_key
     from stateguard.tables import MAX_KEY
 

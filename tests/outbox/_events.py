@@ -34,7 +34,7 @@ def event_row(engine: Engine, event_id: int) -> Any:
 
 def wait_for_db_clock_past(engine: Engine, ms: int) -> None:
     """Return once the database's clock (epoch ms) is past ``ms``."""
-    from stateguard._sql import db_now_ms
+    from stateguard._kernel import db_now_ms
 
     while True:
         with engine.connect() as conn:

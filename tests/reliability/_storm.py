@@ -50,7 +50,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
 from stateguard import DeadlockDetected, Result, StateguardError, decrement, reserve, retry_on_conflict
-from stateguard._sql import classify_db_error
+from stateguard._kernel import classify_db_error
 from stateguard.tables import counter_ledger
 
 from .. import _workers as w
@@ -334,7 +334,7 @@ def savepoint_lost_after_deadlock(error: BaseException) -> bool:
     included; ``reserve()`` then rolled its savepoint back anyway, and the
     server's error 1305 replaced the retryable DeadlockDetected, so
     ``retry_on_conflict`` gave up on a unit it should run again (now
-    ``_sql.abandon_savepoint`` keeps the original error).  Recognised exactly
+    ``_kernel.abandon_savepoint`` keeps the original error).  Recognised exactly
     (1305 raised while handling DeadlockDetected) so a regression is counted
     and fails the storm after its invariants are checked.
     """

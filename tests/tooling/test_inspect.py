@@ -19,8 +19,8 @@ import pytest
 from sqlalchemy import Engine, insert
 from sqlalchemy.orm import Session
 
-from stateguard import _write, create_tables, decrement, drop_tables, release
-from stateguard._sql import db_now_ms
+from stateguard import _kernel, create_tables, decrement, drop_tables, release
+from stateguard._kernel import db_now_ms
 from stateguard.tables import idempotency_keys, metadata, outbox, tokens, worker_leases
 from stateguard.tooling.graph import GRAPHVIZ_HINT, graphviz_available
 from stateguard.tooling.inspection import ScanProgress
@@ -354,10 +354,10 @@ def test_application_clock_skew_changes_no_verdict(
 ) -> None:
     """With the application's clock hours ahead or behind, leases and ages are judged as before."""
     _stuck_and_not(engine)
-    real_time, real_now_ms = time.time, _write.now_ms
+    real_time, real_now_ms = time.time, _kernel.now_ms
     offset = skew_hours * 3600
     monkeypatch.setattr(time, "time", lambda: real_time() + offset)
-    monkeypatch.setattr(_write, "now_ms", lambda: real_now_ms() + offset * 1000)
+    monkeypatch.setattr(_kernel, "now_ms", lambda: real_now_ms() + offset * 1000)
     assert abs(time.time() - real_time() - offset) < 1
     code, report, _ = inspect_json(capsys, "--db", backend.url)
     _check_verdict(code, report)

@@ -30,7 +30,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 from urllib.parse import quote
 
-from ... import _write
+from ... import _kernel
 from ...exceptions import ConfigurationError, InvalidArgument, PublishFailed
 
 if TYPE_CHECKING:
@@ -139,16 +139,16 @@ class AsyncNATSSink:
     ) -> None:
         self.servers = _servers(servers)
         self.stream = _check_stream(stream)
-        self.lease = timedelta(milliseconds=_write.duration_ms(lease, "lease"))
+        self.lease = timedelta(milliseconds=_kernel.duration_ms(lease, "lease"))
         self.subject = (
             None
             if subject is None
-            else _check_subject(_write.check_text(subject, "subject", MAX_NAME), "subject")
+            else _check_subject(_kernel.check_text(subject, "subject", MAX_NAME), "subject")
         )
         if not isinstance(msg_id_prefix, str) or any(c in "\r\n" for c in msg_id_prefix):
             raise InvalidArgument(f"msg_id_prefix must be a str without line breaks, got {msg_id_prefix!r}")
         self.msg_id_prefix = msg_id_prefix
-        self.timeout = _write.required_seconds(timeout, "timeout")
+        self.timeout = _kernel.required_seconds(timeout, "timeout")
         try:
             import nats  # noqa: F401
         except ImportError as error:

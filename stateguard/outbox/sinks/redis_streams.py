@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
-from ... import _write
+from ... import _kernel
 from ...exceptions import InvalidArgument
 from ...tables import MAX_KEY
 
@@ -63,7 +63,7 @@ class RedisStreamSink:
                 f"RedisStreamSink needs a redis client (redis.Redis or redis.asyncio), got {client!r}"
             )
         self.client = client
-        self.stream = _write.check_text(stream, "stream", MAX_KEY)
+        self.stream = _kernel.check_text(stream, "stream", MAX_KEY)
         if maxlen is not None and (type(maxlen) is not int or not 1 <= maxlen <= MAX_MAXLEN):
             # Redis refuses a larger MAXLEN on every XADD ("value is not an integer or out of
             # range"): the relay would retry forever and publish nothing.

@@ -1,19 +1,7 @@
-"""AsyncSession support: the same public calls, awaited.
-
-Every guarded operation is written once, synchronously, against a
-:class:`~sqlalchemy.orm.Session`.  Given an
-:class:`~sqlalchemy.ext.asyncio.AsyncSession`, the same call returns a
-coroutine that runs that code through SQLAlchemy's own greenlet bridge,
-:meth:`AsyncSession.run_sync`: each statement is awaited on the async driver
-(asyncpg, psycopg async, aiomysql/asyncmy, aiosqlite) while the statement
-building, outcome classification and error mapping stay the single
-synchronous implementation.  No second copy of an algorithm exists, so sync
-and async cannot drift apart; the cost is one greenlet switch per call.
-
-::
-
-    r = decrement(session, Stock.amount, sku, by=1)          # Session: a Result
-    r = await decrement(session, Stock.amount, sku, by=1)    # AsyncSession: awaited
+"""The sync/async bridge: every public call written once, synchronously, against a
+:class:`~sqlalchemy.orm.Session`, and given an AsyncSession the same call returns a
+coroutine that runs that code through :meth:`AsyncSession.run_sync` (SQLAlchemy's own
+greenlet bridge).
 
 Five shapes of call get their async face here, and nowhere else:
 
@@ -27,12 +15,11 @@ Five shapes of call get their async face here, and nowhere else:
   one session (what ``async with`` handed out), which take no session
   themselves: ``call.complete(r)`` / ``await call.complete(r)``.
 
-Code that talks to something other than a session (a Redis client, an
-Engine of its own: ``RedisLock``, ``Relay``) is written once as a generator of
-:data:`Steps` instead: each call it makes goes through ``yield from
-step(reply)``, which returns a synchronous reply at once and awaits an
-awaitable one.  A synchronous class runs the generator with :func:`run_steps`
-(it never suspends); an async class awaits it as :class:`Awaited`.
+What the class gets from :class:`dual_method` and :class:`dual_member` is a
+real function with the implementation's own parameters under the public name,
+so ``inspect.signature``, ``help()``, qualnames and tracebacks show the public
+call.  Anything else where the session belongs is an InvalidArgument that says
+what to pass (:func:`wrong_session`).
 """
 
 from __future__ import annotations
@@ -42,7 +29,7 @@ import inspect
 import logging
 import types
 import uuid
-from collections.abc import Callable, Coroutine, Generator, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from contextlib import AbstractContextManager
 from decimal import Decimal
 from types import TracebackType
@@ -79,12 +66,11 @@ else:
             """Stand-in when SQLAlchemy's asyncio extension cannot load: no AsyncConnection can exist then."""
 
 
-from . import observe as _observe
-from .exceptions import InvalidArgument
+from .. import observe as _observe
+from ..exceptions import InvalidArgument
 
 __all__ = [
     "AsyncSession",
-    "Awaited",
     "Dual",
     "DualConnectable",
     "DualContext",
@@ -95,8 +81,6 @@ __all__ = [
     "dual_connectable",
     "dual_member",
     "dual_method",
-    "run_steps",
-    "step",
     "sync_session_of",
     "wrong_session",
 ]
@@ -109,42 +93,6 @@ T = TypeVar("T")
 S = TypeVar("S")
 S_co = TypeVar("S_co", covariant=True)
 S_contra = TypeVar("S_contra", contravariant=True)
-
-#: An operation written once for sync and async callers: it makes its calls
-#: with ``yield from step(reply)`` and returns its result.
-Steps = Generator[Any, Any, T]
-
-
-def step(reply: Any) -> Steps[Any]:
-    """``reply`` itself, or what it resolves to when it is awaitable; use as ``yield from step(...)``."""
-    # inspect.isawaitable looks at the type: an object whose __getattr__ answers every name
-    # (an attribute-access dict, a permissive record) is a value, not an awaitable.
-    if inspect.isawaitable(reply):
-        reply = yield from reply.__await__()
-    return reply
-
-
-def run_steps(steps: Steps[T]) -> T:
-    """The result of an operation whose calls all returned at once (a synchronous client's)."""
-    try:
-        next(steps)
-    except StopIteration as done:
-        result: T = done.value
-        return result
-    steps.close()
-    raise RuntimeError("a synchronous call returned an awaitable: use the Async class")  # pragma: no cover
-
-
-class Awaited(Generic[T]):
-    """An operation as an awaitable: the event loop drives it through each awaited call."""
-
-    __slots__ = ("_steps",)
-
-    def __init__(self, steps: Steps[T]) -> None:
-        self._steps = steps
-
-    def __await__(self) -> Steps[T]:
-        return self._steps
 
 
 class Dual(Protocol[S_contra, P, R_co]):
@@ -429,7 +377,6 @@ class _BoundDual:
         if watched:
             return _observe_method(session, self.operation, self.logger, self.fn, self.obj, *args, **kwargs)
         return self.fn(self.obj, session, *args, **kwargs)
-
 
 
 # --------------------------------------------------------------------------
