@@ -22,7 +22,7 @@ from sqlalchemy import Engine
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
-from .. import _write
+from .. import _kernel
 from ..exceptions import InvalidArgument, StateguardError
 from ..inserts import consume_once
 from ..tables import MAX_KEY, MAX_SCOPE
@@ -82,7 +82,7 @@ class Verdict(enum.Enum):
 
 def check_name(value: Any, what: str, limit: int = MAX_SCOPE) -> str:
     """A non-blank str of at most ``limit`` characters, or InvalidArgument."""
-    return _write.check_text(value, what, limit)
+    return _kernel.check_text(value, what, limit)
 
 
 def check_deliveries(value: Any) -> int:
@@ -95,7 +95,7 @@ def check_deliveries(value: Any) -> int:
 
 
 def check_seconds(value: Any, what: str) -> float:
-    return _write.required_seconds(value, what)
+    return _kernel.required_seconds(value, what)
 
 
 def session_factory(bind: Any, who: str) -> Callable[[], Session]:
