@@ -33,15 +33,17 @@ OPTIONAL = {
         "stateguard.redis.client",
         "stateguard.redis.fences",
         "stateguard.redis.lock",
+        "stateguard.consumers.redis_streams",
     },
     "starlette": {"stateguard.asgi"},
     "kazoo": {"stateguard.zookeeper"},
     "opentelemetry": {"stateguard.otel"},
     "mypy": {"stateguard.mypy"},
-    "pika": {"stateguard.outbox.sinks.rabbitmq"},
+    "pika": {"stateguard.outbox.sinks.rabbitmq", "stateguard.consumers.rabbitmq"},
     "aio_pika": {"stateguard.outbox.sinks.rabbitmq"},
     "aiormq": {"stateguard.outbox.sinks.rabbitmq"},
-    "nats": {"stateguard.outbox.sinks.nats"},
+    "nats": {"stateguard.outbox.sinks.nats", "stateguard.consumers.nats"},
+    "celery": {"stateguard.consumers.celery"},
 }
 
 

@@ -7,6 +7,7 @@ HTML comment directly above it says otherwise::
     <!-- docs-test: continues "model" -->       run after "model" (and what it continues), in its namespace
     <!-- docs-test: needs postgresql, redis --> DATABASE_URL / REDIS_URL point at the test servers
     <!-- docs-test: needs zookeeper -->          ZOOKEEPER_HOSTS: a private ZooKeeper started for the block
+    <!-- docs-test: needs rabbitmq, nats -->     RABBITMQ_URL / NATS_URL point at the test brokers
     <!-- docs-test: module myapp.models -->     ``import myapp.models`` gets the tests' models
     <!-- docs-test: skip (why) -->              cannot run here (say why)
 
@@ -47,7 +48,7 @@ _FENCE = re.compile(r"^```python\s*$")
 _DIRECTIVE = re.compile(r"^<!--\s*docs-test:\s*(?P<body>.*?)\s*-->\s*$")
 # A python block spelled as a MyST directive would escape the harness: pages use ```python.
 _UNTESTED_FENCE = re.compile(r"^\s*(```+|:::+)\s*\{(code-block|code|sourcecode)\}\s+(python|py|pycon)\b")
-_SERVERS = ("postgresql", "mariadb", "redis", "zookeeper")
+_SERVERS = ("postgresql", "mariadb", "redis", "zookeeper", "rabbitmq", "nats")
 #: Pages whose blocks cannot run here, however well written (none today).
 MAX_SKIPS = 3
 
@@ -198,6 +199,16 @@ def _check_redis() -> None:
 def servers_for(needs: set[str], monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Point DATABASE_URL / REDIS_URL / ZOOKEEPER_HOSTS at private test servers for ``needs``."""
     monkeypatch.delenv("DATABASE_URL", raising=False)
+    if "rabbitmq" in needs or "nats" in needs:
+        from tests.consumers import _brokers
+
+        for server, url, check in (
+            ("rabbitmq", _brokers.RABBITMQ_URL, _brokers.check_rabbitmq),
+            ("nats", _brokers.NATS_URL, _brokers.check_nats),
+        ):
+            if server in needs:
+                check()
+                monkeypatch.setenv(f"{server.upper()}_URL", url)
     if "redis" in needs:
         _check_redis()
         monkeypatch.setenv("REDIS_URL", REDIS_URL)
@@ -325,7 +336,7 @@ def test_the_harness_reads_directives() -> None:
     with pytest.raises(ValueError, match="unknown docs-test directive"):
         page_blocks('<!-- docs-test: nmae "a" -->\n```python\nx = 1\n```\n', "page.md")
     with pytest.raises(ValueError, match="unknown server"):
-        page_blocks('<!-- docs-test: needs kafka -->\n```python\nx = 1\n```\n', "page.md")
+        page_blocks("<!-- docs-test: needs kafka -->\n```python\nx = 1\n```\n", "page.md")
 
 
 def test_a_failing_block_fails() -> None:

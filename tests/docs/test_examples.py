@@ -6,7 +6,7 @@ as ``python -W error examples/<path>`` in a fresh folder: on SQLite, and when th
 ``DATABASE_URL``, also on a private PostgreSQL schema and a private MariaDB database.  A comment
 line in the file can say more::
 
-    # docs-test: needs redis            REDIS_URL points at the test server (also zookeeper)
+    # docs-test: needs redis            REDIS_URL points at the test server (also zookeeper, rabbitmq, nats)
     # docs-test: backends postgresql    run on these databases only (sqlite, postgresql, mariadb)
 """
 
@@ -51,7 +51,7 @@ def read_example(path: Path) -> Example:
     example = Example(path, _BACKENDS if "DATABASE_URL" in source else ("sqlite",))
     for match in _DIRECTIVE.finditer(source):
         words = {w.strip() for w in match["rest"].split(",")}
-        if match["word"] == "needs" and words <= {"redis", "zookeeper"}:
+        if match["word"] == "needs" and words <= {"redis", "zookeeper", "rabbitmq", "nats"}:
             example.needs |= words
         elif match["word"] == "backends" and words <= set(_BACKENDS):
             example.backends = tuple(b for b in _BACKENDS if b in words)

@@ -1,0 +1,336 @@
+"""A Redis Streams consumer-group reader that applies each outbox event once: :class:`RedisStreamConsumer`.
+
+Each entry is handled in one transaction with
+:func:`~stateguard.consume_once` keyed by the entry's ``id`` field (the
+outbox event id :class:`~stateguard.RedisStreamSink` writes), committed, and
+only then acknowledged with ``XACK``.  At start the reader reads its own
+pending entries again (``XREADGROUP`` from id ``0``: what it had read before
+a restart), then each round claims entries other workers left pending longer
+than ``claim_idle`` (``XAUTOCLAIM``) and reads new ones (``>``).  An entry
+whose handler failed stays pending and is claimed again after
+``claim_idle``; once Redis delivered it ``max_deliveries`` times (its
+``XPENDING`` count) it moves to a dead-letter stream (``XADD`` + ``XACK`` in
+one ``MULTI``).  redis-py (the ``stateguard[redis]`` extra) is the only
+client this module uses.  See ``docs/how-to/consumers.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from datetime import timedelta
+from typing import Any, Final
+
+from ..exceptions import InvalidArgument
+from ..tables import MAX_KEY
+from ._core import (
+    DEFAULT_MAX_DELIVERIES,
+    MAX_BACKOFF,
+    Handling,
+    Message,
+    Verdict,
+    check_deliveries,
+    check_name,
+)
+from ._core import serve as _serve
+
+__all__ = ["RedisStreamConsumer"]
+
+log = logging.getLogger("stateguard.consumers")
+
+#: Suffix of the default dead-letter stream's name.
+DEAD_SUFFIX: Final = ":dead"
+
+
+def _text(value: Any) -> str | None:
+    if value is None:
+        return None
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _field(fields: dict[Any, Any], name: str) -> Any:
+    """A field of an entry read with or without ``decode_responses``."""
+    value = fields.get(name.encode())
+    return fields.get(name) if value is None else value
+
+
+class RedisStreamConsumer:
+    """Read a stream as one worker of a consumer group; run ``handler(session, message)`` once per event.
+
+    ::
+
+        def bill(session: Session, message: Message) -> None:
+            session.add(Invoice(order_id=message.payload["order"]))
+
+        consumer = RedisStreamConsumer(
+            engine, bill, redis.Redis(), stream="orders", group="billing", worker="billing-1"
+        )
+        sys.exit(consumer.serve())            # until SIGTERM: finishes the entry in hand, exits 0
+
+    ``consumer`` (default: ``group``) is the name
+    :func:`~stateguard.consume_once` records the event ids under; give
+    ``worker`` a name that stays the same across restarts (a pod or host
+    name with an index), so a restarted worker handles its own pending
+    entries at once instead of waiting ``claim_idle`` for another to claim
+    them.  The group is created (from the stream's start) if it does not
+    exist.  A failing handler's transaction rolls back and the entry stays
+    pending; the database being unreachable is waited out on the entry in
+    hand (it is not counted against it).  An entry delivered
+    ``max_deliveries`` times whose handler failed, or delivered more often
+    (it crashed workers), goes to ``dead_letter_stream`` (default
+    ``<stream>:dead``) with the fields ``entry`` (its id), ``stream``,
+    ``group``, ``deliveries`` and ``error`` added; on Redis Cluster give
+    both names one hash tag (``{orders}``, ``{orders}:dead``).
+
+    :param bind: a synchronous Engine, or a sessionmaker.
+    :param handler: ``handler(session, message)`` with a :class:`Message`;
+        its writes commit with the ``consume_once`` record.
+    :param client: a ``redis.Redis`` client (with or without ``decode_responses``).
+    :param block: how long one read waits for new entries (also how soon
+        :meth:`stop` is noticed while idle).
+    :param batch: entries read (and claimed) per round.
+    :raises InvalidArgument: a bad name, count or duration.
+    """
+
+    def __init__(
+        self,
+        bind: Any,
+        handler: Any,
+        client: Any,
+        *,
+        stream: str,
+        group: str,
+        worker: str,
+        consumer: str | None = None,
+        max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+        claim_idle: timedelta = timedelta(seconds=30),
+        dead_letter_stream: str | None = None,
+        block: timedelta = timedelta(seconds=1),
+        batch: int = 10,
+    ) -> None:
+        self._handling = Handling(
+            bind, handler, group if consumer is None else consumer, "RedisStreamConsumer"
+        )
+        if client is None or not callable(getattr(client, "xreadgroup", None)):
+            raise InvalidArgument(f"RedisStreamConsumer needs a redis.Redis client, got {client!r}")
+        self.client = client
+        self.stream = check_name(stream, "stream", MAX_KEY)
+        self.group = check_name(group, "group", MAX_KEY)
+        self.worker = check_name(worker, "worker", MAX_KEY)
+        self.max_deliveries = check_deliveries(max_deliveries)
+        self.dead_letter_stream = check_name(
+            dead_letter_stream if dead_letter_stream is not None else self.stream + DEAD_SUFFIX,
+            "dead_letter_stream",
+            MAX_KEY + len(DEAD_SUFFIX),
+        )
+        if self.dead_letter_stream == self.stream:
+            raise InvalidArgument("dead_letter_stream must not be the stream itself")
+        self.claim_idle_ms = _ms(claim_idle, "claim_idle")
+        self.block_ms = _ms(block, "block")
+        if type(batch) is not int or not 1 <= batch <= 10_000:
+            raise InvalidArgument(f"batch must be an int from 1 to 10000, got {batch!r}")
+        self.batch = batch
+        #: How many entries this reader acknowledged (handled now or before) and dead-lettered.
+        self.handled = 0
+        self.dead_lettered = 0
+        self._recovered = False
+        self._group_ready = False
+        self._claim_cursor = "0-0"
+
+    @property
+    def consumer(self) -> str:
+        """The name :func:`~stateguard.consume_once` records this group's event ids under."""
+        return self._handling.consumer
+
+    def run(self, stop_event: threading.Event | None = None) -> None:
+        """Read and handle entries until ``stop_event`` is set (or :meth:`stop` is called).
+
+        A lost Redis connection is logged and tried again after a pause
+        (doubling to 30 s, jittered); only the stop ends the loop, after the
+        entry in hand was committed and acknowledged.  Entries read but not
+        handled yet stay pending: this worker handles them when it starts
+        again, another claims them after ``claim_idle``::
+
+            stop = threading.Event()
+            threading.Thread(target=consumer.run, args=(stop,)).start()
+            ...
+            stop.set()
+        """
+        import redis
+
+        if stop_event is not None:
+            self._handling.stop_event = stop_event
+        stop = self._handling.stop_event
+        pause = 0.05
+        while not stop.is_set():
+            try:
+                self.run_once()
+                pause = 0.05
+            except redis.RedisError as error:
+                log.warning(
+                    "consumer %r: Redis stream %r: %s: %s; trying again in %.2f s",
+                    self.consumer,
+                    self.stream,
+                    type(error).__name__,
+                    error,
+                    pause,
+                )
+                stop.wait(pause * random.uniform(0.5, 1.0))  # jitter, not security
+                pause = min(pause * 2, MAX_BACKOFF)
+
+    def serve(self) -> int:
+        """:meth:`run` until SIGTERM or SIGINT, then return 0 (``sys.exit(consumer.serve())``).
+
+        Call it from the main thread: the signal finishes the entry in hand,
+        acknowledges it and returns.
+        """
+        return _serve(self.run, self._handling.stop_event)
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return after the entry in hand (from any thread or a signal handler)."""
+        self._handling.stop_event.set()
+
+    def run_once(self) -> int:
+        """One round: own pending entries (first round only), entries claimed from others, new entries.
+
+        Returns how many entries it acknowledged or dead-lettered; waits up
+        to ``block`` for new entries when there were none to claim::
+
+            while consumer.run_once():
+                pass                            # drain what is there, then return
+        """
+        self._ensure_group()
+        done = 0
+        if not self._recovered:
+            done += self._recover_own()
+            self._recovered = True
+        done += self._claim_stuck()
+        if self._handling.stop_event.is_set():
+            return done
+        reply = self.client.xreadgroup(
+            self.group, self.worker, {self.stream: ">"}, count=self.batch, block=self.block_ms
+        )
+        for _, entries in reply or ():
+            done += self._handle_entries([(entry_id, fields, 1) for entry_id, fields in entries])
+        return done
+
+    # -- rounds -------------------------------------------------------------
+
+    def _ensure_group(self) -> None:
+        import redis
+
+        if self._group_ready:
+            return
+        try:
+            self.client.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+        except redis.ResponseError as error:
+            if "BUSYGROUP" not in str(error):
+                raise
+        self._group_ready = True
+
+    def _recover_own(self) -> int:
+        """Handle again what this worker had read and not acknowledged (before a restart)."""
+        done, after = 0, "0"
+        while not self._handling.stop_event.is_set():
+            reply = self.client.xreadgroup(self.group, self.worker, {self.stream: after}, count=self.batch)
+            entries = reply[0][1] if reply else []
+            if not entries:
+                return done
+            after = _text(entries[-1][0]) or after
+            done += self._handle_entries(self._with_counts(entries))
+        return done
+
+    def _claim_stuck(self) -> int:
+        """XAUTOCLAIM entries idle longer than ``claim_idle`` (a worker died, a handler failed)."""
+        reply = self.client.xautoclaim(
+            self.stream,
+            self.group,
+            self.worker,
+            min_idle_time=self.claim_idle_ms,
+            start_id=self._claim_cursor,
+            count=self.batch,
+        )
+        # Redis 7 answers [cursor, entries, deleted ids]; the deleted ones left the PEL already.
+        self._claim_cursor = _text(reply[0]) or "0-0"
+        entries = reply[1]
+        return self._handle_entries(self._with_counts(entries)) if entries else 0
+
+    def _with_counts(self, entries: list[Any]) -> list[tuple[Any, Any, int]]:
+        """``entries`` with how often Redis delivered each (one XPENDING over their id range)."""
+        first, last = entries[0][0], entries[-1][0]
+        pending = self.client.xpending_range(self.stream, self.group, first, last, len(entries) + 100)
+        counts = {_text(p["message_id"]): int(p["times_delivered"]) for p in pending}
+        return [(entry_id, fields, counts.get(_text(entry_id), 1)) for entry_id, fields in entries]
+
+    def _handle_entries(self, entries: list[tuple[Any, Any, int]]) -> int:
+        done = 0
+        for entry_id, fields, deliveries in entries:
+            if self._handling.stop_event.is_set():
+                break  # the rest stays pending: this worker's next start, or another's claim, takes it
+            done += self._handle(entry_id, fields, deliveries)
+        return done
+
+    def _handle(self, entry_id: Any, fields: Any, deliveries: int) -> int:
+        if not fields:
+            # Trimmed from the stream while pending: nothing left to handle.
+            self.client.xack(self.stream, self.group, entry_id)
+            return 1
+        message = Message(
+            id=_text(_field(fields, "id")) or "",
+            body=_bytes(_field(fields, "payload")),
+            topic=_text(_field(fields, "topic")),
+            key=_text(_field(fields, "key")) or None,
+            deliveries=deliveries,
+            raw=(entry_id, fields),
+        )
+        if deliveries > self.max_deliveries:
+            return self._dead_letter(entry_id, fields, deliveries, "delivered more often than max_deliveries")
+        verdict = self._handling.handle(message)
+        if verdict is Verdict.DONE:
+            self.client.xack(self.stream, self.group, entry_id)
+            self.handled += 1
+            return 1
+        if verdict is Verdict.FAILED and (deliveries >= self.max_deliveries or not message.id):
+            return self._dead_letter(entry_id, fields, deliveries, "the handler failed")
+        return 0  # pending: claimed again after claim_idle
+
+    def _dead_letter(self, entry_id: Any, fields: Any, deliveries: int, why: str) -> int:
+        copy = {(_text(k) or ""): v for k, v in fields.items()}
+        copy.update(
+            entry=_text(entry_id) or "",
+            stream=self.stream,
+            group=self.group,
+            deliveries=str(deliveries),
+            error=why,
+        )
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xadd(self.dead_letter_stream, copy)
+        pipe.xack(self.stream, self.group, entry_id)
+        pipe.execute()
+        log.error(
+            "consumer %r: stream entry %s (event %s) moved to %r after %d deliveries: %s",
+            self.consumer,
+            _text(entry_id),
+            _text(_field(fields, "id")),
+            self.dead_letter_stream,
+            deliveries,
+            why,
+        )
+        self.dead_lettered += 1
+        return 1
+
+    def __repr__(self) -> str:
+        return f"RedisStreamConsumer(stream={self.stream!r}, group={self.group!r}, worker={self.worker!r})"
+
+
+def _bytes(value: Any) -> bytes:
+    if value is None:
+        return b""
+    return value if isinstance(value, bytes) else str(value).encode("utf-8")
+
+
+def _ms(value: Any, what: str) -> int:
+    if not isinstance(value, timedelta) or value <= timedelta(0):
+        raise InvalidArgument(f"{what} must be a positive datetime.timedelta, got {value!r}")
+    return max(1, int(value / timedelta(milliseconds=1)))

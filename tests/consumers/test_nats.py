@@ -1,0 +1,185 @@
+"""NATSConsumer on a real NATS JetStream: ack after commit, repeats skipped, failures redelivered by
+JetStream, poison messages copied to a dead-letter subject and terminated, graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+
+from stateguard import ConfigurationError, InvalidArgument, Relay, consume_once
+from stateguard.consumers import Message, NATSConsumer
+from stateguard.outbox.sinks import NATSSink
+
+from ._brokers import NATS_URL, Stream
+from ._effects import applied, committed_ids, emit_events, record
+
+LEASE = timedelta(seconds=30)
+
+
+def publish(js: Stream, msg_id: str | None, body: bytes = b"{}") -> None:
+    async def send() -> None:
+        import nats
+
+        client = await nats.connect(NATS_URL)
+        try:
+            headers = {"Outbox-Key": "k%2F1"} | ({"Nats-Msg-Id": msg_id} if msg_id is not None else {})
+            await client.jetstream().publish(js.topic(), body, headers=headers)
+        finally:
+            await client.close()
+
+    asyncio.run(send())
+
+
+def consumer(db: Engine, js: Stream, handler: Any = record, **kw: Any) -> NATSConsumer:
+    kw.setdefault("poll", timedelta(milliseconds=100))
+    kw.setdefault("retry_delay", timedelta(milliseconds=50))
+    kw.setdefault("dead_letter_subject", js.dead_subject)
+    return NATSConsumer(db, handler, NATS_URL, stream=js.name, durable="billing", **kw)
+
+
+def run_until(c: NATSConsumer, done: Callable[[], bool], timeout: float = 10) -> None:
+    """Run the consumer in a thread until ``done()`` holds (or the timeout), then stop it."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            c.run(stop)
+        except BaseException as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not done() and time.monotonic() < deadline and thread.is_alive():
+            time.sleep(0.02)
+    finally:
+        stop.set()
+        thread.join(10)
+    assert not thread.is_alive()
+    if errors:
+        raise errors[0]
+
+
+def test_relayed_events_are_applied_once_and_acknowledged(db: Engine, js: Stream) -> None:
+    """Every event a relay published is applied once; the message carries id, topic, key and payload."""
+    emit_events(db, 10, topic=js.topic())
+    with NATSSink(NATS_URL, stream=js.name, lease=LEASE) as sink:
+        Relay(db, sink, lease=LEASE).run_once()
+    got: list[Message] = []
+
+    def handler(session: Session, message: Message) -> None:
+        got.append(message)
+        record(session, message)
+
+    c = consumer(db, js, handler)
+    run_until(c, lambda: c.handled == 10)
+    assert applied(db) == dict.fromkeys(committed_ids(db), 1)
+    first = min(got, key=lambda m: int(m.id))
+    assert (first.topic, first.key, first.payload, first.deliveries) == (js.topic(), "k0", {"seq": 0}, 1)
+
+
+def test_a_message_committed_before_a_crash_is_acked_without_the_handler(db: Engine, js: Stream) -> None:
+    """Committed, then died before its ack: the redelivery is REPEATED and acked, the handler not run."""
+    publish(js, "41")
+    with Session(db) as session, session.begin():
+        consume_once(session, "billing", "41")
+    calls: list[Message] = []
+    c = consumer(db, js, lambda s, m: calls.append(m))
+    run_until(c, lambda: c.handled == 1)
+    assert calls == []
+
+
+def test_a_failing_message_is_redelivered_then_applied(db: Engine, js: Stream) -> None:
+    """Two failures then a success: JetStream's deliveries are 1, 2, 3 and there is one effect."""
+    publish(js, "6")
+    seen: list[int] = []
+
+    def flaky(session: Session, message: Message) -> None:
+        seen.append(message.deliveries)
+        if len(seen) < 3:
+            raise RuntimeError("not yet")
+        record(session, message)
+
+    c = consumer(db, js, flaky)
+    run_until(c, lambda: c.handled == 1)
+    assert seen == [1, 2, 3] and applied(db) == {"6": 1}
+    assert js.messages(js.dead_name) == []
+
+
+def test_a_poison_message_is_copied_to_the_dead_letter_subject_and_terminated(db: Engine, js: Stream) -> None:
+    """A message that always fails is tried max_deliveries times, copied to the dead subject, never again."""
+    publish(js, "13", b"not json")
+    publish(js, "14", b'{"seq": 1}')
+    c = consumer(db, js, max_deliveries=3)
+    run_until(c, lambda: c.dead_lettered == 1 and c.handled == 1)
+    assert applied(db) == {"14": 1}
+    [dead] = js.messages(js.dead_name)
+    assert dead.data == b"not json"
+    assert dead.headers["Stateguard-Msg-Id"] == "13"
+    assert dead.headers["Stateguard-Deliveries"] == "3"
+    assert dead.headers["Stateguard-Stream"] == js.name
+    again = consumer(db, js, max_deliveries=3)
+    run_until(again, lambda: False, timeout=0.5)
+    assert again.handled == again.dead_lettered == 0  # terminated: JetStream does not deliver it again
+
+
+def test_a_message_without_an_id_is_dead_lettered(db: Engine, js: Stream) -> None:
+    """A message with no Nats-Msg-Id cannot be deduplicated: dead-lettered at once."""
+    publish(js, None)
+    c = consumer(db, js)
+    run_until(c, lambda: c.dead_lettered == 1)
+    assert len(js.messages(js.dead_name)) == 1
+
+
+def test_stop_finishes_the_message_in_hand(db: Engine, js: Stream) -> None:
+    """stop() during a handler: it commits and is acked, run() returns; the rest is delivered to the next
+    run."""
+    for i in range(3):
+        publish(js, str(i))
+    inside, release = threading.Event(), threading.Event()
+
+    def slow(session: Session, message: Message) -> None:
+        record(session, message)
+        inside.set()
+        release.wait(5)
+
+    c = consumer(db, js, slow)
+    stop = threading.Event()
+    thread = threading.Thread(target=c.run, args=(stop,))
+    thread.start()
+    assert inside.wait(5)
+    stop.set()
+    release.set()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert applied(db) == {"0": 1} and c.handled == 1
+    rest = consumer(db, js)
+    run_until(rest, lambda: rest.handled == 2)
+    assert applied(db) == {"0": 1, "1": 1, "2": 1}
+
+
+def test_a_missing_stream_is_a_configuration_error(db: Engine) -> None:
+    """A stream that does not exist ends run() with ConfigurationError naming it."""
+    c = NATSConsumer(db, record, NATS_URL, stream="SGCNOSUCHSTREAM", durable="x")
+    with pytest.raises(ConfigurationError, match="SGCNOSUCHSTREAM"):
+        run_until(c, lambda: False, timeout=5)
+
+
+def test_bad_arguments_are_refused(db: Engine) -> None:
+    """A URL that is not NATS, a zero max_deliveries or ack_wait is InvalidArgument."""
+    with pytest.raises(InvalidArgument, match="NATS URL"):
+        NATSConsumer(db, record, "http://x", stream="S", durable="d")
+    with pytest.raises(InvalidArgument, match="max_deliveries"):
+        NATSConsumer(db, record, NATS_URL, stream="S", durable="d", max_deliveries=0)
+    with pytest.raises(InvalidArgument, match="ack_wait"):
+        NATSConsumer(db, record, NATS_URL, stream="S", durable="d", ack_wait=timedelta(0))

@@ -1,0 +1,193 @@
+"""RabbitMQConsumer on a real RabbitMQ: ack after commit, repeats skipped, failures counted and
+requeued, poison messages to the queue's dead-letter exchange, graceful stop."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+
+from stateguard import CallableSink, InvalidArgument, Relay, consume_once
+from stateguard.consumers import Message, RabbitMQConsumer
+from stateguard.outbox.sinks import RabbitMQSink
+
+from ._brokers import RABBITMQ_URL, Queue
+from ._effects import applied, committed_ids, emit_events, record
+
+
+def publish(
+    mq: Queue, message_id: str | None, body: bytes = b"{}", headers: dict[str, Any] | None = None
+) -> None:
+    import pika
+
+    properties = pika.BasicProperties(message_id=message_id, type="t", headers=headers or {"key": "k"})
+    mq.channel.basic_publish(mq.exchange, "t", body, properties)
+
+
+def run_until(c: RabbitMQConsumer, done: Callable[[], bool], timeout: float = 10) -> None:
+    """Run the consumer in a thread until ``done()`` holds (or the timeout), then stop it."""
+    stop = threading.Event()
+    thread = threading.Thread(target=c.run, args=(stop,))
+    thread.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not done() and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        stop.set()
+        thread.join(10)
+    assert not thread.is_alive()
+
+
+def consumer(db: Engine, mq: Queue, handler: Any = record, **kw: Any) -> RabbitMQConsumer:
+    kw.setdefault("poll", 0.05)
+    return RabbitMQConsumer(db, handler, RABBITMQ_URL, queue=mq.queue, consumer="billing", **kw)
+
+
+def test_relayed_events_are_applied_once_and_acknowledged(db: Engine, mq: Queue) -> None:
+    """Every event a relay published (each batch twice) is applied once; the queue is empty."""
+    emit_events(db, 10)
+    with RabbitMQSink(RABBITMQ_URL, exchange=mq.exchange) as real:
+        Relay(db, CallableSink(lambda events: [real.publish(events), real.publish(events)])).run_once()
+    c = consumer(db, mq)
+    run_until(c, lambda: c.handled == 20)
+    assert applied(db) == dict.fromkeys(committed_ids(db), 1)
+    assert mq.count() == 0 and mq.count(mq.dead_queue) == 0
+
+
+def test_the_message_carries_the_event(db: Engine, mq: Queue) -> None:
+    """The handler gets id = message_id, topic = type, key = the key header, payload = the body's JSON."""
+    [event_id] = emit_events(db, 1, topic="order.paid")
+    with RabbitMQSink(RABBITMQ_URL, exchange=mq.exchange) as sink:
+        Relay(db, sink).run_once()
+    got: list[Message] = []
+    c = consumer(db, mq, lambda s, m: got.append(m))
+    run_until(c, lambda: bool(got))
+    [m] = got
+    assert (m.id, m.topic, m.key, m.payload, m.deliveries) == (
+        str(event_id),
+        "order.paid",
+        "k0",
+        {"seq": 0},
+        1,
+    )
+
+
+def test_a_message_committed_before_a_crash_is_acked_without_the_handler(db: Engine, mq: Queue) -> None:
+    """A consumer that committed and died before basic.ack: the redelivery is REPEATED, acked, handler not
+    run."""
+    publish(mq, "41")
+    with Session(db) as session, session.begin():
+        consume_once(session, "billing", "41")
+    calls: list[Message] = []
+    c = consumer(db, mq, lambda s, m: calls.append(m))
+    run_until(c, lambda: c.handled == 1)
+    assert calls == [] and mq.count() == 0
+
+
+def test_a_consumer_gone_before_its_ack_has_the_message_redelivered(db: Engine, mq: Queue) -> None:
+    """A message taken and never acked (its connection closed) comes back and is applied once."""
+    import pika
+
+    publish(mq, "8")
+    other = pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))
+    method, _, _ = other.channel().basic_get(mq.queue, auto_ack=False)
+    assert method is not None
+    other.close()  # died before the ack: RabbitMQ requeues the message
+    seen: list[int] = []
+
+    def handler(session: Session, message: Message) -> None:
+        seen.append(message.deliveries)
+        record(session, message)
+
+    c = consumer(db, mq, handler)
+    run_until(c, lambda: c.handled == 1)
+    assert applied(db) == {"8": 1} and seen == [2]
+
+
+def test_a_failing_message_is_requeued_with_its_count_then_applied(db: Engine, mq: Queue) -> None:
+    """Two failures then a success: the deliveries seen are 1, 2, 3, one effect, nothing dead-lettered."""
+    publish(mq, "6")
+    seen: list[int] = []
+
+    def flaky(session: Session, message: Message) -> None:
+        seen.append(message.deliveries)
+        if len(seen) < 3:
+            raise RuntimeError("not yet")
+        record(session, message)
+
+    c = consumer(db, mq, flaky, max_deliveries=5)
+    run_until(c, lambda: c.handled == 1)
+    assert seen == [1, 2, 3]
+    assert applied(db) == {"6": 1}
+    assert mq.count() == 0 and mq.count(mq.dead_queue) == 0
+
+
+def test_a_poison_message_goes_to_the_dead_letter_exchange(db: Engine, mq: Queue) -> None:
+    """A message that always fails is tried max_deliveries times, then rejected to the DLX's queue."""
+    publish(mq, "13", b"not json")
+    publish(mq, "14", b'{"seq": 1}')
+    c = consumer(db, mq, max_deliveries=3)
+    run_until(c, lambda: c.dead_lettered == 1 and c.handled == 1)
+    assert applied(db) == {"14": 1}
+    [(properties, body)] = mq.drain(mq.dead_queue)
+    assert (properties.message_id, body) == ("13", b"not json")
+    assert properties.headers["x-stateguard-deliveries"] == 2  # the failures before the last delivery
+    assert properties.headers["x-death"][0]["reason"] == "rejected"
+    assert mq.count() == 0
+
+
+def test_a_message_delivered_too_often_is_dead_lettered_without_running(db: Engine, mq: Queue) -> None:
+    """A message whose count is already past max_deliveries (it crashed consumers) is rejected unrun."""
+    publish(mq, "15", headers={"x-stateguard-deliveries": 3})
+    calls: list[Message] = []
+    c = consumer(db, mq, lambda s, m: calls.append(m), max_deliveries=3)
+    run_until(c, lambda: c.dead_lettered == 1)
+    assert calls == [] and len(mq.drain(mq.dead_queue)) == 1
+
+
+def test_a_message_without_message_id_is_dead_lettered(db: Engine, mq: Queue) -> None:
+    """A message with no message_id cannot be deduplicated: rejected to the dead letters at once."""
+    publish(mq, None)
+    c = consumer(db, mq)
+    run_until(c, lambda: c.dead_lettered == 1)
+    assert len(mq.drain(mq.dead_queue)) == 1
+
+
+def test_stop_finishes_the_message_in_hand(db: Engine, mq: Queue) -> None:
+    """stop() during a handler: it commits and is acked, run() returns, the others stay in the queue."""
+    for i in range(4):
+        publish(mq, str(i))
+    inside, release = threading.Event(), threading.Event()
+
+    def slow(session: Session, message: Message) -> None:
+        record(session, message)
+        inside.set()
+        release.wait(5)
+
+    c = consumer(db, mq, slow)
+    stop = threading.Event()
+    thread = threading.Thread(target=c.run, args=(stop,))
+    thread.start()
+    assert inside.wait(5)
+    stop.set()
+    release.set()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert applied(db) == {"0": 1}
+    assert mq.count() == 3
+
+
+def test_bad_arguments_are_refused(db: Engine) -> None:
+    """A URL that is not AMQP, a zero prefetch or max_deliveries is InvalidArgument."""
+    with pytest.raises(InvalidArgument, match="AMQP URL"):
+        RabbitMQConsumer(db, record, "http://x", queue="q")
+    with pytest.raises(InvalidArgument, match="prefetch"):
+        RabbitMQConsumer(db, record, RABBITMQ_URL, queue="q", prefetch=0)
+    with pytest.raises(InvalidArgument, match="max_deliveries"):
+        RabbitMQConsumer(db, record, RABBITMQ_URL, queue="q", max_deliveries=0)
