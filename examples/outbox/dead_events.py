@@ -27,7 +27,7 @@ class MailSink:
         bad = tuple(e.id for e in events if self.broken and "@" not in e.payload.get("email", "@"))
         self.sent += [e.payload["invoice"] for e in events if e.id not in bad]
         if bad:
-            raise PublishFailed("the mail service refused them", event_ids=bad)
+            raise PublishFailed("the mail service refused them", event_ids=bad, refused_ids=bad)
 
 
 sink = MailSink()
