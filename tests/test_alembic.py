@@ -32,8 +32,7 @@ import stateguard.alembic as sg_alembic
 from stateguard import Outcome, StateMachine
 from stateguard.machine.ddl import legal_edges_ddl
 from stateguard.schema import parse_check_states
-
-from .conftest import Backend
+from tests.conftest import Backend
 
 ENV_PY = """
 import importlib

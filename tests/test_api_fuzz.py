@@ -29,9 +29,8 @@ from stateguard import (
 from stateguard._sql import backend as backend_of
 from stateguard.idempotency import _CLAIM
 from stateguard.tables import consumed_messages, idempotency_keys
-
-from .conftest import Backend
-from .models import Base, Order, Shipment
+from tests._support.models import Base, Order, Shipment
+from tests.conftest import Backend
 
 SQL_META = ["'", '"', ";", "--", "/*", "*/", "\\", "%", "%s", "?", ":name", "`", "\x00", "DROP TABLE orders;"]
 hostile_text = st.one_of(

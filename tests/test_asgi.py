@@ -53,8 +53,7 @@ from stateguard.asgi import (
 )
 from stateguard.tables import idempotency_keys
 from stateguard.tables import metadata as stateguard_metadata
-
-from .conftest import Backend, count_statements
+from tests.conftest import Backend, count_statements
 
 FRAMEWORKS = ("starlette", "fastapi")
 

@@ -34,9 +34,8 @@ from starlette.testclient import TestClient
 from stateguard.asgi import IdempotencyMiddleware
 from stateguard.tables import idempotency_keys
 from stateguard.tables import metadata as stateguard_metadata
-
-from ._faultproxy import FaultProxy
-from .conftest import Backend, _Namespaces, _only
+from tests._support.faultproxy import FaultProxy
+from tests.conftest import Backend, _Namespaces, _only
 
 
 class _Base(DeclarativeBase):

@@ -1,6 +1,6 @@
 """Every guarded operation on an AsyncSession gives what it gives on a Session.
 
-Each scenario is written once (tests/_async_helpers.py) and run twice: on the
+Each scenario is written once (tests/_support/async_helpers.py) and run twice: on the
 sync driver (psycopg, PyMySQL, sqlite3) and on an async driver (asyncpg,
 psycopg async, aiomysql, aiosqlite) over the same namespace; the records of
 every call's outcome, key, state, version and exception type must be equal,
@@ -55,8 +55,7 @@ from stateguard import (
     row_lock,
 )
 from stateguard.tables import metadata as stateguard_metadata
-
-from ._async_helpers import (
+from tests._support.async_helpers import (
     ASYNC_TARGETS,
     PG_TARGETS,
     SERVER_TARGETS,
@@ -67,9 +66,9 @@ from ._async_helpers import (
     run_both,
     target_from,
 )
-from ._counter_workers import Bin, CounterBase
-from .conftest import Backend
-from .models import Base, Color, Invoice, Lamp, Message, Order, Ticket
+from tests._support.counter_workers import Bin, CounterBase
+from tests._support.models import Base, Color, Invoice, Lamp, Message, Order, Ticket
+from tests.conftest import Backend
 
 MS = timedelta(milliseconds=1)
 

@@ -27,8 +27,7 @@ from stateguard._sql import classify_db_error
 from stateguard.idempotency import Mode
 from stateguard.tables import counter_ledger, idempotency_keys
 from stateguard.tables import metadata as stateguard_metadata
-
-from ._async_helpers import (
+from tests._support.async_helpers import (
     ASYNC_TARGETS,
     SERVER_TARGETS,
     AsyncTarget,
@@ -37,8 +36,8 @@ from ._async_helpers import (
     retry_async,
     target_from,
 )
-from ._counter_workers import Bin, CounterBase
-from .models import Base, Message, Order, SideEffect
+from tests._support.counter_workers import Bin, CounterBase
+from tests._support.models import Base, Message, Order, SideEffect
 
 TASKS = 200
 ROWS = 20

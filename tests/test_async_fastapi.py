@@ -20,9 +20,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.orm import Session
 
 from stateguard import create_tables, drop_tables
-
-from . import _async_fastapi_app as shop
-from ._async_helpers import AsyncTarget, target_from
+from tests import _async_fastapi_app as shop
+from tests._support.async_helpers import AsyncTarget, target_from
 
 TARGETS = ["aiosqlite", "asyncpg"]
 

@@ -42,8 +42,7 @@ import pytest
 
 from stateguard import AsyncRedisLock, LockNotAcquired
 from stateguard.redis import _ACQUIRE_SCRIPT, _RELEASE_SCRIPT
-
-from .conftest import REDIS_URL
+from tests.conftest import REDIS_URL
 
 ACQUIRE_SHA = hashlib.sha1(_ACQUIRE_SCRIPT.encode()).hexdigest()
 RELEASE_SHA = hashlib.sha1(_RELEASE_SCRIPT.encode()).hexdigest()
@@ -880,7 +879,7 @@ def test_give_back_against_a_crashed_redis_still_ends_cancelled(
     back (it keeps nothing: a crash), another client takes the lock at once."""
     import redis.asyncio
 
-    from ._redis_server import RedisServer
+    from tests._support.redis_server import RedisServer
 
     with RedisServer() as server:
 

@@ -27,9 +27,8 @@ from stateguard import (
     RedisTokens,
     guarded_update,
 )
-
-from ._lock_workers import LockBase, Payout
-from .conftest import REDIS_URL
+from tests._support.lock_workers import LockBase, Payout
+from tests.conftest import REDIS_URL
 
 T = TypeVar("T")
 MINUTE = timedelta(minutes=1)

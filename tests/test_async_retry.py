@@ -26,10 +26,9 @@ from stateguard import (
     guarded_update,
     retry_on_conflict,
 )
-
-from ._async_helpers import AsyncTarget, async_target
-from .conftest import Backend
-from .models import Base, Order
+from tests._support.async_helpers import AsyncTarget, async_target
+from tests._support.models import Base, Order
+from tests.conftest import Backend
 
 
 @pytest.fixture

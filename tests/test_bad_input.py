@@ -11,9 +11,8 @@ from sqlalchemy import Engine, func
 from sqlalchemy.orm import Session
 
 from stateguard import InvalidArgument, StateguardError, UnknownTrigger, guarded_update
-
-from .conftest import Backend, count_statements
-from .models import Base, Lamp, Order, Shipment, Ticket
+from tests._support.models import Base, Lamp, Order, Shipment, Ticket
+from tests.conftest import Backend, count_statements
 
 
 @pytest.fixture

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.__main__ import RUNNERS, main, markdown, report, run
-
-from .conftest import IN_CI, Backend
+from tests.conftest import IN_CI, Backend
 
 
 def test_every_scenario_runs_with_tiny_sizes(backend: Backend) -> None:

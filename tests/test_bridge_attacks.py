@@ -49,10 +49,9 @@ from stateguard import (
     retry_on_conflict,
 )
 from stateguard.tables import counter_ledger, outbox
-
-from ._async_helpers import AsyncTarget, target_from
-from ._counter_workers import Bin, CounterBase
-from .conftest import REDIS_URL, Backend, count_statements
+from tests._support.async_helpers import AsyncTarget, target_from
+from tests._support.counter_workers import Bin, CounterBase
+from tests.conftest import REDIS_URL, Backend, count_statements
 
 # --------------------------------------------------------------------------
 # Shared pieces
@@ -464,7 +463,7 @@ def test_async_relay_bad_idle_sleep_is_invalid_argument(sqlite: Backend) -> None
 def test_async_relays_cancelled_at_random_points_lose_nothing(pg: Backend) -> None:
     """Relays cancelled mid-claim / mid-publish / mid-mark at random (wait_for timeouts), then a
     relay drains: every event is published, none is left claimed past its lease."""
-    from ._async_helpers import async_target
+    from tests._support.async_helpers import async_target
 
     target = async_target("asyncpg", pg)
 
@@ -601,7 +600,7 @@ def test_sync_retry_caps_non_retryable_and_stale(server: Backend) -> None:
 def test_async_unit_hit_by_a_real_conflict_then_applies(pg: Backend, form: str) -> None:
     import functools
 
-    from ._async_helpers import async_target
+    from tests._support.async_helpers import async_target
 
     target = async_target("asyncpg", pg)
 
@@ -941,7 +940,7 @@ def test_async_lock_lost_release_reply_is_released(redis_client: Any, lock_name:
     answered with 'released', not LockLost, and the lock is free."""
     import redis.asyncio
 
-    from ._faultproxy import FaultProxy
+    from tests._support.faultproxy import FaultProxy
 
     kwargs = redis_client.connection_pool.connection_kwargs
     with FaultProxy(kwargs.get("host", "127.0.0.1"), kwargs.get("port", 6379)) as proxy:
@@ -1028,7 +1027,7 @@ def test_striped_reserve_basket_outcomes(bins: Engine) -> None:
 
 
 def test_reserve_basket_under_an_async_session(bins: Engine, backend: Backend) -> None:
-    from ._async_helpers import async_target
+    from tests._support.async_helpers import async_target
 
     driver = {"sqlite": "aiosqlite", "postgresql": "asyncpg", "mariadb": "aiomysql"}[backend.name]
     target = async_target(driver, backend)

@@ -50,8 +50,7 @@ from stateguard import (
 )
 from stateguard.idempotency import _CLAIM, purge_expired
 from stateguard.tables import MAX_KEY, MAX_SCOPE, idempotency_keys
-
-from .conftest import Backend
+from tests.conftest import Backend
 
 ca_md = MetaData()
 work = Table(

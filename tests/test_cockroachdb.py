@@ -54,10 +54,9 @@ from stateguard import (
     row_lock,
 )
 from stateguard._sql import db_now_ms
-
-from ._stock_workers import Stock, StockBase
-from .conftest import Backend, unavailable
-from .models import Base, Invoice, Message, Order
+from tests._support.models import Base, Invoice, Message, Order
+from tests._support.stock_workers import Stock, StockBase
+from tests.conftest import Backend, unavailable
 
 
 class EventBase(DeclarativeBase):

@@ -12,9 +12,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 import stateguard
 from stateguard import Outcome, Result, StateMachine, guarded_update, insert_once, version_column
-
-from .conftest import Backend
-from .models import Base, Message, Order
+from tests._support.models import Base, Message, Order
+from tests.conftest import Backend
 
 CALLS: list[Any] = []
 

@@ -24,10 +24,9 @@ from sqlalchemy.orm import Session
 
 from stateguard import Outcome, Result, SerializationConflict, retry_on_conflict
 from stateguard._sql import classify_db_error
-
-from . import _workers as w
-from .conftest import Backend
-from .models import ORDER_TRANSITIONS, Base, Order
+from tests._support import workers as w
+from tests._support.models import ORDER_TRANSITIONS, Base, Order
+from tests.conftest import Backend
 
 N_ROWS = 20
 N_THREADS = 16

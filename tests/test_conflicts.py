@@ -26,9 +26,8 @@ from stateguard import (
     insert_once,
     retry_on_conflict,
 )
-
-from .conftest import Backend
-from .models import Base, Message, Order
+from tests._support.models import Base, Message, Order
+from tests.conftest import Backend
 
 
 def _seed(backend: Backend, *orders: Order) -> Engine:

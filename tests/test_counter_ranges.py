@@ -27,8 +27,7 @@ from stateguard import (
     reserve,
 )
 from stateguard.tables import counter_ledger
-
-from .conftest import Backend, count_statements
+from tests.conftest import Backend, count_statements
 
 BIG_MAX = 2**63 - 1
 BIG_MIN = -(2**63)

@@ -39,10 +39,9 @@ from stateguard import (
     reserve,
 )
 from stateguard.tables import counter_ledger
-
-from . import _counter_workers as w
-from ._counter_workers import Bin, CounterBase, Wallet
-from .conftest import Backend, count_statements
+from tests._support import counter_workers as w
+from tests._support.counter_workers import Bin, CounterBase, Wallet
+from tests.conftest import Backend, count_statements
 
 
 @pytest.fixture

@@ -11,8 +11,7 @@ from sqlalchemy.orm import Session
 
 from stateguard import InvalidArgument, create_tables, drop_tables
 from stateguard.tables import metadata
-
-from ._async_helpers import ASYNC_TARGETS, AsyncTarget, target_from
+from tests._support.async_helpers import ASYNC_TARGETS, AsyncTarget, target_from
 
 OURS = {t.name for t in metadata.sorted_tables}
 

@@ -30,8 +30,7 @@ from stateguard import (
     purge_expired_tokens,
 )
 from stateguard.tables import idempotency_keys, tokens
-
-from ._id_workers import VirtualClock
+from tests._support.id_workers import VirtualClock
 
 HOURS = 3 * 3_600_000
 SHORT = timedelta(milliseconds=300)

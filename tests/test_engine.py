@@ -18,9 +18,8 @@ from sqlalchemy.orm import Session
 
 import stateguard
 from stateguard import Outcome, async_sqlite_engine, create_tables, decrement, row_lock, sqlite_engine
-
-from .conftest import Backend
-from .models import Base, Invoice, Order
+from tests._support.models import Base, Invoice, Order
+from tests.conftest import Backend
 
 #: How long the writer holds its transaction, and the most a reader may take meanwhile.
 HOLD = 3.0

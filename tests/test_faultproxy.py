@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import create_engine, exc, text
 from sqlalchemy.engine import URL, make_url
 
-from tests._faultproxy import COMMIT, FaultProxy
+from tests._support.faultproxy import COMMIT, FaultProxy
 from tests.conftest import MYSQL_URL, PG_URL, REDIS_URL, unavailable
 
 redis = pytest.importorskip("redis")

@@ -8,11 +8,11 @@
     lock held until its TTL ends (as does a give-back that finds Redis down).
 
 Real servers only: the shared PostgreSQL (both async drivers), the shared Redis, and private
-redis-server processes (tests/_redis_server.py) for crashes.  Races are built deterministically:
+redis-server processes (tests/_support/redis_server.py) for crashes.  Races are built deterministically:
 the fence upsert is blocked by another connection's ``SELECT ... FOR UPDATE`` of the lock's row
 (found waiting in pg_stat_activity), redis-py commands are intercepted per command (the ``Wire``
 of test_async_lock_cancel_attacks for EVALSHA, :class:`Gets` here for the ``GET`` of ``owned()``)
-to stall or to swallow a cancel, and the lost COMMIT reply goes through tests/_faultproxy.py.
+to stall or to swallow a cancel, and the lost COMMIT reply goes through tests/_support/faultproxy.py.
 Timeouts are only liveness bounds.
 
 The tests marked "BUG" found a bug and failed on the code they were written against (6d9709d,
@@ -41,9 +41,8 @@ import pytest
 from sqlalchemy import Engine, text
 
 from stateguard import AsyncRedisLock, create_tables
-
-from ._async_helpers import AsyncTarget, async_target
-from .test_async_lock_cancel_attacks import LIVENESS_BOUND, Wire, _finish, clients
+from tests._support.async_helpers import AsyncTarget, async_target
+from tests.test_async_lock_cancel_attacks import LIVENESS_BOUND, Wire, _finish, clients
 
 DRIVERS = pytest.mark.parametrize("driver", ["asyncpg", "psycopg_async"])
 
@@ -565,7 +564,7 @@ def test_the_fence_fails_and_the_lock_is_given_back(
     fence, and the lock is given back at once."""
     from sqlalchemy.engine import make_url
 
-    from ._faultproxy import FaultProxy
+    from tests._support.faultproxy import FaultProxy
 
     async def main() -> None:
         good = setup.target.engine()
@@ -662,7 +661,7 @@ def test_give_back_finds_redis_crashed(
     another client takes the lock at once and the same task acquires again with a larger fence."""
     import redis.asyncio
 
-    from ._redis_server import RedisServer
+    from tests._support.redis_server import RedisServer
 
     with RedisServer() as server:
 

@@ -26,8 +26,7 @@ from sqlalchemy import (
 )
 
 from stateguard import _write
-
-from .conftest import Backend
+from tests.conftest import Backend
 
 _meta = MetaData()
 _items = Table(

@@ -39,8 +39,7 @@ from stateguard import (
 )
 from stateguard.machine.history import MAX_META_BYTES
 from stateguard.tables import transition_log
-
-from .conftest import Backend, _Namespaces, _only
+from tests.conftest import Backend, _Namespaces, _only
 
 
 class _Base(DeclarativeBase):

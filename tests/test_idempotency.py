@@ -34,8 +34,7 @@ from stateguard import (
 )
 from stateguard import idempotency as idem
 from stateguard.tables import consumed_messages, idempotency_keys
-
-from .conftest import Backend, count_statements
+from tests.conftest import Backend, count_statements
 
 SECOND = timedelta(seconds=1)
 

@@ -19,8 +19,7 @@ from stateguard import (
     idempotent,
 )
 from stateguard.tables import idempotency_keys
-
-from .conftest import Backend
+from tests.conftest import Backend
 
 
 def _wait_for_twin(backend: Backend, probe: Engine, out: dict[str, Any]) -> None:

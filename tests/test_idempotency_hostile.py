@@ -21,8 +21,7 @@ from sqlalchemy.orm import Session
 from stateguard import InvalidArgument, RequestFailed, create_tables, drop_tables, idempotent
 from stateguard.idempotency import fingerprint_of
 from stateguard.tables import idempotency_keys
-
-from .conftest import Backend
+from tests.conftest import Backend
 
 MODES = pytest.mark.parametrize("mode", ["same_transaction", "separate"])
 

@@ -19,8 +19,7 @@ from sqlalchemy import Engine, exc, text
 from sqlalchemy.orm import Session
 
 from stateguard import RequestInProgress, idempotent
-
-from .conftest import Backend
+from tests.conftest import Backend
 
 LEASE = timedelta(seconds=1)
 

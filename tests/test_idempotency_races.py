@@ -36,9 +36,8 @@ from stateguard import (
     purge_expired,
 )
 from stateguard.tables import idempotency_keys
-
-from . import _idem_workers as w
-from .conftest import Backend
+from tests._support import idem_workers as w
+from tests.conftest import Backend
 
 MINUTE = timedelta(minutes=1)
 

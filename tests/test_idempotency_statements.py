@@ -39,8 +39,7 @@ from stateguard import (
     idempotent,
 )
 from stateguard.tables import idempotency_keys
-
-from .conftest import Backend, count_statements
+from tests.conftest import Backend, count_statements
 
 business = MetaData()
 orders = Table(

@@ -1,6 +1,6 @@
 """Request ids (stateguard.ids): UUIDv7 and leased Snowflake ids on every backend.
 
-The races are real: several spawned processes (tests/_id_workers.py) start
+The races are real: several spawned processes (tests/_support/id_workers.py) start
 behind a barrier, and where the interesting moment is a single statement
 (every process inserting the same worker row, every taker claiming the same
 expired lease) an engine event holds each process just before sending it,
@@ -39,10 +39,9 @@ from stateguard import (
 )
 from stateguard import ids as ids_module
 from stateguard.tables import worker_leases
-
-from . import _id_workers as w
-from ._id_workers import VirtualClock
-from .conftest import Backend, count_statements
+from tests._support import id_workers as w
+from tests._support.id_workers import VirtualClock
+from tests.conftest import Backend, count_statements
 
 LEASE = timedelta(seconds=2)
 #: Processes in the pool: the multi-process tests run this many at once.

@@ -16,8 +16,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from stateguard import Outcome, StateMachine, create_tables, decrement, drop_tables
 from stateguard.tables import outbox
-
-from .conftest import Backend
+from tests.conftest import Backend
 
 
 class _Base(DeclarativeBase):

@@ -10,9 +10,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from stateguard import InvalidArgument, Outcome, StateguardError, insert_once
-
-from .conftest import Backend
-from .models import Base, Message, Order
+from tests._support.models import Base, Message, Order
+from tests.conftest import Backend
 
 
 class PairBase(DeclarativeBase):

@@ -25,8 +25,7 @@ from sqlalchemy import Enum as SAEnum
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from stateguard import Outcome, StateMachine, create_tables, decrement, drop_tables, release, reserve
-
-from .conftest import Backend
+from tests.conftest import Backend
 
 
 class Color(enum.Enum):

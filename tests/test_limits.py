@@ -30,8 +30,7 @@ from stateguard import (
     row_lock,
     version_column,
 )
-
-from .conftest import Backend
+from tests.conftest import Backend
 
 INT_MAX = 2**31 - 1
 BIG_MAX = 2**63 - 1

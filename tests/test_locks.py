@@ -31,11 +31,10 @@ from stateguard import (
     sqlite_engine,
 )
 from stateguard.locks import advisory_key, mysql_lock_name
-
-from . import _lock_workers as w
-from ._lock_workers import Job, JobTake, LockBase, Payout, Tally
-from .conftest import REDIS_URL, Backend, _Namespaces, _only, count_statements
-from .models import Base, Shipment
+from tests._support import lock_workers as w
+from tests._support.lock_workers import Job, JobTake, LockBase, Payout, Tally
+from tests._support.models import Base, Shipment
+from tests.conftest import REDIS_URL, Backend, _Namespaces, _only, count_statements
 
 # --------------------------------------------------------------------------
 # Fixtures

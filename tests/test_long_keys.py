@@ -19,8 +19,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from stateguard import InvalidArgument, Outcome, StateMachine, create_tables, decrement, drop_tables, release
 from stateguard.tables import DIGEST_PREFIX, ROW_KEY_LENGTH, counter_ledger, row_key, transition_log
-
-from .conftest import Backend
+from tests.conftest import Backend
 
 CJK = "商品编号" * 15  # 60 characters: 362 as JSON with \\uXXXX escapes
 LONG = "sku-" + "x" * 296  # 300 ASCII characters: too long even unescaped

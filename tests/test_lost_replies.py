@@ -3,7 +3,7 @@ server, the client got a DBAPI error; the retry (a new connection, the same requ
 ref, unique key or message id) learns that its first attempt applied: REPEATED with
 ``same_request`` set, and the change is in the database exactly once.
 
-The fault is real: tests/_faultproxy.py forwards the COMMIT to PostgreSQL or MariaDB and
+The fault is real: tests/_support/faultproxy.py forwards the COMMIT to PostgreSQL or MariaDB and
 drops the server's reply. A connection cut *before* the COMMIT (nothing applied) makes the
 retry APPLIED instead, so the two cases are told apart.
 """
@@ -38,11 +38,10 @@ from stateguard import (
     release,
     reserve,
 )
-
-from ._faultproxy import COMMIT, FaultProxy
-from ._stock_workers import Stock, StockBase
-from .conftest import Backend
-from .models import Base, Invoice, Message
+from tests._support.faultproxy import COMMIT, FaultProxy
+from tests._support.models import Base, Invoice, Message
+from tests._support.stock_workers import Stock, StockBase
+from tests.conftest import Backend
 
 #: A short lease for the separate-mode claim test.
 LEASE = timedelta(seconds=1)

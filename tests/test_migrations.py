@@ -17,8 +17,7 @@ from sqlalchemy import inspect
 
 import stateguard
 from stateguard.tables import metadata
-
-from .conftest import Backend
+from tests.conftest import Backend
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -22,9 +22,8 @@ from stateguard import (
     issue_token,
     purge_expired,
 )
-
-from .conftest import Backend
-from .models import Base, Invoice, Order
+from tests._support.models import Base, Invoice, Order
+from tests.conftest import Backend
 
 
 @pytest.fixture

@@ -12,8 +12,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 import stateguard
 from stateguard import ConfigurationError, Outcome, StateMachine
 from stateguard.machine import Trigger
-
-from .conftest import Backend
+from tests.conftest import Backend
 
 
 @pytest.mark.parametrize(

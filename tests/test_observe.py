@@ -34,9 +34,8 @@ from stateguard import (
     row_lock,
 )
 from stateguard import observe as observe_module
-
-from .conftest import REDIS_URL, Backend
-from .models import Base, Order
+from tests._support.models import Base, Order
+from tests.conftest import REDIS_URL, Backend
 
 
 class Shelf(Base):

@@ -36,7 +36,7 @@ from stateguard import (
 from stateguard.tables import outbox
 
 from . import _outbox_workers as w
-from ._async_helpers import ASYNC_TARGETS, AsyncTarget, target_from
+from ._support.async_helpers import ASYNC_TARGETS, AsyncTarget, target_from
 from .conftest import Backend, count_statements
 
 

@@ -15,8 +15,8 @@ from sqlalchemy.orm import Session
 from stateguard import CallableSink, OutboxEvent, Relay, create_tables, drop_tables, emit
 from stateguard.tables import outbox
 
+from ._support.models import Base, Order
 from .conftest import Backend
-from .models import Base, Order
 
 HOURS = 3 * 3600.0
 

@@ -32,9 +32,8 @@ from stateguard import (
 )
 from stateguard.tables import consumed_messages
 from stateguard.tables import metadata as sg_metadata
-
-from .conftest import Backend
-from .models import Base, Order
+from tests._support.models import Base, Order
+from tests.conftest import Backend
 
 
 class _Other(DeclarativeBase):

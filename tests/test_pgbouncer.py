@@ -3,7 +3,7 @@ README says works behind it does, with psycopg 3 and ``prepare_threshold=None``,
 under a storm of 8 threads on the same rows; and the README's advice is needed: psycopg's
 automatic prepared statements break behind PgBouncer 1.18 without it.
 
-The PgBouncer is started by the tests on a private port (tests/_pgbouncer.py). Missing
+The PgBouncer is started by the tests on a private port (tests/_support/pgbouncer.py). Missing
 pgbouncer skips loudly on a laptop and fails under CI=true (.ci/run installs it).
 """
 
@@ -51,11 +51,10 @@ from stateguard import (
     version_column,
 )
 from stateguard.tables import outbox
-
-from ._pgbouncer import PgBouncer, pgbouncer_binary
-from ._stock_workers import Stock, StockBase
-from .conftest import Backend, _Namespaces, unavailable
-from .models import Base, Invoice, Message, Order
+from tests._support.models import Base, Invoice, Message, Order
+from tests._support.pgbouncer import PgBouncer, pgbouncer_binary
+from tests._support.stock_workers import Stock, StockBase
+from tests.conftest import Backend, _Namespaces, unavailable
 
 psycopg = pytest.importorskip("psycopg")
 

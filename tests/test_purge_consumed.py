@@ -13,8 +13,7 @@ from sqlalchemy.orm import Session
 
 from stateguard import InvalidArgument, Outcome, consume_once, create_tables, drop_tables, purge_consumed
 from stateguard.tables import consumed_messages
-
-from .conftest import Backend
+from tests.conftest import Backend
 
 HOUR_MS = 3_600_000
 

@@ -36,7 +36,7 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session as OrmSession
 
-from . import models
+from ._support import models
 from .conftest import MYSQL_URL, PG_URL, REDIS_URL, unavailable
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -228,7 +228,7 @@ def test_readme_block_runs_as_written(block: Block, tmp_path: Path, monkeypatch:
             if server in needs:
                 monkeypatch.setenv("DATABASE_URL", stack.enter_context(_private_database(server)))
         if "zookeeper" in needs:
-            from ._zookeeper_server import ZooKeeperServer
+            from ._support.zookeeper_server import ZooKeeperServer
 
             monkeypatch.setenv("ZOOKEEPER_HOSTS", stack.enter_context(ZooKeeperServer()).hosts)
         ns: dict[str, Any] = {"__name__": f"readme_{block.index}"}

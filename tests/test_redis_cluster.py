@@ -26,8 +26,7 @@ from stateguard import (
     RedisTokens,
 )
 from stateguard.redis import _acquire_call, _extend_call, _release_call
-
-from ._redis_server import LocalCluster, RedisServer
+from tests._support.redis_server import LocalCluster, RedisServer
 
 #: Names an attacker (or an unlucky user) may pick: braces in every order and count.
 HOSTILE = [

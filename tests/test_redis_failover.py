@@ -1,6 +1,6 @@
 """Redis Cluster with replicas, failover and ``wait_replicas`` (issue 17, "Redis Cluster and failover").
 
-One cluster per module: 3 masters + 3 replicas on private ports (tests/_redis_server.LocalCluster,
+One cluster per module: 3 masters + 3 replicas on private ports (tests/_support/redis_server.LocalCluster,
 ``redis-server --cluster-enabled yes`` + ``redis-cli --cluster create --cluster-replicas 1``),
 stopped by pid.  Races are made with barriers and 8 threads; the failover tests SIGKILL the
 master of the storm's slot while workers keep consuming tokens and taking locks, wait for its
@@ -37,10 +37,9 @@ from stateguard import (
     drop_tables,
     guarded_update,
 )
-
-from ._lock_workers import LockBase, Payout
-from ._redis_server import LocalCluster, RedisServer
-from .conftest import Backend
+from tests._support.lock_workers import LockBase, Payout
+from tests._support.redis_server import LocalCluster, RedisServer
+from tests.conftest import Backend
 
 THREADS = 8
 MINUTE = timedelta(minutes=1)

@@ -1,6 +1,6 @@
 """Fencing tokens never go back, even when Redis restarts empty (issue 15, item 1).
 
-Each test starts its own Redis on a private port (tests/_redis_server.py) and
+Each test starts its own Redis on a private port (tests/_support/redis_server.py) and
 crashes it mid-test: the shared test Redis is never restarted.  Two modes:
 fences from Redis (seeded from the server's clock) and fences from the
 database (``fences=``, the ``stateguard_fences`` table).
@@ -28,11 +28,10 @@ from stateguard import (
     guarded_update,
 )
 from stateguard.tables import fences as fences_table
-
-from ._async_helpers import ASYNC_TARGETS, AsyncTarget, target_from
-from ._lock_workers import LockBase, Payout
-from ._redis_server import RedisServer
-from .conftest import Backend, count_statements
+from tests._support.async_helpers import ASYNC_TARGETS, AsyncTarget, target_from
+from tests._support.lock_workers import LockBase, Payout
+from tests._support.redis_server import RedisServer
+from tests.conftest import Backend, count_statements
 
 
 @pytest.fixture(scope="module")
@@ -264,7 +263,7 @@ def test_async_lock_takes_database_fences_that_survive_a_restart(
 
 
 def test_restart_helper_loses_everything_and_keeps_its_port(server: RedisServer, client: Any) -> None:
-    """tests/_redis_server.py: a restart is a crash without persistence on the same port."""
+    """tests/_support/redis_server.py: a restart is a crash without persistence on the same port."""
     client.set("k", "v")
     port, before = server.port, server.restarts
     started = time.monotonic()

@@ -1,7 +1,7 @@
 """Lost replies on Redis (issue 15, item 2, the Redis half): a command that ran but whose reply
 never came back is answered with what actually happened.
 
-Each test puts tests/_faultproxy.FaultProxy between redis-py and the test Redis and cuts one
+Each test puts tests/_support/faultproxy.FaultProxy between redis-py and the test Redis and cuts one
 connection right after the script call reached the server, before its reply.  With redis-py's
 default retries the call is sent again on a new connection and must recognise its own first
 run; with retries off the caller gets a ConnectionError and a second call on the same object
@@ -31,10 +31,9 @@ from stateguard import (
     create_tables,
 )
 from stateguard.tables import fences as fences_table
-
-from ._faultproxy import FaultProxy
-from ._redis_server import RedisServer
-from .conftest import REDIS_URL
+from tests._support.faultproxy import FaultProxy
+from tests._support.redis_server import RedisServer
+from tests.conftest import REDIS_URL
 
 MINUTE = timedelta(minutes=1)
 

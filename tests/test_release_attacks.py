@@ -29,10 +29,9 @@ from stateguard import (
     release,
     reserve,
 )
-
-from .conftest import Backend
-from .test_counter_ranges import BIG_MAX, INT_MAX
-from .test_counter_ranges import _unreleased as _unreleased_in
+from tests.conftest import Backend
+from tests.test_counter_ranges import BIG_MAX, INT_MAX
+from tests.test_counter_ranges import _unreleased as _unreleased_in
 
 
 class AtkBase(DeclarativeBase):

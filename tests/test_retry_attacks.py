@@ -34,8 +34,7 @@ from stateguard import (
     row_lock,
     version_column,
 )
-
-from .conftest import Backend
+from tests.conftest import Backend
 
 
 class Base(DeclarativeBase): ...

@@ -26,8 +26,7 @@ from stateguard import (
     reserve,
     version_column,
 )
-
-from .conftest import Backend
+from tests.conftest import Backend
 
 
 class _Base(DeclarativeBase):

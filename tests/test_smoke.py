@@ -3,9 +3,8 @@
 from sqlalchemy.orm import Session
 
 from stateguard import Outcome
-
-from .conftest import Backend, count_statements
-from .models import Base, Order
+from tests._support.models import Base, Order
+from tests.conftest import Backend, count_statements
 
 
 def test_pay_applies_once_then_repeats(backend: Backend) -> None:

@@ -25,11 +25,10 @@ from stateguard import (
     reserve,
 )
 from stateguard.tables import counter_ledger
-
-from . import _stock_workers as w
-from ._stock_workers import Stock, StockBase
-from .conftest import Backend, count_statements
-from .models import Order
+from tests._support import stock_workers as w
+from tests._support.models import Order
+from tests._support.stock_workers import Stock, StockBase
+from tests.conftest import Backend, count_statements
 
 
 @pytest.fixture

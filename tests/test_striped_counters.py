@@ -36,9 +36,8 @@ from stateguard import (
 )
 from stateguard.striped import MAX_AMOUNT, SPACE, stripe_ids
 from stateguard.tables import counter_ledger, counter_stripes
-
-from . import _striped_workers as w
-from .conftest import Backend, _only, count_statements
+from tests._support import striped_workers as w
+from tests.conftest import Backend, _only, count_statements
 
 WORKERS = 8
 
@@ -594,7 +593,7 @@ def test_savepoint_rollback_undoes_striped_changes_and_keeps_loaded_objects_righ
     """Decrements, a reserve and a release inside a SAVEPOINT that is rolled back leave the stripes
     and the ref ledger as they were (the refs apply again afterwards), and ORM objects the block
     added or changed roll back with it."""
-    from .models import Invoice
+    from tests._support.models import Invoice
 
     c = StripedCounter("sp", stripes=3)
     with Session(engine) as s, s.begin():

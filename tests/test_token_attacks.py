@@ -35,8 +35,7 @@ from stateguard import (
 from stateguard.exceptions import DeadlockDetected, SerializationConflict
 from stateguard.tables import consumed_messages, tokens
 from stateguard.tokens import token_digest
-
-from .conftest import REDIS_URL, Backend, count_statements
+from tests.conftest import REDIS_URL, Backend, count_statements
 
 HOUR = timedelta(hours=1)
 SHORT = timedelta(milliseconds=150)

@@ -30,9 +30,8 @@ from stateguard import (
     purge_expired_tokens,
 )
 from stateguard.tables import tokens as tokens_table
-
-from . import _token_workers as w
-from .conftest import REDIS_URL, Backend, count_statements
+from tests._support import token_workers as w
+from tests.conftest import REDIS_URL, Backend, count_statements
 
 MINUTE = timedelta(minutes=1)
 

@@ -31,8 +31,7 @@ from stateguard import (
     retry_on_conflict,
     version_column,
 )
-
-from .conftest import Backend
+from tests.conftest import Backend
 
 
 class _Base(DeclarativeBase):

@@ -24,9 +24,8 @@ from stateguard import (
     guarded_update,
     retry_on_conflict,
 )
-
-from .conftest import Backend, count_statements
-from .models import Base, Order, Shipment, Ticket
+from tests._support.models import Base, Order, Shipment, Ticket
+from tests.conftest import Backend, count_statements
 
 
 @pytest.fixture

@@ -32,9 +32,8 @@ from stateguard import (
     reserve,
     row_lock,
 )
-
-from .conftest import Backend
-from .models import Base, Message, Order
+from tests._support.models import Base, Message, Order
+from tests.conftest import Backend
 
 
 @pytest.fixture

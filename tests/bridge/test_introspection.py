@@ -20,8 +20,7 @@ from sqlalchemy.orm import Session
 
 import stateguard
 from stateguard import StripedCounter, Trigger
-
-from ..models import Order
+from tests._support.models import Order
 
 #: Public names whose signature is not checked, and why.
 NOT_CALLS = {

@@ -23,8 +23,7 @@ from stateguard.asgi import IdempotencyMiddleware, RouteOptions, principal_of
 from stateguard.http.wsgi import WSGIIdempotencyMiddleware
 from stateguard.tables import idempotency_keys
 from stateguard.tables import metadata as stateguard_metadata
-
-from ..conftest import Backend
+from tests.conftest import Backend
 
 
 class Signups:

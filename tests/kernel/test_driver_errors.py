@@ -25,10 +25,9 @@ from stateguard import (
     retry_on_conflict,
     row_lock,
 )
-
-from .._async_helpers import PG_TARGETS, async_target
-from ..conftest import Backend
-from ..models import Base, Order
+from tests._support.async_helpers import PG_TARGETS, async_target
+from tests._support.models import Base, Order
+from tests.conftest import Backend
 
 pytestmark = pytest.mark.rollback
 

@@ -20,8 +20,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 import stateguard
 from stateguard import _write, create_tables, drop_tables, guarded_update, version_column
-
-from ..conftest import Backend
+from tests.conftest import Backend
 
 _COUNT = textwrap.dedent(
     """

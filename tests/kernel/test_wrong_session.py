@@ -20,8 +20,7 @@ from stateguard import (
     idempotent,
     increment,
 )
-
-from ..models import Order
+from tests._support.models import Order
 
 pytestmark = pytest.mark.hostile
 

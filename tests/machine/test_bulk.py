@@ -11,9 +11,8 @@ from sqlalchemy import event, func, select, update
 from sqlalchemy.orm import Session
 
 from stateguard import InvalidArgument, Outcome, retry_on_conflict
-
-from ..conftest import Backend, count_statements
-from ..models import Base, Order, Shipment, SideEffect, Ticket
+from tests._support.models import Base, Order, Shipment, SideEffect, Ticket
+from tests.conftest import Backend, count_statements
 
 
 def _orders(engine: Any, states: dict[int, str]) -> None:

@@ -14,9 +14,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from stateguard import ConfigurationError, InvalidArgument, Outcome, StateMachine, version_column
 from stateguard.tables import create_tables, drop_tables, outbox
-
-from .._async_helpers import ASYNC_TARGETS, async_target
-from ..conftest import Backend, count_statements
+from tests._support.async_helpers import ASYNC_TARGETS, async_target
+from tests.conftest import Backend, count_statements
 
 
 class Base(DeclarativeBase):

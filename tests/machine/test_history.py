@@ -12,9 +12,8 @@ from sqlalchemy.orm import Session
 
 from stateguard import InvalidArgument, Outcome, SerializationConflict, retry_on_conflict
 from stateguard.tables import create_tables, drop_tables, transition_log
-
-from ..conftest import Backend, count_statements
-from ..models import Base, Invoice, Order
+from tests._support.models import Base, Invoice, Order
+from tests.conftest import Backend, count_statements
 
 
 @pytest.fixture

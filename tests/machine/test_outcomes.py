@@ -23,9 +23,8 @@ from stateguard import (
     insert_once,
     retry_on_conflict,
 )
-
-from ..conftest import Backend, count_statements
-from ..models import Base, Color, Lamp, Message, Order, Shipment, Ticket
+from tests._support.models import Base, Color, Lamp, Message, Order, Shipment, Ticket
+from tests.conftest import Backend, count_statements
 
 SEEN: list[Any] = []
 

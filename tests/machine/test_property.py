@@ -40,9 +40,8 @@ from stateguard import (
     UnknownTrigger,
     guarded_update,
 )
-
-from ..conftest import Backend, count_statements
-from ..models import ORDER_STATES, ORDER_TRANSITIONS, Base, Color, Lamp, Order, Ticket
+from tests._support.models import ORDER_STATES, ORDER_TRANSITIONS, Base, Color, Lamp, Order, Ticket
+from tests.conftest import Backend, count_statements
 
 SETTINGS = settings(
     max_examples=30,
@@ -133,7 +132,7 @@ class Graph:
         return Outcome.REJECTED, row
 
 
-# Restated from tests/models.py on purpose: the model must not read stateguard's copy.
+# Restated from tests/_support/models.py on purpose: the model must not read stateguard's copy.
 TICKET_GRAPH = Graph.declared(
     ["open", "closed"],
     [

@@ -16,8 +16,7 @@ from sqlalchemy import Engine, Integer, String, column
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from stateguard import Outcome, StateMachine, version_column
-
-from ..conftest import Backend
+from tests.conftest import Backend
 
 
 class _Base(DeclarativeBase):
@@ -122,7 +121,7 @@ def test_a_trigger_into_a_state_it_does_not_leave_still_repeats(engine: Engine) 
 
 def test_the_property_tests_counterexample_stop_on_a_red_lamp_with_an_old_version(backend: Backend) -> None:
     """Pinned from test_property's falsifying run: stop (* -> red) on a red lamp, version behind: STALE."""
-    from ..models import Base, Color, Lamp
+    from tests._support.models import Base, Color, Lamp
 
     engine = backend.create(Base.metadata)
     with Session(engine) as s, s.begin():

@@ -19,9 +19,8 @@ from stateguard import (
     TransitionRejected,
     version_column,
 )
-
-from ..conftest import Backend, count_statements
-from ..models import Base, Color, Lamp, Order, Shipment, Ticket
+from tests._support.models import Base, Color, Lamp, Order, Shipment, Ticket
+from tests.conftest import Backend, count_statements
 
 
 class DocBase(DeclarativeBase):

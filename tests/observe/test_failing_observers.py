@@ -63,9 +63,8 @@ from stateguard.observe import on_span
 from stateguard.otel import instrument
 from stateguard.tables import metadata as stateguard_metadata
 from stateguard.tables import outbox
-
-from .._async_helpers import Tables, async_target
-from ..conftest import REDIS_URL, Backend
+from tests._support.async_helpers import Tables, async_target
+from tests.conftest import REDIS_URL, Backend
 
 pytestmark = pytest.mark.failing_observer
 
@@ -586,7 +585,7 @@ def test_async_redis_lock_is_held_and_released(
 def zookeeper() -> Iterator[str]:
     """The hosts of a private standalone ZooKeeper (skips loudly, fails in CI, without zookeeperd)."""
     pytest.importorskip("kazoo", reason="!!! SKIPPED: kazoo is not installed (pip install -e '.[test]')")
-    from .._zookeeper_server import ZooKeeperServer
+    from tests._support.zookeeper_server import ZooKeeperServer
 
     with ZooKeeperServer() as running:
         yield running.hosts
@@ -597,8 +596,7 @@ def test_zookeeper_lock_is_held_and_released(
 ) -> None:
     """ZooKeeperLock.acquire() returns its fence with the lock held; release() deletes its znode."""
     from stateguard import ZooKeeperLock
-
-    from .._zk_workers import client_for
+    from tests._support.zk_workers import client_for
 
     client = client_for(zookeeper)
     try:

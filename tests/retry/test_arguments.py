@@ -11,8 +11,7 @@ from typing import Any
 import pytest
 
 from stateguard import InvalidArgument, Outcome, Result, retry_on_conflict
-
-from ..models import Order
+from tests._support.models import Order
 
 pytestmark = pytest.mark.hostile
 

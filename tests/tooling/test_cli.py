@@ -26,9 +26,8 @@ from stateguard.redis import RedisStreamSink
 from stateguard.tables import consumed_messages, idempotency_keys, outbox, tokens
 from stateguard.tooling import cli
 from stateguard.tooling.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, main
-
-from ..conftest import REDIS_URL, Backend
-from ._helpers import DEMO, MULTI, run
+from tests.conftest import REDIS_URL, Backend
+from tests.tooling._helpers import DEMO, MULTI, run
 
 # --------------------------------------------------------------------------
 # Arguments, help, exit codes

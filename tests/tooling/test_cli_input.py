@@ -21,8 +21,7 @@ from stateguard import CallableSink, InvalidArgument, Relay, create_tables, emit
 from stateguard.redis import RedisStreamSink
 from stateguard.tables import outbox
 from stateguard.tooling.cli import EXIT_OK, EXIT_USAGE, main
-
-from ..conftest import Backend
+from tests.conftest import Backend
 
 pytestmark = pytest.mark.hostile
 

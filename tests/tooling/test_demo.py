@@ -36,8 +36,7 @@ from stateguard.tooling.demo import (
     Request,
     SchemeRow,
 )
-
-from ..conftest import IN_CI, REDIS_URL, Backend
+from tests.conftest import IN_CI, REDIS_URL, Backend
 
 SCHEMES = (
     "state machine",

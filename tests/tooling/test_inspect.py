@@ -24,9 +24,8 @@ from stateguard._sql import db_now_ms
 from stateguard.tables import idempotency_keys, metadata, outbox, tokens, worker_leases
 from stateguard.tooling.graph import GRAPHVIZ_HINT, graphviz_available
 from stateguard.tooling.inspection import ScanProgress
-
-from ..conftest import Backend
-from ._helpers import Terminal, run, write_module
+from tests.conftest import Backend
+from tests.tooling._helpers import Terminal, run, write_module
 
 MODELS = """
 from sqlalchemy import String
@@ -554,7 +553,7 @@ def test_readme_documents_the_json_shape(
     app: tuple[str, ModuleType, Backend], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Every key ``--json`` prints (each section filled) is in the README's shape, and nothing else is."""
-    from ._helpers import ROOT
+    from tests.tooling._helpers import ROOT
 
     name, module, backend = app
     _stuck_and_not(backend.engine)
@@ -610,7 +609,7 @@ def test_inspect_as_a_real_subprocess(sqlite_app: tuple[str, ModuleType, Backend
     import subprocess
     import sys
 
-    from ._helpers import ROOT
+    from tests.tooling._helpers import ROOT
 
     _, _, backend = sqlite_app
     _stuck_and_not(backend.engine)

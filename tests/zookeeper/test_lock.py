@@ -24,9 +24,8 @@ from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from stateguard import InvalidArgument, LockLost, LockNotAcquired, ZooKeeperLock
-
-from .._faultproxy import FaultProxy
-from .._zk_workers import (
+from tests._support.faultproxy import FaultProxy
+from tests._support.zk_workers import (
     ZkBase,
     ZkLog,
     ZkPayout,
@@ -39,8 +38,8 @@ from .._zk_workers import (
     storm,
     thaw,
 )
-from .._zookeeper_server import Gate, ZooKeeperEnsemble, ZooKeeperServer
-from ..conftest import Backend
+from tests._support.zookeeper_server import Gate, ZooKeeperEnsemble, ZooKeeperServer
+from tests.conftest import Backend
 
 pytest.importorskip("kazoo", reason="!!! SKIPPED: kazoo is not installed (pip install -e '.[test]')")
 
@@ -61,7 +60,7 @@ def worker_context() -> Any:
     """A forkserver that has imported the workers' modules once: each worker forks from it ready to run
     (8 spawned interpreters importing SQLAlchemy and kazoo cost more than the storm itself)."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["tests._zk_workers"])
+    ctx.set_forkserver_preload(["tests._support.zk_workers"])
     return ctx
 
 

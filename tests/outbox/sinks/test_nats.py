@@ -22,7 +22,7 @@ from stateguard.outbox import AsyncRelay
 from stateguard.outbox.sinks import AsyncNATSSink, NATSSink
 from stateguard.tables import outbox
 
-from ..._faultproxy import FaultProxy
+from ..._support.faultproxy import FaultProxy
 from ...conftest import Backend
 from . import _brokers
 from ._brokers import NATS_PORT, NATS_URL, Stream, via

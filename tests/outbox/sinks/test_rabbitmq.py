@@ -20,7 +20,7 @@ from stateguard.outbox import AsyncRelay
 from stateguard.outbox.sinks import AsyncRabbitMQSink, RabbitMQSink
 from stateguard.tables import outbox
 
-from ..._faultproxy import FaultProxy
+from ..._support.faultproxy import FaultProxy
 from ...conftest import Backend
 from ._brokers import RABBITMQ_PORT, RABBITMQ_URL, Delivered, Rabbit, via
 

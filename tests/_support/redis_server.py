@@ -31,7 +31,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from .conftest import IN_CI
+from tests.conftest import IN_CI
 
 __all__ = ["LocalCluster", "RedisServer", "free_port", "redis_server_binary", "stop_by_pid"]
 

@@ -36,8 +36,7 @@ from stateguard import (
     sqlite_engine,
 )
 from stateguard.tokens import OneTimeToken
-
-from .conftest import Backend
+from tests.conftest import Backend
 
 T = TypeVar("T")
 E = TypeVar("E", bound=BaseException)

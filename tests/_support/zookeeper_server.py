@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from ._redis_server import free_port, stop_by_pid
-from .conftest import IN_CI
+from tests._support.redis_server import free_port, stop_by_pid
+from tests.conftest import IN_CI
 
 __all__ = ["Gate", "ZooKeeperEnsemble", "ZooKeeperServer", "zookeeper_available", "zookeeper_command"]
 

@@ -20,8 +20,7 @@ from sqlalchemy import Engine, Integer, String, create_engine, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from stateguard import Outcome, Result, SerializationConflict, guarded_update
-
-from .models import Order
+from tests._support.models import Order
 
 T = TypeVar("T")
 
