@@ -65,7 +65,7 @@ def test_migrations_declare_utf8mb4_on_every_text_column(latin1: Engine, tmp_pat
     """alembic upgrade stateguard@head leaves no latin1 text column either (sg_0005 converts sg_0001..3's)."""
     from alembic import command
 
-    from tests.test_migrations import _config
+    from tests.schema.test_migrations import _config
 
     cfg = _config(tmp_path, latin1.url.render_as_string(hide_password=False))
     command.upgrade(cfg, "stateguard@sg_0004")
