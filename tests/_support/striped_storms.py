@@ -1,4 +1,5 @@
-"""Helpers shared by the tests split out of one module (importable by spawned processes)."""
+"""Helpers of the striped-counter storms: threads released together, retried units of work,
+invariant checks, and holders that keep stripes locked (importable by spawned processes)."""
 
 from __future__ import annotations
 
