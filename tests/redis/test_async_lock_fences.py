@@ -1,4 +1,4 @@
-"""Reviewer's attacks on one promise of AsyncRedisLock(fences=async_engine) (stateguard.redis):
+"""AsyncRedisLock(fences=async_engine) under cancellation:
 
     A task cancelled while it waits gets asyncio.CancelledError (also when redis-py's client
     swallows the cancellation inside a command: acquire() notices the task's pending cancellation,
@@ -11,16 +11,9 @@ Real servers only: the shared PostgreSQL (both async drivers), the shared Redis,
 redis-server processes (tests/_support/redis_server.py) for crashes.  Races are built deterministically:
 the fence upsert is blocked by another connection's ``SELECT ... FOR UPDATE`` of the lock's row
 (found waiting in pg_stat_activity), redis-py commands are intercepted per command (the ``Wire``
-of test_async_lock_cancel_attacks for EVALSHA, :class:`Gets` here for the ``GET`` of ``owned()``)
+of tests/_support/redis_wire.py for EVALSHA, :class:`Gets` here for the ``GET`` of ``owned()``)
 to stall or to swallow a cancel, and the lost COMMIT reply goes through tests/_support/faultproxy.py.
 Timeouts are only liveness bounds.
-
-The tests marked "BUG" found a bug and failed on the code they were written against (6d9709d,
-which looked for a cancellation redis-py swallowed only after the acquire script's reply: one
-swallowed in the ownership check after the database fence let acquire() return a fence, holding
-the lock, to a task that had been cancelled); all pass since.  The repeated cancels in the
-give-back and the give-back that finds Redis crashed also fail on 5a8848b, before 343cc0f gave
-the fence path its uncuttable, logged give-back.
 
 After each scenario the checks are the same (:func:`after_the_attack`): the task ended as it must
 (CancelledError / TimeoutError / the database's error), the Redis key is gone, ``lock.owned()``
@@ -42,7 +35,7 @@ from sqlalchemy import Engine, text
 
 from stateguard import AsyncRedisLock, create_tables
 from tests._support.async_helpers import AsyncTarget, async_target
-from tests.test_async_lock_cancel_attacks import LIVENESS_BOUND, Wire, _finish, clients
+from tests._support.redis_wire import LIVENESS_BOUND, Wire, _finish, clients
 
 DRIVERS = pytest.mark.parametrize("driver", ["asyncpg", "psycopg_async"])
 
