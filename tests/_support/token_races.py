@@ -22,7 +22,7 @@ HOUR = timedelta(hours=1)
 SHORT = timedelta(milliseconds=150)
 
 
-class Base(DeclarativeBase): ...
+class TokenBase(DeclarativeBase): ...
 
 
 def _issue(engine: Engine, scope: str, ttl: timedelta = HOUR) -> str:

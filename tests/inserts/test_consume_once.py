@@ -23,7 +23,7 @@ from stateguard import (
 from stateguard.exceptions import DeadlockDetected, SerializationConflict
 from stateguard.tables import consumed_messages
 from tests._support.token_races import (
-    Base,
+    TokenBase,
     _issue,
     _outcomes,
     _run_threads,
@@ -31,7 +31,7 @@ from tests._support.token_races import (
 from tests.conftest import Backend
 
 
-class Parcel(Base):
+class Parcel(TokenBase):
     """A consumer's business write, next to consume_once in one transaction."""
 
     __tablename__ = "attack_parcels"
@@ -45,7 +45,7 @@ class Parcel(Base):
 
 @pytest.fixture
 def parcels(backend: Backend, engine: Engine) -> Engine:
-    return backend.create(Base.metadata)
+    return backend.create(TokenBase.metadata)
 
 
 def test_twins_racing_from_a_barrier_consume_a_message_once(parcels: Engine, backend: Backend) -> None:
