@@ -11,16 +11,23 @@ raises one never leaves its key in progress for a whole lease.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from sqlalchemy import Engine, select, text
 from sqlalchemy.orm import Session
 
-from stateguard import InvalidArgument, RequestFailed, create_tables, drop_tables, idempotent
+from stateguard import (
+    InvalidArgument,
+    RequestFailed,
+    create_tables,
+    drop_tables,
+    idempotent,
+)
 from stateguard.idempotency import fingerprint_of
 from stateguard.tables import idempotency_keys
+from tests._support.idem_items import md
 from tests.conftest import Backend
 
 MODES = pytest.mark.parametrize("mode", ["same_transaction", "separate"])
@@ -265,3 +272,41 @@ def test_a_large_response_under_the_limit_is_stored_and_replayed(
                 else:
                     call.complete(big)
             session.commit()
+
+
+@pytest.fixture
+def eng(engine: Engine, backend: Backend) -> Iterator[Engine]:
+    backend.create(md)
+    yield engine
+
+
+@pytest.mark.parametrize("mode", ["same_transaction", "separate"])
+@pytest.mark.parametrize("slack", [1, 64, 400, 2000])
+def test_mariadb_responses_at_the_packet_limit_store_or_refuse_cleanly(
+    mariadb: Backend, mode: str, slack: int
+) -> None:
+    """Just under max_allowed_packet: the text fits, the statement around it may not.  Either it is
+    stored and replays, or InvalidArgument leaves the call open; never a dropped connection."""
+    from stateguard import InvalidArgument, create_tables, drop_tables
+
+    eng = mariadb.engine
+    drop_tables(eng)
+    create_tables(eng)
+
+    with eng.connect() as c:
+        limit = int(c.scalar(text("SELECT @@max_allowed_packet")))
+    big = "x" * (limit - slack - 2)  # its JSON text is limit - slack bytes
+    stored: Any = None
+    with Session(eng) as s:
+        tx = s.begin() if mode == "same_transaction" else None
+        with idempotent(s, scope="pk", key="k", mode=mode) as call:  # type: ignore[arg-type]
+            try:
+                stored = call.complete(big)
+            except InvalidArgument:
+                stored = call.complete("small")
+        if tx:
+            tx.commit()
+    with Session(eng) as s, idempotent(s, scope="pk", key="k", mode="separate") as call:
+        assert call.replayed
+        assert call.response == stored
+    drop_tables(eng)
