@@ -11,6 +11,7 @@ characters, U+2028, characters outside the BMP, text that looks like JSON.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -18,7 +19,11 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import Engine, update
+from sqlalchemy import (
+    Engine,
+    insert,
+    update,
+)
 from sqlalchemy.orm import Session
 
 from stateguard import (
@@ -28,6 +33,15 @@ from stateguard import (
     on_idempotency_event,
 )
 from stateguard.tables import idempotency_keys
+from tests._support.idem_claims import (
+    ClaimFailed,
+    _runs,
+    _statements_of,
+    _verbs,
+    ca_md,
+    work,
+)
+from tests.conftest import Backend
 
 
 class TextAsIs:
@@ -165,3 +179,103 @@ def test_bad_options_are_refused_every_time(engine: Engine, options: dict[str, A
     for _ in range(2):
         with Session(engine) as session, pytest.raises(InvalidArgument):
             idempotent(session, scope="rec", key="bad", **options)
+
+
+@pytest.fixture
+def eng(engine: Engine, backend: Backend) -> Iterator[Engine]:
+    """stateguard's tables (conftest ``engine``) and ``ca_work`` on each backend, dropped afterwards."""
+    backend.create(ca_md)
+    yield engine
+
+
+# --------------------------------------------------------------------------- 4. what the JSON carries
+
+_TEXTS: list[Any] = [
+    '"',
+    "\\",
+    '\\"',
+    "null",
+    "",
+    "\\u0000",
+    "\\ud83d",
+    "\u2028\u2029",
+    "é😀\U0010ffff\ufeff",
+    "\x01\x1f\x7f\t\r\n",
+    "</script><!--",
+    '{"by": "someone else"}',
+    "[1,",
+    "x" * 300_000,
+    {"\\": '"', "null": None, "😀": ["\u2028", 2**63 - 1, -(2**63)]},
+    2**64 + 1,
+    None,
+]
+
+
+class _RawText:
+    """A serializer that stores the response text exactly as given (not JSON)."""
+
+    def dumps(self, value: Any) -> str:
+        if not isinstance(value, str):
+            raise TypeError("text only")
+        return value
+
+    def loads(self, text: str) -> Any:
+        return text
+
+
+def test_replays_carry_hostile_text_exactly_through_the_record(eng: Engine, backend: Backend) -> None:
+    """Responses with quotes, backslashes, escapes-as-text, "null", unicode and 300 K characters
+    come back from a replay exactly (PostgreSQL: a replay is the one WITH statement, so the record
+    travelled inside json_build_array); also raw non-JSON text through a custom serializer."""
+    raw = _RawText()
+    cases: list[tuple[Any, Any]] = [(v, None) for v in _TEXTS]
+    cases += [(v, raw) for v in _TEXTS if isinstance(v, str)]
+    for i, (value, serializer) in enumerate(cases):
+        key = f"t{i}"
+        with Session(eng) as s, s.begin(), idempotent(s, scope="ca4", key=key, serializer=serializer) as call:
+            assert not call.replayed
+            s.execute(insert(work).values(label=key, by="first"))
+            call.complete(value)
+        with Session(eng) as s, s.begin():
+            with (
+                _statements_of(s.connection()) as seen,
+                idempotent(s, scope="ca4", key=key, serializer=serializer) as call,
+            ):
+                assert call.replayed, (i, value if not isinstance(value, str) else value[:40])
+                got = call.response
+        assert type(got) is type(value) and got == value, (i, repr(got)[:80], repr(value)[:80])
+        if backend.name == "postgresql":
+            assert _verbs(seen) == ["WITH"], seen
+        assert _runs(eng, key) == ["first"]
+
+
+_NAME = 'ph"ase\\1 é😀' + "n" * 80  # 93 characters: the checkpoint name holds 100
+
+
+def test_checkpoint_and_error_text_survive_the_record_transport(eng: Engine, backend: Backend) -> None:
+    """Separate mode: a checkpoint (hostile name and data) is handed to the taker exactly, and a
+    non-retryable error's text with quotes, backslashes and unicode is the RequestFailed.error."""
+    data = {"\\": ['"', "null", "\\u0041"], "é😀": 2**62, "": None}
+    with Session(eng) as s:
+        with pytest.raises(ClaimFailed), idempotent(s, scope="ca5", key="cp", mode="separate") as call:
+            s.execute(insert(work).values(label="cp", by="first"))
+            call.checkpoint(_NAME, data)
+            raise ClaimFailed("retry me")
+    with Session(eng) as s, idempotent(s, scope="ca5", key="cp", mode="separate") as call:
+        assert not call.replayed and call.taken_over and call.attempt == 2
+        assert call.checkpoint_name == _NAME
+        assert call.checkpoint_data == data
+        call.complete("done")
+    assert _runs(eng, "cp") == ["first"]  # the checkpointed phase committed; the taker did not redo it
+
+    message = 'card "declined" \\ é😀 \u2028 null'
+    with Session(eng) as s:
+        with (
+            pytest.raises(ClaimFailed),
+            idempotent(s, scope="ca5", key="fail", mode="separate", non_retryable=(ClaimFailed,)),
+        ):
+            raise ClaimFailed(message)
+    with Session(eng) as s:
+        with pytest.raises(RequestFailed) as caught, idempotent(s, scope="ca5", key="fail", mode="separate"):
+            pytest.fail("a failed-for-good key must not run again")
+    assert caught.value.error == f"ClaimFailed: {message}"
