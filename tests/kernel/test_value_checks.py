@@ -1,33 +1,28 @@
-"""Hostile strings and values are refused typed before any statement (issue 15, items 9 and 12).
+"""Hostile strings and values are refused typed before any statement.
 
 NUL (PostgreSQL refuses it in text), lone surrogates (no UTF-8 for them: the
 driver raised UnicodeEncodeError), strings longer than their ``String(n)``
 column (PostgreSQL aborts the transaction), NaN / Infinity and deeply nested
 or huge metadata (not JSON, or more than the log takes) in keys, values=,
 refs and request ids: each is InvalidArgument, nothing is written and the
-transaction stays usable, on every backend.  advisory_lock(timeout=inf)
-waits forever like timeout=None, and a MariaDB GET_LOCK whose connection is
-killed inside the block ends in LockLost, not a raw driver error.
+transaction stays usable, on every backend.
 """
 
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable, Iterator
 from decimal import Decimal
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, Integer, Numeric, String, func, select, text
+from sqlalchemy import Engine, Integer, Numeric, String, func, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from stateguard import (
     InvalidArgument,
-    LockLost,
     Outcome,
     StateMachine,
-    advisory_lock,
     consume_once,
     create_tables,
     decrement,
@@ -39,7 +34,7 @@ from stateguard import (
 )
 from stateguard.machine.history import MAX_META_BYTES
 from stateguard.tables import transition_log
-from tests.conftest import Backend, _Namespaces, _only
+from tests.conftest import Backend
 
 
 class _Base(DeclarativeBase):
@@ -147,35 +142,3 @@ def test_values_at_the_column_length_and_non_ascii_text_still_apply(engine: Engi
         assert r.outcome is Outcome.APPLIED
     with Session(engine) as s:
         assert s.get(Item, "a").note == "商" * 10  # type: ignore[union-attr]
-
-
-@pytest.fixture(params=["postgresql", "mariadb"])
-def server(request: pytest.FixtureRequest, namespaces: _Namespaces) -> Iterator[Backend]:
-    """PostgreSQL, then MariaDB: the backends with named locks."""
-    yield from _only(request.param, namespaces)
-
-
-def test_advisory_lock_timeout_inf_waits_like_none(server: Backend) -> None:
-    """timeout=float('inf') takes a free lock (GET_LOCK refused 'inf' as a raw error before)."""
-    with Session(server.engine) as s, s.begin():
-        with advisory_lock(s, "hostile-inf", timeout=math.inf):
-            pass
-
-
-def test_get_lock_holder_whose_connection_is_killed_gets_lock_lost(mariadb: Backend) -> None:
-    """MariaDB: KILL CONNECTION of the holder inside the block; the block's end raises LockLost."""
-    backend = mariadb
-    with pytest.raises(LockLost, match="lost with its connection"), Session(backend.engine) as s:
-        with advisory_lock(s, "hostile-kill"):
-            conn_id = s.execute(text("SELECT CONNECTION_ID()")).scalar_one()
-            killer = threading.Thread(target=_kill, args=(backend.engine, conn_id))
-            killer.start()
-            killer.join()
-    # The server released the lock with the connection: another session takes it at once.
-    with Session(backend.engine) as s, advisory_lock(s, "hostile-kill", timeout=0):
-        pass
-
-
-def _kill(engine: Engine, conn_id: int) -> None:
-    with engine.connect() as conn:
-        conn.execute(text(f"KILL CONNECTION {int(conn_id)}"))
