@@ -25,7 +25,7 @@ class _Base(DeclarativeBase):
 class Effect(_Base):
     """One row per execution of the app's side effect."""
 
-    __tablename__ = "sg_test_asgi_attack_effects"
+    __tablename__ = "sg_test_asgi_effects"
     id: Mapped[int] = mapped_column(primary_key=True)
     tag: Mapped[str] = mapped_column(String(64), default="")
 

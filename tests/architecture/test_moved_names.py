@@ -1,4 +1,4 @@
-"""What user code written against the earlier layout keeps doing after the renovation (issue 14)."""
+"""What user code written against the earlier layout keeps doing after the renovation."""
 
 from __future__ import annotations
 

@@ -49,7 +49,7 @@ def test_every_scenario_runs_with_tiny_sizes(backend: Backend) -> None:
         assert row["gave_up"] == 0 and row["errors"] == 0
 
     # Idempotency keys: every variant at both sizes, with the statements the
-    # README documents (issue 19: no SAVEPOINT; a replay is one statement on PostgreSQL).
+    # README documents (no SAVEPOINT; a replay is one statement on PostgreSQL).
     idem = by_number["4."].rows
     assert sorted({r["keys"] for r in idem}) == [1000, 10_000]
     replay = 1.0 if backend.name == "postgresql" else 2.0
@@ -168,7 +168,7 @@ def test_committed_charts_are_drawn_from_the_committed_results(tmp_path: Path) -
 
     from bench.plots import file_names, write_plots
 
-    plots = Path(__file__).resolve().parent.parent / "bench" / "plots"
+    plots = Path(__file__).resolve().parents[2] / "bench" / "plots"
     data = json.loads((plots / "results.json").read_text())
     names = file_names(data)
     committed = sorted(p.name for p in plots.glob("*.png"))

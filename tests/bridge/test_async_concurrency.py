@@ -228,6 +228,7 @@ def test_200_tasks_with_one_idempotency_key_run_the_body_once(target: AsyncTarge
 CANCELLED = 40
 
 
+@pytest.mark.cancel
 @pytest.mark.parametrize("mode", ["same_transaction", "separate"])
 def test_tasks_cancelled_inside_idempotent_leave_their_keys_claimable(
     target: AsyncTarget, mode: Mode
@@ -334,6 +335,7 @@ def server_target(request: pytest.FixtureRequest, tables: Tables) -> AsyncTarget
 SLOW_QUERY = {"postgresql": "SELECT pg_sleep(30)", "mariadb": "SELECT SLEEP(2)"}
 
 
+@pytest.mark.cancel
 @pytest.mark.parametrize("mode", ["same_transaction", "separate"])
 def test_a_task_cancelled_during_a_statement_in_the_block_frees_its_key(
     server_target: AsyncTarget, mode: Mode
@@ -375,6 +377,7 @@ def test_a_task_cancelled_during_a_statement_in_the_block_frees_its_key(
         assert conn.execute(select(func.count()).select_from(Message.__table__)).scalar_one() == 0
 
 
+@pytest.mark.cancel
 def test_a_twin_cancelled_while_its_claim_waits_leaves_the_owner_alone(target: AsyncTarget) -> None:
     """A twin cancelled while its claim waits behind the owner's: the owner completes, replays follow."""
 

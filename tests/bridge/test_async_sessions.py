@@ -477,11 +477,13 @@ async def _rolled_back(side: Side) -> None:
             assert (await side.run(lambda: insert_once(s, Message, {"message_id": "rb"}))).applied
 
 
+@pytest.mark.rollback
 def test_a_rollback_takes_savepoint_writes_along(target: AsyncTarget, tables: Tables) -> None:
     """Rolling back the caller's transaction undoes an idempotent claim, a reservation and an insert_once."""
     _check(target, tables, _rolled_back, entries=5)
 
 
+@pytest.mark.rollback
 def test_a_rollback_takes_savepoint_writes_along_on_async_sqlite_engine(
     sqlite: Backend, tables: Tables
 ) -> None:
@@ -646,6 +648,7 @@ def test_advisory_lock_on_aiosqlite_is_not_supported(sqlite: Backend, tables: Ta
     _check(async_target("aiosqlite", sqlite), tables, _no_advisory, entries=1)
 
 
+@pytest.mark.hostile
 def test_with_and_async_with_mixed_up_raise_invalid_argument(target: AsyncTarget, tables: Tables) -> None:
     """`with` on an AsyncSession's lock or key, and `async with` on a Session's, raise InvalidArgument."""
     tables.ready(target.backend)
@@ -760,6 +763,7 @@ async def _lock_wait_timeout(side: Side) -> None:
             assert (r.outcome, r.state) == (Outcome.APPLIED, "cancelled")
 
 
+@pytest.mark.cancel
 def test_mariadb_lock_wait_timeout_is_the_same_error(mariadb: Backend, tables: Tables) -> None:
     """InnoDB's lock wait timeout (1205) is LockNotAcquired from PyMySQL and from aiomysql."""
     _check(async_target("aiomysql", mariadb), tables, _lock_wait_timeout, entries=3)

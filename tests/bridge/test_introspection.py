@@ -93,6 +93,7 @@ def test_help_shows_the_signature_and_the_docstring(call: Any, shown: str) -> No
     assert (call.__doc__ or "").strip().splitlines()[0] in text
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     ("make", "name"),
     [

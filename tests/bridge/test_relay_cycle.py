@@ -122,6 +122,7 @@ def test_a_sink_failing_once_gets_the_batch_again_in_halves_in_the_same_round(
     assert _unpublished(engine) == 0
 
 
+@pytest.mark.cancel
 def test_keyboard_interrupt_mid_publish_propagates_and_frees_the_batch(
     backend: Backend, engine: Engine
 ) -> None:
@@ -136,6 +137,7 @@ def test_keyboard_interrupt_mid_publish_propagates_and_frees_the_batch(
     assert _free_and_unpublished(engine)
 
 
+@pytest.mark.cancel
 def test_keyboard_interrupt_mid_claim_claims_nothing(backend: Backend, engine: Engine) -> None:
     """A KeyboardInterrupt inside the claim's transaction rolls it back: no event stays leased."""
     _emit(engine, 2)
@@ -193,6 +195,7 @@ def test_run_stops_when_another_thread_sets_the_event_during_a_long_idle(sqlite:
         drop_tables(engine)
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize("idle_sleep", [0, -1, float("nan"), float("inf"), "1", True, None, timedelta(0)])
 def test_bad_idle_sleep_is_invalid_argument_before_any_statement(sqlite: Backend, idle_sleep: Any) -> None:
     engine = sqlite.engine
@@ -203,6 +206,7 @@ def test_bad_idle_sleep_is_invalid_argument_before_any_statement(sqlite: Backend
     assert len(sent) == 0
 
 
+@pytest.mark.hostile
 def test_wrong_engines_are_typed_errors_naming_the_other_class(sqlite: Backend) -> None:
     from sqlalchemy.ext.asyncio import create_async_engine
 
@@ -281,9 +285,8 @@ def test_four_relay_threads_share_one_outbox_once_each_in_key_order(server: Back
 def test_a_sink_returning_an_attribute_access_ack_gets_its_batch_once(
     backend: Backend, engine: Engine, ack: str
 ) -> None:
-    # Was broken by the steps refactor (fixed since).
     # README: "A sink is any object with publish(events): it ... returns once the batch is
-    # accepted" -- what it returns is not constrained, and at ec2bd2d it was ignored.  Now
+    # accepted" -- what it returns is not constrained, and in an earlier version it was ignored.  Now
     # Relay._publish passes the reply to _async.step(), which asks hasattr(reply, "__await__") on
     # the *instance*: an AttrDict raises KeyError('__await__') from the hasattr, a permissive record
     # answers None and step() calls it (TypeError).  The cycle treats that as a sink failure AFTER
@@ -322,6 +325,7 @@ async def _async_rows(engine: Any) -> list[Any]:
         return list(await conn.execute(select(outbox).order_by(outbox.c.id)))
 
 
+@pytest.mark.cancel
 def test_async_relay_cancelled_mid_publish_frees_the_batch_at_once(target: AsyncTarget) -> None:
     """CancelledError in an async sink propagates; the claim is released (awaited) before it does."""
 
@@ -358,6 +362,7 @@ def test_async_relay_cancelled_mid_publish_frees_the_batch_at_once(target: Async
     asyncio.run(main())
 
 
+@pytest.mark.failing_observer
 def test_async_relay_run_survives_a_failing_sink_and_stops_on_its_event(target: AsyncTarget) -> None:
     """run(): a sink error is logged and retried after idle_sleep; sync and async sinks both work;
     stop set by another task ends it."""
@@ -396,6 +401,7 @@ def test_async_relay_run_survives_a_failing_sink_and_stops_on_its_event(target: 
     asyncio.run(main())
 
 
+@pytest.mark.hostile
 def test_async_relay_bad_idle_sleep_is_invalid_argument(sqlite: Backend) -> None:
     from sqlalchemy.ext.asyncio import create_async_engine
 
@@ -410,6 +416,7 @@ def test_async_relay_bad_idle_sleep_is_invalid_argument(sqlite: Backend) -> None
     asyncio.run(main())
 
 
+@pytest.mark.cancel
 def test_async_relays_cancelled_at_random_points_lose_nothing(pg: Backend) -> None:
     """Relays cancelled mid-claim / mid-publish / mid-mark at random (wait_for timeouts), then a
     relay drains: every event is published, none is left claimed past its lease."""
@@ -449,9 +456,8 @@ def test_async_relays_cancelled_at_random_points_lose_nothing(pg: Backend) -> No
 
 
 def test_async_relay_with_a_sync_sink_returning_an_attrdict_publishes_once(target: AsyncTarget) -> None:
-    # Was broken by the steps refactor (fixed since).
     # same as the sync Relay: AsyncRelay._publish hands the sink's reply to step(), whose
-    # hasattr(reply, "__await__") raises KeyError from an AttrDict (ec2bd2d used
+    # hasattr(reply, "__await__") raises KeyError from an AttrDict (an earlier version used
     # inspect.isawaitable, a type check).  The batch was accepted by the sink, then released as a
     # failure and published again on every round.
     async def main() -> tuple[int, int, list[int]]:

@@ -31,9 +31,7 @@ from stateguard import (
     Outcome,
     RefConflict,
     StateguardError,
-    create_tables,
     decrement,
-    drop_tables,
     increment,
     release,
     reserve,
@@ -43,14 +41,7 @@ from tests._support import counter_workers as w
 from tests._support.counter_workers import Bin, CounterBase, Wallet
 from tests.conftest import Backend, count_statements
 
-
-@pytest.fixture
-def engine(backend: Backend) -> Any:
-    eng = backend.create(CounterBase.metadata)
-    drop_tables(eng)
-    create_tables(eng)
-    yield eng
-    drop_tables(eng)
+pytestmark = pytest.mark.tables(CounterBase.metadata)
 
 
 def _bins(engine: Any, qty: dict[int, int], cap: int = 0) -> None:
@@ -166,6 +157,7 @@ def test_numeric_counter_with_composite_key(engine: Any) -> None:
         assert s.get_one(Wallet, key).balance == Decimal("9.50")
 
 
+@pytest.mark.hostile
 def test_values_below_zero_are_exact_or_none_never_garbage(engine: Any) -> None:
     """A negative floor works; MariaDB reports None there (its OK packet is unsigned) and 0 at zero."""
     _bins(engine, {1: 5, 2: 1})
@@ -298,6 +290,7 @@ def test_a_reservation_repeated_after_its_twin_committed_is_repeated(engine: Any
     assert _qty(engine, 1, 2, 3) == (4, 4, 5)
 
 
+@pytest.mark.rollback
 def test_release_undoes_any_ref_once_and_the_ref_stays_used(engine: Any) -> None:
     """release gives back a decrement, takes back an increment, once each; the released ref stays REPEATED."""
     _bins(engine, {1: 5})
@@ -339,6 +332,7 @@ def test_release_of_an_increment_whose_units_are_gone_is_insufficient(engine: An
     assert _qty(engine, 1, 2) == (0, 4)
 
 
+@pytest.mark.hostile
 def test_bad_input_is_typed_and_sends_nothing(engine: Any) -> None:
     """Every kind of bad input raises InvalidArgument (a StateguardError) before any statement is sent."""
     _bins(engine, {1: 5, 2: 5})

@@ -9,7 +9,6 @@ no ledger row stays behind and the transaction goes on.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,15 +18,13 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from stateguard import (
     InvalidArgument,
     Outcome,
-    create_tables,
     decrement,
-    drop_tables,
     increment,
     release,
     reserve,
 )
 from stateguard.tables import counter_ledger
-from tests.conftest import Backend, count_statements
+from tests.conftest import count_statements
 
 BIG_MAX = 2**63 - 1
 BIG_MIN = -(2**63)
@@ -47,13 +44,7 @@ class Tally(RangeBase):
     big_cap: Mapped[int] = mapped_column(BigInteger)
 
 
-@pytest.fixture
-def engine(backend: Backend) -> Iterator[Any]:
-    eng = backend.create(RangeBase.metadata)
-    drop_tables(eng)
-    create_tables(eng)
-    yield eng
-    drop_tables(eng)
+pytestmark = pytest.mark.tables(RangeBase.metadata)
 
 
 def _rows(engine: Any, **rows: tuple[int, int]) -> None:
@@ -71,6 +62,7 @@ def _ledger(s: Session) -> int:
     return int(s.execute(select(func.count()).select_from(counter_ledger)).scalar_one())
 
 
+@pytest.mark.limits
 @pytest.mark.parametrize("ref", [None, "order-1"])
 def test_increment_past_the_bigint_maximum_is_refused(engine: Any, ref: str | None) -> None:
     _rows(engine, k1=(BIG_MAX - 10, 0))
@@ -102,6 +94,7 @@ def test_increment_past_the_bigint_maximum_is_refused(engine: Any, ref: str | No
         s.commit()
 
 
+@pytest.mark.limits
 @pytest.mark.parametrize("ref", [None, "order-2"])
 def test_decrement_without_floor_below_the_bigint_minimum_is_refused(engine: Any, ref: str | None) -> None:
     _rows(engine, k1=(BIG_MIN + 5, 0))
@@ -117,6 +110,7 @@ def test_decrement_without_floor_below_the_bigint_minimum_is_refused(engine: Any
         assert _read(s, 1) == (BIG_MIN, 0)
 
 
+@pytest.mark.limits
 def test_a_32_bit_integer_column_is_guarded_at_its_own_range(engine: Any) -> None:
     """``Integer`` is 32-bit on PostgreSQL and MariaDB; stateguard holds SQLite to the declared type too."""
     _rows(engine, k1=(0, INT_MAX - 1), k2=(0, INT_MIN + 1))
@@ -137,6 +131,7 @@ def test_a_32_bit_integer_column_is_guarded_at_its_own_range(engine: Any) -> Non
         assert _ledger(s) == 2
 
 
+@pytest.mark.limits
 def test_a_bound_is_crossed_before_the_range(engine: Any) -> None:
     """With a ceiling or floor (which fits the column) the overflowing change is INSUFFICIENT."""
     _rows(engine, k1=(BIG_MAX - 10, INT_MIN + 1))
@@ -156,6 +151,7 @@ def test_a_bound_is_crossed_before_the_range(engine: Any) -> None:
         assert _read(s, 1) == (BIG_MAX, INT_MIN + 1)
 
 
+@pytest.mark.limits
 def test_reserve_stays_all_or_nothing_at_the_range_edge(engine: Any) -> None:
     _rows(engine, k1=(0, 10), k2=(0, INT_MIN + 1))
     with Session(engine) as s:
@@ -179,6 +175,7 @@ def _unreleased(s: Session, ref: str) -> int:
     )
 
 
+@pytest.mark.limits
 def test_a_release_past_the_maximum_is_refused_and_gives_nothing_back(engine: Any) -> None:
     """Units given back to a row refilled to the top since: InvalidArgument, not the driver's error,
     and all or nothing (the row given back first is undone too); the ref stays unreleased, so a

@@ -6,7 +6,6 @@ caller committed."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,7 +20,6 @@ from stateguard import (
     async_sqlite_engine,
     create_tables,
     decrement,
-    drop_tables,
     increment,
     release,
     reserve,
@@ -43,13 +41,7 @@ class AtkUnique(AtkBase):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
 
 
-@pytest.fixture
-def engine(backend: Backend) -> Iterator[Any]:
-    eng = backend.create(AtkBase.metadata)
-    drop_tables(eng)
-    create_tables(eng)
-    yield eng
-    drop_tables(eng)
+pytestmark = pytest.mark.tables(AtkBase.metadata)
 
 
 def _seed(engine: Any, **rows: tuple[int, int]) -> None:
@@ -75,6 +67,7 @@ def _set(engine: Any, key: str, **values: int) -> None:
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.limits
 @pytest.mark.parametrize("column,top", [("small", INT_MAX), ("big", BIG_MAX)])
 @pytest.mark.parametrize("full_row", ["a", "b", "c"])
 def test_multirow_release_past_range_changes_nothing_even_when_committed(
@@ -106,6 +99,7 @@ def test_multirow_release_past_range_changes_nothing_even_when_committed(
     assert _unreleased(engine, "r1") == 0
 
 
+@pytest.mark.limits
 def test_release_exactly_at_the_top_applies(engine: Any) -> None:
     """Giving back to exactly INT_MAX fits the column: APPLIED."""
     _seed(engine, a=(10, 10))
@@ -142,6 +136,7 @@ def test_release_of_an_increment_whose_units_are_gone_keeps_nothing(
     assert _state(engine)["a"] == (93, 0)
 
 
+@pytest.mark.rollback
 def test_release_inside_users_own_savepoint(engine: Any) -> None:
     _seed(engine, a=(10, 10), b=(10, 10))
     with Session(engine) as s, s.begin():
@@ -170,6 +165,7 @@ def test_release_inside_users_own_savepoint(engine: Any) -> None:
         assert s.get(AtkUnique, 1) is not None
 
 
+@pytest.mark.rollback
 def test_release_in_savepoint_then_user_rolls_back_savepoint(engine: Any) -> None:
     """A release rolled back with the user's savepoint is not recorded: it applies later, once."""
     _seed(engine, a=(10, 10))
@@ -249,6 +245,7 @@ def test_release_racing_itself_from_8_threads(backend: Backend, engine: Any) -> 
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.limits
 def test_async_release_past_range_changes_nothing(tmp_path: Any) -> None:
     from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -333,6 +330,7 @@ def test_release_mixed_increment_and_decrement_rows_one_full(engine: Any) -> Non
     assert _unreleased(engine, "bk") == 2 and _unreleased(engine, "dl") == 0
 
 
+@pytest.mark.limits
 def test_async_server_release_past_range(backend: Backend, engine: Any) -> None:
     """The same on an AsyncSession against the backend (psycopg async / aiomysql / aiosqlite)."""
     from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
@@ -375,6 +373,7 @@ def test_async_server_release_past_range(backend: Backend, engine: Any) -> None:
         assert c.total(s, "k") == 0
 
 
+@pytest.mark.limits
 def test_release_of_int_max_reservation(engine: Any) -> None:
     _seed(engine, a=(INT_MAX, 0), b=(5, 0))
     with Session(engine) as s, s.begin():

@@ -156,6 +156,7 @@ def test_reserve_races_one_ref_in_threads_applies_once(server: Backend) -> None:
         drop_tables(engine)
 
 
+@pytest.mark.rollback
 def test_a_refs_release_is_undone_with_its_savepoint_basket(bins: Engine) -> None:
     """An INSUFFICIENT basket leaves the rows and the ledger exactly as they were, even mid-transaction
     after other writes (the savepoint rolls back only the basket)."""

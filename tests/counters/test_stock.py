@@ -17,9 +17,7 @@ from stateguard import (
     InvalidArgument,
     Outcome,
     RefConflict,
-    create_tables,
     decrement,
-    drop_tables,
     increment,
     release,
     reserve,
@@ -30,14 +28,7 @@ from tests._support.models import Order
 from tests._support.stock_workers import Stock, StockBase
 from tests.conftest import Backend, count_statements
 
-
-@pytest.fixture
-def engine(backend: Backend) -> Any:
-    eng = backend.create(StockBase.metadata)
-    drop_tables(eng)
-    create_tables(eng)
-    yield eng
-    drop_tables(eng)
+pytestmark = pytest.mark.tables(StockBase.metadata)
 
 
 def _stock(engine: Any, **amounts: int) -> None:
@@ -140,6 +131,7 @@ def test_reserve_is_all_or_nothing_and_release_is_exactly_once(engine: Any) -> N
     assert (_amount(engine, 1), _amount(engine, 2)) == (5, 1)
 
 
+@pytest.mark.hostile
 def test_bad_input_is_typed_and_writes_nothing(engine: Any) -> None:
     """by <= 0, bool, non-numeric columns, foreign bounds or columns: InvalidArgument, nothing written."""
     _stock(engine, s1=5)

@@ -1,5 +1,5 @@
 """sqlite_engine / async_sqlite_engine: readers never wait for SQLite's write lock; stateguard's writes
-take it where they start a transaction, so they stay serialized (issue 15, item 19)."""
+take it where they start a transaction, so they stay serialized."""
 
 from __future__ import annotations
 

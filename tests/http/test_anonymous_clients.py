@@ -180,6 +180,7 @@ def test_principal_of_reads_only_the_named_session_cookies() -> None:
     assert principal_of({"headers": [(b"cookie", b"sid=")]}, session_cookies=["sid"]) is None
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     "options",
     [{"anonymous": "allow"}, {"anonymous": None}, {"session_cookies": "sid"}, {"session_cookies": ["a b"]}],

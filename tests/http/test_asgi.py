@@ -652,6 +652,7 @@ def test_no_key_on_an_optional_path_passes_through(sqlite_client: Client, sqlite
     assert sqlite_shop.calls["other"] == 2 and key_rows(sqlite_shop) == []
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     "value",
     ["", "   ", '""', '"open', '"a"b', '"bad\\escape"', "k" * 256, "tab\there", "caf\u00e9"],
@@ -675,6 +676,7 @@ def test_two_key_headers_are_400(sqlite_client: Client, sqlite_shop: Shop) -> No
     assert r.status_code == 400 and sqlite_shop.calls["pay"] == 0
 
 
+@pytest.mark.limits
 def test_longest_allowed_key_works(client: Client, shop: Shop) -> None:
     """A key of exactly 255 characters is accepted and replayed."""
     tc = client()
@@ -865,6 +867,7 @@ def test_route_overrides_from_a_callable(client: Client, shop: Shop) -> None:
     assert shop.calls["pay"] == 2 and key_rows(shop) == []
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     ("options", "message"),
     [

@@ -105,6 +105,7 @@ def test_concurrent_retries_of_one_request_take_the_stock_once(target: AsyncTarg
     assert _stock(target) == 1 and _status(target, 2) == "paid"
 
 
+@pytest.mark.rollback
 def test_a_sold_out_payment_rolls_back_and_its_key_can_be_retried(target: AsyncTarget) -> None:
     """Sold out: 409, the order stays pending; after a restock the same key pays; cancel gives stock back."""
     with Session(target.backend.engine) as s, s.begin():

@@ -46,6 +46,7 @@ def _closed_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.restart
 @pytest.mark.parametrize("dialect", ["postgresql+psycopg", "mysql+pymysql"])
 def test_database_down_never_runs_the_app(dialect: str) -> None:
     """With the database unreachable the claim cannot be made: the app must not run, and the client must get
@@ -70,12 +71,14 @@ def test_database_down_never_runs_the_app(dialect: str) -> None:
     assert 500 <= answer.status_code < 600
 
 
+@pytest.mark.restart
 @pytest.mark.parametrize("dialect", ["postgresql+psycopg", "mysql+pymysql"])
 def test_database_down_is_a_typed_503_problem(dialect: str) -> None:
     """README: "Errors are application/problem+json".  A database outage before the claim is a 503 problem
     with Retry-After, and the app does not run.
 
-    Found: the driver's OperationalError escaped the middleware (a bare text/plain 500 from the server)."""
+    Regression: the driver's OperationalError escaped the middleware (a bare text/plain 500 from the
+    server)."""
     engine = create_engine(f"{dialect}://root@127.0.0.1:{_closed_port()}/test")
 
     async def pay(req: Request) -> Response:
@@ -107,6 +110,8 @@ def server_backend(request: pytest.FixtureRequest, namespaces: _Namespaces) -> I
     yield from _only(request.param, namespaces)
 
 
+@pytest.mark.restart
+@pytest.mark.lost_reply
 def test_database_lost_after_the_app_ran_is_not_a_double_execution_within_the_lease(
     server_backend: Backend,
 ) -> None:
@@ -147,12 +152,14 @@ def test_database_lost_after_the_app_ran_is_not_a_double_execution_within_the_le
     assert row.status == "in_progress"
 
 
+@pytest.mark.restart
+@pytest.mark.limits
 def test_a_response_too_large_to_store_is_still_answered_and_not_run_twice(mariadb: Backend) -> None:
     """MariaDB: a 13 MB response (about 17 MB as base64) exceeds max_allowed_packet (16 MB), so it cannot be
     stored.  The app ran and answered 200; the client gets that 200, and its retry is told (a replayed 500
     problem naming the original status) instead of running the app a second time.
 
-    Found: complete()'s InvalidArgument released the key and discarded the 200: the client got a 500 and
+    Regression: complete()'s InvalidArgument released the key and discarded the 200: the client got a 500 and
     its retry ran the app again."""
     mariadb.create(stateguard_metadata, _Base.metadata)
     world = World(sessionmaker(mariadb.engine))

@@ -33,6 +33,7 @@ def world(backend: Backend) -> World:
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.cancel
 def test_disconnect_mid_request_body_runs_nothing_and_claims_nothing(world: World) -> None:
     """A client that goes away half-way through its body: no app run, no key record, no response;
     the full retry then runs once and replays after."""
@@ -51,6 +52,7 @@ def test_disconnect_mid_request_body_runs_nothing_and_claims_nothing(world: Worl
     assert world.calls == 1 and world.effects() == 1
 
 
+@pytest.mark.cancel
 def test_client_gone_while_the_response_is_sent_still_stores_it(world: World) -> None:
     """The send of the response fails (the client disconnected): the response was stored first, so the
     retry replays it and the app ran once."""
@@ -68,6 +70,7 @@ def test_client_gone_while_the_response_is_sent_still_stores_it(world: World) ->
     assert json.loads(retry.body)["effect"] == int(retry.header(b"x-effect") or 0)
 
 
+@pytest.mark.cancel
 @pytest.mark.parametrize("heartbeat", [None, timedelta(milliseconds=200)], ids=["no-heartbeat", "heartbeat"])
 def test_cancelled_request_releases_its_key_at_once(world: World, heartbeat: timedelta | None) -> None:
     """A request task cancelled while the app runs (a server that cancels on disconnect) does not leave the

@@ -42,6 +42,7 @@ def world(backend: Backend) -> World:
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.restart
 def test_crash_after_response_start_is_a_clean_500_and_releases_the_key(world: World) -> None:
     """The app sent http.response.start, then raised: the half response never reaches the client (the server
     can still answer 500), the exception propagates, and the same request runs again."""
@@ -92,6 +93,7 @@ def test_stream_that_breaks_half_way_releases_the_key(world: World) -> None:
     assert all(r.status != "completed" for r in world.key_rows())
 
 
+@pytest.mark.cancel
 def test_an_app_that_never_answers_releases_the_key(world: World) -> None:
     """An app that returns without a response: the middleware sends nothing of its own, stores nothing,
     and the same request runs again (not a 409 for a whole lease)."""
@@ -110,7 +112,7 @@ def test_background_task_failure_after_a_complete_response_does_not_rerun_the_pa
     """Starlette runs BackgroundTasks after the response was sent.  The handler charged and answered 201; the
     receipt e-mail task then fails.  The client must see the 201, and a retry must replay it.
 
-    Found: the middleware held the whole 201 back until the app returned (after its background tasks),
+    Regression: the middleware held the whole 201 back until the app returned (after its background tasks),
     then, on the task's exception, released the key and re-raised: the client got a 500 and its retry
     charged again.  The response is now recorded and sent as soon as the app sent it whole."""
 
@@ -137,6 +139,7 @@ def test_background_task_failure_after_a_complete_response_does_not_rerun_the_pa
     assert retry.headers.get("idempotency-replayed") == "true"
 
 
+@pytest.mark.restart
 def test_a_crash_after_the_whole_response_keeps_it_stored_and_sent(world: World) -> None:
     """The app sent its whole 201, then raised: the client has the 201, the error goes on to the server
     (to log), and the retry replays the 201 instead of running the app again."""

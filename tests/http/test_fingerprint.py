@@ -38,7 +38,7 @@ def test_json_numbers_that_differ_only_beyond_float_precision_are_another_reques
     second is 422, never a replay of the first one's response for a different amount.  Numbers a double
     holds exactly still count by value (1.50 is 1.5).
 
-    Found: bodies were parsed into floats, so 12345678901234567890.5 and 12345678901234567891.5 (one
+    Regression: bodies were parsed into floats, so 12345678901234567890.5 and 12345678901234567891.5 (one
     double) were one request and the second client got a replay for another amount."""
     seen: list[Decimal] = []
 

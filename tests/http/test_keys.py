@@ -32,6 +32,7 @@ def world(backend: Backend) -> World:
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize("method", ["HEAD", "OPTIONS", "PUT", "DELETE"])
 def test_other_methods_pass_through_even_on_a_required_path(world: World, method: str) -> None:
     """The header is honoured only on POST and PATCH: elsewhere no 400 without a key, no claim, no replay."""
@@ -50,6 +51,7 @@ def test_other_methods_pass_through_even_on_a_required_path(world: World, method
     assert world.calls == 3 and world.key_rows() == []
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     "value",
     [
@@ -87,6 +89,8 @@ def test_hostile_key_bytes_are_400_problem_json(world: World, value: bytes) -> N
     assert world.calls == 0 and world.key_rows() == []
 
 
+@pytest.mark.hostile
+@pytest.mark.limits
 def test_a_quoted_key_of_255_characters_is_accepted(world: World) -> None:
     """The 255-character limit applies to the key, not to the quoted header value (257 bytes)."""
     app = middleware(world)
@@ -98,6 +102,7 @@ def test_a_quoted_key_of_255_characters_is_accepted(world: World) -> None:
     assert first.status == 201 and replay.replayed and world.calls == 1
 
 
+@pytest.mark.hostile
 def test_a_comma_is_a_key_character_only_when_quoted(world: World) -> None:
     """A bare ``a,b`` is two joined headers (400); the Structured Field string ``"a,b"`` is one key."""
     app = middleware(world)
@@ -110,6 +115,8 @@ def test_a_comma_is_a_key_character_only_when_quoted(world: World) -> None:
     assert [r.idem_key for r in world.key_rows()] == ["a,b"]
 
 
+@pytest.mark.hostile
+@pytest.mark.limits
 def test_a_body_of_exactly_max_body_in_many_chunks_is_accepted_and_one_more_byte_is_413(world: World) -> None:
     """max_body counts the whole body across chunks: exactly the limit runs, one byte over is 413."""
     app = middleware(world, max_body=1000)

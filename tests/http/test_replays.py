@@ -32,6 +32,7 @@ def world(backend: Backend) -> World:
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.hostile
 def test_binary_body_and_raw_header_bytes_replay_byte_exact(world: World) -> None:
     """A 768 KB binary body (every byte value) and headers with obs-text, repeated names and an empty value
     come back byte for byte, in order, plus Idempotency-Replayed."""

@@ -218,6 +218,7 @@ def test_a_completion_committing_while_the_claim_waits_is_never_run_again(
 # --------------------------------------------------------------------------- 9. the longest ttl
 
 
+@pytest.mark.limits
 @pytest.mark.parametrize("days", [10**8, timedelta.max.days])
 def test_the_longest_ttl_claims_and_replays(eng: Engine, days: int) -> None:
     """``ttl`` is any positive timedelta and the claim computes ``db_now + ttl`` inside its statement.

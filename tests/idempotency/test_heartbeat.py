@@ -1,4 +1,4 @@
-"""Heartbeats racing the end of their own claim (issue 15, item 13), on every SQL backend.
+"""Heartbeats racing the end of their own claim, on every SQL backend.
 
 A heartbeat that finds the claim completed, failed or released by its own
 owner has not lost a lease: no ``lease_lost`` event, no LeaseLost, and a
@@ -60,6 +60,7 @@ def _race(engine: Engine, key: str, finish: str) -> list[BaseException]:
     return errors
 
 
+@pytest.mark.lost_reply
 @pytest.mark.parametrize("finish", ["complete", "release"])
 def test_a_heartbeat_racing_its_own_finish_is_not_a_lost_lease(
     engine: Engine, events: Counter[str], finish: str
@@ -77,6 +78,7 @@ def test_a_heartbeat_racing_its_own_finish_is_not_a_lost_lease(
         assert {(row.status, row.locked_until_ms) for row in rows} == {("in_progress", 0)}
 
 
+@pytest.mark.lost_reply
 def test_the_background_heartbeat_racing_complete_is_not_a_lost_lease(
     engine: Engine, events: Counter[str]
 ) -> None:

@@ -25,8 +25,6 @@ from stateguard import (
     RequestInProgress,
     StateguardError,
     consume_once,
-    create_tables,
-    drop_tables,
     idempotent,
     idempotent_function,
     on_idempotency_event,
@@ -62,15 +60,7 @@ def _outlive(lease: timedelta) -> None:
     time.sleep(lease.total_seconds() + 0.05)
 
 
-@pytest.fixture
-def engine(backend: Backend) -> Iterator[Engine]:
-    """stateguard's tables and a business table on each backend, dropped afterwards."""
-    eng = backend.engine
-    drop_tables(eng)
-    create_tables(eng)
-    backend.create(business)
-    yield eng
-    drop_tables(eng)
+pytestmark = pytest.mark.tables(business)
 
 
 @pytest.fixture
@@ -156,6 +146,7 @@ def test_bytes_and_json_fingerprints_never_collide() -> None:
     assert digest is not None and len(digest) == 64 and "4242" not in digest
 
 
+@pytest.mark.rollback
 def test_the_block_raising_rolls_back_its_writes_and_frees_the_key(
     engine: Engine, events: Counter[str]
 ) -> None:
@@ -175,6 +166,7 @@ def test_the_block_raising_rolls_back_its_writes_and_frees_the_key(
     assert _payments(engine, "k-1") == 1
 
 
+@pytest.mark.rollback
 def test_orm_writes_of_a_failed_block_are_rolled_back_too(engine: Engine) -> None:
     """Pending ORM objects flushed inside a failed block disappear with its savepoint."""
     with Session(engine) as session:
@@ -186,6 +178,7 @@ def test_orm_writes_of_a_failed_block_are_rolled_back_too(engine: Engine) -> Non
     assert _payments(engine, "orm") == 0 and _record(engine, "k-orm") is None
 
 
+@pytest.mark.hostile
 def test_exit_without_complete_stores_a_null_response(engine: Engine) -> None:
     """A block that finishes without complete() is completed with response None, and replays None."""
     with Session(engine) as session, session.begin(), idempotent(session, scope="s", key="k") as call:
@@ -197,7 +190,7 @@ def test_exit_without_complete_stores_a_null_response(engine: Engine) -> None:
 def test_statement_counts_first_call_and_replay(backend: Backend, engine: Engine) -> None:
     """First call: the claim and the completing UPDATE; replay: one statement on PostgreSQL (the
     claim returns the record: WITH ... INSERT), an INSERT attempt and a SELECT elsewhere; no
-    SAVEPOINT for a block that sends nothing (issue 19; test_idempotency_statements.py pins more)."""
+    SAVEPOINT for a block that sends nothing (tests/idempotency/test_statements.py pins more)."""
     pg = backend.name == "postgresql"
     for expected in (["WITH" if pg else "INSERT", "UPDATE"], ["WITH"] if pg else ["INSERT", "SELECT"]):
         with Session(engine) as session, session.begin():
@@ -282,6 +275,7 @@ def test_finished_calls_refuse_more_writes(engine: Engine) -> None:
         session.commit()
 
 
+@pytest.mark.rollback
 def test_release_in_same_transaction_mode_rolls_back_the_block(engine: Engine) -> None:
     """release() gives the key back and undoes the block's writes, as an exception would."""
     with Session(engine) as session, session.begin():
@@ -535,6 +529,7 @@ def test_idempotent_function_stores_and_replays_the_return_value(engine: Engine)
         refund("not a session", "r-2", 1)  # type: ignore[arg-type]
 
 
+@pytest.mark.rollback
 def test_consume_once_applies_once_and_rolls_back_with_the_handler(engine: Engine) -> None:
     """consume_once is APPLIED then REPEATED; a rolled-back handler leaves the message unconsumed."""
     with Session(engine) as session:
@@ -580,6 +575,7 @@ def test_listeners_see_every_outcome_and_a_failing_listener_breaks_nothing(engin
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

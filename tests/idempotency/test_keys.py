@@ -34,6 +34,7 @@ def eng(engine: Engine, backend: Backend) -> Iterator[Engine]:
 # --------------------------------------------------------------------------- 5. keys at their limits
 
 
+@pytest.mark.limits
 def test_max_length_unicode_keys_and_scopes_are_distinct_records(eng: Engine) -> None:
     """Keys of 255 and scopes of 200 characters (4-byte emoji too), and near-twins of them (last
     character, case, trailing space, NFC vs NFD) are distinct keys: each runs once and replays its

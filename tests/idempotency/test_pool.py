@@ -1,6 +1,6 @@
 """A separate-mode heartbeat keeps its lease even when the block holds the pool's last connection.
 
-Found by a README-only review: with ``heartbeat_every`` each beat took a
+Regression: with ``heartbeat_every`` each beat took a
 connection from the pool; a block whose session held the last one starved
 every beat, the lease lapsed while the owner worked, and a retry took the key
 over and ran the work a second time.  The heartbeat now checks out its own

@@ -16,7 +16,6 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -29,8 +28,6 @@ from stateguard import (
     IdempotencyEvent,
     LeaseLost,
     RequestInProgress,
-    create_tables,
-    drop_tables,
     idempotent,
     on_idempotency_event,
     purge_expired,
@@ -42,15 +39,7 @@ from tests.conftest import Backend
 MINUTE = timedelta(minutes=1)
 
 
-@pytest.fixture
-def engine(backend: Backend) -> Iterator[Engine]:
-    """stateguard's tables and the payments table on each backend, dropped afterwards."""
-    eng = backend.engine
-    drop_tables(eng)
-    create_tables(eng)
-    backend.create(w.metadata)
-    yield eng
-    drop_tables(eng)
+pytestmark = pytest.mark.tables(w.metadata)
 
 
 def _key() -> str:
@@ -152,6 +141,7 @@ def test_16_threads_and_4_processes_send_one_key_and_the_body_runs_once(
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.restart
 def test_a_sigkilled_worker_is_taken_over_by_exactly_one_retry_after_its_lease(
     backend: Backend, engine: Engine, procs: tuple[Any, ProcessPoolExecutor]
 ) -> None:

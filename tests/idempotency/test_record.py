@@ -1,4 +1,4 @@
-"""What a retry reads of the record is exactly what was stored, whatever the text (issue 19).
+"""What a retry reads of the record is exactly what was stored, whatever the text.
 
 On PostgreSQL the claim hands the existing record back inside its own statement, packed as one JSON
 array (``InsertOnce.insert_or_read``): every stored text (response, checkpoint name and data, the
@@ -164,6 +164,7 @@ def test_each_call_stores_through_its_own_serializer(engine: Engine) -> None:
                 assert call.replayed and call.response == f"{tag}:x"
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     "options",
     [
@@ -223,6 +224,7 @@ class _RawText:
         return text
 
 
+@pytest.mark.hostile
 def test_replays_carry_hostile_text_exactly_through_the_record(eng: Engine, backend: Backend) -> None:
     """Responses with quotes, backslashes, escapes-as-text, "null", unicode and 300 K characters
     come back from a replay exactly (PostgreSQL: a replay is the one WITH statement, so the record

@@ -44,6 +44,7 @@ def _seed(eng: Engine) -> None:
         s.add(Item(id=1, name="seed", n=0))
 
 
+@pytest.mark.rollback
 @pytest.mark.parametrize(
     "how",
     ["add_flush", "add_noflush", "modify_noflush", "modify_flush", "execute", "early_conn", "driver_sql"],
@@ -81,6 +82,7 @@ def test_a_block_that_raises_leaves_nothing_even_when_the_caller_commits(eng: En
     _key_runs_fresh(eng, "sp", "k")
 
 
+@pytest.mark.rollback
 @pytest.mark.parametrize("how", ["add_noflush", "modify_noflush"])
 def test_a_block_that_succeeds_with_unflushed_changes_commits_them(eng: Engine, how: str) -> None:
     _seed(eng)
@@ -97,6 +99,7 @@ def test_a_block_that_succeeds_with_unflushed_changes_commits_them(eng: Engine, 
         assert call.replayed and call.response == {"ok": True}
 
 
+@pytest.mark.rollback
 def test_orm_state_after_a_failed_block_is_consistent(eng: Engine) -> None:
     """After the block's rollback, loaded objects must not carry the rolled-back values into the commit."""
     _seed(eng)
@@ -115,6 +118,7 @@ def test_orm_state_after_a_failed_block_is_consistent(eng: Engine) -> None:
         assert c.scalar(select(items.c.n).where(items.c.id == 1)) == 0
 
 
+@pytest.mark.rollback
 @pytest.mark.parametrize("inner_fails", [False, True])
 def test_user_begin_nested_inside_the_block(eng: Engine, inner_fails: bool) -> None:
     with Session(eng) as s, s.begin():
@@ -133,6 +137,7 @@ def test_user_begin_nested_inside_the_block(eng: Engine, inner_fails: bool) -> N
     assert _keys(eng, "n") == ["k"]
 
 
+@pytest.mark.rollback
 def test_user_begin_nested_inside_a_failing_block(eng: Engine) -> None:
     with Session(eng) as s, s.begin():
         try:
@@ -147,6 +152,7 @@ def test_user_begin_nested_inside_a_failing_block(eng: Engine) -> None:
     _key_runs_fresh(eng, "n", "k")
 
 
+@pytest.mark.rollback
 def test_nested_calls_inner_fails_outer_completes(eng: Engine) -> None:
     with Session(eng) as s, s.begin():
         with idempotent(s, scope="o", key="outer", fingerprint="x") as outer:
@@ -165,6 +171,7 @@ def test_nested_calls_inner_fails_outer_completes(eng: Engine) -> None:
     _key_runs_fresh(eng, "i", "inner")
 
 
+@pytest.mark.rollback
 def test_nested_calls_outer_fails_after_inner_completed(eng: Engine) -> None:
     with Session(eng) as s, s.begin():
         try:
@@ -182,6 +189,7 @@ def test_nested_calls_outer_fails_after_inner_completed(eng: Engine) -> None:
     _key_runs_fresh(eng, "i", "inner")
 
 
+@pytest.mark.rollback
 def test_nested_calls_same_key_inside_its_own_block(eng: Engine) -> None:
     """Re-entering the same key inside its own block must not run the work twice."""
     ran = []
@@ -199,6 +207,7 @@ def test_nested_calls_same_key_inside_its_own_block(eng: Engine) -> None:
     assert ran == ["outer"]
 
 
+@pytest.mark.rollback
 @pytest.mark.parametrize("flush_first", [False, True])
 def test_call_inside_a_user_savepoint_that_is_rolled_back(eng: Engine, flush_first: bool) -> None:
     with Session(eng) as s, s.begin():
@@ -222,6 +231,7 @@ def test_call_inside_a_user_savepoint_that_is_rolled_back(eng: Engine, flush_fir
     _key_runs_fresh(eng, "u", "k")
 
 
+@pytest.mark.rollback
 def test_taken_over_record_failing_in_same_transaction_keeps_its_checkpoint(eng: Engine) -> None:
     """A separate-mode record released with a checkpoint, then taken over in same_transaction mode whose
     block fails: the record must go back as it was (still takeable, checkpoint kept)."""
@@ -246,6 +256,7 @@ def test_taken_over_record_failing_in_same_transaction_keeps_its_checkpoint(eng:
 # ------------------------------------------------ 2b. the caller's work around the block
 
 
+@pytest.mark.rollback
 @pytest.mark.parametrize("how", ["add", "modify", "modify_same_attr"])
 def test_callers_unflushed_work_before_the_call_survives_a_failing_block(eng: Engine, how: str) -> None:
     """Pending changes made *before* idempotent() are the caller's, not the block's: a failing block
@@ -279,6 +290,7 @@ def test_callers_unflushed_work_before_the_call_survives_a_failing_block(eng: En
     assert _keys(eng, "pre") == []
 
 
+@pytest.mark.rollback
 def test_block_with_a_database_error_inside_is_recoverable(eng: Engine) -> None:
     """A duplicate key inside the block (PostgreSQL aborts the transaction): the savepoint rollback
     makes the transaction usable again, the caller commits its own work, the key is free."""
@@ -296,6 +308,7 @@ def test_block_with_a_database_error_inside_is_recoverable(eng: Engine) -> None:
     _key_runs_fresh(eng, "dberr", "k")
 
 
+@pytest.mark.rollback
 def test_raise_after_complete_stores_nothing(eng: Engine) -> None:
     with Session(eng) as s, s.begin():
         try:
@@ -309,6 +322,7 @@ def test_raise_after_complete_stores_nothing(eng: Engine) -> None:
     _key_runs_fresh(eng, "rc", "k")
 
 
+@pytest.mark.rollback
 def test_retry_in_the_same_transaction_after_a_failed_block_runs(eng: Engine) -> None:
     ran = 0
     with Session(eng) as s, s.begin():
@@ -330,6 +344,7 @@ def test_retry_in_the_same_transaction_after_a_failed_block_runs(eng: Engine) ->
         assert call.replayed and call.response == "second"
 
 
+@pytest.mark.rollback
 def test_reclaim_in_the_same_transaction_after_user_savepoint_rollback(eng: Engine) -> None:
     with Session(eng) as s, s.begin():
         sp = s.begin_nested()
@@ -349,6 +364,7 @@ def test_reclaim_in_the_same_transaction_after_user_savepoint_rollback(eng: Engi
 # --------------------------------------------------------------------------- 2c. more edges
 
 
+@pytest.mark.rollback
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit, GeneratorExit])
 def test_base_exceptions_also_roll_the_block_back(eng: Engine, exc: type[BaseException]) -> None:
     with Session(eng) as s, s.begin():
@@ -365,6 +381,7 @@ def test_base_exceptions_also_roll_the_block_back(eng: Engine, exc: type[BaseExc
     _key_runs_fresh(eng, "be", "k")
 
 
+@pytest.mark.rollback
 def test_failing_outer_block_keeps_an_inner_replayed_record(eng: Engine) -> None:
     with Session(eng) as s, s.begin(), idempotent(s, scope="i", key="inner") as call:
         call.complete("old")
@@ -380,6 +397,7 @@ def test_failing_outer_block_keeps_an_inner_replayed_record(eng: Engine) -> None
         assert call.replayed and call.response == "old"
 
 
+@pytest.mark.rollback
 def test_orm_objects_of_a_failed_block_are_gone_from_the_session(eng: Engine) -> None:
     with Session(eng) as s, s.begin():
         flushed, pending = Item(id=1, name="f"), Item(id=2, name="p")
@@ -396,6 +414,7 @@ def test_orm_objects_of_a_failed_block_are_gone_from_the_session(eng: Engine) ->
     assert _names(eng) == []
 
 
+@pytest.mark.rollback
 @pytest.mark.parametrize("how", ["delete_noflush", "delete_flush", "orm_update_sync", "merge_noflush"])
 def test_more_orm_writes_of_a_failed_block_roll_back(eng: Engine, how: str) -> None:
     _seed(eng)
@@ -424,6 +443,7 @@ def test_more_orm_writes_of_a_failed_block_roll_back(eng: Engine, how: str) -> N
     _key_runs_fresh(eng, "orm", "k")
 
 
+@pytest.mark.rollback
 def test_a_session_on_the_same_connection_is_covered(eng: Engine) -> None:
     with Session(eng) as s, s.begin():
         other = Session(bind=s.connection())
@@ -440,6 +460,7 @@ def test_a_session_on_the_same_connection_is_covered(eng: Engine) -> None:
     _key_runs_fresh(eng, "oc", "k")
 
 
+@pytest.mark.rollback
 def test_unclosed_user_savepoint_inside_a_failing_block(eng: Engine) -> None:
     with Session(eng) as s, s.begin():
         try:
@@ -455,6 +476,7 @@ def test_unclosed_user_savepoint_inside_a_failing_block(eng: Engine) -> None:
     _key_runs_fresh(eng, "uc", "k")
 
 
+@pytest.mark.rollback
 @pytest.mark.parametrize("fail", [False, True])
 def test_autobegun_session_without_begin(eng: Engine, fail: bool) -> None:
     with Session(eng) as s:
@@ -472,6 +494,7 @@ def test_autobegun_session_without_begin(eng: Engine, fail: bool) -> None:
     assert _keys(eng, "ab") == ([] if fail else ["k"])
 
 
+@pytest.mark.rollback
 def test_objects_loaded_inside_a_failed_block_reload(eng: Engine) -> None:
     _seed(eng)
     with Session(eng) as s, s.begin():

@@ -67,6 +67,7 @@ def test_separate_mode_edges(eng: Engine) -> None:
     assert error is not None and error.startswith("BlockFailed: a") and "\x00" not in error
 
 
+@pytest.mark.rollback
 def test_separate_failure_rolls_back_uncheckpointed_writes_and_keeps_checkpointed_ones(eng: Engine) -> None:
     with pytest.raises(BlockFailed), Session(eng) as s:
         with idempotent(s, scope="sf", key="k", mode="separate") as call:

@@ -1,4 +1,4 @@
-"""What one idempotent() call sends, per backend (issue 19), and that the fewer statements still decide
+"""What one idempotent() call sends, per backend, and that the fewer statements still decide
 every case: a twin in flight, another payload, a dead claim, a block that fails.
 
 Same-transaction mode sends no SAVEPOINT for the claim (its INSERT cannot abort the transaction); the
@@ -34,8 +34,6 @@ from sqlalchemy.orm import Session, registry
 from stateguard import (
     IdempotencyKeyReused,
     RequestInProgress,
-    create_tables,
-    drop_tables,
     idempotent,
 )
 from stateguard.tables import idempotency_keys
@@ -65,15 +63,7 @@ registry().map_imperatively(Order, orders)
 _DAY_MS = 86_400_000
 
 
-@pytest.fixture
-def engine(backend: Backend) -> Iterator[Engine]:
-    """stateguard's tables and a business table on each backend, dropped afterwards."""
-    eng = backend.engine
-    drop_tables(eng)
-    create_tables(eng)
-    backend.create(business)
-    yield eng
-    drop_tables(eng)
+pytestmark = pytest.mark.tables(business)
 
 
 def _verbs(statements: list[str]) -> list[str]:
@@ -165,6 +155,7 @@ def test_first_call_is_two_statements_and_a_replay_one_on_postgresql(
     assert verbs == (["WITH"] if backend.name == "postgresql" else ["INSERT", "SELECT"])
 
 
+@pytest.mark.rollback
 def test_a_block_that_writes_gets_one_savepoint_around_its_statements(
     backend: Backend, engine: Engine
 ) -> None:
@@ -175,6 +166,7 @@ def test_a_block_that_writes_gets_one_savepoint_around_its_statements(
     assert _orders(engine, "w") == 1
 
 
+@pytest.mark.rollback
 @pytest.mark.parametrize("change", ["added", "modified", "deleted"])
 def test_orm_changes_the_block_left_unflushed_are_flushed_inside_its_savepoint(
     backend: Backend, engine: Engine, change: str
@@ -207,6 +199,7 @@ def test_orm_changes_the_block_left_unflushed_are_flushed_inside_its_savepoint(
     assert _orders(engine, "existing") == (1 if change == "added" else 0)
 
 
+@pytest.mark.rollback
 @pytest.mark.parametrize("end", ["release", "rollback to"])
 def test_a_savepoint_the_block_sends_itself_nests_inside_the_blocks_own(engine: Engine, end: str) -> None:
     """The block's first statement is the application's own ``SAVEPOINT mine``: the block's savepoint
@@ -227,6 +220,7 @@ def test_a_savepoint_the_block_sends_itself_nests_inside_the_blocks_own(engine: 
     assert _record(engine, "own-savepoint") is None
 
 
+@pytest.mark.rollback
 def test_a_block_that_sent_nothing_leaves_no_savepoint_behind(engine: Engine) -> None:
     """Its savepoint is closed, not left open: the session's own nesting and ORM state are as before."""
     ended: list[Any] = []
@@ -243,6 +237,7 @@ def test_a_block_that_sent_nothing_leaves_no_savepoint_behind(engine: Engine) ->
     assert _record(engine, "quiet").status == "completed"
 
 
+@pytest.mark.rollback
 @pytest.mark.parametrize("how", ["session", "captured connection", "driver sql"])
 def test_a_failed_block_rolls_back_its_writes_however_it_sent_them(engine: Engine, how: str) -> None:
     """Writes through the Session, a Connection fetched before the call, or exec_driver_sql all roll back."""
@@ -300,6 +295,7 @@ def test_a_live_claim_of_another_worker_is_still_in_progress(backend: Backend, e
     assert _record(engine, "busy").owner == "dead-worker"
 
 
+@pytest.mark.rollback
 def test_a_dead_claim_is_taken_over_inside_the_savepoint(backend: Backend, engine: Engine) -> None:
     """An expired lease is taken over (SAVEPOINT first); a takeover that fails gives the record back."""
     past = int(time.time() * 1000) - 1000

@@ -176,6 +176,7 @@ def test_a_waiting_twin_runs_when_the_first_block_fails_and_its_caller_commits(
     assert _names(eng) == ["first-other", "twin"]
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize("isolation", ["REPEATABLE READ", "SERIALIZABLE"])
 def test_twin_at_stricter_isolation_never_runs_twice_nor_replays_garbage(
     eng: Engine, backend: Backend, isolation: str

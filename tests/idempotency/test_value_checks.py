@@ -1,4 +1,4 @@
-"""Hostile values at idempotent() (issue 15, item 9), on every SQL backend and in both modes.
+"""Hostile values at idempotent(), on every SQL backend and in both modes.
 
 NUL characters (PostgreSQL refuses them in text), lone surrogates (no UTF-8
 for them), NaN and infinity, nesting too deep for JSON, over-long release
@@ -101,6 +101,7 @@ def _refused(
     _free(engine, key, mode)
 
 
+@pytest.mark.hostile
 @MODES
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_a_hostile_response_is_refused_and_the_key_is_free(engine: Engine, mode: str, case: str) -> None:
@@ -109,6 +110,7 @@ def test_a_hostile_response_is_refused_and_the_key_is_free(engine: Engine, mode:
     _refused(engine, case, mode, lambda call: call.complete(value), serializer)
 
 
+@pytest.mark.hostile
 @MODES
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_hostile_checkpoint_data_is_refused_and_the_key_is_free(engine: Engine, mode: str, case: str) -> None:
@@ -117,6 +119,7 @@ def test_hostile_checkpoint_data_is_refused_and_the_key_is_free(engine: Engine, 
     _refused(engine, case, mode, lambda call: call.checkpoint("phase", value), serializer)
 
 
+@pytest.mark.hostile
 @MODES
 def test_a_refused_response_leaves_the_call_open_for_a_good_one(engine: Engine, mode: str) -> None:
     """After complete() refused a value, the same call completes with another and it is replayed."""
@@ -130,6 +133,7 @@ def test_a_refused_response_leaves_the_call_open_for_a_good_one(engine: Engine, 
         assert call.replayed and call.response == {"x": None}
 
 
+@pytest.mark.hostile
 @MODES
 @pytest.mark.parametrize(
     "reason",
@@ -143,6 +147,7 @@ def test_a_hostile_release_reason_is_refused_and_the_key_is_free(
     _refused(engine, "release", mode, lambda call: call.release(reason))
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     ("where", "value"),
     [
@@ -169,6 +174,7 @@ def test_hostile_keys_scopes_and_fingerprints_are_refused_before_any_statement(
         assert conn.execute(select(idempotency_keys)).first() is None
 
 
+@pytest.mark.hostile
 def test_fingerprint_refusals_are_value_errors() -> None:
     """fingerprint_of's refusals are InvalidArgument, a ValueError (the middleware then compares bytes)."""
     for value in ({"name": "\udc80"}, _deep(), float("nan")):
@@ -184,6 +190,7 @@ class BrokenStr(Exception):
         raise RuntimeError("no message")
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     "error",
     [
@@ -214,6 +221,7 @@ def test_an_exception_message_no_database_stores_still_releases_the_key(
         call.complete("second try")
 
 
+@pytest.mark.hostile
 def test_a_non_retryable_exception_with_a_nul_is_stored_readable(engine: Engine) -> None:
     """Failed for good with a NUL in its message: the retry gets RequestFailed with the escaped text."""
     with Session(engine) as session, pytest.raises(ValueError):
@@ -235,6 +243,8 @@ def _packet(engine: Engine) -> int:
         return int(conn.execute(text("SELECT @@max_allowed_packet")).scalar_one())
 
 
+@pytest.mark.hostile
+@pytest.mark.limits
 @MODES
 @pytest.mark.parametrize("shape", ["plain", "escaped"])
 def test_a_response_over_the_packet_limit_is_refused_on_mariadb(
@@ -256,6 +266,7 @@ def test_a_response_over_the_packet_limit_is_refused_on_mariadb(
     _refused(engine, f"big-{shape}", mode, lambda call: call.complete(big))
 
 
+@pytest.mark.hostile
 @MODES
 def test_a_large_response_under_the_limit_is_stored_and_replayed(
     backend: Backend, engine: Engine, mode: str
@@ -280,6 +291,8 @@ def eng(engine: Engine, backend: Backend) -> Iterator[Engine]:
     yield engine
 
 
+@pytest.mark.hostile
+@pytest.mark.limits
 @pytest.mark.parametrize("mode", ["same_transaction", "separate"])
 @pytest.mark.parametrize("slack", [1, 64, 400, 2000])
 def test_mariadb_responses_at_the_packet_limit_store_or_refuse_cleanly(

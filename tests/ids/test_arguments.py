@@ -36,6 +36,7 @@ def _lease_count(engine: Engine) -> int:
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.hostile
 def test_namespaces_that_differ_only_in_case_space_or_normalisation_are_separate(engine: Engine) -> None:
     """Each namespace is its own worker-id space, compared exactly (no case folding, no trimming)."""
     names = ["orders", "Orders", "ORDERS", "orders ", " orders", "ordérs", "orde\u0301rs", "🦄" * 100]
@@ -51,6 +52,7 @@ def test_namespaces_that_differ_only_in_case_space_or_normalisation_are_separate
     assert _lease_count(engine) == 2 * len(names)
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     "namespace",
     [
@@ -90,6 +92,7 @@ def test_hostile_namespaces_are_invalid_argument_and_write_nothing(engine: Engin
         assert ids.worker_id == 0 and ids.next_id() > 0
 
 
+@pytest.mark.hostile
 def test_a_session_or_connection_where_the_engine_belongs_is_invalid_argument(engine: Engine) -> None:
     with Session(engine) as session:
         with pytest.raises(InvalidArgument):
@@ -103,6 +106,7 @@ def test_a_session_or_connection_where_the_engine_belongs_is_invalid_argument(en
     assert _lease_count(engine) == 0
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -121,6 +125,8 @@ def test_bad_leases_and_epochs_are_invalid_argument(engine: Engine, kwargs: dict
     assert _lease_count(engine) == 0
 
 
+@pytest.mark.hostile
+@pytest.mark.limits
 def test_a_huge_lease_either_is_refused_or_works(engine: Engine) -> None:
     """``lease=timedelta.max``: InvalidArgument up front, or a generator whose heartbeat keeps running."""
     errors: list[Any] = []
@@ -143,6 +149,7 @@ def test_a_huge_lease_either_is_refused_or_works(engine: Engine) -> None:
     assert errors == []
 
 
+@pytest.mark.hostile
 def test_close_is_idempotent_and_a_closed_generator_issues_nothing(engine: Engine) -> None:
     with Snowflake(engine, namespace="closed") as ids:
         last = ids.next_id()
@@ -159,6 +166,7 @@ def test_close_is_idempotent_and_a_closed_generator_issues_nothing(engine: Engin
         assert again.worker_id == ids.worker_id and again.next_id() > last
 
 
+@pytest.mark.hostile
 def test_closing_many_generators_concurrently_releases_every_worker_id(engine: Engine) -> None:
     """32 generators closed at the same moment from 32 threads (each twice): every row released."""
     n = 32

@@ -60,6 +60,7 @@ def proc_die_holding(name: str, url: str, namespace: str, skew_ms: int, count: i
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.clock
 def test_clock_stepping_back_mid_life_never_repeats_or_decreases(engine: Engine, clock: SkewedClock) -> None:
     """The application clock steps back 300 ms twice while ids are issued: still strictly increasing."""
     with Snowflake(engine, namespace="stepback") as ids:
@@ -73,6 +74,7 @@ def test_clock_stepping_back_mid_life_never_repeats_or_decreases(engine: Engine,
     assert all(a < b for a, b in itertools.pairwise(issued))
 
 
+@pytest.mark.clock
 def test_a_holder_with_its_clock_hours_behind_still_loses_its_lease_on_time(
     engine: Engine, clock: SkewedClock
 ) -> None:
@@ -89,6 +91,7 @@ def test_a_holder_with_its_clock_hours_behind_still_loses_its_lease_on_time(
     new.close()
 
 
+@pytest.mark.clock
 def test_a_holder_with_its_clock_ahead_hands_over_without_repeating_ids(
     engine: Engine, clock: SkewedClock
 ) -> None:
@@ -104,6 +107,8 @@ def test_a_holder_with_its_clock_ahead_hands_over_without_repeating_ids(
     assert min(mine) > max(ahead_ids)
 
 
+@pytest.mark.clock
+@pytest.mark.restart
 def test_a_dead_process_with_a_fast_clock_hands_over_without_repeating_ids(
     backend: Backend, engine: Engine, procs: tuple[Any, ProcessPoolExecutor]
 ) -> None:
@@ -123,6 +128,7 @@ def test_a_dead_process_with_a_fast_clock_hands_over_without_repeating_ids(
 # README: "When the clock steps back it waits rather than issue a smaller id."  A clock that steps
 # back 3 h and is corrected a moment later (NTP) must not leave next_id() asleep for the full 3 h:
 # it looks at the clock again at least every 50 ms while it waits.
+@pytest.mark.clock
 def test_a_clock_stepped_back_hours_then_corrected_does_not_hang_next_id(
     engine: Engine, clock: SkewedClock
 ) -> None:

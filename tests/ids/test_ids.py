@@ -129,6 +129,8 @@ def test_uuid7_ids_made_fast_are_strictly_increasing() -> None:
     assert _increasing(texts)
 
 
+@pytest.mark.limits
+@pytest.mark.clock
 def test_uuid7_counter_overflow_and_clock_going_back_keep_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """A clock behind the last id, or a full counter, advances the timestamp instead of going back."""
     ahead = _now_ms() + 10_000
@@ -231,6 +233,7 @@ def test_live_generators_get_distinct_worker_ids_and_release_them(engine: Engine
             g.close()
 
 
+@pytest.mark.clock
 def test_clock_moving_back_waits_instead_of_going_back(engine: Engine) -> None:
     """When the clock steps back an hour, next_id() waits (on the injected sleep) until it catches up."""
     clock = VirtualClock()
@@ -361,6 +364,7 @@ def test_all_1024_worker_ids_live_is_a_typed_error(engine: Engine) -> None:
         assert ids.worker_id == 700
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -430,6 +434,7 @@ def test_errors_survive_pickling() -> None:
     assert type(full) is WorkerIdsExhausted and str(full) == "full" and full.namespace == "m"
 
 
+@pytest.mark.clock
 def test_claim_judges_the_lease_on_the_database_clock_and_the_last_ms_it_read() -> None:
     """The claim judges and sets lease_expires_ms on the server clock and matches only the last_ms it read."""
     sql = str(ids_module._CLAIM.compile(dialect=mysql.dialect()))
@@ -519,6 +524,7 @@ def test_an_expired_lease_is_taken_over_by_exactly_one_of_several_takers(
     assert all(_increasing(made) for _, made in runs)
 
 
+@pytest.mark.clock
 def test_clock_stepping_back_in_several_processes_never_gives_a_smaller_id(
     backend: Backend, engine: Engine, procs: tuple[Any, ProcessPoolExecutor]
 ) -> None:
@@ -542,6 +548,7 @@ def test_clock_stepping_back_in_several_processes_never_gives_a_smaller_id(
         assert slept >= step - 10_000 and real < 5
 
 
+@pytest.mark.clock
 def test_a_new_holder_with_a_clock_behind_waits_past_the_previous_holders_ids(
     backend: Backend, engine: Engine, procs: tuple[Any, ProcessPoolExecutor]
 ) -> None:

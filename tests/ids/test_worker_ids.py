@@ -205,6 +205,7 @@ def test_the_last_free_worker_ids_go_to_exactly_as_many_racers_and_a_close_frees
     assert all(r.owner is None for r in _rows(engine, "full")) and len(_rows(engine, "full")) == 1024
 
 
+@pytest.mark.restart
 def test_exhausted_namespace_recovers_when_a_holder_dies(engine: Engine) -> None:
     """1,023 live generators and one that dies (never renews, never closes): its worker id frees on expiry."""
     held = [Snowflake(engine, namespace="die", heartbeat=False) for _ in range(1023)]
@@ -224,6 +225,7 @@ def test_exhausted_namespace_recovers_when_a_holder_dies(engine: Engine) -> None
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.lost_reply
 def test_a_process_that_lost_its_lease_raises_and_never_issues_again(
     backend: Backend, engine: Engine, procs: tuple[Any, ProcessPoolExecutor]
 ) -> None:

@@ -34,7 +34,7 @@ from tests.conftest import Backend
 class Parcel(TokenBase):
     """A consumer's business write, next to consume_once in one transaction."""
 
-    __tablename__ = "attack_parcels"
+    __tablename__ = "sg_test_parcels"
     message_id: Mapped[str] = mapped_column(String(100), primary_key=True)
 
 
@@ -137,6 +137,7 @@ def test_a_duplicate_leaves_the_transaction_usable(parcels: Engine, backend: Bac
         assert conn.execute(select(func.count()).select_from(consumed_messages)).scalar_one() == 2
 
 
+@pytest.mark.rollback
 def test_a_rolled_back_savepoint_makes_the_message_and_token_consumable_again(
     parcels: Engine, backend: Backend
 ) -> None:

@@ -113,6 +113,7 @@ def test_a_duplicate_does_not_undo_pending_orm_changes(engine: Engine) -> None:
         assert s.get_one(Order, 7).note == "before duplicate"
 
 
+@pytest.mark.rollback
 def test_rollback_removes_an_applied_insert(engine: Engine) -> None:
     """An APPLIED insert in a transaction that rolls back leaves no row, so a retry applies again."""
     with Session(engine) as s:
@@ -147,6 +148,7 @@ def test_other_integrity_errors_are_not_reported_as_repeated(engine: Engine) -> 
     assert _count(engine, Message) == 0
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     ("values", "needle"),
     [({}, "non-empty"), ({"nope": 1}, "'nope'"), ([("message_id", "x")], "mapping")],

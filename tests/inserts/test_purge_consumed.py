@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -11,20 +10,10 @@ import pytest
 from sqlalchemy import Engine, insert, select, update
 from sqlalchemy.orm import Session
 
-from stateguard import InvalidArgument, Outcome, consume_once, create_tables, drop_tables, purge_consumed
+from stateguard import InvalidArgument, Outcome, consume_once, purge_consumed
 from stateguard.tables import consumed_messages
-from tests.conftest import Backend
 
 HOUR_MS = 3_600_000
-
-
-@pytest.fixture
-def engine(backend: Backend) -> Iterator[Engine]:
-    eng = backend.engine
-    drop_tables(eng)
-    create_tables(eng)
-    yield eng
-    drop_tables(eng)
 
 
 def _consume(engine: Engine, *ids: str) -> None:
@@ -61,6 +50,7 @@ def test_old_records_go_in_batches_and_recent_ones_stay(engine: Engine) -> None:
         assert consume_once(s, "billing", "a").applied
 
 
+@pytest.mark.clock
 def test_ages_are_judged_on_the_database_clock(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """An application clock 6 hours ahead neither stamps a record old nor purges a new one."""
     real = time.time_ns
@@ -74,6 +64,7 @@ def test_ages_are_judged_on_the_database_clock(engine: Engine, monkeypatch: pyte
     assert abs(stamped - real() // 1_000_000) < 60_000  # the database's now, not the app's
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     ("older_than", "batch"),
     [(timedelta(0), 10), (timedelta(hours=-1), 10), (3600, 10), (None, 10), (timedelta(hours=1), 0),
@@ -87,6 +78,7 @@ def test_bad_arguments_are_invalid_and_delete_nothing(engine: Engine, older_than
     assert _left(engine) == ["kept"]
 
 
+@pytest.mark.rollback
 def test_in_the_callers_transaction_it_rolls_back_with_it(engine: Engine) -> None:
     """With a Session (or Connection) the purge is part of the caller's transaction."""
     _consume(engine, "x", "y")

@@ -26,6 +26,7 @@ def engine(backend: Backend) -> Iterator[Engine]:
 # -- after-commit callbacks ------------------------------------------------------------------------
 
 
+@pytest.mark.rollback
 def test_session_commit_with_a_savepoint_still_open_runs_its_callback_once(engine: Engine) -> None:
     calls: list[str] = []
     with Session(engine) as s:
@@ -94,6 +95,7 @@ def _commit_fails(eng: Engine) -> None:
     assert _row(eng, 1)[0::3] == ("draft", 1)
 
 
+@pytest.mark.failing_observer
 def test_a_failing_callback_does_not_stop_the_others_and_the_commit_stands(engine: Engine) -> None:
     calls: list[int] = []
 
@@ -112,6 +114,7 @@ def test_a_failing_callback_does_not_stop_the_others_and_the_commit_stands(engin
     assert len(_declared_calls) == 1
 
 
+@pytest.mark.rollback
 def test_callback_scheduled_in_savepoint_rolled_back_after_a_retry_inside_it(engine: Engine) -> None:
     calls: list[str] = []
     with Session(engine) as s, s.begin():

@@ -1,4 +1,4 @@
-"""CockroachDB through sqlalchemy-cockroachdb's ``cockroachdb`` dialect (issue 17).
+"""CockroachDB through sqlalchemy-cockroachdb's ``cockroachdb`` dialect.
 
 No CockroachDB server can run on this machine, so these tests check what stateguard
 decides and builds for the dialect:
@@ -112,6 +112,7 @@ def test_backend_has_the_postgresql_capabilities_cockroachdb_has(crdb_dialect: D
     assert {f: getattr(crdb, f) for f in same} == {f: getattr(pg, f) for f in same}
 
 
+@pytest.mark.clock
 def test_database_clock_compiles_for_cockroachdb(crdb_dialect: Dialect) -> None:
     """Leases and expiries are judged on the server's statement_timestamp(), as on PostgreSQL."""
     sql = str(select(db_now_ms()).compile(dialect=crdb_dialect))
@@ -167,6 +168,7 @@ RESTART_ERRORS = [
 ]
 
 
+@pytest.mark.restart
 @pytest.mark.parametrize("reason", RESTART_ERRORS)
 def test_cockroachdb_restart_errors_are_retried(reason: str) -> None:
     """A 40001 restart error is a SerializationConflict: the unit runs again, sync and async."""
@@ -191,6 +193,7 @@ def test_cockroachdb_restart_errors_are_retried(reason: str) -> None:
     assert len(calls) == 3
 
 
+@pytest.mark.restart
 def test_cockroachdb_restart_errors_give_up_at_the_cap() -> None:
     """A unit that always gets a restart error is called ``attempts`` times, then that error is raised."""
     error = _restart_error(psycopg.errors.SerializationFailure(RESTART_ERRORS[0]))

@@ -123,6 +123,7 @@ def test_calls_that_did_not_apply_never_run_callbacks(engine: Engine, key: int, 
     assert calls == []
 
 
+@pytest.mark.rollback
 def test_rollback_drops_callbacks(engine: Engine) -> None:
     """A transaction that rolls back (by exception) runs none of its callbacks, nor does the next commit."""
     calls: list[Any] = []
@@ -138,6 +139,7 @@ def test_rollback_drops_callbacks(engine: Engine) -> None:
     assert _statuses(engine)[1] == "pending"
 
 
+@pytest.mark.rollback
 def test_explicit_rollback_drops_callbacks(engine: Engine) -> None:
     """session.rollback() drops the callbacks of the transaction, a later commit does not revive them."""
     calls: list[Any] = []
@@ -215,6 +217,7 @@ def test_declared_after_commit_not_for_repeated_or_rejected(engine: Engine) -> N
     assert CALLS == []
 
 
+@pytest.mark.rollback
 def test_declared_after_commit_dropped_on_rollback(engine: Engine) -> None:
     """A rolled-back transaction runs no declared after_commit, and the retry that commits runs it once."""
     with Session(engine) as s:
@@ -243,6 +246,7 @@ def test_trigger_without_after_commit_schedules_nothing(engine: Engine) -> None:
 # -- savepoints ------------------------------------------------------------------------
 
 
+@pytest.mark.rollback
 def test_rolled_back_savepoint_drops_its_callbacks_and_keeps_outer_ones(engine: Engine) -> None:
     """Callbacks registered inside a rolled-back begin_nested() are dropped; the outer ones run."""
     calls: list[Any] = []
@@ -259,6 +263,7 @@ def test_rolled_back_savepoint_drops_its_callbacks_and_keeps_outer_ones(engine: 
     assert _statuses(engine) == {1: "paid", 2: "pending", 3: "paid", 4: "shipped"}
 
 
+@pytest.mark.rollback
 def test_savepoint_rolled_back_by_an_exception_drops_its_callbacks(engine: Engine) -> None:
     """An exception leaving begin_nested() rolls the savepoint back with its callbacks."""
     calls: list[Any] = []
@@ -273,6 +278,7 @@ def test_savepoint_rolled_back_by_an_exception_drops_its_callbacks(engine: Engin
     assert calls == []
 
 
+@pytest.mark.rollback
 def test_released_savepoint_keeps_its_callbacks_until_the_outer_commit(engine: Engine) -> None:
     """Callbacks of a released savepoint wait for the outermost commit and then run."""
     calls: list[Any] = []
@@ -286,6 +292,7 @@ def test_released_savepoint_keeps_its_callbacks_until_the_outer_commit(engine: E
     assert CALLS == [("declared", 1, "done", Outcome.APPLIED)]
 
 
+@pytest.mark.rollback
 def test_released_savepoint_then_outer_rollback_drops_everything(engine: Engine) -> None:
     """A released savepoint's callbacks are still dropped when the outer transaction rolls back."""
     calls: list[Any] = []
@@ -298,6 +305,7 @@ def test_released_savepoint_then_outer_rollback_drops_everything(engine: Engine)
     assert _statuses(engine)[1] == "pending"
 
 
+@pytest.mark.rollback
 def test_nested_savepoints_two_levels(engine: Engine) -> None:
     """A rolled-back inner savepoint inside a released middle one drops only the inner callbacks."""
     calls: list[Any] = []

@@ -48,6 +48,7 @@ def _sqlstate(error: BaseException) -> Any:
 LEVELS = ["REPEATABLE READ", "SERIALIZABLE"]
 
 
+@pytest.mark.lost_reply
 @pytest.mark.parametrize("level", LEVELS)
 def test_postgresql_lost_race_raises_serialization_conflict(pg: Backend, level: str) -> None:
     """T1 reads, T2 pays and commits, T1 pays: SerializationConflict, retryable, driver error chained."""

@@ -1,7 +1,7 @@
 """MariaDB's default collations match ``'SKU-A'`` and ``'sku-a '`` to the row ``'sku-a'``: the ledger, the
-transition log and the outbox record the row's own spelling (issue 15, items 2 and 8).
+transition log and the outbox record the row's own spelling.
 
-Found by README-only reviews: one ref applied once per spelling (three decrements for one order),
+Regressions checked: one ref applied once per spelling (three decrements for one order),
 a retried request id with another spelling missed its first attempt, and one row's events got
 several outbox keys (so two relays could publish them out of order).
 """

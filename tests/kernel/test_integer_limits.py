@@ -11,7 +11,7 @@ transaction stays usable.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -30,7 +30,6 @@ from stateguard import (
     row_lock,
     version_column,
 )
-from tests.conftest import Backend
 
 INT_MAX = 2**31 - 1
 BIG_MAX = 2**63 - 1
@@ -68,14 +67,13 @@ class Wide(_Base):
     flow = StateMachine("status", states=["open", "closed"], transitions=[["close", "open", "closed"]])
 
 
-@pytest.fixture
-def engine(backend: Backend) -> Iterator[Engine]:
-    eng = backend.create(_Base.metadata)
-    with Session(eng) as s, s.begin():
-        s.add(Account(id=1))
-        s.add(Account(id=INT_MAX))
-        s.add(Wide(id=2**40))
-    yield eng
+def _seed(s: Session) -> None:
+    s.add(Account(id=1))
+    s.add(Account(id=INT_MAX))
+    s.add(Wide(id=2**40))
+
+
+pytestmark = pytest.mark.tables(_Base.metadata, seed=_seed, stateguard=False)
 
 
 def _state(engine: Engine) -> list[Any]:
@@ -97,12 +95,14 @@ def _refused_then_usable(engine: Engine, call: Callable[[Session], Any], needle:
     assert _state(engine) == before
 
 
+@pytest.mark.limits
 @pytest.mark.parametrize("key", [INT_MAX + 1, -(2**31) - 1, 2**63, -(2**63) - 1, 2**70])
 def test_a_trigger_refuses_a_key_its_integer_column_cannot_hold(engine: Engine, key: int) -> None:
     """Order.flow.pay(session, 2**31) on an INTEGER key: InvalidArgument, the transaction survives."""
     _refused_then_usable(engine, lambda s: Account.flow.close(s, key), "primary key")
 
 
+@pytest.mark.limits
 def test_the_largest_key_the_column_holds_still_works(engine: Engine) -> None:
     """The boundary itself (2**31 - 1) is a valid key and applies."""
     with Session(engine) as s, s.begin():
@@ -110,6 +110,7 @@ def test_the_largest_key_the_column_holds_still_works(engine: Engine) -> None:
         assert Account.flow.close(s, -(2**31)).outcome is Outcome.NOT_FOUND
 
 
+@pytest.mark.limits
 def test_a_64_bit_key_of_a_bigint_column_is_accepted_on_every_backend(engine: Engine) -> None:
     """BIGINT (INTEGER with a variant on SQLite) keys up to 2**63 - 1 pass; beyond is refused."""
     with Session(engine) as s, s.begin():
@@ -119,11 +120,13 @@ def test_a_64_bit_key_of_a_bigint_column_is_accepted_on_every_backend(engine: En
             Wide.flow.close(s, BIG_MAX + 1)
 
 
+@pytest.mark.limits
 def test_many_refuses_an_out_of_range_key_before_any_row_moves(engine: Engine) -> None:
     """many() with one key beyond INTEGER: InvalidArgument, key 1 untouched."""
     _refused_then_usable(engine, lambda s: Account.flow.close.many(s, [1, INT_MAX + 1]), "primary key")
 
 
+@pytest.mark.limits
 def test_expected_version_and_fence_beyond_their_columns_are_refused(engine: Engine) -> None:
     """expected_version beyond INTEGER and a fence beyond BIGINT: InvalidArgument."""
     _refused_then_usable(
@@ -137,6 +140,7 @@ def test_expected_version_and_fence_beyond_their_columns_are_refused(engine: Eng
     )
 
 
+@pytest.mark.limits
 def test_values_beyond_their_column_are_refused(engine: Engine) -> None:
     """values={'small': 2**15} on a SMALLINT column, in a trigger and in guarded_update: InvalidArgument."""
     _refused_then_usable(
@@ -147,6 +151,7 @@ def test_values_beyond_their_column_are_refused(engine: Engine) -> None:
     )
 
 
+@pytest.mark.limits
 def test_counter_amounts_and_bounds_beyond_the_column_are_refused(engine: Engine) -> None:
     """decrement/increment/reserve by more than a SMALLINT holds, or with such a floor: InvalidArgument."""
     _refused_then_usable(engine, lambda s: decrement(s, Account.small, 1, by=2**15), "by")
@@ -156,6 +161,7 @@ def test_counter_amounts_and_bounds_beyond_the_column_are_refused(engine: Engine
     _refused_then_usable(engine, lambda s: decrement(s, Account.small, INT_MAX + 1, by=1), "primary key")
 
 
+@pytest.mark.limits
 def test_row_lock_refuses_an_out_of_range_key(engine: Engine) -> None:
     """row_lock on a key beyond INTEGER: InvalidArgument (checked before SQLite's own NotSupported)."""
     _refused_then_usable(engine, lambda s: row_lock(s, Account, INT_MAX + 1), "primary key")

@@ -1,6 +1,6 @@
 """Keys that are not ints or strs in the counter ledger and the transition log, on every backend.
 
-Found by a review that read only the README: an Enum primary key with ``ref=``
+Regressions checked: an Enum primary key with ``ref=``
 was "released" (APPLIED) while nothing was given back (the ledger's JSON
 ``"Color.red"`` matched no row); on SQLite a Uuid or Date key could never be
 released (raw StatementError); the same ref applied three times to one
@@ -15,7 +15,6 @@ from __future__ import annotations
 import datetime
 import enum
 import uuid
-from collections.abc import Iterator
 from decimal import Decimal
 from typing import Any
 
@@ -24,8 +23,7 @@ from sqlalchemy import Date, Engine, Integer, Numeric, String, Uuid, select
 from sqlalchemy import Enum as SAEnum
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from stateguard import Outcome, StateMachine, create_tables, decrement, drop_tables, release, reserve
-from tests.conftest import Backend
+from stateguard import Outcome, StateMachine, decrement, release, reserve
 
 
 class Color(enum.Enum):
@@ -84,19 +82,13 @@ KEYS: dict[str, tuple[type[Any], Any]] = {
 }
 
 
-@pytest.fixture
-def engine(backend: Backend) -> Iterator[Engine]:
-    eng = backend.create(_Base.metadata)
-    drop_tables(eng)
-    create_tables(eng)
-    with Session(eng) as s, s.begin():
-        s.add_all([ByColor(id=Color.red, amount=10), ByColor(id=Color.blue, amount=10)])
-        s.add_all(
-            [ByUuid(id=UID, amount=10), ByDate(id=DAY, amount=10), ByPrice(id=Decimal("1.50"), amount=10)]
-        )
-        s.add_all([Plain(id=1, amount=10), Plain(id=2, amount=10)])
-    yield eng
-    drop_tables(eng)
+def _seed(s: Session) -> None:
+    s.add_all([ByColor(id=Color.red, amount=10), ByColor(id=Color.blue, amount=10)])
+    s.add_all([ByUuid(id=UID, amount=10), ByDate(id=DAY, amount=10), ByPrice(id=Decimal("1.50"), amount=10)])
+    s.add_all([Plain(id=1, amount=10), Plain(id=2, amount=10)])
+
+
+pytestmark = pytest.mark.tables(_Base.metadata, seed=_seed)
 
 
 def _amount(engine: Engine, model: type[Any], key: Any) -> int:

@@ -10,16 +10,14 @@ reads its keys back, refuses those before any statement.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from sqlalchemy import Engine, Integer, String, func, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from stateguard import InvalidArgument, Outcome, StateMachine, create_tables, decrement, drop_tables, release
+from stateguard import InvalidArgument, Outcome, StateMachine, decrement, release
 from stateguard.tables import DIGEST_PREFIX, ROW_KEY_LENGTH, counter_ledger, row_key, transition_log
-from tests.conftest import Backend
 
 CJK = "商品编号" * 15  # 60 characters: 362 as JSON with \\uXXXX escapes
 LONG = "sku-" + "x" * 296  # 300 ASCII characters: too long even unescaped
@@ -45,15 +43,11 @@ class Product(_Base):
     )
 
 
-@pytest.fixture
-def engine(backend: Backend) -> Iterator[Engine]:
-    eng = backend.create(_Base.metadata)
-    drop_tables(eng)
-    create_tables(eng)
-    with Session(eng) as s, s.begin():
-        s.add_all([Product(code=CJK), Product(code=LONG), Product(code="plain")])
-    yield eng
-    drop_tables(eng)
+def _seed(s: Session) -> None:
+    s.add_all([Product(code=CJK), Product(code=LONG), Product(code="plain")])
+
+
+pytestmark = pytest.mark.tables(_Base.metadata, seed=_seed)
 
 
 def _qty(engine: Engine, code: str) -> int:
@@ -61,6 +55,7 @@ def _qty(engine: Engine, code: str) -> int:
         return int(s.execute(select(Product.qty).where(Product.code == code)).scalar_one())
 
 
+@pytest.mark.limits
 def test_row_key_keeps_the_escaped_form_of_every_key_that_fit_before() -> None:
     """Keys whose ASCII-escaped JSON fits are stored exactly as before (existing rows still match)."""
     assert row_key(("é" * 40,)) == '"' + "\\u00e9" * 40 + '"'
@@ -68,6 +63,7 @@ def test_row_key_keeps_the_escaped_form_of_every_key_that_fit_before() -> None:
     assert row_key(("a", 1)) == '["a",1]'
 
 
+@pytest.mark.limits
 @pytest.mark.parametrize(
     "key",
     [(CJK,), (LONG,), ("商" * 300,), ("\ud800" * 100,), (CJK, 7), ("x" * ROW_KEY_LENGTH,)],
@@ -81,6 +77,7 @@ def test_every_row_key_fits_its_column_and_is_storable(key: tuple[Any, ...]) -> 
     assert row_key(key) == stored  # deterministic: lookups find what was written
 
 
+@pytest.mark.limits
 def test_cjk_key_through_a_logged_trigger_and_its_history(engine: Engine) -> None:
     """A 60-character CJK key transitions, logs, dedups by request_id and reads its history back."""
     with Session(engine) as s, s.begin():
@@ -93,6 +90,7 @@ def test_cjk_key_through_a_logged_trigger_and_its_history(engine: Engine) -> Non
     assert stored == [row_key((CJK,))] and len(stored[0]) == 62
 
 
+@pytest.mark.limits
 def test_key_too_long_even_unescaped_is_logged_as_a_digest(engine: Engine) -> None:
     """A 300-character key transitions and its history is found by its digest."""
     with Session(engine) as s, s.begin():
@@ -104,6 +102,7 @@ def test_key_too_long_even_unescaped_is_logged_as_a_digest(engine: Engine) -> No
     assert stored.startswith(DIGEST_PREFIX)
 
 
+@pytest.mark.limits
 def test_many_with_long_keys_logs_every_row(engine: Engine) -> None:
     """many() over CJK, over-long and plain keys applies and logs each."""
     with Session(engine) as s, s.begin():
@@ -114,6 +113,7 @@ def test_many_with_long_keys_logs_every_row(engine: Engine) -> None:
     assert logged == 3
 
 
+@pytest.mark.limits
 def test_cjk_key_through_a_refd_counter_and_its_release(engine: Engine) -> None:
     """A CJK key takes stock once per ref and release gives it back to the same row."""
     with Session(engine) as s, s.begin():
@@ -126,6 +126,7 @@ def test_cjk_key_through_a_refd_counter_and_its_release(engine: Engine) -> None:
     assert _qty(engine, CJK) == 10
 
 
+@pytest.mark.limits
 def test_refd_counter_refuses_a_key_the_ledger_cannot_read_back(engine: Engine) -> None:
     """A 300-character key with ref= is InvalidArgument before any statement; the transaction goes on."""
     with Session(engine) as s, s.begin():

@@ -10,7 +10,6 @@ stateguard's tables live (ConfigurationError, or bind them and it works).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -23,9 +22,7 @@ from stateguard import (
     advisory_lock,
     consume_once,
     consume_token,
-    create_tables,
     decrement,
-    drop_tables,
     idempotent,
     issue_token,
     row_lock,
@@ -47,15 +44,11 @@ class Elsewhere(_Other):
     id: Mapped[int] = mapped_column(primary_key=True)
 
 
-@pytest.fixture
-def engine(backend: Backend) -> Iterator[Engine]:
-    eng = backend.create(Base.metadata)
-    drop_tables(eng)
-    create_tables(eng)
-    with Session(eng) as s, s.begin():
-        s.add(Order(id=1, amount=10))
-    yield eng
-    drop_tables(eng)
+def _seed(s: Session) -> None:
+    s.add(Order(id=1, amount=10))
+
+
+pytestmark = pytest.mark.tables(Base.metadata, seed=_seed)
 
 
 def test_every_call_works_through_per_model_binds(engine: Engine, backend: Backend) -> None:

@@ -1,4 +1,4 @@
-"""Behind a real PgBouncer in transaction pooling (issue 15, "Done when"): every call the
+"""Behind a real PgBouncer in transaction pooling: every call the
 README says works behind it does, with psycopg 3 and ``prepare_threshold=None``, also
 under a storm of 8 threads on the same rows; and the README's advice is needed: psycopg's
 automatic prepared statements break behind PgBouncer 1.18 without it.
@@ -365,6 +365,7 @@ def _outbox_rows(engine: Engine) -> list[Any]:
         return list(conn.execute(select(outbox).order_by(outbox.c.id)))
 
 
+@pytest.mark.rollback
 def test_emit_and_transition_events_commit_or_roll_back_with_the_transaction(bounced_events: Engine) -> None:
     """emit() and events=True write into the caller's transaction through PgBouncer: one event per
     APPLIED transition (single call, two sources, many()), none for REPEATED, none after a rollback."""
@@ -443,6 +444,7 @@ def test_redis_lock_database_fences_and_snowflake_ids(bounced_events: Engine, re
     assert issued == sorted(set(issued))
 
 
+@pytest.mark.restart
 def test_relays_ride_out_pgbouncer_restarts_mid_storm(
     bounced_events: Engine, bouncer: PgBouncer, caplog: pytest.LogCaptureFixture
 ) -> None:

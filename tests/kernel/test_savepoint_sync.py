@@ -1,4 +1,4 @@
-"""Loaded objects stay true when a savepoint stateguard wrote in is rolled back (issue 15, item 4).
+"""Loaded objects stay true when a savepoint stateguard wrote in is rolled back.
 
 stateguard makes a loaded instance agree with the row it just wrote.  When the
 savepoint around that write is rolled back, the row is back to its old value;
@@ -9,8 +9,6 @@ expired instead, so they reload from the database.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from sqlalchemy import Engine, Integer, String
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
@@ -18,15 +16,12 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from stateguard import (
     Outcome,
     StateMachine,
-    create_tables,
     decrement,
-    drop_tables,
     guarded_update,
     idempotent,
     reserve,
     version_column,
 )
-from tests.conftest import Backend
 
 
 class _Base(DeclarativeBase):
@@ -46,15 +41,11 @@ class Stock(_Base):
     flow = StateMachine("status", states=["open", "held"], transitions=[["hold", "open", "held"]])
 
 
-@pytest.fixture
-def engine(backend: Backend) -> Iterator[Engine]:
-    eng = backend.create(_Base.metadata)
-    drop_tables(eng)
-    create_tables(eng)
-    with Session(eng) as s, s.begin():
-        s.add_all([Stock(id=1, amount=5), Stock(id=2, amount=3)])
-    yield eng
-    drop_tables(eng)
+def _seed(s: Session) -> None:
+    s.add_all([Stock(id=1, amount=5), Stock(id=2, amount=3)])
+
+
+pytestmark = pytest.mark.tables(_Base.metadata, seed=_seed)
 
 
 def _amount(engine: Engine, key: int) -> int:
@@ -62,6 +53,7 @@ def _amount(engine: Engine, key: int) -> int:
         return s.get_one(Stock, key).amount
 
 
+@pytest.mark.rollback
 def test_a_reservation_rolled_back_by_its_savepoint_leaves_no_trace_on_loaded_rows(engine: Engine) -> None:
     """The issue's example: reserve ends INSUFFICIENT; a.amount reads 5 again, and +10 stores 15, not 13."""
     with Session(engine) as s, s.begin():
@@ -74,6 +66,7 @@ def test_a_reservation_rolled_back_by_its_savepoint_leaves_no_trace_on_loaded_ro
     assert _amount(engine, 1) == 15
 
 
+@pytest.mark.rollback
 def test_a_users_own_savepoint_rolled_back_restores_the_state_and_version(engine: Engine) -> None:
     """A trigger inside session.begin_nested() that is rolled back: state and version reload."""
     with Session(engine) as s, s.begin():
@@ -90,6 +83,7 @@ def test_a_users_own_savepoint_rolled_back_restores_the_state_and_version(engine
         assert (b.status, b.note, b.version) == ("open", "after", version + 1)
 
 
+@pytest.mark.rollback
 def test_a_released_savepoint_keeps_the_sync_until_the_outer_one_rolls_back(engine: Engine) -> None:
     """Inner savepoint released, outer rolled back: the decrement synced inside both is undone too."""
     with Session(engine) as s, s.begin():
@@ -105,6 +99,7 @@ def test_a_released_savepoint_keeps_the_sync_until_the_outer_one_rolls_back(engi
     assert _amount(engine, 1) == 6
 
 
+@pytest.mark.rollback
 def test_a_committed_savepoint_keeps_what_was_synced(engine: Engine) -> None:
     """Nothing is expired when the savepoint stands: the synced values are the row's."""
     with Session(engine) as s, s.begin():
@@ -116,6 +111,7 @@ def test_a_committed_savepoint_keeps_what_was_synced(engine: Engine) -> None:
         assert s.get_one(Stock, 1).note == "kept"
 
 
+@pytest.mark.rollback
 def test_a_guarded_write_inside_an_idempotent_block_that_raises_is_undone_on_the_instance(
     engine: Engine,
 ) -> None:

@@ -1,9 +1,9 @@
 """An Engine, Connection, AsyncEngine or AsyncConnection where a session belongs: a typed error
-that says what to pass, before anything runs (issue 15, item 10)."""
+that says what to pass, before anything runs."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -17,9 +17,7 @@ from stateguard import (
     advisory_lock,
     consume_once,
     consume_token,
-    create_tables,
     decrement,
-    drop_tables,
     emit,
     guarded_update,
     idempotent,
@@ -33,19 +31,13 @@ from stateguard import (
     row_lock,
 )
 from tests._support.models import Base, Message, Order
-from tests.conftest import Backend
 
 
-@pytest.fixture
-def engine(backend: Backend) -> Iterator[Engine]:
-    """The test models and stateguard's tables on every backend, with one order."""
-    eng = backend.create(Base.metadata)
-    drop_tables(eng)
-    create_tables(eng)
-    with Session(eng) as s, s.begin():
-        s.add(Order(id=1))
-    yield eng
-    drop_tables(eng)
+def _seed(s: Session) -> None:
+    s.add(Order(id=1))
+
+
+pytestmark = pytest.mark.tables(Base.metadata, seed=_seed)
 
 
 CALLS: dict[str, Callable[[Any], Any]] = {

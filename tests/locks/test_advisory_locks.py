@@ -16,8 +16,6 @@ from stateguard import (
     LockLost,
     StateMachine,
     advisory_lock,
-    create_tables,
-    drop_tables,
     version_column,
 )
 from tests.conftest import Backend, _Namespaces, _only
@@ -46,15 +44,11 @@ class Item(_Base):
     )
 
 
-@pytest.fixture
-def engine(backend: Backend) -> Iterator[Engine]:
-    eng = backend.create(_Base.metadata)
-    drop_tables(eng)
-    create_tables(eng)
-    with Session(eng) as s, s.begin():
-        s.add(Item(code="a"))
-    yield eng
-    drop_tables(eng)
+def _seed(s: Session) -> None:
+    s.add(Item(code="a"))
+
+
+pytestmark = pytest.mark.tables(_Base.metadata, seed=_seed)
 
 
 @pytest.fixture(params=["postgresql", "mariadb"])
@@ -63,6 +57,7 @@ def server(request: pytest.FixtureRequest, namespaces: _Namespaces) -> Iterator[
     yield from _only(request.param, namespaces)
 
 
+@pytest.mark.cancel
 def test_advisory_lock_timeout_inf_waits_like_none(server: Backend) -> None:
     """timeout=float('inf') takes a free lock (GET_LOCK refused 'inf' as a raw error before)."""
     with Session(server.engine) as s, s.begin():
@@ -70,6 +65,7 @@ def test_advisory_lock_timeout_inf_waits_like_none(server: Backend) -> None:
             pass
 
 
+@pytest.mark.restart
 def test_get_lock_holder_whose_connection_is_killed_gets_lock_lost(mariadb: Backend) -> None:
     """MariaDB: KILL CONNECTION of the holder inside the block; the block's end raises LockLost."""
     backend = mariadb

@@ -399,6 +399,7 @@ def test_unordered_locks_deadlock_and_retry_on_conflict_recovers(
     assert values == [32] * 4
 
 
+@pytest.mark.hostile
 def test_row_lock_rejects_bad_input(backend: Backend, engine: Engine) -> None:
     """A wrong key type, another model's instance or nowait with skip_locked raise InvalidArgument."""
     _tallies(engine, [1])
@@ -539,6 +540,7 @@ def test_advisory_lock_never_leaks_into_the_pool(server: Backend, ending: str) -
         engine.dispose()
 
 
+@pytest.mark.cancel
 def test_advisory_lock_timeout_gives_up_and_leaves_the_transaction_usable(
     server: Backend, server_engine: Engine
 ) -> None:
@@ -622,6 +624,7 @@ def test_mariadb_long_names_and_no_shared_mode(mariadb: Backend) -> None:
             pass  # pragma: no cover
 
 
+@pytest.mark.hostile
 def test_advisory_lock_on_sqlite_and_bad_arguments(sqlite: Backend) -> None:
     """SQLite has no named locks (NotSupported); an empty name or a negative timeout is InvalidArgument."""
     with Session(sqlite.engine) as s:

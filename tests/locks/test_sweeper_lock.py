@@ -20,6 +20,7 @@ from tests.conftest import Backend
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.cancel
 def test_sweeper_lock_timeout_zero_gives_up_at_once_and_is_not_retried(backend: Backend) -> None:
     """A second sweeper with timeout=0 gets LockNotAcquired at once (no wait), retry_on_conflict(...,
     lock_not_acquired=False) calls it once; SQLite has no named locks: NotSupported."""
@@ -60,7 +61,7 @@ def test_sweeper_lock_in_the_readme_shape_is_held_as_documented(
     the lock is held until the COMMIT; on MariaDB GET_LOCK is released when the block exits (before the
     COMMIT), and a commit inside the block keeps the lock over the commit, as the README says.
 
-    Found: the README's comment said "held until COMMIT" for both."""
+    Regression: the README's comment said "held until COMMIT" for both."""
     from stateguard import LockNotAcquired, advisory_lock
 
     backend: Backend = request.getfixturevalue(server)

@@ -12,18 +12,17 @@ from sqlalchemy.orm import Session
 
 from stateguard import InvalidArgument, StateguardError, UnknownTrigger, guarded_update
 from tests._support.models import Base, Lamp, Order, Shipment, Ticket
-from tests.conftest import Backend, count_statements
+from tests.conftest import count_statements
 
 
-@pytest.fixture
-def engine(backend: Backend) -> Engine:
-    eng = backend.create(Base.metadata)
-    with Session(eng) as s, s.begin():
-        s.add(Order(id=1))
-        s.add(Ticket(id=1))
-        s.add(Lamp(id=1))
-        s.add(Shipment(warehouse="north", number=7))
-    return eng
+def _seed(s: Session) -> None:
+    s.add(Order(id=1))
+    s.add(Ticket(id=1))
+    s.add(Lamp(id=1))
+    s.add(Shipment(warehouse="north", number=7))
+
+
+pytestmark = pytest.mark.tables(Base.metadata, seed=_seed, stateguard=False)
 
 
 def _unchanged(engine: Engine) -> None:
@@ -56,6 +55,7 @@ def _refused(engine: Engine, call: Callable[[], Any], error: type[Exception] = I
 # -- unknown triggers ----------------------------------------------------------------------
 
 
+@pytest.mark.hostile
 def test_unknown_trigger_attribute(engine: Engine, session: Session) -> None:
     """Order.flow.refund is UnknownTrigger, also an AttributeError, naming the declared triggers."""
     error = _refused(engine, lambda: Order.flow.refund, UnknownTrigger)
@@ -63,18 +63,21 @@ def test_unknown_trigger_attribute(engine: Engine, session: Session) -> None:
     assert "'refund'" in str(error) and "pay" in str(error) and "Order" in str(error)
 
 
+@pytest.mark.hostile
 def test_unknown_trigger_by_fire(engine: Engine, session: Session) -> None:
     """fire(session, 'refund', 1) is UnknownTrigger before any SQL."""
     error = _refused(engine, lambda: Order.flow.fire(session, "refund", 1), UnknownTrigger)
     assert isinstance(error, AttributeError) and "'refund'" in str(error)
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize("name", [None, 3, "", "Pay", "pay "])
 def test_fire_with_a_non_trigger_name(engine: Engine, session: Session, name: Any) -> None:
     """fire() with a non-string or misspelt name is UnknownTrigger."""
     _refused(engine, lambda: Order.flow.fire(session, name, 1), UnknownTrigger)
 
 
+@pytest.mark.hostile
 def test_unknown_trigger_with_getattr_default(engine: Engine, session: Session) -> None:
     """Because UnknownTrigger is an AttributeError, getattr() with a default works."""
     assert getattr(Order.flow, "refund", None) is None
@@ -84,6 +87,7 @@ def test_unknown_trigger_with_getattr_default(engine: Engine, session: Session) 
 # -- wrong keys ----------------------------------------------------------------------------
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize("key", ["abc", "1", True, False, None, 1.5, b"1", [1], (1, 2), ()])
 def test_wrong_key_for_an_integer_primary_key(engine: Engine, session: Session, key: Any) -> None:
     """A key that is not an int for Order.id (str, bool, None, float, tuple) is InvalidArgument."""
@@ -91,6 +95,7 @@ def test_wrong_key_for_an_integer_primary_key(engine: Engine, session: Session, 
     assert "Order" in str(error) and "primary key" in str(error)
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     "key", ["north", ("north",), ("north", 7, 1), ("north", "7"), (7, "north"), ("north", None), (None, 7)]
 )
@@ -100,12 +105,14 @@ def test_wrong_key_for_a_composite_primary_key(engine: Engine, session: Session,
     assert "Shipment" in str(error)
 
 
+@pytest.mark.hostile
 def test_wrong_key_for_guarded_update(engine: Engine, session: Session) -> None:
     """guarded_update checks the key the same way."""
     _refused(engine, lambda: guarded_update(session, Order, "1", {"note": "x"}, expected_version=1))
     _refused(engine, lambda: guarded_update(session, Order, None, {"note": "x"}, expected_version=1))
 
 
+@pytest.mark.hostile
 def test_wrong_key_for_statement(engine: Engine, session: Session) -> None:
     """statement() refuses a bad key too."""
     _refused(engine, lambda: Order.flow.pay.statement("1"))
@@ -114,6 +121,7 @@ def test_wrong_key_for_statement(engine: Engine, session: Session) -> None:
 # -- values ----------------------------------------------------------------------------------
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     ("values", "needle"),
     [
@@ -132,6 +140,7 @@ def test_bad_values_for_a_trigger(engine: Engine, session: Session, values: Any,
     assert needle in str(error)
 
 
+@pytest.mark.hostile
 def test_bad_values_mixed_with_good_ones_write_nothing(engine: Engine, session: Session) -> None:
     """One bad entry among good ones refuses the whole call."""
     _refused(
@@ -139,6 +148,7 @@ def test_bad_values_mixed_with_good_ones_write_nothing(engine: Engine, session: 
     )
 
 
+@pytest.mark.hostile
 def test_bad_values_on_a_composite_key_model(engine: Engine, session: Session) -> None:
     """Setting a composite key part or the state column through values is refused."""
     _refused(engine, lambda: Shipment.flow.advance(session, ("north", 7), values={"warehouse": "x"}))
@@ -149,6 +159,7 @@ def test_bad_values_on_a_composite_key_model(engine: Engine, session: Session) -
 # -- targets ---------------------------------------------------------------------------------
 
 
+@pytest.mark.hostile
 def test_target_instance_of_another_model(engine: Engine, session: Session) -> None:
     """A loaded Ticket passed to an Order trigger is InvalidArgument naming both models."""
     ticket = session.get_one(Ticket, 1)
@@ -158,6 +169,7 @@ def test_target_instance_of_another_model(engine: Engine, session: Session) -> N
     _refused(engine, lambda: Order.flow.available(ticket))
 
 
+@pytest.mark.hostile
 def test_transient_instance(engine: Engine, session: Session) -> None:
     """An instance never added to a session has no key: InvalidArgument, and it is not inserted."""
     transient = Order(status="pending")
@@ -166,11 +178,13 @@ def test_transient_instance(engine: Engine, session: Session) -> None:
     assert transient not in session
 
 
+@pytest.mark.hostile
 def test_transient_instance_with_an_id_is_still_refused(engine: Engine, session: Session) -> None:
     """A transient instance is refused even when its id attribute is set: it is not a loaded row."""
     _refused(engine, lambda: Order.flow.pay(session, Order(id=1)))
 
 
+@pytest.mark.hostile
 def test_instance_pending_in_another_session(engine: Engine, session: Session) -> None:
     """A pending instance of a different session is refused rather than flushed by the wrong session."""
     with Session(engine) as other:
@@ -182,6 +196,7 @@ def test_instance_pending_in_another_session(engine: Engine, session: Session) -
 # -- expected_version --------------------------------------------------------------------------
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize("expected", ["1", 1.0, True, [1]])
 def test_expected_version_not_an_int(engine: Engine, session: Session, expected: Any) -> None:
     """expected_version that is not an int (str, float, bool, list) is InvalidArgument."""
@@ -189,6 +204,7 @@ def test_expected_version_not_an_int(engine: Engine, session: Session, expected:
     assert "expected_version" in str(error)
 
 
+@pytest.mark.hostile
 def test_expected_version_on_a_model_without_a_version_column(engine: Engine, session: Session) -> None:
     """expected_version on Ticket (no version column) is InvalidArgument naming the model."""
     error = _refused(engine, lambda: Ticket.flow.close(session, 1, expected_version=1))
@@ -198,6 +214,7 @@ def test_expected_version_on_a_model_without_a_version_column(engine: Engine, se
 # -- the session stays usable ----------------------------------------------------------------
 
 
+@pytest.mark.hostile
 def test_session_is_usable_after_bad_input(engine: Engine) -> None:
     """A refused call leaves the transaction usable: a valid call afterwards applies and commits."""
     with Session(engine) as s, s.begin():
@@ -210,6 +227,7 @@ def test_session_is_usable_after_bad_input(engine: Engine) -> None:
         assert s.get_one(Order, 1).status == "paid"
 
 
+@pytest.mark.hostile
 def test_bad_input_does_not_autoflush_pending_changes(engine: Engine) -> None:
     """Input is validated before the autoflush, so a refused call sends nothing, not even pending changes."""
     with Session(engine) as s, s.begin():

@@ -127,6 +127,7 @@ def test_many_with_composite_keys_and_several_destinations(backend: Backend) -> 
     ]
 
 
+@pytest.mark.hostile
 def test_many_rejects_bad_input_without_writing(backend: Backend) -> None:
     """A bad key anywhere in the batch raises InvalidArgument before anything is written."""
     engine = backend.create(Base.metadata)
@@ -490,6 +491,7 @@ def test_many_empty_and_generator_inputs(db: Backend) -> None:
     assert len(_log(engine)) == 2
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     "targets",
     [5, "12", b"12", None, [None], ["1"], [1.5], [True], [2**31], [-(2**31) - 1], [(1, 2)], [object()]],
@@ -519,6 +521,7 @@ def test_many_bad_targets_are_invalid_argument_and_nothing_written(db: Backend, 
     _nothing_written(engine, 3)
 
 
+@pytest.mark.limits
 def test_many_integer_limits_of_the_key_column(db: Backend) -> None:
     engine = db.engine
     with Session(engine) as s, s.begin():
@@ -529,6 +532,7 @@ def test_many_integer_limits_of_the_key_column(db: Backend) -> None:
     assert sorted(r.row_key for r in _log(engine)) == sorted([str(2**31 - 1), str(-(2**31))])
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize("chunk_size", [0, -1, True, 1.0, None, "10"])
 def test_many_bad_chunk_size(db: Backend, chunk_size: Any) -> None:
     engine = db.engine
@@ -581,6 +585,7 @@ def test_many_with_sql_guard_and_values(db: Backend) -> None:
     assert sorted(r.row_key for r in _log(engine)) == ["2", "4"]
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     "values",
     [
@@ -604,6 +609,7 @@ def test_many_bad_values_refused_before_anything_written(db: Backend, values: di
     _nothing_written(engine, 3)
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize("wrong", ["engine", "connection", "sessionmaker"])
 def test_wrong_session_objects(db: Backend, wrong: str) -> None:
     engine = db.engine
@@ -621,6 +627,7 @@ def test_wrong_session_objects(db: Backend, wrong: str) -> None:
     _nothing_written(engine, 2)
 
 
+@pytest.mark.rollback
 def test_many_on_session_with_aborted_transaction_writes_nothing(db: Backend) -> None:
     engine = db.engine
     _seed(engine, 2)
@@ -698,6 +705,7 @@ def _reset(engine: Engine) -> None:
 # other".  Overlapping many() batches of different triggers (pay / cancel / ship, history=True) all
 # commit, and every row's log chain agrees with the row.  (On MariaDB the chunk's UPDATE once scanned
 # the whole primary index and locked rows outside the batch out of key order: DeadlockDetected 1213.)
+@pytest.mark.cancel
 def test_many_pay_and_cancel_racing_history_chains_consistent(db: Backend) -> None:
     engine = db.engine
     n = 60
@@ -869,6 +877,7 @@ def test_overlapping_many_from_4_processes(db: Backend, procs: Any) -> None:
 # README: chunk_size is "keys per UPDATE"; a large one (10**6) works, with history=True too: the log
 # rows go in as many INSERTs as the driver's parameter limit needs.  (On PostgreSQL the log INSERT once
 # took chunk_size rows x 9 parameters: over 65,535, a raw error.)
+@pytest.mark.limits
 def test_many_huge_chunk_size_with_history(db: Backend) -> None:
     engine = db.engine
     n = 8000
@@ -902,6 +911,7 @@ def test_loaded_instances_after_many_and_flush(db: Backend) -> None:
     )
 
 
+@pytest.mark.rollback
 def test_savepoint_rolled_back_around_many_expires_synced_instances(db: Backend) -> None:
     engine = db.engine
     _seed(engine, 3)
@@ -922,6 +932,7 @@ def test_savepoint_rolled_back_around_many_expires_synced_instances(db: Backend)
     assert _log(engine) == []
 
 
+@pytest.mark.rollback
 def test_savepoint_released_around_many_keeps_sync(db: Backend) -> None:
     engine = db.engine
     _seed(engine, 2)
@@ -943,6 +954,7 @@ def test_savepoint_released_around_many_keeps_sync(db: Backend) -> None:
 ODD_CODES = ["a", "a'b", 'q"q', "x y", "ü", "🙂", "\\", "%_", "-", "20-chars-exactly-abc", "Ω"]
 
 
+@pytest.mark.hostile
 def test_composite_keys_many_history_and_odd_text(db: Backend) -> None:
     engine = db.engine
     with Session(engine) as s, s.begin():
@@ -995,6 +1007,7 @@ def test_string_keys_many_and_history(db: Backend) -> None:
             Tag.flow.publish.many(s, ["plain", 5])
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     "bad",
     [(1, "a\x00"), (1, "\ud800"), (1,), (1, "a", 2), (2**31, "a"), ("1", "a"), (1, 5), 1],

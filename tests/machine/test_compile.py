@@ -162,6 +162,7 @@ def test_multi_destination_trigger_uses_case(dialect: Dialect) -> None:
         )
 
 
+@pytest.mark.limits
 def test_declared_per_edge_values_use_case_with_several_edges() -> None:
     """A trigger whose edges declare different values for one column picks the value with a CASE."""
     from tests.machine.test_trigger import Doc

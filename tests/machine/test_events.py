@@ -120,13 +120,7 @@ class Bulb(Base):
     )
 
 
-@pytest.fixture
-def engine(backend: Backend) -> Any:
-    eng = backend.create(Base.metadata)
-    drop_tables(eng)
-    create_tables(eng)
-    yield eng
-    drop_tables(eng)
+pytestmark = pytest.mark.tables(Base.metadata)
 
 
 def _parcels(engine: Any, states: dict[int, str]) -> None:
@@ -299,6 +293,7 @@ def test_composite_key_is_a_json_list(engine: Any) -> None:
     assert topic == "ev_slots.take" and key == 'ev_slots:[3,"b-1"]' and payload["key"] == [3, "b-1"]
 
 
+@pytest.mark.rollback
 def test_rollback_discards_the_event(engine: Any) -> None:
     """A rolled-back transition leaves no event, and a savepoint rollback only its own."""
     _parcels(engine, {1: "new", 2: "new"})
@@ -437,6 +432,7 @@ def test_concurrent_calls_write_exactly_one_event_per_applied_transition(
         assert [p["source"] for p in chain] == states[:-1]
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     ("transition", "kwargs", "needle"),
     [

@@ -509,6 +509,7 @@ def test_same_request_id_from_16_threads_one_application(db: Backend) -> None:
     assert _rows(engine)[2][0] == "pending"
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     "rid",
     ["", "x" * 201, "a\x00b", "\udc80", 5, b"r", 1.5, ["r"]],
@@ -524,6 +525,7 @@ def test_bad_request_ids_refused_nothing_written(db: Backend, rid: Any) -> None:
     _nothing_written(engine, 1)
 
 
+@pytest.mark.hostile
 def test_request_id_odd_but_valid_text_round_trips(db: Backend) -> None:
     engine = db.engine
     _seed(engine, 4)

@@ -41,6 +41,7 @@ def db(engine: Engine, backend: Backend) -> Iterator[Backend]:
     yield backend
 
 
+@pytest.mark.hostile
 def test_metadata_without_history_is_invalid_argument(db: Backend) -> None:
     engine = db.engine
     with Session(engine) as s, s.begin():
@@ -61,6 +62,7 @@ def _nested(depth: int) -> dict[str, Any]:
     return d
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     "meta",
     [

@@ -125,7 +125,7 @@ class Graph:
         if row.state in self.dests(trigger) and edge is None:
             # Already there: REPEATED wins over a version mismatch.  Not when the trigger also
             # leaves from there (a self-loop such as stop: * -> red fired on a red row): the
-            # UPDATE would have matched, so it did not apply (issue 15: STALE or REJECTED).
+            # UPDATE would have matched, so it did not apply (STALE or REJECTED).
             return Outcome.REPEATED, row
         if edge is not None and not version_ok:
             return Outcome.STALE, row

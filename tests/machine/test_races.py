@@ -347,6 +347,7 @@ def test_mixed_trigger_storm_from_4_processes_keeps_the_graph(backend: Backend) 
     _assert_consistent_with_graph(backend, engine, _calls(reports))
 
 
+@pytest.mark.restart
 @pytest.mark.parametrize("isolation", ["REPEATABLE READ", "SERIALIZABLE"])
 def test_postgresql_snapshot_isolation_storm_retries_instead_of_crashing(pg: Backend, isolation: str) -> None:
     """At REPEATABLE READ / SERIALIZABLE on PostgreSQL, 16 threads each read then pay or cancel the same rows

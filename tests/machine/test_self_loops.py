@@ -2,14 +2,12 @@
 
 ``withdraw: open -> open`` guarded by ``balance >= 100`` matches no row when the
 guard fails or the version is stale; the row is then "in the destination", but
-nothing was applied.  Before issue 15 such calls were reported REPEATED, so
+nothing was applied.  Such calls once were reported REPEATED, so
 callers skipped work that never happened.  A repeat of a self-loop can only be
 known from its request_id in the transition history.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import Engine, Integer, String, column
@@ -50,16 +48,11 @@ class Account(_Base):
     )
 
 
-@pytest.fixture
-def engine(backend: Backend) -> Iterator[Engine]:
-    from stateguard import create_tables, drop_tables
+def _seed(s: Session) -> None:
+    s.add_all([Account(id=1, balance=50), Account(id=2, balance=500), Account(id=3, balance=500)])
 
-    eng = backend.create(_Base.metadata)
-    create_tables(eng)
-    with Session(eng) as s, s.begin():
-        s.add_all([Account(id=1, balance=50), Account(id=2, balance=500), Account(id=3, balance=500)])
-    yield eng
-    drop_tables(eng)
+
+pytestmark = pytest.mark.tables(_Base.metadata, seed=_seed)
 
 
 def _balance(engine: Engine, key: int) -> int:

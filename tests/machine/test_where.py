@@ -35,7 +35,7 @@ from tests.conftest import Backend, _only
 class SweepOrder(TokenBase):
     """The README sweeper's orders: pending rows cancelled by where(), paid concurrently."""
 
-    __tablename__ = "attack_sweep_orders"
+    __tablename__ = "sg_test_sweep_orders"
     id: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     status: Mapped[str] = mapped_column(String(20), default="pending")
     flow = StateMachine(
@@ -53,11 +53,6 @@ class SweepOrder(TokenBase):
 @pytest.fixture
 def parcels(backend: Backend, engine: Engine) -> Engine:
     return backend.create(TokenBase.metadata)
-
-
-# --------------------------------------------------------------------------
-# More attacks: sweepers, SQLite lock upgrades, Redis caller identity
-# --------------------------------------------------------------------------
 
 
 def test_two_sweepers_and_a_payer_racing_never_move_a_row_twice(parcels: Engine, backend: Backend) -> None:
@@ -99,8 +94,9 @@ def test_two_sweepers_and_a_payer_racing_never_move_a_row_twice(parcels: Engine,
     assert "pending" not in states.values()
 
 
-# Found: Trigger.where(limit=2**63) (a positive int, as documented) escaped as a raw OverflowError
+# Regression: Trigger.where(limit=2**63) (a positive int, as documented) escaped as a raw OverflowError
 # (SQLite) / DataError "bigint out of range" (PostgreSQL).  Now clamped like a purge batch.
+@pytest.mark.limits
 def test_sweep_with_a_huge_limit_is_clamped(parcels: Engine, backend: Backend) -> None:
     with Session(parcels) as session, session.begin():
         session.add_all([SweepOrder(id=1), SweepOrder(id=2)])
@@ -130,6 +126,7 @@ def server(request: pytest.FixtureRequest, namespaces: Any) -> Iterator[Backend]
 # -- where(): sweepers -------------------------------------------------------------
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize("limit", [0, -1, True, 1.0, "5"])
 def test_where_bad_limit(db: Backend, limit: Any) -> None:
     engine = db.engine
@@ -140,6 +137,7 @@ def test_where_bad_limit(db: Backend, limit: Any) -> None:
     _nothing_written(engine, 3)
 
 
+@pytest.mark.limits
 @pytest.mark.parametrize("limit", [2**31, 2**63 - 1, 2**63, 10**30])
 def test_where_huge_limit_sweeps_all_or_is_refused(db: Backend, limit: int) -> None:
     engine = db.engine
@@ -277,6 +275,7 @@ def test_where_sweeps_many_rows_in_one_call_with_history(db: Backend) -> None:
     assert len(_log(engine)) == n
 
 
+@pytest.mark.rollback
 def test_loaded_instances_after_where_and_rolled_back_savepoint(db: Backend) -> None:
     engine = db.engine
     _seed(engine, 3)

@@ -1,4 +1,4 @@
-"""Outcome events (issue 18): every guarded call reports one GuardEvent; DEBUG logging with extra
+"""Outcome events: every guarded call reports one GuardEvent; DEBUG logging with extra
 fields; OpenTelemetry metrics and spans (tested with the SDK's in-memory exporters).
 
 The events are checked against what the calls returned, on every backend and through an

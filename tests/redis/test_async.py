@@ -196,6 +196,7 @@ def test_sync_and_async_tokens_are_interchangeable(redis_client: Any, prefix: st
     assert sync_tokens.consume(from_async, scope=prefix).outcome is Outcome.APPLIED
 
 
+@pytest.mark.hostile
 def test_async_tokens_bad_input_is_typed(redis_client: Any, prefix: str) -> None:
     """Bad tokens, scopes, ttls and clients of the wrong kind raise InvalidArgument before Redis is called."""
 
@@ -261,6 +262,7 @@ def test_50_tasks_contending_hold_the_lock_one_at_a_time_with_growing_fences(
     assert int(redis_client.get(f"stateguard:lock:{{{name}}}:fence")) == fences[-1]
 
 
+@pytest.mark.cancel
 def test_blocking_timeout_zero_fails_at_once_without_consuming_a_fence(
     redis_client: Any, prefix: str
 ) -> None:
@@ -289,6 +291,7 @@ def test_blocking_timeout_zero_fails_at_once_without_consuming_a_fence(
     run(main)
 
 
+@pytest.mark.lost_reply
 def test_expired_hold_raises_lock_lost_and_leaves_the_next_tasks_hold(redis_client: Any, prefix: str) -> None:
     """Two tasks share one lock: the one paused past its TTL gets LockLost, the next keeps its hold."""
     name = f"{prefix}:expired"

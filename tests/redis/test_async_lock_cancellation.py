@@ -88,6 +88,7 @@ async def scene(
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.cancel
 @VARIANTS
 def test_timeout_around_acquire_with_swallowed_cancel_raises_timeout_error(
     redis_client: Any, lock_name: str, then_run: bool
@@ -116,12 +117,13 @@ def test_timeout_around_acquire_with_swallowed_cancel_raises_timeout_error(
     asyncio.run(main())
 
 
+@pytest.mark.cancel
 @pytest.mark.parametrize("how", ["task.cancel", "asyncio.timeout"])
 @pytest.mark.parametrize("blocking_timeout", [None, 30], ids=["forever", "30s"])
 def test_swallowed_cancel_ends_the_wait_while_the_lock_stays_held(
     redis_client: Any, lock_name: str, how: str, blocking_timeout: float | None
 ) -> None:
-    """BUG.  The lock is held (and stays held) by someone else; the waiter's cancel is swallowed
+    """The lock is held (and stays held) by someone else; the waiter's cancel is swallowed
     inside one poll.  The waiter must end with CancelledError / TimeoutError promptly, not keep
     polling until the holder lets go or blocking_timeout (default: forever) runs out: the
     cancelling() check only runs after redis-py's whole acquire loop returned, so
@@ -158,6 +160,7 @@ def test_swallowed_cancel_ends_the_wait_while_the_lock_stays_held(
     asyncio.run(main())
 
 
+@pytest.mark.cancel
 @VARIANTS
 def test_wait_for_around_acquire_with_swallowed_cancel(
     redis_client: Any, lock_name: str, then_run: bool
@@ -176,6 +179,7 @@ def test_wait_for_around_acquire_with_swallowed_cancel(
     asyncio.run(main())
 
 
+@pytest.mark.cancel
 @VARIANTS
 def test_taskgroup_sibling_failure_cancels_the_waiter(
     redis_client: Any, lock_name: str, then_run: bool
@@ -206,6 +210,7 @@ def test_taskgroup_sibling_failure_cancels_the_waiter(
     asyncio.run(main())
 
 
+@pytest.mark.cancel
 @VARIANTS
 def test_taskgroup_parent_cancelled_cancels_the_waiter(
     redis_client: Any, lock_name: str, then_run: bool
@@ -231,6 +236,7 @@ def test_taskgroup_parent_cancelled_cancels_the_waiter(
     asyncio.run(main())
 
 
+@pytest.mark.cancel
 @VARIANTS
 def test_anyio_move_on_after_around_acquire(redis_client: Any, lock_name: str, then_run: bool) -> None:
     """anyio's cancel scopes (FastAPI / Starlette code) on asyncio: ``move_on_after`` fires inside
@@ -270,6 +276,7 @@ def test_anyio_move_on_after_around_acquire(redis_client: Any, lock_name: str, t
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.cancel
 @VARIANTS
 def test_async_with_body_never_runs_when_the_cancel_is_swallowed(
     redis_client: Any, lock_name: str, then_run: bool
@@ -291,6 +298,7 @@ def test_async_with_body_never_runs_when_the_cancel_is_swallowed(
     asyncio.run(main())
 
 
+@pytest.mark.cancel
 @VARIANTS
 def test_blocking_timeout_zero_swallowed_cancel_is_cancelled_not_lock_not_acquired(
     redis_client: Any, lock_name: str, then_run: bool
@@ -306,6 +314,7 @@ def test_blocking_timeout_zero_swallowed_cancel_is_cancelled_not_lock_not_acquir
     asyncio.run(main())
 
 
+@pytest.mark.cancel
 def test_cancel_in_the_sleep_between_polls(redis_client: Any, lock_name: str) -> None:
     """The real path (no swallowing): the cancel lands in the sleep after a poll found the lock
     held.  CancelledError at once; the same task may handle it, ``uncancel()`` and wait again."""
@@ -351,6 +360,8 @@ def test_cancel_in_the_sleep_between_polls(redis_client: Any, lock_name: str) ->
     asyncio.run(main())
 
 
+@pytest.mark.cancel
+@pytest.mark.lost_reply
 def test_cancel_that_loses_the_acquisition_reply(redis_client: Any, lock_name: str) -> None:
     """Documented limit ("a task cancelled while its acquisition is on the wire may leave the lock
     held until its TTL ends"): the script took the lock, the cancel arrived before the reply was
@@ -400,6 +411,7 @@ def test_cancel_that_loses_the_acquisition_reply(redis_client: Any, lock_name: s
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.cancel
 @VARIANTS
 def test_swallowed_cancel_after_an_earlier_handled_one_still_cancels(
     redis_client: Any, lock_name: str, then_run: bool
@@ -435,6 +447,7 @@ def test_swallowed_cancel_after_an_earlier_handled_one_still_cancels(
     asyncio.run(main())
 
 
+@pytest.mark.cancel
 @pytest.mark.parametrize("uncancel", [True, False], ids=["uncancelled", "left-cancelling"])
 def test_retry_after_a_swallowed_cancel(redis_client: Any, lock_name: str, uncancel: bool) -> None:
     """The caller handles the CancelledError (with or without ``uncancel()``) and acquires again:
@@ -473,8 +486,9 @@ def test_retry_after_a_swallowed_cancel(redis_client: Any, lock_name: str, uncan
     asyncio.run(main())
 
 
+@pytest.mark.cancel
 def test_cancel_requested_just_before_acquire_and_swallowed(redis_client: Any, lock_name: str) -> None:
-    """BUG (edge).  A cancel requested before acquire() starts but delivered inside its first command
+    """A cancel requested before acquire() starts but delivered inside its first command
     (``current_task().cancel()`` then ``await lock.acquire()``: the task is cancelled while it
     waits for the lock) is swallowed by the client: cancelling() was already 1 when acquire took
     its baseline, so acquire returns a fence and the task holds the lock, its cancel lost."""
@@ -509,6 +523,7 @@ def test_cancel_requested_just_before_acquire_and_swallowed(redis_client: Any, l
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.cancel
 def test_shared_lock_object_cancelled_waiter_leaves_the_holder_alone(
     redis_client: Any, lock_name: str
 ) -> None:
@@ -543,6 +558,7 @@ def test_shared_lock_object_cancelled_waiter_leaves_the_holder_alone(
     asyncio.run(main())
 
 
+@pytest.mark.cancel
 @pytest.mark.parametrize("shared", [True, False], ids=["same-object", "other-object"])
 def test_give_back_after_expiry_never_deletes_the_next_holder(
     redis_client: Any, lock_name: str, shared: bool
@@ -592,10 +608,11 @@ def test_give_back_after_expiry_never_deletes_the_next_holder(
     asyncio.run(main())
 
 
+@pytest.mark.cancel
 def test_second_cancel_during_the_give_back_does_not_leave_the_task_holding(
     redis_client: Any, lock_name: str
 ) -> None:
-    """BUG.  The swallowed command took the lock; acquire starts giving it back, and a second cancel
+    """The swallowed command took the lock; acquire starts giving it back, and a second cancel
     (the enclosing TaskGroup / shutdown) lands in that release before it reaches Redis.  The task
     gets CancelledError, but the lock stays held under its token: the task, once it handles the
     cancellation, ``owned()`` the lock it was told it did not get, and every other task waits for
@@ -641,8 +658,9 @@ def test_second_cancel_during_the_give_back_does_not_leave_the_task_holding(
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.cancel
 def test_anyio_one_try_swallowed_cancel_stays_inside_the_scope(redis_client: Any, lock_name: str) -> None:
-    """BUG.  ``with anyio.move_on_after(t): await lock.acquire(blocking_timeout=0)`` whose one
+    """``with anyio.move_on_after(t): await lock.acquire(blocking_timeout=0)`` whose one
     command swallows the scope's cancel: the CancelledError acquire raises must be the scope's, so
     that the scope catches it and the code after it runs.  acquire raises a bare CancelledError
     (``raise asyncio.CancelledError from None``: no message, the LockNotAcquired as context), which
@@ -671,6 +689,7 @@ def test_anyio_one_try_swallowed_cancel_stays_inside_the_scope(redis_client: Any
     asyncio.run(main())
 
 
+@pytest.mark.cancel
 def test_anyio_give_back_is_not_cut_by_the_scopes_repeated_cancel(redis_client: Any, lock_name: str) -> None:
     """The lock is free; the client swallows every cancel while the acquisition is on the wire
     (the script takes the lock) while anyio's scope delivers its cancel again on each loop cycle.
@@ -715,6 +734,8 @@ def test_anyio_give_back_is_not_cut_by_the_scopes_repeated_cancel(redis_client: 
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.cancel
+@pytest.mark.restart
 @pytest.mark.parametrize("server_state", ["down", "restarted-empty"])
 def test_give_back_against_a_crashed_redis_still_ends_cancelled(
     lock_name: str, server_state: str, caplog: pytest.LogCaptureFixture
@@ -774,11 +795,12 @@ def test_give_back_against_a_crashed_redis_still_ends_cancelled(
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.cancel
 @pytest.mark.parametrize("how", ["release()", "async with"])
 def test_cancel_while_the_release_is_on_its_way_still_releases(
     redis_client: Any, lock_name: str, how: str
 ) -> None:
-    """BUG.  The holder releases (``await lock.release()``, or the end of ``async with lock:``) and
+    """The holder releases (``await lock.release()``, or the end of ``async with lock:``) and
     is cancelled while the release waits for a connection (a TaskGroup shutting down, a request
     cancelled).  The release must still reach Redis: cut there, the lock stayed held for its whole
     TTL and every other worker waited for it.  The task ends with CancelledError."""
@@ -813,6 +835,8 @@ def test_cancel_while_the_release_is_on_its_way_still_releases(
     asyncio.run(main())
 
 
+@pytest.mark.cancel
+@pytest.mark.lost_reply
 def test_cancel_during_a_release_whose_reply_is_lost_keeps_the_token(
     redis_client: Any, lock_name: str
 ) -> None:
@@ -863,6 +887,7 @@ def test_cancel_during_a_release_whose_reply_is_lost_keeps_the_token(
     asyncio.run(main())
 
 
+@pytest.mark.cancel
 def test_anyio_scope_cancelling_the_block_still_releases(redis_client: Any, lock_name: str) -> None:
     """``with anyio.move_on_after(t): async with lock: ...`` whose deadline passes inside the block:
     the scope catches its cancellation and the lock is released, though anyio cancels again at

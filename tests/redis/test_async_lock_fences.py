@@ -302,12 +302,13 @@ async def scene(
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.cancel
 @DRIVERS
 @pytest.mark.parametrize("how", ["swallowed", "delivered"])
 def test_cancel_during_the_ownership_check_after_the_fence(
     setup: Setup, lock_name: str, driver: str, how: str
 ) -> None:
-    """BUG (swallowed).  The fence came back; acquire() asks Redis (GET, ``owned()``) whether it
+    """The fence came back; acquire() asks Redis (GET, ``owned()``) whether it
     still holds the lock, and the task is cancelled while that GET is on the wire.
     ``delivered``: redis-py raises the CancelledError.  ``swallowed``: redis-py swallows it inside
     the command (the case the promise names): acquire() must still notice the pending
@@ -333,11 +334,12 @@ def test_cancel_during_the_ownership_check_after_the_fence(
     asyncio.run(main())
 
 
+@pytest.mark.cancel
 @DRIVERS
 def test_timeout_expires_during_the_ownership_check_and_redis_swallows_it(
     setup: Setup, lock_name: str, driver: str
 ) -> None:
-    """BUG. ``async with asyncio.timeout(...)`` around acquire(); the deadline passes while the GET
+    """``async with asyncio.timeout(...)`` around acquire(); the deadline passes while the GET
     of the ownership check is on the wire and redis-py swallows the cancellation: the block must end
     with TimeoutError (acquire re-raises the cancel), with the lock given back."""
 
@@ -369,6 +371,7 @@ def test_timeout_expires_during_the_ownership_check_and_redis_swallows_it(
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.cancel
 @DRIVERS
 @pytest.mark.parametrize("canceller", ["task.cancel", "asyncio.timeout", "taskgroup", "anyio"])
 def test_cancelled_while_the_fence_upsert_waits(
@@ -466,6 +469,7 @@ class _ScopeCaught(Exception):
     """Raised after an anyio scope caught its cancellation, so the recorder sees a clean end."""
 
 
+@pytest.mark.cancel
 @DRIVERS
 @pytest.mark.parametrize("cancels", [2, 3])
 def test_repeated_cancels_in_the_fence_and_the_give_back(
@@ -500,6 +504,7 @@ def test_repeated_cancels_in_the_fence_and_the_give_back(
     asyncio.run(main())
 
 
+@pytest.mark.cancel
 @DRIVERS
 def test_two_tasks_share_the_lock_object_one_cancelled_in_its_fence(
     setup: Setup, lock_name: str, driver: str
@@ -547,6 +552,7 @@ def test_two_tasks_share_the_lock_object_one_cancelled_in_its_fence(
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.cancel
 @DRIVERS
 @pytest.mark.parametrize("failure", ["table-missing", "dead-port", "commit-reply-lost"])
 def test_the_fence_fails_and_the_lock_is_given_back(
@@ -642,6 +648,8 @@ def test_the_fence_fails_and_the_lock_is_given_back(
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.cancel
+@pytest.mark.restart
 @DRIVERS
 @pytest.mark.parametrize("why", ["cancelled", "table-missing"])
 def test_give_back_finds_redis_crashed(
@@ -744,6 +752,7 @@ def test_give_back_finds_redis_crashed(
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.cancel
 @DRIVERS
 @pytest.mark.parametrize("when", ["while-waiting", "as-the-connection-comes-back"])
 def test_cancel_while_waiting_for_a_pooled_connection(

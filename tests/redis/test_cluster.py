@@ -1,4 +1,4 @@
-"""Redis Cluster (issue 15, item 12, the Redis part): the keys of one lock or token always share a
+"""Redis Cluster: the keys of one lock or token always share a
 hash slot, whatever the name holds, so no script ever fails with CROSSSLOT.
 
 The slot checks need no server (redis-py's own ``key_slot``).  The cluster test starts three
@@ -94,6 +94,7 @@ def test_lock_keys_of_distinct_names_are_distinct() -> None:
     assert RedisLock(client, "payout:42", ttl=1).key == "stateguard:lock:{payout:42}"  # unchanged
 
 
+@pytest.mark.hostile
 def test_lock_name_with_a_lone_surrogate_is_invalid() -> None:
     """A lone surrogate cannot be a Redis key: InvalidArgument, not a UnicodeEncodeError from the client."""
     import redis
@@ -124,6 +125,7 @@ def cluster() -> Iterator[list[RedisServer]]:
         yield running.servers
 
 
+@pytest.mark.hostile
 def test_tokens_and_locks_with_hostile_names_work_on_a_cluster(cluster: list[RedisServer]) -> None:
     """On 3 masters, consume and acquire/extend/release work for every hostile name (no CROSSSLOT)."""
     from redis.cluster import RedisCluster
@@ -151,6 +153,7 @@ def test_tokens_and_locks_with_hostile_names_work_on_a_cluster(cluster: list[Red
         client.close()
 
 
+@pytest.mark.hostile
 def test_async_tokens_and_locks_with_hostile_names_work_on_a_cluster(cluster: list[RedisServer]) -> None:
     """The same on redis.asyncio's RedisCluster with AsyncRedisTokens and AsyncRedisLock."""
     from redis.asyncio.cluster import RedisCluster

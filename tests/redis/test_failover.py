@@ -1,4 +1,4 @@
-"""Redis Cluster with replicas, failover and ``wait_replicas`` (issue 17, "Redis Cluster and failover").
+"""Redis Cluster with replicas, failover and ``wait_replicas``.
 
 One cluster per module: 3 masters + 3 replicas on private ports (tests/_support/redis_server.LocalCluster,
 ``redis-server --cluster-enabled yes`` + ``redis-cli --cluster create --cluster-replicas 1``),
@@ -65,6 +65,7 @@ def cluster_client(cluster: LocalCluster) -> Any:
 BAD_REPLICAS = [True, False, -1, 1.0, "1", None]
 
 
+@pytest.mark.failover
 @pytest.mark.parametrize("bad", BAD_REPLICAS)
 def test_wait_replicas_must_be_an_int_at_least_zero(bad: Any) -> None:
     """bool, negative, float, str and None are InvalidArgument for all four classes (nothing is sent)."""
@@ -82,6 +83,8 @@ def test_wait_replicas_must_be_an_int_at_least_zero(bad: Any) -> None:
         AsyncRedisLock(asynchronous, "x", ttl=1, wait_replicas=bad)
 
 
+@pytest.mark.failover
+@pytest.mark.cancel
 @pytest.mark.parametrize("bad", [0, -1, 0.0001, None, float("inf"), "1"])
 def test_wait_timeout_must_be_a_positive_duration(bad: Any) -> None:
     """wait_timeout is at least 1 ms and finite (WAIT 0 would block forever)."""
@@ -93,6 +96,7 @@ def test_wait_timeout_must_be_a_positive_duration(bad: Any) -> None:
         RedisLock(redis.Redis(), "x", ttl=1, wait_replicas=1, wait_timeout=bad)
 
 
+@pytest.mark.failover
 def test_wait_replicas_defaults_to_off() -> None:
     """0 by default: nothing changes for existing users; a timedelta wait_timeout is accepted."""
     import redis
@@ -125,6 +129,7 @@ def replicated() -> Iterator[tuple[RedisServer, RedisServer]]:
             yield master, replica
 
 
+@pytest.mark.failover
 def test_wait_replicas_on_a_master_with_one_replica(replicated: tuple[RedisServer, RedisServer]) -> None:
     """WAIT 1 succeeds and the replica has each write; WAIT 2 raises ReplicationTimeout after the write."""
     import redis
@@ -167,6 +172,8 @@ def test_wait_replicas_on_a_master_with_one_replica(replicated: tuple[RedisServe
         on_replica.close()
 
 
+@pytest.mark.failover
+@pytest.mark.cancel
 def test_writes_while_the_replica_stalls_raise_replication_timeout(
     replicated: tuple[RedisServer, RedisServer],
 ) -> None:
@@ -204,6 +211,7 @@ def test_writes_while_the_replica_stalls_raise_replication_timeout(
         client.close()
 
 
+@pytest.mark.failover
 def test_async_wait_replicas_on_a_master_with_one_replica(
     replicated: tuple[RedisServer, RedisServer],
 ) -> None:
@@ -245,6 +253,8 @@ def test_async_wait_replicas_on_a_master_with_one_replica(
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.failover
+@pytest.mark.cancel
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -274,6 +284,8 @@ def test_wait_replicas_and_wait_timeout_are_bounded(kwargs: dict[str, Any]) -> N
     assert RedisLock(sync, "x", ttl=1, wait_replicas=2**31 - 1, wait_timeout=3600).wait_replicas == 2**31 - 1
 
 
+@pytest.mark.failover
+@pytest.mark.cancel
 @pytest.mark.parametrize("socket_timeout", [0.2, 1])
 def test_socket_timeout_must_be_above_wait_timeout(socket_timeout: float) -> None:
     """With wait_replicas, a client socket_timeout at or below wait_timeout is refused by all four classes."""
@@ -299,6 +311,8 @@ def test_socket_timeout_must_be_above_wait_timeout(socket_timeout: float) -> Non
     RedisTokens(redis.Redis(socket_timeout=None), wait_replicas=1, wait_timeout=1)
 
 
+@pytest.mark.failover
+@pytest.mark.cancel
 def test_socket_timeout_of_a_cluster_client_is_checked(cluster: LocalCluster) -> None:
     """A sync RedisCluster's socket_timeout (its nodes' connections') is checked as well."""
     from redis.cluster import RedisCluster
@@ -312,6 +326,7 @@ def test_socket_timeout_of_a_cluster_client_is_checked(cluster: LocalCluster) ->
         client.close()
 
 
+@pytest.mark.failover
 def test_acquisition_whose_wait_fails_gives_the_lock_back(
     replicated: tuple[RedisServer, RedisServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -353,6 +368,7 @@ def test_acquisition_whose_wait_fails_gives_the_lock_back(
         client.close()
 
 
+@pytest.mark.failover
 def test_async_acquisition_whose_wait_fails_gives_the_lock_back(
     replicated: tuple[RedisServer, RedisServer],
 ) -> None:
@@ -377,6 +393,8 @@ def test_async_acquisition_whose_wait_fails_gives_the_lock_back(
     asyncio.run(main())
 
 
+@pytest.mark.failover
+@pytest.mark.cancel
 def test_replication_timeout_of_an_acquisition_says_the_lock_was_given_back(
     replicated: tuple[RedisServer, RedisServer], fenced_db: Engine
 ) -> None:
@@ -408,6 +426,7 @@ def test_replication_timeout_of_an_acquisition_says_the_lock_was_given_back(
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.failover
 @pytest.mark.parametrize("wait_replicas", [0, 1])
 def test_one_token_consumed_by_8_threads_is_applied_once(cluster: LocalCluster, wait_replicas: int) -> None:
     """8 threads released together consume the same token: exactly one APPLIED, 7 REPEATED (20 rounds)."""
@@ -435,6 +454,7 @@ def test_one_token_consumed_by_8_threads_is_applied_once(cluster: LocalCluster, 
         client.close()
 
 
+@pytest.mark.failover
 def test_one_token_consumed_by_8_async_clients_is_applied_once(cluster: LocalCluster) -> None:
     """8 threads, each with its own event loop and redis.asyncio RedisCluster: one APPLIED per token."""
     from redis.asyncio.cluster import RedisCluster as AsyncCluster
@@ -468,6 +488,7 @@ def test_one_token_consumed_by_8_async_clients_is_applied_once(cluster: LocalClu
         assert (seen.count(Outcome.APPLIED), seen.count(Outcome.REPEATED)) == (1, THREADS - 1), seen
 
 
+@pytest.mark.failover
 @pytest.mark.parametrize("wait_replicas", [0, 1])
 def test_8_threads_never_hold_one_lock_together(cluster: LocalCluster, wait_replicas: int) -> None:
     """8 threads x 12 acquisitions of one name on the cluster: never two holders, fences strictly grow."""
@@ -505,6 +526,7 @@ def test_8_threads_never_hold_one_lock_together(cluster: LocalCluster, wait_repl
         client.close()
 
 
+@pytest.mark.failover
 def test_8_asyncio_clients_never_hold_one_lock_together(cluster: LocalCluster) -> None:
     """8 threads, each an event loop with its own asyncio RedisCluster and AsyncRedisLock: one holder."""
     from redis.asyncio.cluster import RedisCluster as AsyncCluster
@@ -701,6 +723,7 @@ class Storm:
             t.join(60)
 
 
+@pytest.mark.failover
 @pytest.mark.parametrize(("wait_replicas", "replica"), [(0, "healthy"), (0, "cut-off"), (1, "cut-off")])
 def test_failover_in_the_middle_of_a_storm(
     cluster: LocalCluster, fenced_db: Engine, wait_replicas: int, replica: str

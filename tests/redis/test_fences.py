@@ -1,4 +1,4 @@
-"""Fencing tokens never go back, even when Redis restarts empty (issue 15, item 1).
+"""Fencing tokens never go back, even when Redis restarts empty.
 
 Each test starts its own Redis on a private port (tests/_support/redis_server.py) and
 crashes it mid-test: the shared test Redis is never restarted.  Two modes:
@@ -81,6 +81,7 @@ def stored(engine: Engine) -> tuple[str | None, int | None]:
         return row.holder, row.fence
 
 
+@pytest.mark.restart
 @pytest.mark.parametrize("mode", ["redis", "database"])
 def test_a_paused_holder_is_fenced_out_after_redis_restarts_empty(
     mode: str, backend: Backend, db: Engine, server: RedisServer, client: Any
@@ -108,6 +109,8 @@ def test_a_paused_holder_is_fenced_out_after_redis_restarts_empty(
         assert seen == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.restart
+@pytest.mark.clock
 def test_redis_fences_come_from_the_server_clock(client: Any) -> None:
     """Without fences=, a fence is at least the Redis server's TIME in microseconds, else INCR."""
     lock = RedisLock(client, "clock", ttl=5)
@@ -124,6 +127,7 @@ def test_redis_fences_come_from_the_server_clock(client: Any) -> None:
         assert third > second - 10**9
 
 
+@pytest.mark.restart
 def test_database_fence_is_one_statement_per_acquisition(db: Engine, client: Any) -> None:
     """With fences=, each acquisition runs exactly one statement (the upsert), and a failed try runs none."""
     lock = RedisLock(client, "one-statement", ttl=5, blocking_timeout=0, fences=db)
@@ -140,11 +144,12 @@ def test_database_fence_is_one_statement_per_acquisition(db: Engine, client: Any
         assert conn.execute(select(fences_table.c.fence)).scalars().all() == [2]
 
 
+@pytest.mark.restart
 def test_a_holder_whose_lock_expired_while_taking_its_fence_gets_none(db: Engine, client: Any) -> None:
     """A's fence statement waits past A's ttl while B takes the lock and fence 1: A must not come back
     with fence 2 (its writes would beat the live holder's); it gets LockNotAcquired, B's writes win.
 
-    Found by a README-only review (a busy pool in front of the fences engine).
+    The case: a busy pool in front of the fences engine.
     """
     slow = threading.Event()
     b_fence: list[int] = []
@@ -177,6 +182,7 @@ def test_a_holder_whose_lock_expired_while_taking_its_fence_gets_none(db: Engine
     b_lock.release()
 
 
+@pytest.mark.restart
 def test_database_failure_after_redis_granted_releases_the_lock(backend: Backend, client: Any) -> None:
     """If the database cannot hand out the fence, the Redis lock is released and the database error raised."""
     engine = backend.engine
@@ -189,6 +195,7 @@ def test_database_failure_after_redis_granted_releases_the_lock(backend: Backend
     assert lock.fence is None
 
 
+@pytest.mark.restart
 def test_fences_argument_is_checked(client: Any, tmp_path: Any) -> None:
     """fences= takes an Engine (AsyncEngine for AsyncRedisLock) and a name that fits the fences table."""
     from sqlalchemy.ext.asyncio import create_async_engine
@@ -219,6 +226,7 @@ def target(request: pytest.FixtureRequest) -> AsyncTarget:
     return target_from(request)
 
 
+@pytest.mark.restart
 def test_async_lock_takes_database_fences_that_survive_a_restart(
     target: AsyncTarget, server: RedisServer
 ) -> None:
@@ -262,6 +270,7 @@ def test_async_lock_takes_database_fences_that_survive_a_restart(
         sync_engine.dispose()
 
 
+@pytest.mark.restart
 def test_restart_helper_loses_everything_and_keeps_its_port(server: RedisServer, client: Any) -> None:
     """tests/_support/redis_server.py: a restart is a crash without persistence on the same port."""
     client.set("k", "v")

@@ -57,6 +57,7 @@ def test_sync_and_async_locks_on_one_name_exclude_each_other_with_growing_fences
     assert fences == sorted(fences) and len(set(fences)) == 6
 
 
+@pytest.mark.cancel
 def test_async_lock_cancelled_while_waiting_does_not_keep_the_lock(redis_client: Any, lock_name: str) -> None:
     import redis.asyncio
 
@@ -113,6 +114,7 @@ def _swallowing_evalsha(client: Any, *, then_run: bool) -> tuple[list[str], asyn
     return seen, in_flight
 
 
+@pytest.mark.cancel
 @pytest.mark.parametrize("then_run", [False, True], ids=["not-taken", "taken-meanwhile"])
 def test_async_lock_cancellation_swallowed_by_the_client_still_cancels(
     redis_client: Any, lock_name: str, then_run: bool
@@ -151,6 +153,7 @@ def test_async_lock_cancellation_swallowed_by_the_client_still_cancels(
     asyncio.run(main())
 
 
+@pytest.mark.cancel
 def test_async_lock_earlier_handled_cancellation_does_not_cancel_acquire(
     redis_client: Any, lock_name: str
 ) -> None:
@@ -182,6 +185,7 @@ def test_async_lock_earlier_handled_cancellation_does_not_cancel_acquire(
     asyncio.run(main())
 
 
+@pytest.mark.lost_reply
 def test_async_lock_lost_release_reply_is_released(redis_client: Any, lock_name: str) -> None:
     """Through the fault proxy: the release script ran, its reply was cut; redis-py's retry is
     answered with 'released', not LockLost, and the lock is free."""

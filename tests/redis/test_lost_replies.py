@@ -1,4 +1,4 @@
-"""Lost replies on Redis (issue 15, item 2, the Redis half): a command that ran but whose reply
+"""Lost replies on Redis: a command that ran but whose reply
 never came back is answered with what actually happened.
 
 Each test puts tests/_support/faultproxy.FaultProxy between redis-py and the test Redis and cuts one
@@ -94,6 +94,7 @@ def cut_next_script(proxy: FaultProxy) -> None:
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.lost_reply
 def test_consume_whose_reply_was_lost_is_applied_once(
     proxy: FaultProxy, redis_client: Any, name: str
 ) -> None:
@@ -111,6 +112,7 @@ def test_consume_whose_reply_was_lost_is_applied_once(
     client.close()
 
 
+@pytest.mark.lost_reply
 def test_acquire_whose_reply_was_lost_holds_the_lock_with_a_fence(proxy: FaultProxy, name: str) -> None:
     """An acquisition that took the lock but lost its reply is acquired (not LockNotAcquired)."""
     client = through(proxy, retries=True)
@@ -128,6 +130,7 @@ def test_acquire_whose_reply_was_lost_holds_the_lock_with_a_fence(proxy: FaultPr
     client.close()
 
 
+@pytest.mark.lost_reply
 def test_release_whose_reply_was_lost_is_released_not_lost(proxy: FaultProxy, name: str) -> None:
     """A release that ran but lost its reply returns normally (no LockLost), and the lock is free."""
     client = through(proxy, retries=True)
@@ -142,6 +145,7 @@ def test_release_whose_reply_was_lost_is_released_not_lost(proxy: FaultProxy, na
     client.close()
 
 
+@pytest.mark.lost_reply
 def test_extend_whose_reply_was_lost_adds_its_time_once(proxy: FaultProxy, name: str) -> None:
     """An extend(20) that ran but lost its reply leaves about ttl + 20 s, not ttl + 40 s."""
     client = through(proxy, retries=True)
@@ -157,6 +161,7 @@ def test_extend_whose_reply_was_lost_adds_its_time_once(proxy: FaultProxy, name:
     client.close()
 
 
+@pytest.mark.lost_reply
 def test_acquire_with_database_fences_whose_reply_was_lost_takes_one_fence(
     proxy: FaultProxy, name: str, tmp_path: Any
 ) -> None:
@@ -181,6 +186,7 @@ def test_acquire_with_database_fences_whose_reply_was_lost_takes_one_fence(
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.lost_reply
 def test_without_retries_a_second_consume_recognises_the_first(
     proxy: FaultProxy, redis_client: Any, name: str
 ) -> None:
@@ -201,6 +207,7 @@ def test_without_retries_a_second_consume_recognises_the_first(
     client.close()
 
 
+@pytest.mark.lost_reply
 def test_without_retries_a_second_acquire_and_release_recognise_the_first(
     proxy: FaultProxy, name: str
 ) -> None:
@@ -229,6 +236,7 @@ def test_without_retries_a_second_acquire_and_release_recognise_the_first(
     client.close()
 
 
+@pytest.mark.lost_reply
 def test_without_retries_a_second_extend_does_not_add_twice(proxy: FaultProxy, name: str) -> None:
     """Retries off: a lost extend(20) raises ConnectionError; the same call again adds nothing more."""
     import redis
@@ -250,6 +258,7 @@ def test_without_retries_a_second_extend_does_not_add_twice(proxy: FaultProxy, n
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.lost_reply
 def test_async_consume_acquire_extend_release_with_lost_replies(proxy: FaultProxy, name: str) -> None:
     """AsyncRedisTokens / AsyncRedisLock: each lost reply is retried and answered with what happened."""
 
@@ -282,11 +291,12 @@ def test_async_consume_acquire_extend_release_with_lost_replies(proxy: FaultProx
     assert proxy.cuts == 4
 
 
+@pytest.mark.lost_reply
 def test_after_a_lost_consume_other_threads_never_inherit_its_identity(proxy: FaultProxy, name: str) -> None:
     """Retries off: after a lost consume, 16 other threads consuming through the same object (barrier)
     all get REPEATED (they did not consume it); the caller whose reply was lost gets APPLIED once.
 
-    A README-only review found the other threads inheriting the lost call's id (one of them told to
+    Without it, the other threads would be seen inheriting the lost call's id (one of them told to
     do the work, the real consumer told REPEATED).
     """
     import threading
@@ -336,6 +346,8 @@ def replicated() -> Iterator[tuple[RedisServer, RedisServer]]:
             yield master, replica
 
 
+@pytest.mark.lost_reply
+@pytest.mark.failover
 def test_writes_with_wait_replicas_whose_replies_were_lost_apply_once(
     replicated: tuple[RedisServer, RedisServer],
 ) -> None:

@@ -41,7 +41,7 @@ from tests.conftest import REDIS_URL
 @pytest.fixture
 def redis_scope(redis_client: Any) -> Iterator[str]:
     """A scope unique to this test; its keys are deleted afterwards."""
-    scope = f"sg-attack-{uuid.uuid4().hex[:10]}"
+    scope = f"sg-token-{uuid.uuid4().hex[:10]}"
     yield scope
     for key in redis_client.scan_iter(match=f"stateguard:token:{scope}*", count=1000):
         redis_client.delete(key)
@@ -150,11 +150,13 @@ return 1
 """
 
 
-# Found: README: "calling consume again for the same token on the same RedisTokens object from the
+# Regression: README: "calling consume again for the same token on the same RedisTokens object from the
 # same thread ... goes on under the failed call's id ... Any other caller gets REPEATED."  A thread
 # whose consume timed out (the script still ran: the token is now used:<its call id>) and then ended
 # handed its identity to the next new thread that got the recycled thread ident, which was told
 # APPLIED without having consumed the token: _caller() keyed pending calls by threading.get_ident().
+@pytest.mark.lost_reply
+@pytest.mark.restart
 def test_redis_a_new_thread_never_inherits_a_dead_threads_lost_consume(
     redis_client: Any, redis_scope: str
 ) -> None:
@@ -209,6 +211,8 @@ def test_redis_a_new_thread_never_inherits_a_dead_threads_lost_consume(
         slow.close()
 
 
+@pytest.mark.failover
+@pytest.mark.cancel
 def test_redis_wait_replicas_without_replicas_is_a_typed_timeout_with_the_value(
     redis_client: Any, redis_scope: str
 ) -> None:

@@ -4,7 +4,6 @@ and rejected input leaves the database unchanged.  Strings reach the database as
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,9 +19,7 @@ from stateguard import (
     StateguardError,
     consume_once,
     consume_token,
-    create_tables,
     decrement,
-    drop_tables,
     idempotent,
     insert_once,
 )
@@ -69,17 +66,12 @@ FUZZ = settings(
 )
 
 
-@pytest.fixture
-def engine(backend: Backend) -> Iterator[Engine]:
-    """The test models and stateguard's tables, with one order and one stock row."""
-    eng = backend.create(Base.metadata, _StockBase.metadata)
-    drop_tables(eng)
-    create_tables(eng)
-    with Session(eng) as s, s.begin():
-        s.add(Order(id=1))
-        s.add(Stock(id=1, amount=5))
-    yield eng
-    drop_tables(eng)
+def _seed(s: Session) -> None:
+    s.add(Order(id=1))
+    s.add(Stock(id=1, amount=5))
+
+
+pytestmark = pytest.mark.tables(Base.metadata, _StockBase.metadata, seed=_seed)
 
 
 def _snapshot(engine: Engine) -> tuple[Any, ...]:
@@ -100,9 +92,10 @@ def _call(fn: Any) -> Any:
         return error
 
 
+@pytest.mark.hostile
 @FUZZ
 @given(name=hostile_any, key=hostile_any)
-# Found by this test (issue 15): integer keys beyond the INTEGER column raised DataError on
+# Regression: integer keys beyond the INTEGER column raised DataError on
 # PostgreSQL (aborting the transaction) and OverflowError on SQLite.
 @example(name="pay", key=2**63)
 @example(name="pay", key=2**31)
@@ -122,6 +115,7 @@ def test_triggers_and_counters_answer_hostile_input_with_typed_errors(
     assert _snapshot(engine) == before
 
 
+@pytest.mark.hostile
 @FUZZ
 @given(scope=hostile_any, key=hostile_any, message=hostile_any)
 def test_keys_answer_hostile_input_with_typed_errors_and_store_valid_keys_exactly(
@@ -145,6 +139,7 @@ def test_keys_answer_hostile_input_with_typed_errors_and_store_valid_keys_exactl
     assert isinstance(token, InvalidArgument) or token.outcome is Outcome.NOT_FOUND
 
 
+@pytest.mark.hostile
 @FUZZ
 @given(values=st.dictionaries(hostile_text, hostile_any, max_size=3))
 def test_insert_once_with_hostile_values(engine: Engine, values: dict[str, Any]) -> None:
@@ -160,6 +155,7 @@ def test_insert_once_with_hostile_values(engine: Engine, values: dict[str, Any])
 MARKER = "x'); DROP TABLE orders; --ß"
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize("dialect", [postgresql.dialect(), mysql.dialect(), sqlite.dialect()], ids=str)
 def test_keys_and_states_reach_the_database_as_bound_parameters(dialect: Any) -> None:
     """Compiled statements carry keys, states and values as parameters, never in the SQL text."""
@@ -177,6 +173,7 @@ def test_keys_and_states_reach_the_database_as_bound_parameters(dialect: Any) ->
     assert set(claimed.params) >= {"sg_scope", "sg_key", "sg_fp", "sg_owner"}
 
 
+@pytest.mark.hostile
 def test_hostile_keys_round_trip_through_idempotent(backend: Backend, engine: Engine) -> None:
     """A key full of SQL metacharacters is claimed, replayed and stored byte-exact on every backend."""
     for key in (MARKER, "%s%(x)s?:k", "a" * 255):

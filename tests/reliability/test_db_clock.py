@@ -1,4 +1,4 @@
-"""Leases and expiries are decided on the database's clock (issue 15, item 14), on every SQL backend.
+"""Leases and expiries are decided on the database's clock, on every SQL backend.
 
 The application clock stateguard could read (``_write.now_ms``, and a
 Snowflake's injected ``_clock``) is skewed by hours both ways; claims, tokens,
@@ -83,6 +83,7 @@ def _try(engine: Engine, key: str) -> Any:
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.clock
 @SKEWS
 def test_a_live_claim_is_not_taken_over_by_a_server_with_a_skewed_clock(
     engine: Engine, app_clock: AppClock, skew: int
@@ -100,6 +101,7 @@ def test_a_live_claim_is_not_taken_over_by_a_server_with_a_skewed_clock(
     assert timedelta(seconds=25) < caught.value.retry_after <= LONG
 
 
+@pytest.mark.clock
 @SKEWS
 def test_an_expired_claim_is_taken_over_whatever_the_clocks_say(
     engine: Engine, app_clock: AppClock, skew: int
@@ -116,6 +118,7 @@ def test_an_expired_claim_is_taken_over_whatever_the_clocks_say(
         assert call.taken_over and call.attempt == 2
 
 
+@pytest.mark.clock
 @SKEWS
 def test_heartbeats_and_completions_store_the_database_clock(
     engine: Engine, app_clock: AppClock, skew: int
@@ -147,6 +150,7 @@ def test_heartbeats_and_completions_store_the_database_clock(
     assert abs(row.expires_ms - row.created_ms - 3_600_000) < 60_000
 
 
+@pytest.mark.clock
 @SKEWS
 def test_purge_keeps_live_keys_and_removes_expired_ones(
     engine: Engine, app_clock: AppClock, skew: int
@@ -181,6 +185,7 @@ def _consume(engine: Engine, token: str) -> Outcome:
         return consume_token(session, token, scope="clock").outcome
 
 
+@pytest.mark.clock
 @SKEWS
 def test_a_live_token_is_not_expired_by_a_skewed_clock(
     engine: Engine, app_clock: AppClock, skew: int
@@ -194,6 +199,7 @@ def test_a_live_token_is_not_expired_by_a_skewed_clock(
     assert _consume(engine, issued_skewed) is Outcome.APPLIED
 
 
+@pytest.mark.clock
 @SKEWS
 def test_an_expired_token_is_expired_whatever_the_clocks_say(
     engine: Engine, app_clock: AppClock, skew: int
@@ -229,6 +235,7 @@ def generators() -> Iterator[list[Snowflake]]:
         ids.close()
 
 
+@pytest.mark.clock
 @SKEWS
 def test_a_live_worker_id_is_not_taken_by_a_host_with_a_skewed_clock(
     engine: Engine, generators: list[Snowflake], skew: int
@@ -243,6 +250,7 @@ def test_a_live_worker_id_is_not_taken_by_a_host_with_a_skewed_clock(
     assert [ids.worker_id for ids in generators] == [0, 1, 0, 1]
 
 
+@pytest.mark.clock
 @SKEWS
 def test_an_expired_worker_id_is_taken_whatever_the_clocks_say(
     engine: Engine, generators: list[Snowflake], skew: int
@@ -265,6 +273,7 @@ def test_an_expired_worker_id_is_taken_whatever_the_clocks_say(
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.clock
 def test_a_token_issued_late_in_a_long_transaction_gets_its_whole_ttl(engine: Engine) -> None:
     """A token issued 1.2 s into a transaction with ttl=1 s is live right after it (not so with now())."""
     with Session(engine) as session, session.begin():

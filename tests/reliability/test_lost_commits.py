@@ -1,4 +1,4 @@
-"""Lost COMMIT acknowledgements (issue 15, item 2, the SQL half): the COMMIT ran on the
+"""Lost COMMIT acknowledgements: the COMMIT ran on the
 server, the client got a DBAPI error; the retry (a new connection, the same request_id,
 ref, unique key or message id) learns that its first attempt applied: REPEATED with
 ``same_request`` set, and the change is in the database exactly once.
@@ -140,6 +140,7 @@ def _amount(engine: Engine, key: int) -> int:
         return s.get_one(Stock, key).amount
 
 
+@pytest.mark.lost_reply
 def test_trigger_retry_learns_its_lost_commit_applied(proxied: tuple[Engine, FaultProxy]) -> None:
     """A pay whose COMMIT reply was lost is REPEATED with same_request on retry, logged once."""
     engine, proxy = proxied
@@ -153,6 +154,7 @@ def test_trigger_retry_learns_its_lost_commit_applied(proxied: tuple[Engine, Fau
         assert [e.request_id for e in Invoice.flow.history(s, 1)] == ["req-1"]
 
 
+@pytest.mark.lost_reply
 def test_trigger_other_request_is_not_same_request(proxied: tuple[Engine, FaultProxy]) -> None:
     """After a lost COMMIT another request_id is REPEATED from the row's state, without same_request."""
     engine, proxy = proxied
@@ -162,6 +164,7 @@ def test_trigger_other_request_is_not_same_request(proxied: tuple[Engine, FaultP
     assert (other.outcome, other.same_request) == (Outcome.REPEATED, False)
 
 
+@pytest.mark.lost_reply
 def test_trigger_retry_after_row_moved_on(proxied: tuple[Engine, FaultProxy]) -> None:
     """The retry learns its pay applied even after another request voided the invoice meanwhile."""
     engine, proxy = proxied
@@ -174,6 +177,7 @@ def test_trigger_retry_after_row_moved_on(proxied: tuple[Engine, FaultProxy]) ->
     assert _invoice(engine, 1).status == "void"
 
 
+@pytest.mark.lost_reply
 def test_trigger_cut_before_commit_retry_applies(proxied: tuple[Engine, FaultProxy]) -> None:
     """A connection lost before the COMMIT left nothing: the retry with the same request_id is APPLIED."""
     engine, proxy = proxied
@@ -185,6 +189,7 @@ def test_trigger_cut_before_commit_retry_applies(proxied: tuple[Engine, FaultPro
     assert (again.outcome, again.same_request) == (Outcome.APPLIED, False)
 
 
+@pytest.mark.lost_reply
 def test_decrement_retry_learns_its_lost_commit_applied(proxied: tuple[Engine, FaultProxy]) -> None:
     """A decrement with ref whose COMMIT reply was lost is REPEATED with same_request; taken once."""
     engine, proxy = proxied
@@ -196,6 +201,7 @@ def test_decrement_retry_learns_its_lost_commit_applied(proxied: tuple[Engine, F
     assert _amount(engine, 1) == 7
 
 
+@pytest.mark.lost_reply
 def test_decrement_cut_before_commit_retry_applies(proxied: tuple[Engine, FaultProxy]) -> None:
     """A decrement whose connection was lost before the COMMIT is APPLIED on retry, taken once."""
     engine, proxy = proxied
@@ -207,6 +213,7 @@ def test_decrement_cut_before_commit_retry_applies(proxied: tuple[Engine, FaultP
     assert _amount(engine, 1) == 7
 
 
+@pytest.mark.lost_reply
 def test_reserve_and_release_retries_learn_their_lost_commits_applied(
     proxied: tuple[Engine, FaultProxy],
 ) -> None:
@@ -226,6 +233,7 @@ def test_reserve_and_release_retries_learn_their_lost_commits_applied(
     assert (_amount(engine, 1), _amount(engine, 2)) == (5, 5)
 
 
+@pytest.mark.lost_reply
 def test_insert_once_retry_learns_its_lost_commit_applied(proxied: tuple[Engine, FaultProxy]) -> None:
     """insert_once whose COMMIT reply was lost is REPEATED with same_request on retry; one row."""
     engine, proxy = proxied
@@ -237,6 +245,7 @@ def test_insert_once_retry_learns_its_lost_commit_applied(proxied: tuple[Engine,
         assert s.scalar(select(func.count()).select_from(Message)) == 1
 
 
+@pytest.mark.lost_reply
 def test_consume_once_retry_learns_its_lost_commit_applied(proxied: tuple[Engine, FaultProxy]) -> None:
     """consume_once whose COMMIT reply was lost is REPEATED with same_request on retry."""
     engine, proxy = proxied
@@ -246,6 +255,7 @@ def test_consume_once_retry_learns_its_lost_commit_applied(proxied: tuple[Engine
     assert (again.outcome, again.same_request) == (Outcome.REPEATED, True)
 
 
+@pytest.mark.lost_reply
 def test_consume_once_cut_before_commit_retry_applies(proxied: tuple[Engine, FaultProxy]) -> None:
     """consume_once whose connection was lost before the COMMIT is APPLIED on retry."""
     engine, proxy = proxied
@@ -255,6 +265,7 @@ def test_consume_once_cut_before_commit_retry_applies(proxied: tuple[Engine, Fau
     assert (again.outcome, again.same_request) == (Outcome.APPLIED, False)
 
 
+@pytest.mark.lost_reply
 def test_consume_token_retry_learns_its_lost_commit_applied(proxied: tuple[Engine, FaultProxy]) -> None:
     """consume_token with a request_id whose COMMIT reply was lost is REPEATED with same_request on retry;
     another request consuming it after is REPEATED without."""
@@ -271,6 +282,7 @@ def test_consume_token_retry_learns_its_lost_commit_applied(proxied: tuple[Engin
     assert (anonymous.outcome, anonymous.same_request) == (Outcome.REPEATED, False)
 
 
+@pytest.mark.lost_reply
 def test_consume_token_cut_before_commit_retry_applies(proxied: tuple[Engine, FaultProxy]) -> None:
     """consume_token whose connection was lost before the COMMIT is APPLIED on retry."""
     engine, proxy = proxied
@@ -282,6 +294,7 @@ def test_consume_token_cut_before_commit_retry_applies(proxied: tuple[Engine, Fa
     assert (again.outcome, again.same_request) == (Outcome.APPLIED, False)
 
 
+@pytest.mark.lost_reply
 def test_idempotent_same_transaction_retry_replays_after_lost_commit(
     proxied: tuple[Engine, FaultProxy],
 ) -> None:
@@ -301,6 +314,7 @@ def test_idempotent_same_transaction_retry_replays_after_lost_commit(
     assert runs == [1]
 
 
+@pytest.mark.lost_reply
 def test_idempotent_separate_retry_replays_after_lost_completion(proxied: tuple[Engine, FaultProxy]) -> None:
     """In separate mode, a completion whose COMMIT reply was lost is replayed on retry, not run again."""
     engine, proxy = proxied
@@ -316,6 +330,7 @@ def test_idempotent_separate_retry_replays_after_lost_completion(proxied: tuple[
     assert runs == [1]
 
 
+@pytest.mark.lost_reply
 def test_idempotent_separate_lost_claim_waits_for_its_lease(proxied: tuple[Engine, FaultProxy]) -> None:
     """A separate-mode claim whose COMMIT reply was lost holds the key until its lease ends, then is taken."""
     engine, proxy = proxied
@@ -333,6 +348,7 @@ def test_idempotent_separate_lost_claim_waits_for_its_lease(proxied: tuple[Engin
         call.complete("done")
 
 
+@pytest.mark.lost_reply
 def test_new_request_id_is_accepted_as_a_request_id(proxied: tuple[Engine, FaultProxy]) -> None:
     """new_request_id()'s UUID is a request_id as it is (stored as its text), for triggers and tokens."""
     engine, _ = proxied
@@ -348,6 +364,7 @@ def test_new_request_id_is_accepted_as_a_request_id(proxied: tuple[Engine, Fault
     assert (again.outcome, again.same_request) == (Outcome.REPEATED, True)
 
 
+@pytest.mark.lost_reply
 def test_striped_decrement_retry_learns_its_lost_commit_applied(proxied: tuple[Engine, FaultProxy]) -> None:
     """A StripedCounter decrement with ref, on the fast path and on the slow path (more than any
     stripe holds), whose COMMIT reply was lost: the retry is REPEATED with same_request, the units
@@ -372,6 +389,7 @@ def test_striped_decrement_retry_learns_its_lost_commit_applied(proxied: tuple[E
         assert stock.total(s, "sku") == 37
 
 
+@pytest.mark.lost_reply
 def test_striped_decrement_cut_before_commit_retry_applies(proxied: tuple[Engine, FaultProxy]) -> None:
     """A striped decrement whose connection was lost before the COMMIT left nothing: the retry is
     APPLIED and takes the units once."""
@@ -389,6 +407,8 @@ def test_striped_decrement_cut_before_commit_retry_applies(proxied: tuple[Engine
         assert stock.total(s, "sku") == 15
 
 
+@pytest.mark.lost_reply
+@pytest.mark.rollback
 def test_release_cut_at_its_savepoint_leaves_nothing_and_the_retry_gives_back_once(
     proxied: tuple[Engine, FaultProxy],
 ) -> None:
@@ -408,6 +428,8 @@ def test_release_cut_at_its_savepoint_leaves_nothing_and_the_retry_gives_back_on
     assert (_amount(engine, 1), _amount(engine, 2)) == (5, 5)
 
 
+@pytest.mark.lost_reply
+@pytest.mark.rollback
 @pytest.mark.parametrize("ref", [None, "order-1"])
 def test_striped_slow_path_cut_at_its_savepoint_leaves_nothing_and_the_retry_takes_once(
     proxied: tuple[Engine, FaultProxy], ref: str | None
@@ -430,6 +452,7 @@ def test_striped_slow_path_cut_at_its_savepoint_leaves_nothing_and_the_retry_tak
         assert stock.total(s, "sku") == 15
 
 
+@pytest.mark.lost_reply
 def test_striped_restripe_retry_after_its_lost_commit_keeps_the_total(
     proxied: tuple[Engine, FaultProxy],
 ) -> None:
@@ -454,6 +477,7 @@ def test_striped_restripe_retry_after_its_lost_commit_keeps_the_total(
         assert stock.total(s, "sku") == 3
 
 
+@pytest.mark.lost_reply
 def test_striped_restripe_cut_midway_changes_nothing_and_the_retry_applies(
     proxied: tuple[Engine, FaultProxy],
 ) -> None:

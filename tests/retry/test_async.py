@@ -135,6 +135,7 @@ def test_asyncpg_serialization_failure_is_retried_once(pg_orders: AsyncTarget) -
     assert rows[1] == ("paid", 1) and rows[2] == ("pending", 0)
 
 
+@pytest.mark.clock
 def test_asyncpg_serializable_write_skew_is_retried(pg_orders: AsyncTarget) -> None:
     """A write skew between two concurrent SERIALIZABLE async sessions is aborted (40001, at the write or
     by COMMIT, where asyncpg's own error surfaces outside any stateguard call) and the unit is re-run once."""
@@ -387,6 +388,7 @@ def test_sync_form_is_unchanged() -> None:
     assert not inspect.isawaitable(retry_on_conflict(lambda: 42))
 
 
+@pytest.mark.hostile
 def test_an_async_sleep_with_a_synchronous_unit_is_invalid_argument() -> None:
     """A coroutine-function ``sleep`` cannot be waited on by the synchronous form: a typed error
     naming the fix, after the unit ran once, with no coroutine left un-awaited."""
@@ -539,6 +541,7 @@ def test_async_caps_and_non_retryable(pg: Backend) -> None:
     _with_held_row_async(pg, body)
 
 
+@pytest.mark.cancel
 def test_async_cancel_during_backoff_is_not_swallowed(pg: Backend) -> None:
     """Cancelling the task while it waits between attempts cancels it (no further attempts)."""
 

@@ -292,6 +292,7 @@ def test_pg_serializable_failure_at_commit_is_retried(pg: Backend) -> None:
     assert balances(pg.engine) == {1: 1, 2: 2}  # serial: 1 then 2
 
 
+@pytest.mark.clock
 def test_mariadb_serializable_write_skew_deadlock_is_retried(mariadb: Backend) -> None:
     """MariaDB SERIALIZABLE reads take shared locks: the write skew becomes a deadlock (1213)."""
     setup(mariadb)

@@ -227,6 +227,7 @@ def test_async_retry_caps_and_errors() -> None:
     asyncio.run(main())
 
 
+@pytest.mark.cancel
 def test_cancelling_an_awaited_retry_stops_its_attempts() -> None:
     """A task cancelled while the retry waits (or while an attempt runs) ends with CancelledError
     and no further attempt is made."""
@@ -254,9 +255,8 @@ def test_cancelling_an_awaited_retry_stops_its_attempts() -> None:
 
 @pytest.mark.parametrize("kind", ["AttrDict", "Record"])
 def test_sync_retry_returns_a_result_with_attribute_access_as_it_came(kind: str) -> None:
-    # Was broken by the steps refactor (fixed since).
     # README: retry_on_conflict "calls fn() again when it returns a STALE result or raises
-    # a retryable error ... return its last result".  At ec2bd2d a sync unit's return value came
+    # a retryable error ... return its last result".  In an earlier version a sync unit's return value came
     # back as it was.  Now the loop passes it to _async.step(), whose hasattr(reply, "__await__")
     # consults the instance's __getattr__: an AttrDict raises KeyError('__await__'), a permissive
     # record (munch.DefaultMunch-like) answers None and step() calls None() -> TypeError.  A unit
@@ -266,14 +266,13 @@ def test_sync_retry_returns_a_result_with_attribute_access_as_it_came(kind: str)
 
 
 def test_a_lambda_that_raises_before_making_its_coroutine_still_returns_an_awaitable() -> None:
-    # Was broken by the steps refactor (fixed since).
     # README: "given a coroutine function (or any callable whose call returns an
     # awaitable, such as lambda: rename_async(42, 'gift')), the call returns a coroutine to
     # await".  A lambda whose argument expression raises a conflict on its first call
     # (lambda: rename_async(lookup_id_sync(), ...)) is not recognised as async any more: the
     # first call failed before any awaitable existed, so the sync loop (run_steps) drives the
     # second call's coroutine itself, with no event loop: RuntimeError('no running event loop')
-    # mid-coroutine (ec2bd2d returned a coroutine that awaited the retries).
+    # mid-coroutine (an earlier version returned a coroutine that awaited the retries).
     calls: list[int] = []
 
     async def rename_async(order_id: int) -> str:

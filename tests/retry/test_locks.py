@@ -83,6 +83,7 @@ def test_lock_not_acquired_then_free_applies_once(server: Backend) -> None:
     assert balances(engine)[1] == 1 and log_tags(engine) == ["nowait"]
 
 
+@pytest.mark.cancel
 def test_lock_timeout_raw_driver_error_is_retried(server: Backend) -> None:
     """Promise: lock timeouts are recognised by code (PostgreSQL 55P03 lock_timeout, MariaDB 1205)."""
     engine = setup(server)

@@ -50,6 +50,7 @@ def test_integrity_error_of_real_duplicate_is_not_retried(backend: Backend) -> N
     assert balances(engine) == {1: 0, 2: 0} and log_tags(engine) == []
 
 
+@pytest.mark.hostile
 def test_bad_input_and_app_errors_are_not_retried(backend: Backend) -> None:
     engine = setup(backend)
     calls: list[int] = []

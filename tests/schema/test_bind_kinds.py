@@ -1,5 +1,5 @@
 """create_tables / drop_tables on every kind of bind: Engine, Connection, and awaited on an AsyncEngine or
-AsyncConnection of every async driver (issue 15, item 15)."""
+AsyncConnection of every async driver."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""On a MariaDB database whose default charset is latin1, stateguard's tables store any Unicode (issue 15,
-item 12).
+"""On a MariaDB database whose default charset is latin1, stateguard's tables store any Unicode.
 
 Columns declared without a charset take the database's default; on latin1
 a response with emoji, a CJK request id or an exception message with emoji

@@ -19,7 +19,7 @@ import stateguard
 from stateguard.tables import metadata
 from tests.conftest import Backend
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 ENV_PY = """
 from alembic import context

@@ -1,5 +1,5 @@
-"""Library calls on a database without stateguard's tables raise ConfigurationError with the fix (issue 15,
-item 12): before, a raw OperationalError / ProgrammingError said only "no such table"."""
+"""Library calls on a database without stateguard's tables raise ConfigurationError with the fix,
+not a raw OperationalError / ProgrammingError that says only "no such table"."""
 
 from __future__ import annotations
 

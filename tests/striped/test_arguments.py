@@ -69,6 +69,7 @@ HOSTILE: list[tuple[str, Callable[[StripedCounter, Any], Any]]] = [
 ]
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize("call", [c for _, c in HOSTILE], ids=[n for n, _ in HOSTILE])
 def test_hostile_input_is_invalid_argument_and_sends_nothing(engine: Engine, call: Any) -> None:
     c = StripedCounter("hostile", stripes=3)
@@ -85,6 +86,7 @@ def test_hostile_input_is_invalid_argument_and_sends_nothing(engine: Engine, cal
     assert ledger(engine, c) == []
 
 
+@pytest.mark.hostile
 def test_an_async_engine_or_sessionmaker_where_a_session_belongs(engine: Engine) -> None:
     from sqlalchemy.orm import sessionmaker
 

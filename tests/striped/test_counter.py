@@ -163,6 +163,7 @@ def test_release_of_an_increment_whose_units_are_gone_is_insufficient(engine: An
             assert c.decrement(s, item, by=1).outcome is Outcome.INSUFFICIENT
 
 
+@pytest.mark.limits
 def test_an_increment_past_the_bigint_range_is_refused_and_changes_nothing(engine: Any) -> None:
     """A stripe never goes past 2**63 - 1: an increment lands on a stripe with room, and when none
     has room it is InvalidArgument with nothing changed and the transaction usable (no driver error
@@ -199,6 +200,7 @@ def test_an_increment_past_the_bigint_range_is_refused_and_changes_nothing(engin
     assert _ledger(engine, c) == {"last-room": top - 2**61, "no-room": 3}
 
 
+@pytest.mark.limits
 def test_a_release_past_the_bigint_range_is_refused_and_gives_nothing_back(engine: Any) -> None:
     """Units given back to an item whose stripes were refilled to the top since: InvalidArgument,
     all or nothing (an item given back first is undone too), the ref stays unreleased (a caller
@@ -307,6 +309,7 @@ def test_the_restripe_gate_is_no_stripe(engine: Any) -> None:
     assert gate == ([(0, 0)] if _sql.backend(engine.dialect).row_locks else [])
 
 
+@pytest.mark.limits
 def test_the_longest_items_round_trip_through_the_ledger(engine: Any) -> None:
     """200-character items (CJK, emoji, quotes) are stored exactly, and release finds them again."""
     c = StripedCounter("long", stripes=2)
@@ -528,6 +531,7 @@ def test_each_stripe_is_picked_about_equally(engine: Any) -> None:
     assert sum(taken) == 400 and min(taken) >= 50, taken
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     ("call", "why"),
     [
@@ -589,6 +593,7 @@ def test_an_engine_or_connection_where_a_session_belongs_is_refused(engine: Any)
     assert len(counted) == 0
 
 
+@pytest.mark.rollback
 def test_savepoint_rollback_undoes_striped_changes_and_keeps_loaded_objects_right(engine: Any) -> None:
     """Decrements, a reserve and a release inside a SAVEPOINT that is rolled back leave the stripes
     and the ref ledger as they were (the refs apply again afterwards), and ORM objects the block
@@ -624,6 +629,7 @@ def test_savepoint_rollback_undoes_striped_changes_and_keeps_loaded_objects_righ
     Invoice.metadata.drop_all(engine, tables=[Invoice.__table__])
 
 
+@pytest.mark.hostile
 def test_bad_counter_definitions() -> None:
     """A blank or oversize name, or a stripe count outside 1..1024, is refused at definition."""
     for bad in ("", " ", "n" * 101):

@@ -68,6 +68,7 @@ ODD_ITEMS = [
 ]
 
 
+@pytest.mark.hostile
 def test_odd_item_keys_are_separate_items_with_refs(engine: Engine) -> None:
     """Keys are compared as given: "A"/"a", "x"/"x ", NFC/NFD, 200 emoji are distinct items, each
     with its own total, its own ledger entry under one shared ref, and released exactly."""
@@ -95,6 +96,7 @@ def test_odd_item_keys_are_separate_items_with_refs(engine: Engine) -> None:
     assert totals(engine, c, ODD_ITEMS) == {item: 100 + n for n, item in enumerate(ODD_ITEMS)}
 
 
+@pytest.mark.hostile
 def test_odd_keys_created_concurrently_never_merge(backend: Any, engine: Engine) -> None:
     """16 threads create keys that a case- or pad-insensitive collation would merge: all APPLIED."""
     c = StripedCounter("oddc", stripes=2)
@@ -109,6 +111,7 @@ def test_odd_keys_created_concurrently_never_merge(backend: Any, engine: Engine)
 
 # README: items are "str keys of up to 200 characters" with "the same ref ledger": an item whose
 # JSON outgrows the ledger's 255-character row_key is stored there as given.
+@pytest.mark.limits
 def test_an_item_of_200_characters_needing_json_escapes_works_with_a_ref(engine: Engine) -> None:
     """200 characters of quotes, backslashes or control characters take a ref'd decrement like any item."""
     c = StripedCounter("esc", stripes=2)

@@ -39,6 +39,7 @@ def ledger(engine: Engine, counter: StripedCounter) -> list[tuple[Any, ...]]:
 # ---------------------------------------------------------------- BIGINT limits
 
 
+@pytest.mark.limits
 def test_bigint_limits_exact_totals_and_usable_transaction(engine: Engine) -> None:
     c = StripedCounter("big", stripes=2)
     with Session(engine) as s, s.begin():
@@ -78,6 +79,7 @@ def test_bigint_limits_exact_totals_and_usable_transaction(engine: Engine) -> No
     assert sorted(r[0] for r in ledger(engine, c)) == ["big-2", "big-order", "d1", "over-1"]
 
 
+@pytest.mark.limits
 def test_restripe_past_bigint_names_the_smallest_count(engine: Engine) -> None:
     c = StripedCounter("big2", stripes=5)
     with Session(engine) as s, s.begin():

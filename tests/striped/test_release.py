@@ -7,7 +7,6 @@ from __future__ import annotations
 import random
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,8 +18,6 @@ from stateguard import (
     InvalidArgument,
     Outcome,
     StripedCounter,
-    create_tables,
-    drop_tables,
 )
 from tests._support.release_stock import AtkBase, _race, _unreleased
 from tests._support.striped_storms import (
@@ -88,13 +85,7 @@ def test_release_races_release_and_decrements(backend: Any, engine: Engine) -> N
     assert_invariant(engine, counter, "a", total)
 
 
-@pytest.fixture
-def engine(backend: Backend) -> Iterator[Any]:
-    eng = backend.create(AtkBase.metadata)
-    drop_tables(eng)
-    create_tables(eng)
-    yield eng
-    drop_tables(eng)
+pytestmark = pytest.mark.tables(AtkBase.metadata)
 
 
 # --------------------------------------------------------------------------
@@ -107,6 +98,7 @@ def _stripes(engine: Any, c: StripedCounter, item: str) -> list[int]:
         return [int(x) for x in c.stripe_amounts(s, item)]
 
 
+@pytest.mark.limits
 def test_striped_release_with_every_stripe_at_the_top_keeps_nothing(
     engine: Any,
 ) -> None:
@@ -206,6 +198,7 @@ def test_striped_release_racing_itself_from_8_threads(backend: Backend, engine: 
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.limits
 def test_total_above_bigint_and_restripe_too_few(engine: Any) -> None:
     c = StripedCounter("atk4", stripes=4)
     with Session(engine) as s, s.begin():
@@ -247,6 +240,7 @@ def test_total_above_bigint_and_restripe_too_few(engine: Any) -> None:
         assert c.total(s, "full") == BIG_MAX
 
 
+@pytest.mark.limits
 def test_create_with_amount_above_bigint(engine: Any) -> None:
     c = StripedCounter("atk5", stripes=4)
     amount = 3 * BIG_MAX
@@ -259,6 +253,7 @@ def test_create_with_amount_above_bigint(engine: Any) -> None:
         assert c.stripe_amounts(s, "c") == []
 
 
+@pytest.mark.limits
 def test_striped_release_at_bigint_edge_values(engine: Any) -> None:
     c = StripedCounter("atk6", stripes=1)
     with Session(engine) as s, s.begin():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
@@ -25,6 +26,7 @@ from tests._support.striped_storms import (
 # ---------------------------------------------------------------- the caller's own savepoints
 
 
+@pytest.mark.rollback
 def test_caller_savepoint_rolled_back_undoes_everything(backend: Any, engine: Engine) -> None:
     counter = StripedCounter("sp", stripes=4)
     new_item(engine, counter, "a", 40)
@@ -52,6 +54,7 @@ def test_caller_savepoint_rolled_back_undoes_everything(backend: Any, engine: En
     assert sorted(r for r, *_ in ledger_refs(engine, counter)) == ["keep", "r-big"]
 
 
+@pytest.mark.rollback
 def test_caller_savepoints_rolled_back_under_storm(backend: Any, engine: Engine) -> None:
     """A caller's own savepoint (``with session.begin_nested():``) around each decrement, rolled
     back for half of them, run through ``retry_on_conflict`` as the README says to.
@@ -123,6 +126,7 @@ def ledger(engine: Engine, counter: StripedCounter) -> list[tuple[Any, ...]]:
     return [tuple(r) for r in rows]
 
 
+@pytest.mark.rollback
 def test_savepoints_rolled_back_after_the_calls(engine: Engine) -> None:
     """Whatever ran in a SAVEPOINT rolled back afterwards left no trace: its refs apply again,
     a restripe rolled back leaves the old stripes, and later big decrements still see them all."""
@@ -158,6 +162,8 @@ def test_savepoints_rolled_back_after_the_calls(engine: Engine) -> None:
     assert sorted(r[0] for r in ledger(engine, c)) == ["d1", "o1", "o2", "o2"]
 
 
+@pytest.mark.rollback
+@pytest.mark.limits
 def test_huge_basket_short_last_item_undoes_everything(engine: Engine) -> None:
     c = StripedCounter("basket", stripes=2)
     items = [f"sku-{n:04d}" for n in range(300)]

@@ -113,6 +113,7 @@ def test_pg_insufficient_without_lock_when_rows_locked_otherwise(pg_engine: Engi
     assert ledger_refs(pg_engine, counter) == []
 
 
+@pytest.mark.rollback
 def test_pg_decrement_not_insufficient_when_holders_roll_back(pg_engine: Engine) -> None:
     """by is above what commits would leave but below the committed total: must wait, then APPLIED."""
     counter = StripedCounter("rb", stripes=8)

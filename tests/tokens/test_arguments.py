@@ -48,6 +48,7 @@ HOSTILE = [
 ]
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize("value", HOSTILE)
 def test_hostile_token_scope_and_request_id_are_typed_send_nothing_and_keep_the_transaction(
     engine: Engine, value: Any
@@ -76,6 +77,8 @@ def test_hostile_token_scope_and_request_id_are_typed_send_nothing_and_keep_the_
         assert consume_once(session, "c", "m").applied
 
 
+@pytest.mark.hostile
+@pytest.mark.limits
 def test_values_at_the_length_limits_are_characters_not_bytes(engine: Engine, backend: Backend) -> None:
     """Limits count characters: a 200-emoji scope, a 255-emoji message id and a 200-emoji request id
     work (4 UTF-8 bytes each on MariaDB's utf8mb4); one more character is InvalidArgument; keys that
@@ -109,6 +112,7 @@ def test_values_at_the_length_limits_are_characters_not_bytes(engine: Engine, ba
     assert stored == {m1, m2}
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     "ttl",
     [timedelta(0), timedelta(seconds=-1), timedelta(microseconds=999), 60, 1.5, None, "1h"],
@@ -121,6 +125,8 @@ def test_bad_ttls_are_typed_and_write_nothing(engine: Engine, ttl: Any) -> None:
     assert _token_rows(engine) == 0
 
 
+@pytest.mark.hostile
+@pytest.mark.limits
 def test_extreme_ttls_one_ms_and_timedelta_max(engine: Engine, backend: Backend) -> None:
     """ttl=1 ms expires (REJECTED, then purged); ttl=timedelta.max (~2.7 million years) is live,
     consumable once, and never purged."""
@@ -147,6 +153,8 @@ def skewed_clock(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
     return skew
 
 
+@pytest.mark.hostile
+@pytest.mark.clock
 @pytest.mark.parametrize("hours", [-6, 6, 24 * 365])
 def test_expiry_is_judged_on_the_database_clock_whatever_the_app_clock(
     engine: Engine, backend: Backend, skewed_clock: Callable[[float], None], hours: int
@@ -164,6 +172,7 @@ def test_expiry_is_judged_on_the_database_clock_whatever_the_app_clock(
     assert _consume(engine, live, "skew").outcome is Outcome.REPEATED
 
 
+@pytest.mark.hostile
 def test_request_id_tells_the_same_request_apart(engine: Engine) -> None:
     """A retry with the consuming request id is REPEATED with same_request=True (a UUID equals its
     text); any other id, or none, is REPEATED with same_request=False."""
@@ -175,6 +184,7 @@ def test_request_id_tells_the_same_request_apart(engine: Engine) -> None:
         assert (result.outcome, result.same_request) == (Outcome.REPEATED, same), other
 
 
+@pytest.mark.hostile
 def test_scope_and_token_compare_exactly(engine: Engine, backend: Backend) -> None:
     """MariaDB's default collations fold case and pad spaces: a token of scope "Pay:1" must be
     NOT_FOUND in "pay:1", "Pay:1 " and "Pay:1\\t", and the token's own case and trailing space matter."""
@@ -186,6 +196,7 @@ def test_scope_and_token_compare_exactly(engine: Engine, backend: Backend) -> No
     assert _consume(engine, token, "Pay:1").outcome is Outcome.APPLIED
 
 
+@pytest.mark.hostile
 def test_wrong_session_objects_are_invalid_argument_and_scoped_session_works(engine: Engine) -> None:
     """Errors: an Engine, a Connection or a sessionmaker where a Session is expected is InvalidArgument;
     a scoped_session is used through its current session."""

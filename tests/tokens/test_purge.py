@@ -106,6 +106,7 @@ def test_purge_racing_issuers_and_consumers_deletes_only_expired_tokens(
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     "batch",
     [0, -1, True, 1.5, "10", None, 10**3 + 0.0],
@@ -119,9 +120,10 @@ def test_bad_purge_batches_are_invalid_argument(engine: Engine, batch: Any) -> N
     assert _consume(engine, expired, "purge").outcome is Outcome.REJECTED  # nothing deleted
 
 
-# Found: a batch of 2**63 or more (a positive int, the documented contract) escaped as a raw driver
+# Regression: a batch of 2**63 or more (a positive int, the documented contract) escaped as a raw driver
 # error: SQLite OverflowError, PostgreSQL DataError "bigint out of range" (aborting a caller's
 # transaction), MariaDB ProgrammingError 1064 for 2**70 (a LIMIT literal).  Now clamped to 2**63 - 1.
+@pytest.mark.limits
 @pytest.mark.parametrize("batch", [2**63 - 1, 2**63, 2**70], ids=["int64-max", "2**63", "2**70"])
 def test_huge_purge_batch_is_clamped_and_purges(engine: Engine, backend: Backend, batch: int) -> None:
     expired = _issue(engine, "purge", timedelta(milliseconds=1))
@@ -132,6 +134,7 @@ def test_huge_purge_batch_is_clamped_and_purges(engine: Engine, backend: Backend
     assert _consume(engine, live, "purge").outcome is Outcome.APPLIED
 
 
+@pytest.mark.rollback
 def test_purge_in_a_rolled_back_connection_deletes_nothing_and_keeps_consumed_live_tokens(
     engine: Engine, backend: Backend
 ) -> None:

@@ -126,6 +126,7 @@ def test_sqlite_engine_read_first_then_consume_is_a_typed_conflict(tmp_path: Any
         engine.dispose()
 
 
+@pytest.mark.rollback
 def test_a_token_issued_in_a_rolled_back_transaction_does_not_exist(engine: Engine, backend: Backend) -> None:
     """issue_token writes in the caller's transaction: rolled back, the token is NOT_FOUND; issued
     and consumed in one transaction that rolls back, it is gone too."""

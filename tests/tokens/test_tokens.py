@@ -110,6 +110,7 @@ def test_expired_tokens_are_rejected(engine: Engine) -> None:
     assert _consume(engine, on_time).outcome is Outcome.REPEATED
 
 
+@pytest.mark.rollback
 def test_a_rolled_back_consumption_leaves_the_token_usable(engine: Engine) -> None:
     """Consumption is part of the caller's transaction: a rollback gives the token back."""
     token = _issue(engine)
@@ -140,6 +141,7 @@ def test_on_commit_runs_only_for_the_consumer(engine: Engine) -> None:
     assert ran == ["sent"]
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     ("token", "scope"),
     [
@@ -162,6 +164,7 @@ def test_bad_consume_input_is_typed_and_sends_nothing(engine: Engine, token: Any
     assert len(c) == 0
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     ("scope", "ttl"),
     [("", MINUTE), (None, MINUTE), ("s", timedelta(0)), ("s", timedelta(seconds=-1)), ("s", 60)],
@@ -314,6 +317,7 @@ def test_redis_unknown_other_scope_and_expired_are_not_found(redis_client: Any, 
     assert tokens.consume(token, scope=scope).outcome is Outcome.APPLIED
 
 
+@pytest.mark.hostile
 def test_redis_bad_input_is_typed(redis_client: Any, scope: str) -> None:
     """Bad tokens, scopes, ttls and clients raise InvalidArgument without touching Redis."""
     tokens = RedisTokens(redis_client)

@@ -539,6 +539,7 @@ def test_relay_finishes_the_batch_in_hand_on_sigterm(
         drop_tables(sqlite.engine)
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

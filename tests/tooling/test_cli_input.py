@@ -561,6 +561,7 @@ def hostile_argv(draw: st.DrawFn) -> list[str]:
     return argv
 
 
+@pytest.mark.hostile
 @settings(
     max_examples=60,
     deadline=None,

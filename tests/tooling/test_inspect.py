@@ -343,6 +343,7 @@ def test_stuck_work_found_and_healthy_work_not(
     assert (code, report["ok"], report["stuck"]) == (0, True, [])
 
 
+@pytest.mark.clock
 @pytest.mark.parametrize("skew_hours", [3, -3])
 def test_application_clock_skew_changes_no_verdict(
     skew_hours: int,

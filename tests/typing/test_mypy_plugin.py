@@ -13,7 +13,7 @@ from pathlib import Path
 
 from mypy import api
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 MODELS = '''
 from __future__ import annotations

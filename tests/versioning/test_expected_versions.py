@@ -39,7 +39,7 @@ def _overflow(backend: Backend, engine: Engine, write: Callable[[Session, int], 
     PostgreSQL's is aborted (the message says to roll back).  SQLite's INTEGER holds 64 bits, so
     there the write applies (the README says to widen the column before that matters).
 
-    Found: the raw DataError of the driver came through.
+    Regression: the raw DataError of the driver came through.
     """
     top = 2**31 - 1
     with engine.begin() as conn:
@@ -60,6 +60,7 @@ def _overflow(backend: Backend, engine: Engine, write: Callable[[Session, int], 
     assert _row(engine, 9)[0::3] == ("draft", top)
 
 
+@pytest.mark.limits
 def test_a_version_at_the_integer_maximum_is_a_typed_error(engine: Engine, backend: Backend) -> None:
     """guarded_update on a row whose version is at INTEGER's maximum (see _overflow)."""
     _overflow(
@@ -69,11 +70,13 @@ def test_a_version_at_the_integer_maximum_is_a_typed_error(engine: Engine, backe
     )
 
 
+@pytest.mark.limits
 def test_a_trigger_on_a_row_at_the_integer_maximum_version_is_typed(engine: Engine, backend: Backend) -> None:
     """The same through a trigger (version = version + 1 in the trigger's UPDATE)."""
     _overflow(backend, engine, lambda s, key: Doc.flow.publish(s, key))
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize("expected", [True, 1.0, Decimal(1), "1", None, 2**31, -(2**31) - 1, 2**63])
 def test_odd_expected_versions_are_invalid_and_leave_the_transaction_usable(
     engine: Engine, expected: Any
@@ -85,6 +88,7 @@ def test_odd_expected_versions_are_invalid_and_leave_the_transaction_usable(
     assert _row(engine, 1)[1::2] == ("ok", 2)
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize("expected", [-1, 0, -(2**31), 2**31 - 1])
 def test_in_range_wrong_expected_versions_are_stale_with_the_real_version(
     engine: Engine, expected: int

@@ -32,6 +32,7 @@ def engine(backend: Backend) -> Iterator[Engine]:
 # -- loaded objects and rollbacks -------------------------------------------------------------
 
 
+@pytest.mark.rollback
 def test_outer_rollback_after_guarded_update_reloads_title_and_version(engine: Engine) -> None:
     with Session(engine) as s:
         s.begin()
@@ -45,6 +46,7 @@ def test_outer_rollback_after_guarded_update_reloads_title_and_version(engine: E
     assert _row(engine, 1) == ("draft", "orig", "orm after rollback", 2, 0)
 
 
+@pytest.mark.rollback
 def test_savepoint_left_by_an_exception_undoes_a_trigger_on_the_loaded_instance(engine: Engine) -> None:
     with Session(engine) as s, s.begin():
         doc = s.get_one(Doc, 1)
@@ -58,6 +60,7 @@ def test_savepoint_left_by_an_exception_undoes_a_trigger_on_the_loaded_instance(
     assert _row(engine, 1) == ("draft", "orig", "flushed", 2, 0)
 
 
+@pytest.mark.rollback
 def test_a_flush_error_inside_the_savepoint_undoes_the_guarded_write_on_the_instance(engine: Engine) -> None:
     with Session(engine) as s, s.begin():
         doc = s.get_one(Doc, 1)
@@ -71,6 +74,7 @@ def test_a_flush_error_inside_the_savepoint_undoes_the_guarded_write_on_the_inst
     assert _row(engine, 1) == ("draft", "orig", "after flush error", 2, 0)
 
 
+@pytest.mark.rollback
 def test_inner_savepoint_rolled_back_outer_released_keeps_only_the_outer_write(engine: Engine) -> None:
     with Session(engine) as s, s.begin():
         doc = s.get_one(Doc, 1)
@@ -86,6 +90,7 @@ def test_inner_savepoint_rolled_back_outer_released_keeps_only_the_outer_write(e
     assert _row(engine, 1) == ("draft", "outer", None, 3, 7)
 
 
+@pytest.mark.rollback
 def test_three_levels_middle_rolled_back_after_inner_released(engine: Engine) -> None:
     with Session(engine) as s, s.begin():
         doc = s.get_one(Doc, 1)
@@ -110,6 +115,7 @@ def pg_engine(pg: Backend) -> Iterator[Engine]:
     yield from _tables(pg)
 
 
+@pytest.mark.rollback
 def test_rolled_back_savepoint_then_another_session_commits_then_flush_is_stale(pg_engine: Engine) -> None:
     """After a savepoint rollback the instance holds the pre-write version; a concurrent commit must
     still make the stale object's flush fail (no lost update through a version the sync left behind)."""
@@ -130,6 +136,7 @@ def test_rolled_back_savepoint_then_another_session_commits_then_flush_is_stale(
     assert _row(engine, 1) == ("draft", "orig", "other", 2, 0)
 
 
+@pytest.mark.rollback
 def test_stale_result_does_not_sync_the_instance_so_its_flush_still_fails(engine: Engine) -> None:
     with Session(engine) as s:
         s.begin()
@@ -147,6 +154,7 @@ def test_stale_result_does_not_sync_the_instance_so_its_flush_still_fails(engine
     assert _row(engine, 1) == ("published", "orig", None, 2, 0)
 
 
+@pytest.mark.rollback
 def test_trigger_by_key_syncs_the_identity_map_instance_and_a_rollback_reverts_it(engine: Engine) -> None:
     with Session(engine) as s, s.begin():
         doc = s.get_one(Doc, 1)
@@ -159,6 +167,7 @@ def test_trigger_by_key_syncs_the_identity_map_instance_and_a_rollback_reverts_i
     assert _row(engine, 1)[0::3] == ("published", 2)
 
 
+@pytest.mark.rollback
 def test_an_instance_of_another_session_is_not_left_showing_a_rolled_back_state(engine: Engine) -> None:
     """An instance of session A passed to a trigger run in session B only names the row: B's rollback
     cannot expire it, so it is not synced (found: it kept showing "published"/2 over a draft/1 row)."""
@@ -173,6 +182,7 @@ def test_an_instance_of_another_session_is_not_left_showing_a_rolled_back_state(
         assert (doc.status, doc.version) == ("draft", 1)
 
 
+@pytest.mark.rollback
 def test_a_detached_instance_is_not_left_showing_a_rolled_back_version(engine: Engine) -> None:
     """The same with a detached instance (found: after the writer's rollback it said version 2 and title
     "new" while the row held 1 and "orig")."""
@@ -186,6 +196,7 @@ def test_a_detached_instance_is_not_left_showing_a_rolled_back_version(engine: E
     assert (doc.title, doc.version) == ("orig", 1)
 
 
+@pytest.mark.rollback
 def test_orm_flush_racing_a_guarded_update_on_the_same_version_one_wins(
     engine: Engine, backend: Backend
 ) -> None:
@@ -217,6 +228,7 @@ def test_orm_flush_racing_a_guarded_update_on_the_same_version_one_wins(
             conn.execute(Doc.__table__.update().where(Doc.id == 1).values(note=None, title="orig"))
 
 
+@pytest.mark.rollback
 def test_async_session_savepoint_rollback_reverts_the_loaded_instance(sqlite: Backend) -> None:
     import asyncio
 
@@ -253,6 +265,7 @@ def test_async_session_savepoint_rollback_reverts_the_loaded_instance(sqlite: Ba
     assert _row(sqlite.engine, 1)[0:2] == ("published", "orig")
 
 
+@pytest.mark.rollback
 def test_async_guarded_update_syncs_the_version_and_expires_the_values(sqlite: Backend) -> None:
     """Under AsyncSession the loaded instance's version is synced (readable without I/O), and the columns
     ``values=`` set are expired, as the README says: they reload with ``await session.refresh()`` (a plain

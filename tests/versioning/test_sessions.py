@@ -55,6 +55,8 @@ def test_scoped_session_gets_the_sync_and_the_callback(engine: Engine) -> None:
     assert _row(engine, 1)[0::3] == ("published", 2)
 
 
+@pytest.mark.rollback
+@pytest.mark.hostile
 def test_postgresql_aborted_transaction_gives_an_error_not_a_wrong_outcome(pg: Backend) -> None:
     eng = pg.create(_Base.metadata)
     with Session(eng) as s, s.begin():

@@ -27,13 +27,14 @@ def engine(backend: Backend) -> Iterator[Engine]:
 # -- hostile values= -------------------------------------------------------------------------------
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     "values",
     [
         {"title": "123456789"},
         {"title": "ab\x00cd"},
         {"title": "\ud800"},
-        # Found: Decimal/float values= were not checked against Numeric(6, 2): 1.005 and 0.001 were
+        # Regression: Decimal/float values= were not checked against Numeric(6, 2): 1.005 and 0.001 were
         # rounded by the database, 12345.6 was a raw DataError.
         {"price": Decimal("1.005")},
         {"price": Decimal("12345.6")},
@@ -60,6 +61,7 @@ def test_hostile_values_write_nothing_and_the_transaction_goes_on(engine: Engine
     assert _row(engine, 1) == ("draft", "orig", "after", 2, 0)
 
 
+@pytest.mark.hostile
 def test_trigger_values_with_more_decimals_than_the_scale_are_invalid(engine: Engine) -> None:
     """README (Errors): a values= entry with more decimal places than the column's scale is InvalidArgument
     (found: a trigger's values={"price": Decimal("0.004")} was written as 0.00)."""
@@ -70,6 +72,7 @@ def test_trigger_values_with_more_decimals_than_the_scale_are_invalid(engine: En
     assert _row(engine, 1)[0::3] == ("archived", 2)
 
 
+@pytest.mark.hostile
 def test_sql_injection_text_and_expressions_in_values_are_bound_not_run(engine: Engine) -> None:
     evil = "x'); DROP TABLE sg_va_doc; --"
     with Session(engine) as s, s.begin():
@@ -82,6 +85,8 @@ def test_sql_injection_text_and_expressions_in_values_are_bound_not_run(engine: 
     assert _row(engine, 1) == ("draft", "AB", evil, 2, 41)
 
 
+@pytest.mark.hostile
+@pytest.mark.limits
 def test_exact_limits_are_accepted(engine: Engine) -> None:
     with Session(engine) as s, s.begin():
         r = guarded_update(

@@ -25,17 +25,15 @@ from stateguard import (
     retry_on_conflict,
 )
 from tests._support.models import Base, Order, Shipment, Ticket
-from tests.conftest import Backend, count_statements
+from tests.conftest import count_statements
 
 
-@pytest.fixture
-def engine(backend: Backend) -> Engine:
-    """Order 1 pending and order 2 paid (both at version 1, inserted by the ORM)."""
-    eng = backend.create(Base.metadata)
-    with Session(eng) as s, s.begin():
-        s.add_all([Order(id=1), Order(id=2, status="paid")])
-        s.add(Shipment(warehouse="north", number=7))
-    return eng
+def _seed(s: Session) -> None:
+    s.add_all([Order(id=1), Order(id=2, status="paid")])
+    s.add(Shipment(warehouse="north", number=7))
+
+
+pytestmark = pytest.mark.tables(Base.metadata, seed=_seed, stateguard=False)
 
 
 def _db(engine: Engine, key: Any) -> Any:
@@ -46,6 +44,7 @@ def _db(engine: Engine, key: Any) -> Any:
 # -- version_column ------------------------------------------------------------------
 
 
+@pytest.mark.hostile
 def test_version_column_is_an_integer_not_null_with_server_default_zero() -> None:
     """version_column() declares INTEGER NOT NULL DEFAULT 0 on the table."""
     col = Order.__table__.c.version
@@ -61,6 +60,7 @@ def test_version_column_is_the_mappers_version_id_col() -> None:
     assert Ticket.__mapper__.version_id_col is None
 
 
+@pytest.mark.hostile
 def test_version_column_in_the_database_is_not_null_with_default_zero(engine: Engine) -> None:
     """The created column is NOT NULL and a row inserted without the ORM starts at version 0."""
     columns = {c["name"]: c for c in inspect(engine).get_columns("orders")}
