@@ -25,7 +25,7 @@ from stateguard import (
     reserve,
 )
 from tests._support.release_stock import AtkBase, _race, _unreleased
-from tests.conftest import Backend
+from tests.conftest import Backend, capable
 from tests.counters.test_ranges import BIG_MAX, INT_MAX
 
 
@@ -217,7 +217,7 @@ def test_release_racing_itself_from_8_threads(backend: Backend, engine: Any) -> 
     _seed(engine, a=(100, 100), b=(100, 100), c=(100, 100))
     with Session(engine) as s, s.begin():
         reserve(s, AtkStock.small, {"a": 5, "b": 6, "c": 7}, ref="race")
-    eng = backend.new_engine() if backend.name != "sqlite" else engine
+    eng = backend.new_engine() if capable(backend, "concurrent_writers") else engine
 
     def one() -> Outcome:
         with Session(eng) as s, s.begin():

@@ -13,7 +13,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 import stateguard
 from stateguard import Outcome, Result, StateMachine, guarded_update, insert_once, version_column
 from tests._support.models import Base, Message, Order
-from tests.conftest import Backend
+from tests.conftest import Backend, capable
 
 CALLS: list[Any] = []
 
@@ -60,7 +60,7 @@ def _clear_calls() -> Iterator[None]:
 def engine(backend: Backend) -> Iterator[Engine]:
     """An engine with real transactions around savepoints (sqlite_engine on SQLite), seeded."""
     backend.create(Base.metadata, JobBase.metadata)
-    eng = stateguard.sqlite_engine(backend.url) if backend.name == "sqlite" else backend.engine
+    eng = backend.engine if capable(backend, "row_locks") else stateguard.sqlite_engine(backend.url)
     with Session(eng) as s, s.begin():
         s.add_all([Order(id=i) for i in (1, 2, 3)] + [Order(id=4, status="shipped")])
         s.add_all([Job(id=i) for i in (1, 2, 3)])

@@ -30,7 +30,7 @@ from stateguard import (
 from stateguard.tables import consumed_messages
 from stateguard.tables import metadata as sg_metadata
 from tests._support.models import Base, Order
-from tests.conftest import Backend
+from tests.conftest import Backend, capable
 
 
 class _Other(DeclarativeBase):
@@ -62,7 +62,7 @@ def test_every_call_works_through_per_model_binds(engine: Engine, backend: Backe
         assert consume_token(s, token, scope="reset").outcome is Outcome.APPLIED
         with idempotent(s, scope="pay", key="k-1") as call:
             call.complete({"ok": True})
-        if backend.name != "sqlite":  # SQLite has no row or named locks (stateguard.sqlite_engine instead)
+        if capable(backend, "row_locks"):  # SQLite: no row or named locks (sqlite_engine instead)
             assert row_lock(s, Order, 1) is not None
             with advisory_lock(s, "binds-test"):
                 pass

@@ -24,7 +24,7 @@ from stateguard import (
     retry_on_conflict,
 )
 from tests._support.models import Base, Color, Lamp, Message, Order, Shipment, Ticket
-from tests.conftest import Backend, count_statements
+from tests.conftest import Backend, capable, count_statements
 
 SEEN: list[Any] = []
 
@@ -280,7 +280,7 @@ def test_on_commit_runs_after_commit_only_for_applied_calls(engine: Any) -> None
 @pytest.mark.rollback
 def test_on_commit_follows_savepoints(backend: Backend) -> None:
     """A callback registered in a rolled-back savepoint is dropped; one in a released savepoint runs."""
-    eng = stateguard.sqlite_engine(backend.url) if backend.name == "sqlite" else backend.engine
+    eng = backend.engine if capable(backend, "row_locks") else stateguard.sqlite_engine(backend.url)
     backend.create(Base.metadata)
     with Session(eng) as s, s.begin():
         s.add_all([Order(id=1), Order(id=2)])

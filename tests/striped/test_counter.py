@@ -37,7 +37,7 @@ from stateguard import (
 from stateguard.striped import MAX_AMOUNT, SPACE, stripe_ids
 from stateguard.tables import counter_ledger, counter_stripes
 from tests._support import striped_workers as w
-from tests.conftest import Backend, _only, count_statements
+from tests.conftest import Backend, _only, capable, count_statements
 
 WORKERS = 8
 
@@ -367,7 +367,7 @@ def test_fast_path_statement_counts(engine: Any, backend: Backend) -> None:
     c = StripedCounter("count", stripes=4)
     with Session(engine) as s, s.begin():
         c.create(s, "sku", amount=100)
-    fast = 2 if backend.name == "mariadb" else 1
+    fast = 1 if capable(backend, "update_returning") else 2
     with Session(engine) as s, s.begin():
         s.connection()
         with count_statements(engine) as counted:

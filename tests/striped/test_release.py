@@ -27,7 +27,7 @@ from tests._support.striped_storms import (
     run_threads,
     unit,
 )
-from tests.conftest import Backend
+from tests.conftest import Backend, capable
 from tests.counters.test_ranges import BIG_MAX
 
 # ---------------------------------------------------------------- release racing decrements
@@ -175,7 +175,7 @@ def test_striped_release_racing_itself_from_8_threads(backend: Backend, engine: 
         c.create(s, "p", amount=100)
         c.create(s, "q", amount=100)
         assert c.reserve(s, {"p": 7, "q": 11}, ref="race").outcome is Outcome.APPLIED
-    eng = backend.new_engine() if backend.name != "sqlite" else engine
+    eng = backend.new_engine() if capable(backend, "concurrent_writers") else engine
 
     def one() -> Outcome:
         with Session(eng) as s, s.begin():
@@ -287,7 +287,7 @@ def test_striped_release_of_spread_increment_racing_decrements(backend: Backend,
         assert c.increment(s, "z", by=20, ref="dl").outcome is Outcome.APPLIED
         c.restripe(s, "z", stripes=4)
         assert c.stripe_amounts(s, "z") == [5, 5, 5, 5]
-    eng = backend.new_engine() if backend.name != "sqlite" else engine
+    eng = backend.new_engine() if capable(backend, "concurrent_writers") else engine
 
     def job(release_it: bool) -> Any:
         def run() -> tuple[str, Outcome]:
