@@ -3,7 +3,7 @@
 Prints one table per scenario and database and writes them, with the machine
 and server versions, as JSON.  Every comparison runs in the same process, on
 the same database, in the same run.  ``python -m bench report [PATH]`` turns
-a JSON file into the Markdown of bench/README.md (``--plots DIR``: and PNG charts).
+a JSON file into the Markdown of docs/development/benchmarks.md (``--plots DIR``: and PNG charts).
 """
 
 from __future__ import annotations

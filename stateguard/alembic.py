@@ -9,32 +9,17 @@ Import it in your ``env.py`` and autogenerate as usual::
     target_metadata = Base.metadata
 
 ``alembic revision --autogenerate`` then also compares, for every
-:class:`~stateguard.StateMachine` on a table:
-
-* the CHECK constraint ``ck_<table>_<column>_states``: the SET of states it
-  allows (read from the reflected text, which PostgreSQL and MariaDB spell
-  very differently) against the declared states.  Adding or removing a state
-  renders ``op.drop_constraint`` + ``op.create_check_constraint``; an
-  unchanged declaration renders nothing.
-* rows still holding a state the new constraint would refuse: counted at
-  autogenerate time (a :class:`StatesInUseWarning` and a comment in the
-  script), and checked again by a guard rendered *before* the constraint is
-  touched, which stops the upgrade with the counts.  On MariaDB, where DDL
-  commits at once, a failing ``ADD CONSTRAINT`` after the ``DROP`` would
-  leave the table unguarded; the guard runs first so that cannot happen.
-* on PostgreSQL, ``legal_edges=True``: the trigger that refuses an UPDATE of
-  the state along an undeclared edge, created, replaced when the edges
-  change, and dropped when the flag goes away (rendered as ``op.execute`` of
-  plain SQL, so the migration stays valid whatever the model becomes).
-
-A ``version_column()`` added to an existing model needs nothing from here:
-its ``server_default`` is ``0``, so alembic's own ``add_column`` gives
-existing rows version 0.
-
-If you also enable alembic's ``alembic.ext.checkconstraint_byname`` plugin,
-pass ``include_object=stateguard.alembic.include_object`` (or call it from
-yours) so that plugin leaves the states constraint to stateguard; otherwise
-both would add a missing constraint, and the migration would fail.
+:class:`~stateguard.StateMachine` on a table, the SET of states its CHECK
+constraint ``ck_<table>_<column>_states`` allows (read from the reflected
+text, which PostgreSQL and MariaDB spell very differently) with the declared
+states, and renders ``op.drop_constraint`` + ``op.create_check_constraint``
+when they differ; rows still holding a removed state are counted
+(:class:`StatesInUseWarning`) and a guard rendered *before* the constraint is
+touched stops the upgrade until they are moved.  On PostgreSQL it keeps the
+``legal_edges=True`` trigger in step the same way.  With alembic's
+``checkconstraint_byname`` plugin, pass
+``include_object=stateguard.alembic.include_object``.  See
+``docs/how-to/alembic.md``.
 """
 
 from __future__ import annotations

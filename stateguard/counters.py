@@ -1,34 +1,24 @@
-"""Guarded counters: stock that never oversells and changes that never apply twice
-(SCHEMES.md, scheme 3).
+"""Guarded counters: stock that never oversells and changes that never apply twice.
 
 One statement decides::
 
     UPDATE stock SET amount = amount - :by [, version = version + 1]
     WHERE id = :id AND amount - :by >= :floor
 
-It holds no lock across a read and needs no retry loop: under any number of
-concurrent buyers the database serialises the row and each UPDATE re-checks
-the bound against the latest amount.
-
-With ``ref=`` the change is idempotent: a row ``(ref, table, key, column,
-delta)`` goes into ``stateguard_counter_ledger`` in the same transaction, and
-its unique key on ``(ref, table, key, column)`` decides whether this call is
-the first.  The ledger row is inserted *before* the UPDATE, so a concurrent
-twin with the same ref waits on the unique index and then sees REPEATED; an
-INSUFFICIENT or NOT_FOUND call removes its ledger row again, so retrying the
-same ref after a restock applies.  The fast path is two statements on every
-backend: ``INSERT ... ON CONFLICT DO NOTHING RETURNING id`` on PostgreSQL and
-SQLite; on MariaDB a plain INSERT whose duplicate-key error (1062) InnoDB
-rolls back as a single statement, leaving the transaction usable (MySQL
-manual, "InnoDB Error Handling"), so no SAVEPOINT round trips are needed.
-
-On MariaDB a twin that waited for another transaction's ledger row and then
-hit a duplicate reads that row back with a locking read: a plain SELECT would
-read the transaction's REPEATABLE READ snapshot, which may predate the row.
-Under heavy same-ref contention where the first twin ends INSUFFICIENT,
-InnoDB may report a deadlock between the waiting twins (both held a shared
-lock on the removed key); that is a retryable
-:class:`~stateguard.DeadlockDetected`, and ``retry_on_conflict`` handles it.
+It holds no lock across a read and needs no retry loop: the database
+serialises the row and each UPDATE re-checks the bound against the latest
+amount.  With ``ref=`` the change is idempotent: a row ``(ref, table, key,
+column, delta)`` goes into ``stateguard_counter_ledger`` in the same
+transaction, *before* the UPDATE, and its unique key decides whether this
+call is the first (a concurrent twin waits on the index, then sees
+REPEATED); an INSUFFICIENT or NOT_FOUND call removes its ledger row again.
+The ledger INSERT is ``ON CONFLICT DO NOTHING RETURNING id`` on PostgreSQL
+and SQLite; on MariaDB a plain INSERT whose duplicate-key error (1062) InnoDB
+rolls back as a single statement, and a twin that waited reads the row back
+with a locking read (a plain read would see its REPEATABLE READ snapshot).
+Twins waiting on a first caller that ends INSUFFICIENT can deadlock on
+MariaDB: a retryable :class:`~stateguard.DeadlockDetected`.  See
+``docs/explanation/schemes.md`` and ``docs/how-to/stock.md``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Insert-once: let a unique key decide the first insert (SCHEMES.md, scheme 4);
+"""Insert-once: let a unique key decide the first insert (``docs/explanation/schemes.md``);
 :func:`consume_once`, the same scheme on stateguard's consumed-messages table.
 
 One statement through the kernel's :class:`~stateguard._write.InsertOnce`:

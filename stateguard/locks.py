@@ -1,15 +1,16 @@
-"""Database locks (SCHEMES.md, scheme 7).
+"""Database locks: row locks and named (advisory) locks.
 
 * :func:`row_lock`: ``SELECT ... FOR UPDATE`` through the ORM, with NOWAIT /
   SKIP LOCKED, several rows always locked in primary-key order.
 * :func:`advisory_lock`: a named lock in the database itself (PostgreSQL
   transaction-level advisory locks, MariaDB/MySQL ``GET_LOCK``).
 
-The distributed lock with fencing tokens (scheme 8), :class:`~stateguard.RedisLock`
+The distributed lock with fencing tokens, :class:`~stateguard.RedisLock`
 and :class:`~stateguard.AsyncRedisLock`, lives in :mod:`stateguard.redis`.
 
 A lock only makes the code inside it exclusive; prefer a conditional write
-(a trigger, a guarded counter, a version check) when one statement can decide.
+(a trigger, a guarded counter, a version check) when one statement can decide
+(``docs/how-to/locks.md``).
 """
 
 from __future__ import annotations

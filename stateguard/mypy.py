@@ -2,53 +2,24 @@
 
 Enable it in the mypy configuration of the project that uses stateguard::
 
-    # pyproject.toml
-    [tool.mypy]
+    [tool.mypy]                     # pyproject.toml; or [mypy] plugins = stateguard.mypy
     plugins = ["stateguard.mypy"]
 
-    # or mypy.ini / setup.cfg
-    [mypy]
-    plugins = stateguard.mypy
-
-With it, for a machine declared in a class body with a literal
-``transitions=[...]`` list::
-
-    class Order(Base):
-        ...
-        flow = StateMachine("status", states=[...], transitions=[
-            {"trigger": "pay", "source": "pending", "dest": "paid"},
-            ["cancel", "pending", "cancelled"],
-        ])
+Then, for a machine declared in a class body with a literal ``transitions=``::
 
     Order.flow.pay(session, 42)          # fine: a Trigger
     Order.flow.pya(session, 42)          # error: "Order.flow" has no trigger "pya"
                                          # (declared: "cancel", "pay"); did you mean "pay"?  [attr-defined]
-    Order.flow.trigger("pya")            # the same error, for a literal name (also in
-    Order.flow.fire(session, "pya", 42)  # fire, can and target_of)
 
-How it works: while mypy analyses a class body, the plugin reads the
-``transitions=`` argument of each ``StateMachine(...)`` assignment and records
-the trigger names in the class's mypy metadata (so it survives mypy's
-incremental cache).  When code reads an attribute that is not a member of
-:class:`~stateguard.StateMachine` (which mypy would otherwise type through
-``StateMachine.__getattr__`` as a :class:`~stateguard.Trigger`), and the
-machine is reached as ``<class or instance>.<attribute>`` (``Order.flow``,
-``order.flow``, ``cls.flow``, ``self.flow``), the name is checked against the
-recorded triggers.
-
-What it does not check (any name is allowed there, as without the plugin):
-
-- a ``transitions=`` argument that is not a literal list or tuple of literal
-  dicts (with a literal ``"trigger"`` string), ``[trigger, source, dest]``
-  lists or ``dict(trigger="...", ...)`` calls: a variable, a comprehension,
-  ``*spread`` entries, ``**kwargs``;
-- a machine reached another way: ``m = Order.flow; m.pya``, a function
-  parameter typed ``StateMachine[str]``, ``getattr(Order.flow, name)``;
-- a trigger name that is not a string literal (``Order.flow.fire(session, name, 42)``);
-- a machine declared outside a class body, or called with an explicit type
-  argument (``StateMachine[str](...)``; a subclass of StateMachine is read).
-
-The plugin only reads the source; it never imports the models.
+While mypy analyses a class body, the plugin reads the ``transitions=``
+argument of each ``StateMachine(...)`` assignment and records the trigger
+names in the class's mypy metadata (so they survive the incremental cache);
+an attribute of a machine reached as ``<class or instance>.<attribute>`` that
+is not a member of :class:`~stateguard.StateMachine` is checked against them,
+as are literal names given to ``trigger``, ``fire``, ``can`` and
+``target_of``.  It only reads the source, never imports the models; what it
+cannot know (triggers built at run time, a machine reached through a
+variable) it leaves alone.  See ``docs/how-to/mypy.md``.
 """
 
 from __future__ import annotations

@@ -12,32 +12,15 @@ often stateguard retried inside it and on which backend::
     Order.flow.pay(session, 42)          # trigger Order APPLIED 0.4 ms
     remove()
 
-Nothing is measured while no listener, no span factory and no DEBUG logging
-is on: the guarded call then costs one flag test more (measured in
-``bench/``, scenario 8).  Listeners run synchronously in the caller's thread,
-after the call.  :mod:`stateguard.otel` turns these events into OpenTelemetry
-metrics and spans.
-
-Observation never changes what a guarded call does or returns.  An
-``Exception`` raised by a listener, by a span factory (when it is called, when
-its context manager is entered or exited, e.g. an OpenTelemetry span processor
-failing in ``on_start`` or ``on_end``) or by the DEBUG log line is logged on
-``stateguard.observe`` with its traceback, every time, and swallowed: the call
-keeps its return value or its own exception, its transaction is not rolled
-back, a lock it took stays taken and owned.  Every span factory entered is
-exited, also when another one failed.  A span factory's ``__exit__`` cannot
-swallow the call's exception either (its return value is ignored).  Only
-exceptions that are not ``Exception`` subclasses (``KeyboardInterrupt``,
-``SystemExit``, ``asyncio.CancelledError``, ``GeneratorExit``) propagate: they
-ask the program or task to stop, and swallowing them would hide that request
-(the call may then have happened without its caller knowing, as with any
-cancellation).
-
-Every event is also logged at DEBUG on ``stateguard.<module>`` (for example
-``stateguard.counters``) with the facts as ``extra`` fields
-(``sg_operation``, ``sg_model``, ``sg_trigger``, ``sg_outcome``,
-``sg_duration_ms``, ``sg_retries``, ``sg_backend``), quiet unless the
-application turns that logger on.
+Nothing is measured while no listener, no span factory and no DEBUG logging is
+on: the call then costs one flag test more.  Listeners run synchronously in
+the caller's thread, after the call; :mod:`stateguard.otel` turns the events
+into OpenTelemetry metrics and spans; each event is also logged at DEBUG on
+``stateguard.<module>`` with ``sg_*`` extra fields.  Observation never changes
+what a call does or returns: an ``Exception`` from a listener, a span factory
+or the log line is logged on ``stateguard.observe`` and swallowed; only
+``KeyboardInterrupt``, ``SystemExit``, ``CancelledError`` and ``GeneratorExit``
+propagate.  See ``docs/how-to/observability.md``.
 """
 
 from __future__ import annotations
@@ -437,7 +420,7 @@ def watch(
     scope: str | None = None,
     backend: str | None = None,
 ) -> AbstractContextManager[dict[str, Any]]:
-    """:func:`observed` when anything listens (or ``logger`` is at DEBUG), else a no-op block.
+    """``observed()`` when anything listens (or ``logger`` is at DEBUG), else a no-op block.
 
     The block writes to the box it gets either way; unobserved, nobody reads it.
     """

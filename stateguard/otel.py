@@ -9,23 +9,14 @@ brings the SDK and its exporters, as with any instrumented library::
     ...
     uninstrument()
 
-What it records, from the :mod:`stateguard.observe` events:
-
-- ``stateguard.calls``: a counter of guarded calls (rows, for ``many`` /
-  ``where``) by ``stateguard.operation``, ``stateguard.model``,
-  ``stateguard.outcome`` and ``db.system`` — graph REPEATED / REJECTED /
-  INSUFFICIENT rates from it;
-- ``stateguard.duration``: a histogram of call durations in seconds, by
-  operation, model and outcome;
-- a span ``stateguard <operation>`` (kind INTERNAL) around every call, current
-  while the call runs, so the statements it sends nest under it when
-  SQLAlchemy is instrumented (``opentelemetry-instrumentation-sqlalchemy``),
-  and it nests under the application's own span.  It carries the same
-  attributes; a call that raised has status ERROR and the exception recorded.
-
-A span processor, exporter hook or metric instrument that raises (in
-``on_start``, ``on_end``, while a measurement is recorded) is logged on
-``stateguard.observe`` and never reaches the call: see :mod:`stateguard.observe`.
+From the :mod:`stateguard.observe` events it records a counter
+``stateguard.calls`` (by operation, model, outcome and ``db.system``), a
+histogram ``stateguard.duration`` (seconds), and a span ``stateguard
+<operation>`` (kind INTERNAL) around every call, current while the call runs,
+so the statements it sends nest under it when SQLAlchemy is instrumented.  A
+span processor, exporter hook or metric instrument that raises is logged on
+``stateguard.observe`` and never reaches the call.  See
+``docs/how-to/observability.md``.
 """
 
 from __future__ import annotations

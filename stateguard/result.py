@@ -21,7 +21,7 @@ __all__ = ["Outcome", "Result"]
 
 
 class Outcome(enum.Enum):
-    """What a guarded write found.  See the table in ``SCHEMES.md``."""
+    """What a guarded write found (the outcomes are explained in ``docs/explanation/schemes.md``)."""
 
     #: This call was the first application: run the side effects.
     APPLIED = "applied"

@@ -477,9 +477,12 @@ def _create_in_turn(conn: Connection) -> None:
 
 @dual_connectable
 def drop_tables(bind: Engine | Connection) -> None:
-    """Drop every stateguard table (for tests and teardown)::
+    """Drop every stateguard table (for tests and teardown).
 
-    stateguard.drop_tables(engine)              # an Engine or a Connection
-    await stateguard.drop_tables(async_engine)  # an AsyncEngine or AsyncConnection: awaited
+    On an Engine or a Connection it runs at once; on an AsyncEngine or AsyncConnection it is
+    awaited::
+
+        stateguard.drop_tables(engine)
+        await stateguard.drop_tables(async_engine)
     """
     metadata.drop_all(bind, checkfirst=True)

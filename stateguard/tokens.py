@@ -1,4 +1,4 @@
-"""One-time tokens (SCHEMES.md, scheme 6): issued with an expiry, consumed once.
+"""One-time tokens: issued with an expiry, consumed once.
 
 The server hands out an unguessable token (a form's hidden field, an e-mail
 link, a payment confirmation step); the client sends it back; one
@@ -7,24 +7,15 @@ conditional statement consumes it::
     UPDATE stateguard_tokens SET consumed_ms = db_now
     WHERE token_hash = :h AND scope = :scope AND consumed_ms IS NULL AND expires_ms > db_now
 
-``db_now`` is the database's clock (:func:`stateguard._sql.db_now_ms`): expiries
-are stored and judged by the server, never by the application's clock.
-
-One row: APPLIED.  No row: one read says why: consumed already → REPEATED,
-expired → REJECTED, unknown or of another scope → NOT_FOUND.  Concurrent
-consumers of one token serialise on its row: PostgreSQL re-checks the WHERE
-of a waiting UPDATE at READ COMMITTED against the committed row, InnoDB's
-UPDATE reads the latest committed row, and SQLite has a single writer, so
-exactly one of them sees ``consumed_ms IS NULL``.
-
-Only a SHA-256 of the token is stored, so a leaked table (or backup) does
-not leak usable tokens.  Consuming is not deleting: a consumed token stays
-until it expires and :func:`purge_expired_tokens` removes it, so a replay is
-told apart (REPEATED) from a forgery (NOT_FOUND).
-
-:class:`~stateguard.RedisTokens` (and :class:`~stateguard.AsyncRedisTokens`,
-for ``redis.asyncio``) do the same in Redis with one Lua script per consume;
-they live in :mod:`stateguard.redis`.
+``db_now`` is the database's clock (:func:`stateguard._sql.db_now_ms`), never
+the application's.  One row: APPLIED.  No row: one read says why: consumed
+already → REPEATED, expired → REJECTED, unknown or of another scope →
+NOT_FOUND.  Concurrent consumers serialise on the token's row, so exactly
+one of them sees ``consumed_ms IS NULL``.  Only a SHA-256 of the token is
+stored, and consuming is not deleting (a replay is told apart from a
+forgery until :func:`purge_expired_tokens` removes the row).
+:class:`~stateguard.RedisTokens` does the same in Redis
+(:mod:`stateguard.redis`).  See ``docs/explanation/schemes.md``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Version columns and the optimistic-lock guarded update (SCHEMES.md, scheme 2).
+"""Version columns and the optimistic-lock guarded update (``docs/explanation/schemes.md``).
 
 :func:`version_column` declares an integer column that is *also* SQLAlchemy's
 ``version_id_col``: ordinary ORM flushes of the model are version-checked by

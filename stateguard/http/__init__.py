@@ -1,8 +1,9 @@
 """The ``Idempotency-Key`` HTTP middleware: one core, an ASGI face and a WSGI face.
 
-- :mod:`stateguard.http.core`: everything protocol-independent (options and
-  their checks, route matching, the scope, the claim / settle / replay
-  steps), on :mod:`~stateguard.http.request` (one request),
+- :mod:`stateguard.http.options`: the options and their checks, route
+  matching and the per-request settings, checked when a middleware is built;
+- :mod:`stateguard.http.core`: what happens to one keyed request (the scope,
+  the claim / settle / replay steps), on :mod:`~stateguard.http.request` (one request),
   :mod:`~stateguard.http.keys` (the header's value),
   :mod:`~stateguard.http.principal` (who sent it: keys are per client),
   :mod:`~stateguard.http.fingerprint` (which requests are the same) and
@@ -20,7 +21,8 @@ Neither face imports a web framework::
 from __future__ import annotations
 
 from .asgi import IdempotencyMiddleware, default_scope, principal_of
-from .core import CREDENTIAL_HEADERS, REFUSED_BEFORE_EXECUTION, RouteOptions, default_store_status
+from .options import REFUSED_BEFORE_EXECUTION, RouteOptions, default_store_status
+from .responses import CREDENTIAL_HEADERS
 from .wsgi import WSGIIdempotencyMiddleware
 
 __all__ = [

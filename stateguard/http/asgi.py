@@ -15,55 +15,13 @@ A pure ASGI middleware (it imports no framework) following the IETF draft
         required_paths=["/payments"],           # 400 without a key there
     )
 
-Keys are per client: the default scope (:func:`default_scope`) is derived
-from the request's principal (:func:`principal_of`): an authenticated
-``scope["user"]`` by its ``identity`` or ``id`` (never its display name),
-else a SHA-256 of the ``Authorization`` or ``Cookie`` header; ``"http"``
-for requests without credentials.  An authenticated user with no unique
-name and no credential header is refused (a 500 from
-:class:`~stateguard.ConfigurationError`) rather than guessed: pass
-``principal=`` to name it.  Stored responses never carry
-:data:`CREDENTIAL_HEADERS` (``Set-Cookie`` ...).
-
-For each POST or PATCH request carrying ``Idempotency-Key``:
-
-=========================================  ====================================================
-the key is ...                             the middleware answers
-=========================================  ====================================================
-new                                        runs the app; stores 2xx, 3xx and 4xx responses
-                                           (status, headers, body), except the 4xx of a
-                                           request refused before it ran (400, 401, 403, 404,
-                                           405, 408, 409, 413, 415, 422, 425, 429), which
-                                           forget the key (a corrected request may use it);
-                                           5xx and streaming responses release it (the same
-                                           request runs the app again)
-completed with the same request            the stored response, plus ``Idempotency-Replayed:
-                                           true``; the app does not run
-being worked on (live lease)               409 with ``Retry-After``: the seconds left on
-                                           that lease, rounded up
-claimed, but its lease ended (the worker   runs the app again (a takeover); the first
-died or outlived ``lease``)                request, if still alive, cannot store its response
-reused with a different request            422 (also while the first request is in flight)
-missing on a ``required_paths`` route      400
-blank, too long, not printable ASCII       400
-request body above ``max_body``            413
-=========================================  ====================================================
-
-"The same request" means the same method, path, query string and body: a
-JSON body (``application/json`` or ``+json``) by its canonical form, the way
-:func:`stateguard.idempotent` compares fingerprints, any other body (and
-JSON that does not parse) by its bytes.  Only a SHA-256 is stored.
-
-The claim uses ``mode="separate"``: it is committed in its own transaction
-*before* the app runs, because the route handler works with its own sessions
-and transactions, which the middleware cannot join.  So a handler that
-crashes half-way is not rolled back by the middleware: the key is released
-(the client may retry) and the handler must make its own writes atomic.
-The response is stored after the handler sent it whole (before a Starlette
-background task runs) and before it is sent, so a client that sees a
-response can always get it again.  With the database unreachable before the
-claim the answer is 503 (the app does not run); a response the database
-cannot store is sent, and its replays answer a 500 problem saying so.
+A keyed POST or PATCH claims its key in its own transaction before the app
+runs (the handler uses its own sessions); a retry of the same request gets
+the stored response, one in flight 409 with ``Retry-After``, another request
+under the key 422.  Keys are per client (:func:`default_scope`,
+:func:`principal_of`), and stored responses never carry
+:data:`CREDENTIAL_HEADERS`.  The answers, the stored-status policy and what
+happens when the database fails are in ``docs/how-to/http.md``.
 """
 
 from __future__ import annotations
@@ -79,19 +37,14 @@ from sqlalchemy.orm import Session
 
 from ..exceptions import ConfigurationError, LeaseLost
 from .core import (
-    REFUSED_BEFORE_EXECUTION,
     KeyedRequest,
-    Options,
-    RouteOptions,
-    RoutesFn,
-    ScopeFn,
     anonymous_refused,
-    default_store_status,
     missing_key,
     request_scope,
     too_large,
 )
 from .keys import KEY_HEADER, BadKey, parse_key
+from .options import REFUSED_BEFORE_EXECUTION, Options, RouteOptions, RoutesFn, ScopeFn, default_store_status
 from .principal import Anonymous, PrincipalFn, principal, scope_from_principal
 from .request import HttpRequest
 from .responses import CREDENTIAL_HEADERS

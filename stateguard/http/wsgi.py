@@ -1,9 +1,9 @@
 """``WSGIIdempotencyMiddleware``: the ``Idempotency-Key`` HTTP header for WSGI apps (Flask, Django ...).
 
 The same middleware as :class:`stateguard.http.asgi.IdempotencyMiddleware`
-(the same options, draft semantics, stored-status policy, per-client scopes,
-tables and fingerprints: the decisions are :mod:`stateguard.http.core`'s),
-for any PEP 3333 application.  It imports no framework::
+(the same options, answers, stored-status policy, per-client scopes, tables
+and fingerprints: the decisions are :mod:`stateguard.http.core`'s), for any
+PEP 3333 application.  It imports no framework::
 
     from flask import Flask
     from stateguard.http.wsgi import WSGIIdempotencyMiddleware
@@ -12,20 +12,11 @@ for any PEP 3333 application.  It imports no framework::
     app.wsgi_app = WSGIIdempotencyMiddleware(app.wsgi_app, session_factory=SessionLocal,
                                              required_paths=["/payments"])
 
-It wraps ``app.wsgi_app``, so it runs *before* Flask: the principal comes
-from the WSGI environ (``REMOTE_USER`` set by the server or an auth
-middleware, else a digest of the ``Authorization`` or ``Cookie`` header),
-not from ``flask_login.current_user``; ``principal=`` (a callable of the
-environ) names the client otherwise.  Each keyed request claims its key in
-its own transaction before the app runs, so several worker processes (or
-threads) may serve the same key: one runs the app, the others get 409 while
-it runs and the stored response after.  A worker killed mid-request leaves
-its claim until ``lease`` ends; the retry after that runs the app again.
-
-A response is stored when the app returned it in one piece (Flask's
-ordinary responses); a response of several chunks (a generator, Flask's
-``stream_with_context``) is passed on as it comes, its key in progress
-until the server closes it, then released.
+It wraps ``app.wsgi_app``, so it runs before Flask: the principal comes from
+the WSGI environ (``REMOTE_USER``, else a credential digest), and several
+worker processes may serve one key (one runs the app, the others get 409,
+then the replay).  A response of several chunks keeps its key in progress
+until the server closes it.  See ``docs/how-to/http.md``.
 """
 
 from __future__ import annotations
@@ -42,17 +33,13 @@ from sqlalchemy.orm import Session
 from ..exceptions import ConfigurationError
 from .core import (
     KeyedRequest,
-    Options,
-    RouteOptions,
-    RoutesFn,
-    ScopeFn,
     anonymous_refused,
-    default_store_status,
     missing_key,
     request_scope,
     too_large,
 )
 from .keys import KEY_HEADER, BadKey, parse_key
+from .options import Options, RouteOptions, RoutesFn, ScopeFn, default_store_status
 from .principal import Anonymous, PrincipalFn, principal, scope_from_principal
 from .request import HttpRequest
 from .responses import Response

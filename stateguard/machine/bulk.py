@@ -5,32 +5,18 @@ PostgreSQL and SQLite (``UPDATE ... RETURNING``), per chunk::
     UPDATE t SET ... WHERE pk IN (:keys) AND state IN (:sources) RETURNING pk, version
     SELECT pk, state, version FROM t WHERE pk IN (:keys that did not apply)
 
-On PostgreSQL the UPDATE first locks the chunk's rows in key order and
-judges the locked rows, the latest committed ones (see :func:`_locked_update`).
-The returned keys are exactly the rows this statement changed; only keys that
-did not apply are read back, once, to tell REPEATED, REJECTED and NOT_FOUND
-apart (SQLite has one writer; on PostgreSQL the rows are locked).
-
-MySQL/MariaDB have no ``UPDATE ... RETURNING``, so each chunk is::
-
-    SELECT pk, state, version, (state IN (:sources) AND guard) FROM t
-        WHERE pk IN (:keys) ORDER BY pk FOR UPDATE
-    UPDATE t SET ... WHERE pk IN (:keys that may apply) AND state IN (:sources)
-
-The locking read takes the batch's rows in key order (so two overlapping
-batches cannot deadlock each other) and evaluates the trigger's condition on
-the latest committed rows; with the rows locked, nobody can change them
-before the UPDATE, so the rows it matched are exactly those the read said.
-Both statements carry ``FORCE INDEX (PRIMARY)`` (:func:`stateguard._sql.by_primary_key`):
-InnoDB locks every row a plan visits, and for an IN list naming most of a
-small table the optimizer would scan the whole index, locking rows outside
-the batch out of key order.
-Two statements per chunk on every backend when some keys do not apply; one
-on PostgreSQL and SQLite when all of them do.  A trigger with events adds
-one multi-row INSERT into the outbox per chunk (:mod:`.events`), as
-``history=True`` adds one into the transition log; more when the rows
-outgrow one statement (the driver's parameter limit, about 2 MiB of
-metadata: :func:`stateguard._write.insert_rows`).
+On PostgreSQL the UPDATE first locks the chunk's rows in key order and judges
+the locked rows (see :func:`_locked_update`); only keys that did not apply are
+read back, once, to tell REPEATED, REJECTED and NOT_FOUND apart.
+MySQL/MariaDB have no ``UPDATE ... RETURNING``, so each chunk is a locking
+read in key order (which evaluates the trigger's condition on the latest
+committed rows) and then the UPDATE of the keys that may apply, both held to
+the primary key with ``FORCE INDEX (PRIMARY)`` (:func:`stateguard._sql.by_primary_key`):
+InnoDB locks every row a plan visits, and an IN list naming most of a small
+table would otherwise scan the whole index out of key order.  History rows and
+outbox events go in one multi-row INSERT per chunk (more when they outgrow one
+statement: :func:`stateguard._write.insert_rows`).  See
+``docs/how-to/sweepers.md``.
 """
 
 from __future__ import annotations

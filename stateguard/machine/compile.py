@@ -6,7 +6,7 @@ Each trigger compiles to::
     WHERE pk = :pk AND state IN (:sources) [AND <where guard>] [AND version = :expected]
           [AND (fence IS NULL OR fence <= :fence)]
 
-and the affected-row count decides the outcome (see SCHEMES.md, scheme 1).
+and the affected-row count decides the outcome (``docs/explanation/schemes.md``).
 Built statements are kept in :data:`stateguard._write.memo`, keyed by the
 trigger, the interned :class:`~stateguard._sql.Backend` and the call variant
 (which values are set, whether a version or fence is checked), so an

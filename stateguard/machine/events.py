@@ -1,46 +1,24 @@
 """Events of APPLIED transitions, written to the transactional outbox in the transaction that applies them.
 
 Enabled per machine with ``StateMachine(..., events=True)`` (topic
-``"<table name>.<trigger>"``, e.g. ``"orders.pay"``) or per transition with
-``{"trigger": "pay", ..., "event": "order.paid"}``, which names the topic and
-turns events on for that trigger only.  Every APPLIED transition inserts one
-row into ``stateguard_outbox``; REPEATED, REJECTED, STALE and NOT_FOUND
-write nothing, and a rollback discards the event with the transition.
-
-Each event's payload is::
+``"<table name>.<trigger>"``) or per transition with ``"event": "order.paid"``.
+Every APPLIED transition inserts one row into ``stateguard_outbox``; other
+outcomes write nothing, and a rollback discards the event with the
+transition.  The payload is JSON text::
 
     {"model": "Order", "key": 42, "trigger": "pay", "source": "pending", "dest": "paid",
      "version": 2, "request_id": "req-7f3a" or None, "metadata": {...} or None}
 
-``model`` is the mapped class's name; ``key`` is the primary key as JSON
-(a list for a composite key), spelled like the transition log's keys
-(:func:`stateguard._sql.canonical_key`; a Decimal, UUID or date part becomes
-its text); ``source`` and ``dest`` are state names.  The event's ``key`` is
-the row's table and key as text (:func:`event_key`: ``"orders:42"``,
-``'slots:[1,"a"]'``), so a relay publishes one row's events in order, and
-rows of different tables with the same key never hold each other back (a
-relay limited to some topics would otherwise wait behind another table's
-event it does not publish).
-
-Statements: on PostgreSQL the UPDATE and the INSERT are one statement (a
-data-modifying CTE, built once per trigger and call variant)::
-
-    WITH moved AS (UPDATE t SET ... WHERE pk = :pk AND state = :source RETURNING version),
-         sent AS (INSERT INTO stateguard_outbox (topic, key, payload, created_ms, attempts)
-                  SELECT :topic, :key, :p0 || CAST(moved.version AS TEXT) || :p1, <db clock>, 0
-                  FROM moved RETURNING id)
-    SELECT moved.version FROM moved JOIN sent ON true
-
-The payload is JSON text (``stateguard_outbox.payload``), the same text
-whichever path wrote it: Python writes the parts it knows, SQL the version
-and, for a trigger with several sources or destinations, the state names.
-
-A trigger with several sources joins the row read ``FOR UPDATE`` in the same
-statement to learn the real source (PostgreSQL hands the locked read the
-latest committed row, and a waiting UPDATE re-checks that same row).  Other
-databases run the UPDATE, then the INSERT; for a trigger with several
-sources a locking read comes first, as for the transition log.  ``many()``
-and ``where()`` insert the events of a chunk with one multi-row INSERT.
+the same text whichever path wrote it (Python writes the parts it knows, SQL
+the version and, for a trigger with several sources or destinations, the
+state names).  The event's key is the row's table and key as text
+(:func:`event_key`: ``"orders:42"``), so one row's events are published in
+order.  On PostgreSQL the UPDATE and the INSERT are one statement, a
+data-modifying CTE built once per trigger and call variant (a trigger with
+several sources joins the row read ``FOR UPDATE`` to learn its real source);
+other databases run the UPDATE, then the INSERT.  ``many()`` and ``where()``
+insert a chunk's events with one multi-row INSERT.  The statements are shown
+in ``docs/how-to/outbox.md``.
 """
 
 from __future__ import annotations

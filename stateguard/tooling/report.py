@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .demo import DemoReport, SchemeRow
+    from .demo.results import DemoReport, SchemeRow
 
 __all__ = ["render_html", "write_html"]
 
@@ -65,7 +65,7 @@ def _bar(row: SchemeRow, metric: str, attribute: str, scale: int) -> str:
 
 
 def _damage_cell(row: SchemeRow) -> str:
-    from .demo import damage_text
+    from .demo.render import damage_text
 
     cls = "bad" if row.damage_total else "good"
     return (
@@ -75,7 +75,7 @@ def _damage_cell(row: SchemeRow) -> str:
 
 def render_html(report: DemoReport) -> str:
     """The report as one HTML page (a string): the table, a bar chart per scheme, the explanations."""
-    from .demo import COLUMNS, explanations
+    from .demo.render import COLUMNS, explanations
 
     esc = html.escape
     schemes: list[str] = []

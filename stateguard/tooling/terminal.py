@@ -10,16 +10,18 @@ commands other than ``demo`` never import them::
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
-    from .demo import SchemeRow
+    from .demo.results import SchemeRow
 
-__all__ = ["Progress", "RelayProgress", "StderrProgress", "isatty", "use_color"]
+__all__ = ["Progress", "RelayProgress", "ScanProgress", "StderrProgress", "isatty", "use_color"]
 
 
 def isatty(stream: TextIO) -> bool:
@@ -218,3 +220,69 @@ class RelayProgress:
         elapsed = time.monotonic() - self.started
         rate = published / elapsed if elapsed > 0 else 0.0
         self.write(f"stateguard relay: {why}: {published} events published in {elapsed:.1f}s ({rate:,.0f}/s)")
+
+
+class ScanProgress:
+    """One line on a terminal naming the statement running and for how long, redrawn in place.
+
+    Drawn only once a step has run longer than ``delay`` seconds (a
+    ``GROUP BY`` over millions of rows), from a background thread, since one
+    statement gives no progress of its own; cleared when the step ends,
+    whatever happens.  Silent when the stream is no terminal or ``enabled``
+    is false (``--json``)::
+
+        progress = ScanProgress(sys.stderr)
+        with progress.step("counting orders.status"):
+            conn.execute(...)
+    """
+
+    def __init__(
+        self, stream: TextIO, *, enabled: bool = True, delay: float = 0.5, interval: float = 0.1
+    ) -> None:
+        self.stream = stream
+        self.active = enabled and isatty(stream)
+        self.delay = delay
+        self.interval = interval
+        self.index = 0
+        self.count = 0
+
+    @contextmanager
+    def step(self, title: str) -> Iterator[None]:
+        """Run the body as step ``title``; the line is drawn while it runs and cleared when it ends."""
+        self.index += 1
+        if not self.active:
+            yield
+            return
+        done = threading.Event()
+        drawn = threading.Event()
+        lock = threading.Lock()
+        started = time.monotonic()
+        where = f"[{self.index}/{self.count}] " if self.count else ""
+
+        def tick() -> None:
+            spinner = itertools.cycle("|/-\\")
+            if done.wait(self.delay):
+                return
+            while not done.is_set():
+                with lock:
+                    if done.is_set():
+                        return
+                    elapsed = time.monotonic() - started
+                    self.stream.write(
+                        f"\r\x1b[Kstateguard inspect: {where}{title} {next(spinner)} {elapsed:.1f}s"
+                    )
+                    self.stream.flush()
+                    drawn.set()
+                done.wait(self.interval)
+
+        thread = threading.Thread(target=tick, name="stateguard-inspect-progress", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            with lock:
+                done.set()
+                if drawn.is_set():
+                    self.stream.write("\r\x1b[K")
+                    self.stream.flush()
+            thread.join()

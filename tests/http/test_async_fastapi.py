@@ -1,4 +1,4 @@
-"""The README's async FastAPI quickstart (tests/_async_fastapi_app.py, verbatim) served through
+"""The README's async FastAPI quickstart (examples/tutorial/async_fastapi.py) served through
 httpx's ASGITransport against SQLite (aiosqlite) and PostgreSQL (asyncpg): payments run once
 per key, retries replay, a reused key is 422, a sold-out payment rolls back and frees its key,
 and 20 concurrent retries of one request take the stock once.
@@ -20,8 +20,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.orm import Session
 
 from stateguard import create_tables, drop_tables
-from tests import _async_fastapi_app as shop
 from tests._support.async_helpers import AsyncTarget, target_from
+from tests.docs._examples import load_example
+
+shop = load_example("tutorial/async_fastapi.py")
 
 TARGETS = ["aiosqlite", "asyncpg"]
 

@@ -18,14 +18,14 @@ from tests.tooling._helpers import DEMO, MULTI, ROOT, run, write_module
 
 
 def test_readme_shows_the_current_demo_graph(capsys: pytest.CaptureFixture[str]) -> None:
-    """The README's Mermaid block is exactly what `stateguard graph <the demo's Order>` prints now."""
-    readme = (ROOT / "README.md").read_text()
+    """The CLI page's Mermaid block is exactly what `stateguard graph <the demo's Order>` prints now."""
+    readme = (ROOT / "docs" / "reference" / "cli.md").read_text()
     match = re.search(
         r"<!-- stateguard graph stateguard\.tooling\.demo:DemoOrder -->\n```mermaid\n(.*?)```",
         readme,
         re.DOTALL,
     )
-    assert match is not None, "README lacks the marked mermaid block"
+    assert match is not None, "docs/reference/cli.md lacks the marked mermaid block"
     code, out, _ = run(["graph", DEMO, "--format", "mermaid"], capsys)
     assert code == 0
     assert match.group(1) == out

@@ -553,7 +553,7 @@ def _keys(value: Any, found: set[str]) -> set[str]:
 def test_readme_documents_the_json_shape(
     app: tuple[str, ModuleType, Backend], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Every key ``--json`` prints (each section filled) is in the README's shape, and nothing else is."""
+    """Every key ``--json`` prints (each section filled) is in the CLI page's shape, and nothing else is."""
     from tests.tooling._helpers import ROOT
 
     name, module, backend = app
@@ -585,7 +585,7 @@ def test_readme_documents_the_json_shape(
         )
         assert code == 1
         _keys(report, seen)
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "reference" / "cli.md").read_text()
     block = readme.split("<!-- stateguard inspect --json shape -->\n```text\n", 1)[1].split("```", 1)[0]
     documented = set(re.findall(r'"(\w+)"', block))
     assert seen == documented

@@ -1,40 +1,22 @@
 """Outbox sinks that publish to NATS JetStream: :class:`AsyncNATSSink` and :class:`NATSSink` (nats-py).
 
 Each event becomes one JetStream message whose header ``Nats-Msg-Id`` is the
-event id: JetStream stores a message whose id it already holds *only once*,
-as long as the first copy arrived less than the stream's
-``duplicate_window`` ago (two minutes unless the stream says otherwise).
-So a batch published again, because a PubAck was lost or the relay died
-after publishing, lands in the stream once; the sink waits for every
-PubAck and raises :class:`~stateguard.PublishFailed` for the first missing
-or failed one, so the relay publishes the whole batch again.
-
-That holds only inside the window.  A relay that died after publishing
-leaves its batch to the next claim after its ``lease``: when the lease is
-longer than the window, the copy published then is stored a second time.
-The sinks take the relay's ``lease`` and refuse, with a
-:class:`~stateguard.ConfigurationError` when they connect, a lease longer
-than the stream's duplicate window (leave room for the relay's
-``idle_sleep`` too: the next claim may come that much later).  Consumers
-should still deduplicate by the event id (``consume_once``): the window is a
-bound, not a promise past it.
-
-The message: the subject is the event's topic (or a fixed ``subject``), the
-data is :meth:`~stateguard.OutboxEvent.payload_json` in UTF-8, and the
-headers are ``Nats-Msg-Id`` (``msg_id_prefix`` + the event id),
-``Outbox-Topic``, ``Outbox-Key`` (absent for an event without a key),
-``Outbox-Created-Ms`` and ``Content-Type: application/json``.  A topic or key
-is percent-encoded in its header (as ``urllib.parse.quote(text, safe="")``:
-plain keys such as ``order-7`` are unchanged) since a header line cannot
-hold a line break.  Every message is published with the expected stream
-``stream``, so a message never lands in a stream whose window was not
-checked.
-
-nats-py is asyncio only.  :class:`AsyncNATSSink` is the sink for
-:class:`~stateguard.AsyncRelay`; :class:`NATSSink`, for :class:`~stateguard.Relay`,
-runs an :class:`AsyncNATSSink` in an event loop of its own, in a daemon
-thread it starts on the first publish, and waits there for each batch.
+event id (after ``msg_id_prefix``), on the event's topic (or a fixed
+``subject``), with the data :meth:`~stateguard.OutboxEvent.payload_json` and
+the headers ``Outbox-Topic``, ``Outbox-Key``, ``Outbox-Created-Ms`` and
+``Content-Type`` (topic and key percent-encoded).  JetStream stores a message
+whose id it already holds only once while the first copy is younger than the
+stream's ``duplicate_window``, so a batch published again after a lost PubAck
+lands once; the sink awaits every PubAck and raises
+:class:`~stateguard.PublishFailed` for the first missing or failed one.  Past
+the window a copy is stored again, so the sinks take the relay's ``lease``
+and refuse (:class:`~stateguard.ConfigurationError` when they connect) one
+longer than the window; every message is published with the expected stream,
+so it never lands in a stream whose window was not checked.  nats-py is
+asyncio only: :class:`NATSSink`, for :class:`~stateguard.Relay`, runs an
+:class:`AsyncNATSSink` in an event loop of its own, in a daemon thread.
 nats-py (the ``stateguard[nats]`` extra) is imported only by this module.
+See ``docs/how-to/outbox.md``.
 """
 
 from __future__ import annotations

@@ -2,32 +2,20 @@
 
 Each event becomes one persistent message (``delivery_mode=2``) published
 with ``mandatory=True`` on a channel in publisher-confirm mode; the batch
-counts as published only once the broker confirmed every message of it.  A
-message the broker could not route (no queue bound: ``basic.return``), one
-it refused (``basic.nack``) or a connection lost before the confirmation
-raise :class:`~stateguard.PublishFailed`, so the relay publishes the whole
-batch again.  Some of its messages may then be in a queue twice, with the
-same ``message_id``: consumers deduplicate on it::
-
-    def on_message(channel, method, properties, body):
-        with Session(engine) as session, session.begin():
-            if consume_once(session, "billing", properties.message_id).applied:
-                bill(session, json.loads(body))
-        channel.basic_ack(method.delivery_tag)     # after the commit
-
-A message carries its event in its properties: ``message_id`` (the event
-id, as text), ``type`` (the topic), ``content_type`` (``application/json``;
-the body is :meth:`~stateguard.OutboxEvent.payload_json` in UTF-8),
-``timestamp`` (``created_ms`` in whole seconds) and the headers ``key`` (the
-event's key, absent for an event without one) and ``created_ms``.  The
-routing key is the topic, or a fixed ``routing_key``, or the event's key
-with ``key_as_routing_key=True`` (for a consistent-hash exchange; an event
-without a key is routed by its topic).  The sinks never declare exchanges,
-queues or bindings: that is the application's topology; a missing exchange
-is a :class:`~stateguard.ConfigurationError` when the sink connects.
-
-pika (the sync sink) and aio-pika (the async one), the ``stateguard[rabbitmq]``
-extra, are imported only by this module.
+counts as published only once the broker confirmed every message of it.  An
+unroutable message (``basic.return``), a ``basic.nack`` or a connection lost
+before the confirmation raise :class:`~stateguard.PublishFailed`, so the
+relay publishes the events again, and a queue may hold a message twice with
+one ``message_id``: consumers deduplicate on it (``consume_once``).  The
+message carries its event: ``message_id`` (the event id), ``type`` (the
+topic), ``content_type`` ``application/json`` (the body is
+:meth:`~stateguard.OutboxEvent.payload_json`), ``timestamp`` and the headers
+``key`` and ``created_ms``.  The routing key is the topic, a fixed
+``routing_key``, or the event's key with ``key_as_routing_key=True``.  The
+sinks never declare exchanges, queues or bindings; a missing exchange is a
+:class:`~stateguard.ConfigurationError` when the sink connects.  pika and
+aio-pika (the ``stateguard[rabbitmq]`` extra) are imported only by this
+module.  See ``docs/how-to/outbox.md``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,12 @@
-"""A shop API on FastAPI and AsyncSession: each payment runs once, whatever the client retries."""
+"""A shop API on FastAPI and AsyncSession: each payment runs once, whatever the client retries.
 
+Serve it with ``uvicorn async_fastapi:app``; run the file to try it once: it starts the app (its
+lifespan creates the tables), pays an order twice with one key and checks that the second answer
+is the first one replayed.
+"""
+# docs-test: backends sqlite, postgresql
+
+import asyncio
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -7,6 +14,7 @@ from typing import Annotated, Any
 
 from fastapi import FastAPI, Header, HTTPException, Request
 from fastapi.responses import JSONResponse
+from httpx import ASGITransport, AsyncClient
 from sqlalchemy import String
 from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -108,3 +116,22 @@ async def cancel(order_id: int) -> dict[str, Any]:
         # Gives the stock back once, if the payment took it; REPEATED or NOT_FOUND otherwise.
         restocked = await release(session, Stock.amount, f"order-{order_id}")
         return {"order": order_id, "status": cancelled.state, "restocked": restocked.applied}
+
+
+async def try_it() -> None:
+    """Pay order 1 twice with one key (the retry is replayed), then an order that does not exist."""
+    async with app.router.lifespan_context(app):
+        async with Session() as s, s.begin():
+            await s.merge(Stock(sku="widget", amount=1))
+            await s.merge(Order(id=1, sku="widget", status="pending"))
+        async with AsyncClient(transport=ASGITransport(app=app), base_url="http://shop") as client:
+            first = await client.post("/orders/1/pay", headers={"Idempotency-Key": "k1"})
+            again = await client.post("/orders/1/pay", headers={"Idempotency-Key": "k1"})
+            missing = await client.post("/orders/2/pay", headers={"Idempotency-Key": "k2"})
+    assert (first.status_code, first.json()) == (200, {"order": 1, "status": "paid", "left": 0})
+    assert again.json() == first.json()  # replayed: the stock was taken once
+    assert missing.status_code == 404
+
+
+if __name__ == "__main__":
+    asyncio.run(try_it())

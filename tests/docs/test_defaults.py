@@ -1,4 +1,4 @@
-"""The README's "Defaults" table is the code's defaults: every row matches a signature, nothing is missing.
+"""The defaults page (docs/reference/defaults.md) is the code's defaults: every row matches a signature.
 
 Each row names calls, options and defaults; the defaults are rendered from
 the signatures (``inspect``) and the ``stateguard purge`` parser and compared
@@ -26,9 +26,9 @@ from stateguard.machine import bulk
 from stateguard.redis import AsyncRedisLock, AsyncRedisTokens, RedisLock, RedisTokens
 from stateguard.tooling.cli import build_parser
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent.parent / "docs" / "reference" / "defaults.md"
 
-#: The README's name of a call -> the callable whose signature holds its defaults.
+#: The page's name of a call -> the callable whose signature holds its defaults.
 CALLS: dict[str, Callable[..., Any]] = {
     "idempotent()": stateguard.idempotent,
     "idempotent_function()": stateguard.idempotent_function,
@@ -60,8 +60,7 @@ CALLS: dict[str, Callable[..., Any]] = {
 
 def _rows() -> list[tuple[list[str], list[str], list[str]]]:
     """(calls, options, default texts) per row of the table; an empty call cell repeats the row above."""
-    text = README.read_text(encoding="utf-8")
-    section = text.split("\n## Defaults\n", 1)[1].split("\n## ", 1)[0]
+    section = PAGE.read_text(encoding="utf-8")
     rows: list[tuple[list[str], list[str], list[str]]] = []
     calls: list[str] = []
     for line in section.splitlines():
