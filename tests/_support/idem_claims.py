@@ -43,7 +43,7 @@ work = Table(
 _DAY_MS = 86_400_000
 
 
-class ClaimFailed(Exception):
+class Boom(Exception):
     pass
 
 

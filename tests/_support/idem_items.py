@@ -37,5 +37,5 @@ def _keys(engine: Engine, scope: str) -> list[str]:
         )
 
 
-class BlockFailed(Exception):
+class Boom(Exception):
     pass

@@ -27,7 +27,7 @@ from stateguard.idempotency import _CLAIM
 from stateguard.tables import idempotency_keys
 from tests._support.idem_claims import (
     _DAY_MS,
-    ClaimFailed,
+    Boom,
     _await_waiters,
     _claim_verb,
     _held_claim,
@@ -158,9 +158,9 @@ def test_a_twin_waiting_on_the_claim_replays_or_claims_exactly_once(
                     claimed.set()
                     out["waited"] = _await_waiters(backend, probe, pid, 1)
                     if outcome == "block_raises_caller_commits":
-                        raise ClaimFailed
+                        raise Boom
                     call.complete({"by": "first"})
-            except ClaimFailed:
+            except Boom:
                 pass
             if outcome == "rollback":
                 s.rollback()

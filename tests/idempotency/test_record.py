@@ -34,7 +34,7 @@ from stateguard import (
 )
 from stateguard.tables import idempotency_keys
 from tests._support.idem_claims import (
-    ClaimFailed,
+    Boom,
     _runs,
     _statements_of,
     _verbs,
@@ -259,10 +259,10 @@ def test_checkpoint_and_error_text_survive_the_record_transport(eng: Engine, bac
     non-retryable error's text with quotes, backslashes and unicode is the RequestFailed.error."""
     data = {"\\": ['"', "null", "\\u0041"], "é😀": 2**62, "": None}
     with Session(eng) as s:
-        with pytest.raises(ClaimFailed), idempotent(s, scope="ca5", key="cp", mode="separate") as call:
+        with pytest.raises(Boom), idempotent(s, scope="ca5", key="cp", mode="separate") as call:
             s.execute(insert(work).values(label="cp", by="first"))
             call.checkpoint(_NAME, data)
-            raise ClaimFailed("retry me")
+            raise Boom("retry me")
     with Session(eng) as s, idempotent(s, scope="ca5", key="cp", mode="separate") as call:
         assert not call.replayed and call.taken_over and call.attempt == 2
         assert call.checkpoint_name == _NAME
@@ -273,11 +273,11 @@ def test_checkpoint_and_error_text_survive_the_record_transport(eng: Engine, bac
     message = 'card "declined" \\ é😀 \u2028 null'
     with Session(eng) as s:
         with (
-            pytest.raises(ClaimFailed),
-            idempotent(s, scope="ca5", key="fail", mode="separate", non_retryable=(ClaimFailed,)),
+            pytest.raises(Boom),
+            idempotent(s, scope="ca5", key="fail", mode="separate", non_retryable=(Boom,)),
         ):
-            raise ClaimFailed(message)
+            raise Boom(message)
     with Session(eng) as s:
         with pytest.raises(RequestFailed) as caught, idempotent(s, scope="ca5", key="fail", mode="separate"):
             pytest.fail("a failed-for-good key must not run again")
-    assert caught.value.error == f"ClaimFailed: {message}"
+    assert caught.value.error == f"Boom: {message}"

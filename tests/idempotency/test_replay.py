@@ -16,7 +16,7 @@ from stateguard import (
     RequestFailed,
     idempotent,
 )
-from tests._support.idem_items import BlockFailed, _keys, md
+from tests._support.idem_items import Boom, _keys, md
 from tests.conftest import Backend
 
 
@@ -97,18 +97,18 @@ MESSAGES = [
 def test_request_failed_carries_the_stored_error(eng: Engine) -> None:
     for i, msg in enumerate(MESSAGES):
         with (
-            pytest.raises(BlockFailed),
+            pytest.raises(Boom),
             Session(eng) as s,
             idempotent(
-                s, scope="f", key=f"k{i}", fingerprint=msg, mode="separate", non_retryable=(BlockFailed,)
+                s, scope="f", key=f"k{i}", fingerprint=msg, mode="separate", non_retryable=(Boom,)
             ),
         ):
-            raise BlockFailed(msg)
+            raise Boom(msg)
         for _ in range(2):
             with pytest.raises(RequestFailed) as caught, Session(eng) as s:
                 with idempotent(s, scope="f", key=f"k{i}", fingerprint=msg, mode="separate"):
                     pytest.fail("a failed key ran again")
-            assert caught.value.error == f"BlockFailed: {msg}", repr(caught.value.error)[:300]
+            assert caught.value.error == f"Boom: {msg}", repr(caught.value.error)[:300]
 
 
 NEAR_TWINS: list[tuple[Any, Any]] = [

@@ -15,7 +15,7 @@ from stateguard import (
     RequestInProgress,
     idempotent,
 )
-from tests._support.idem_items import BlockFailed, Item, _keys, _names, items, md
+from tests._support.idem_items import Boom, Item, _keys, _names, items, md
 from tests.conftest import Backend
 
 
@@ -73,8 +73,8 @@ def test_a_block_that_raises_leaves_nothing_even_when_the_caller_commits(eng: En
                     conn.execute(insert(items).values(id=2, name="leak", n=0))
                 elif how == "driver_sql":
                     conn.exec_driver_sql("INSERT INTO rv_items (id, name, n) VALUES (2, 'leak', 0)")
-                raise BlockFailed
-        except BlockFailed:
+                raise Boom
+        except Boom:
             pass
         s.add(Item(id=3, name="after"))  # the caller's own work, committed
     assert _names(eng) == ["after", "seed"]
@@ -110,8 +110,8 @@ def test_orm_state_after_a_failed_block_is_consistent(eng: Engine) -> None:
                 seed.n = 41
                 s.flush()
                 seed.n = 42  # unflushed on top
-                raise BlockFailed
-        except BlockFailed:
+                raise Boom
+        except Boom:
             pass
         assert seed.n == 0, seed.n
     with eng.connect() as c:
@@ -129,8 +129,8 @@ def test_user_begin_nested_inside_the_block(eng: Engine, inner_fails: bool) -> N
                     s.add(Item(id=2, name="inner"))
                     s.flush()
                     if inner_fails:
-                        raise BlockFailed
-            except BlockFailed:
+                        raise Boom
+            except Boom:
                 pass
             call.complete("done")
     assert _names(eng) == (["outer"] if inner_fails else ["inner", "outer"])
@@ -144,8 +144,8 @@ def test_user_begin_nested_inside_a_failing_block(eng: Engine) -> None:
             with idempotent(s, scope="n", key="k"):
                 with s.begin_nested():
                     s.add(Item(id=2, name="inner"))
-                raise BlockFailed
-        except BlockFailed:
+                raise Boom
+        except Boom:
             pass
         s.add(Item(id=3, name="after"))
     assert _names(eng) == ["after"]
@@ -161,8 +161,8 @@ def test_nested_calls_inner_fails_outer_completes(eng: Engine) -> None:
                 with idempotent(s, scope="i", key="inner", fingerprint="x") as inner:
                     assert not inner.replayed
                     s.add(Item(id=2, name="inner"))
-                    raise BlockFailed
-            except BlockFailed:
+                    raise Boom
+            except Boom:
                 pass
             outer.complete("o")
     assert _names(eng) == ["outer"]
@@ -180,8 +180,8 @@ def test_nested_calls_outer_fails_after_inner_completed(eng: Engine) -> None:
                 with idempotent(s, scope="i", key="inner") as inner:
                     s.add(Item(id=2, name="inner"))
                     inner.complete("i")
-                raise BlockFailed
-        except BlockFailed:
+                raise Boom
+        except Boom:
             pass
     assert _names(eng) == []
     assert _keys(eng, "o") == [] and _keys(eng, "i") == []
@@ -243,8 +243,8 @@ def test_taken_over_record_failing_in_same_transaction_keeps_its_checkpoint(eng:
             with idempotent(s, scope="t", key="k") as call:
                 assert call.taken_over and call.checkpoint_data == {"id": 2**63 + 5}
                 s.add(Item(id=1, name="leak"))
-                raise BlockFailed
-        except BlockFailed:
+                raise Boom
+        except Boom:
             pass
     assert _names(eng) == []
     with Session(eng) as s, idempotent(s, scope="t", key="k", mode="separate") as call:
@@ -276,8 +276,8 @@ def test_callers_unflushed_work_before_the_call_survives_a_failing_block(eng: En
                 if how == "modify_same_attr":
                     seed.n = 6
                 s.execute(insert(items).values(id=9, name="leak", n=0))  # autoflushes first
-                raise BlockFailed
-        except BlockFailed:
+                raise Boom
+        except Boom:
             pass
     with eng.connect() as c:
         rows = {r.id: (r.name, r.n) for r in c.execute(select(items))}
@@ -315,8 +315,8 @@ def test_raise_after_complete_stores_nothing(eng: Engine) -> None:
             with idempotent(s, scope="rc", key="k", fingerprint="b") as call:
                 s.add(Item(id=1, name="leak"))
                 call.complete("stored?")
-                raise BlockFailed
-        except BlockFailed:
+                raise Boom
+        except Boom:
             pass
     assert _names(eng) == [] and _keys(eng, "rc") == []
     _key_runs_fresh(eng, "rc", "k")
@@ -334,9 +334,9 @@ def test_retry_in_the_same_transaction_after_a_failed_block_runs(eng: Engine) ->
                     s.add(Item(id=10 + attempt, name=f"a{attempt}"))
                     s.flush()
                     if attempt == 0:
-                        raise BlockFailed
+                        raise Boom
                     call.complete("second")
-            except BlockFailed:
+            except Boom:
                 pass
     assert ran == 2
     assert _names(eng) == ["a1"]
@@ -390,8 +390,8 @@ def test_failing_outer_block_keeps_an_inner_replayed_record(eng: Engine) -> None
             with idempotent(s, scope="o", key="outer"):
                 with idempotent(s, scope="i", key="inner") as inner:
                     assert inner.replayed and inner.response == "old"
-                raise BlockFailed
-        except BlockFailed:
+                raise Boom
+        except Boom:
             pass
     with Session(eng) as s, s.begin(), idempotent(s, scope="i", key="inner") as call:
         assert call.replayed and call.response == "old"
@@ -406,8 +406,8 @@ def test_orm_objects_of_a_failed_block_are_gone_from_the_session(eng: Engine) ->
                 s.add(flushed)
                 s.flush()
                 s.add(pending)
-                raise BlockFailed
-        except BlockFailed:
+                raise Boom
+        except Boom:
             pass
         assert flushed not in s and pending not in s
         assert s.get(Item, 1) is None and s.get(Item, 2) is None
@@ -432,8 +432,8 @@ def test_more_orm_writes_of_a_failed_block_roll_back(eng: Engine, how: str) -> N
                     assert seed.name == "leak"
                 else:
                     s.merge(Item(id=1, name="leak", n=9))
-                raise BlockFailed
-        except BlockFailed:
+                raise Boom
+        except Boom:
             pass
         assert seed in s
         assert (seed.name, seed.n) == ("seed", 0)
@@ -451,8 +451,8 @@ def test_a_session_on_the_same_connection_is_covered(eng: Engine) -> None:
             with idempotent(s, scope="oc", key="k"):
                 other.add(Item(id=1, name="leak"))
                 other.flush()
-                raise BlockFailed
-        except BlockFailed:
+                raise Boom
+        except Boom:
             pass
         other.close()
         s.add(Item(id=2, name="after"))
@@ -468,8 +468,8 @@ def test_unclosed_user_savepoint_inside_a_failing_block(eng: Engine) -> None:
                 s.begin_nested()  # never closed by the block
                 s.add(Item(id=1, name="leak"))
                 s.flush()
-                raise BlockFailed
-        except BlockFailed:
+                raise Boom
+        except Boom:
             pass
         s.add(Item(id=2, name="after"))
     assert _names(eng) == ["after"]
@@ -484,9 +484,9 @@ def test_autobegun_session_without_begin(eng: Engine, fail: bool) -> None:
             with idempotent(s, scope="ab", key="k", fingerprint="b") as call:
                 s.add(Item(id=1, name="block"))
                 if fail:
-                    raise BlockFailed
+                    raise Boom
                 call.complete("done")
-        except BlockFailed:
+        except Boom:
             pass
         s.add(Item(id=2, name="after"))
         s.commit()
@@ -503,8 +503,8 @@ def test_objects_loaded_inside_a_failed_block_reload(eng: Engine) -> None:
                 seed = s.get_one(Item, 1)
                 seed.name, seed.n = "leak", 3
                 s.flush()
-                raise BlockFailed
-        except BlockFailed:
+                raise Boom
+        except Boom:
             pass
         again = s.get_one(Item, 1)
         assert (again.name, again.n) == ("seed", 0)

@@ -23,7 +23,7 @@ from stateguard import (
     idempotent,
 )
 from tests._support.idem_claims import (
-    ClaimFailed,
+    Boom,
     _await_waiters,
     _claim_verb,
     _held_claim,
@@ -118,9 +118,9 @@ def _translate_attack(backend: Backend, base: Engine) -> None:
         # The same key completed in the default schema; a failing block in X deletes only X's claim.
         assert _unit(base, "ca11", "fail", "base", label="fail") == ("ran", {"by": "base"})
         with Session(x) as s, s.begin():
-            with pytest.raises(ClaimFailed), idempotent(s, scope="ca11", key="fail", fingerprint="body"):
+            with pytest.raises(Boom), idempotent(s, scope="ca11", key="fail", fingerprint="body"):
                 s.execute(insert(work).values(label="fail", by="x"))
-                raise ClaimFailed
+                raise Boom
         assert _record(x, "ca11", "fail") is None and _runs(x, "fail") == []
         assert _record(base, "ca11", "fail").response == '{"by":"base"}'
         assert _unit(x, "ca11", "fail", "x2", label="fail") == ("ran", {"by": "x2"})

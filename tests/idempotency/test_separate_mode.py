@@ -15,7 +15,7 @@ from stateguard import (
     RequestInProgress,
     idempotent,
 )
-from tests._support.idem_items import BlockFailed, Item, _names, md
+from tests._support.idem_items import Boom, Item, _names, md
 from tests.conftest import Backend
 
 
@@ -57,25 +57,25 @@ def test_separate_mode_edges(eng: Engine) -> None:
         assert not call.replayed and not call.taken_over and call.checkpoint_name is None
         call.complete("b")
     # a non-retryable error whose text has NUL / lone surrogate is stored escaped, not left in progress
-    with pytest.raises(BlockFailed), Session(eng) as s:
-        with idempotent(s, scope="se", key="nul", mode="separate", non_retryable=(BlockFailed,)):
-            raise BlockFailed("a\x00b\ud800c")
+    with pytest.raises(Boom), Session(eng) as s:
+        with idempotent(s, scope="se", key="nul", mode="separate", non_retryable=(Boom,)):
+            raise Boom("a\x00b\ud800c")
     with pytest.raises(RequestFailed) as caught, Session(eng) as s:
         with idempotent(s, scope="se", key="nul", mode="separate"):
             pytest.fail("ran")
     error = caught.value.error
-    assert error is not None and error.startswith("BlockFailed: a") and "\x00" not in error
+    assert error is not None and error.startswith("Boom: a") and "\x00" not in error
 
 
 @pytest.mark.rollback
 def test_separate_failure_rolls_back_uncheckpointed_writes_and_keeps_checkpointed_ones(eng: Engine) -> None:
-    with pytest.raises(BlockFailed), Session(eng) as s:
+    with pytest.raises(Boom), Session(eng) as s:
         with idempotent(s, scope="sf", key="k", mode="separate") as call:
             s.add(Item(id=1, name="phase1"))
             call.checkpoint("p1", {"s": 'é\u2028😀\\"', "n": -(2**63) - 1})
             s.add(Item(id=2, name="leak"))
             s.flush()
-            raise BlockFailed
+            raise Boom
     assert _names(eng) == ["phase1"]
     with Session(eng) as s, idempotent(s, scope="sf", key="k", mode="separate") as call:
         assert call.taken_over and call.attempt == 2

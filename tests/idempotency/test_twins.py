@@ -16,7 +16,7 @@ from stateguard import (
     RequestInProgress,
     idempotent,
 )
-from tests._support.idem_items import BlockFailed, Item, _names, items, md
+from tests._support.idem_items import Boom, Item, _names, items, md
 from tests.conftest import Backend
 
 
@@ -148,8 +148,8 @@ def test_a_waiting_twin_runs_when_the_first_block_fails_and_its_caller_commits(
                         s.flush()
                         claimed.set()
                         _wait_for_twin(backend, probe, out)
-                        raise BlockFailed
-                except BlockFailed:
+                        raise Boom
+                except Boom:
                     pass
                 s.add(Item(id=3, name="first-other"))
             out["first"] = "ok"
