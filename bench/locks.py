@@ -155,7 +155,7 @@ def _zookeeper(zk: str | None) -> Iterator[str | None]:
         yield zk
         return
     try:
-        from tests._zookeeper_server import ZooKeeperServer, zookeeper_available
+        from tests._support.zookeeper_server import ZooKeeperServer, zookeeper_available
     except ImportError:
         yield None
         return

@@ -31,6 +31,27 @@ REDIS_URL = os.environ.get("STATEGUARD_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 BACKENDS = ("sqlite", "postgresql", "mariadb")
 
+# What each test backend can do, for tests about a capability rather than one dialect's quirk
+# (as SQLAlchemy's ``requires.*``): ``capable(backend, "row_locks")`` in a test body, or
+# ``@pytest.mark.requires("row_locks")`` to skip the backends that lack it.
+CAPABILITIES: dict[str, frozenset[str]] = {
+    # UPDATE ... RETURNING (SQLite >= 3.35); one-statement writes
+    # row_locks: SELECT ... FOR UPDATE and named locks (SQLite locks the whole file instead)
+    # concurrent_writers: two connections write at once (SQLite serializes writers)
+    # writable_cte: a data-modifying WITH statement (PostgreSQL)
+    "sqlite": frozenset({"update_returning"}),
+    "postgresql": frozenset({"update_returning", "row_locks", "concurrent_writers", "writable_cte"}),
+    "mariadb": frozenset({"row_locks", "concurrent_writers"}),
+}
+
+
+def capable(backend: Backend | str, capability: str) -> bool:
+    """Whether the backend (or backend name) has ``capability`` (a key of :data:`CAPABILITIES`)."""
+    name = backend if isinstance(backend, str) else backend.name
+    if not any(capability in caps for caps in CAPABILITIES.values()):
+        raise ValueError(f"unknown capability {capability!r}; add it to CAPABILITIES")
+    return capability in CAPABILITIES[name]
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
@@ -149,7 +170,13 @@ _engines: dict[str, Engine] = {}
 
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest, namespaces: _Namespaces) -> Iterator[Backend]:
-    """Each backend in turn; the test creates its tables with ``backend.create``."""
+    """Each backend in turn; the test creates its tables with ``backend.create``.
+
+    ``@pytest.mark.requires("row_locks", ...)`` skips the backends without those capabilities."""
+    for marker in request.node.iter_markers("requires"):
+        missing = [c for c in marker.args if not capable(request.param, c)]
+        if missing:
+            pytest.skip(f"{request.param} lacks {', '.join(missing)}")
     yield from _only(request.param, namespaces)
 
 
@@ -171,15 +198,36 @@ def _only(name: str, namespaces: _Namespaces) -> Iterator[Backend]:
 
 
 @pytest.fixture
-def engine(backend: Backend) -> Iterator[Engine]:
-    """The backend's engine with stateguard's own tables, dropped afterwards (files may override it)."""
+def engine(backend: Backend, request: pytest.FixtureRequest) -> Iterator[Engine]:
+    """The backend's engine with stateguard's tables and the test's own, dropped afterwards.
+
+    A module (or test) names its tables with the ``tables`` marker::
+
+        pytestmark = pytest.mark.tables(Base.metadata, seed=_seed, stateguard=False)
+
+    ``seed(session)`` adds rows in one committed transaction before the test;
+    ``stateguard=False`` leaves stateguard's own tables out.  A file that needs
+    something special (another engine on SQLite, a pool setting) builds a small
+    ``engine`` fixture of its own on this one.
+    """
+    from sqlalchemy.orm import Session
+
     from stateguard import create_tables, drop_tables
 
-    eng = backend.engine
-    drop_tables(eng)
-    create_tables(eng)
+    marker = request.node.get_closest_marker("tables")
+    metadatas, options = (marker.args, marker.kwargs) if marker else ((), {})
+    ours = options.get("stateguard", True)
+    eng = backend.create(*metadatas)
+    if ours:
+        drop_tables(eng)
+        create_tables(eng)
+    seed = options.get("seed")
+    if seed is not None:
+        with Session(eng) as session, session.begin():
+            seed(session)
     yield eng
-    drop_tables(eng)
+    if ours:
+        drop_tables(eng)
 
 
 @pytest.fixture(scope="module")

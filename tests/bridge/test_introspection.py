@@ -20,8 +20,7 @@ from sqlalchemy.orm import Session
 
 import stateguard
 from stateguard import StripedCounter, Trigger
-
-from ..models import Order
+from tests._support.models import Order
 
 #: Public names whose signature is not checked, and why.
 NOT_CALLS = {
@@ -94,6 +93,7 @@ def test_help_shows_the_signature_and_the_docstring(call: Any, shown: str) -> No
     assert (call.__doc__ or "").strip().splitlines()[0] in text
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     ("make", "name"),
     [

@@ -38,7 +38,7 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session as OrmSession
 
-from tests import models
+from tests._support import models
 from tests.conftest import MYSQL_URL, PG_URL, REDIS_URL, unavailable
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -217,7 +217,7 @@ def servers_for(needs: set[str], monkeypatch: pytest.MonkeyPatch) -> Iterator[No
             if server in needs:
                 monkeypatch.setenv("DATABASE_URL", stack.enter_context(_private_database(server)))
         if "zookeeper" in needs:
-            from tests._zookeeper_server import ZooKeeperServer
+            from tests._support.zookeeper_server import ZooKeeperServer
 
             monkeypatch.setenv("ZOOKEEPER_HOSTS", stack.enter_context(ZooKeeperServer()).hosts)
         yield

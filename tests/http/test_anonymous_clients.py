@@ -23,8 +23,7 @@ from stateguard.asgi import IdempotencyMiddleware, RouteOptions, principal_of
 from stateguard.http.wsgi import WSGIIdempotencyMiddleware
 from stateguard.tables import idempotency_keys
 from stateguard.tables import metadata as stateguard_metadata
-
-from ..conftest import Backend
+from tests.conftest import Backend
 
 
 class Signups:
@@ -181,6 +180,7 @@ def test_principal_of_reads_only_the_named_session_cookies() -> None:
     assert principal_of({"headers": [(b"cookie", b"sid=")]}, session_cookies=["sid"]) is None
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     "options",
     [{"anonymous": "allow"}, {"anonymous": None}, {"session_cookies": "sid"}, {"session_cookies": ["a b"]}],

@@ -16,8 +16,7 @@ from starlette.routing import Route
 
 from stateguard.asgi import IdempotencyMiddleware
 from stateguard.tables import metadata as stateguard_metadata
-
-from .._async_helpers import AsyncTarget, target_from
+from tests._support.async_helpers import AsyncTarget, target_from
 
 HEADERS = [
     (b"idempotency-key", b"c-1"),

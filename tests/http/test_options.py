@@ -44,6 +44,7 @@ def test_a_path_pattern_with_a_star_inside_is_refused_when_built(face: str, patt
             assert "routes= a callable" in str(caught.value)
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     ("factory", "fix"),
     [
@@ -77,6 +78,7 @@ def test_both_session_factory_kinds_are_accepted_by_the_asgi_face() -> None:
         IdempotencyMiddleware(_app, session_factory=factory)
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     ("options", "message"),
     [

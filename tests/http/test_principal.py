@@ -23,8 +23,7 @@ from stateguard import ConfigurationError
 from stateguard.asgi import IdempotencyMiddleware, principal_of
 from stateguard.tables import idempotency_keys
 from stateguard.tables import metadata as stateguard_metadata
-
-from ..conftest import Backend
+from tests.conftest import Backend
 
 #: Two customers with the same name: tokens name the account, the display name does not.
 ACCOUNTS = {"tok-1": ("ACC-1001", 5_000), "tok-2": ("ACC-2002", 12)}

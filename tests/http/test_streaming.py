@@ -20,8 +20,7 @@ from stateguard.asgi import IdempotencyMiddleware
 from stateguard.http.wsgi import WSGIIdempotencyMiddleware
 from stateguard.tables import idempotency_keys
 from stateguard.tables import metadata as stateguard_metadata
-
-from ..conftest import Backend
+from tests.conftest import Backend
 
 HEADERS = {"Idempotency-Key": "export-1", "Authorization": "Bearer alice"}
 

@@ -22,9 +22,8 @@ import pytest
 from sqlalchemy import select
 
 from stateguard.tables import metadata as stateguard_metadata
-
-from ..conftest import Backend
-from ._flask_app import Base, Charge
+from tests.conftest import Backend
+from tests.http._flask_app import Base, Charge
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -25,10 +25,9 @@ from stateguard import (
     retry_on_conflict,
     row_lock,
 )
-
-from .._async_helpers import PG_TARGETS, async_target
-from ..conftest import Backend
-from ..models import Base, Order
+from tests._support.async_helpers import PG_TARGETS, async_target
+from tests._support.models import Base, Order
+from tests.conftest import Backend
 
 pytestmark = pytest.mark.rollback
 
@@ -68,6 +67,7 @@ def _order(engine: Engine) -> tuple[str, int, int]:
         return order.status, order.version, order.amount
 
 
+@pytest.mark.rollback
 @pytest.mark.parametrize("call", sorted(CALLS))
 def test_a_guarded_call_in_an_aborted_transaction_is_transaction_aborted(db: Engine, call: str) -> None:
     """psycopg: the call raises TransactionAborted saying to roll back; after a rollback it runs."""
@@ -88,6 +88,7 @@ def test_a_guarded_call_in_an_aborted_transaction_is_transaction_aborted(db: Eng
     assert _order(db) != before or call in ("row_lock", "consume_once")
 
 
+@pytest.mark.rollback
 @pytest.mark.parametrize("driver", PG_TARGETS)
 @pytest.mark.parametrize("call", sorted(CALLS))
 def test_an_awaited_call_in_an_aborted_transaction_is_transaction_aborted(
@@ -116,6 +117,7 @@ def test_an_awaited_call_in_an_aborted_transaction_is_transaction_aborted(
     asyncio.run(main())
 
 
+@pytest.mark.rollback
 def test_retry_on_conflict_does_not_retry_an_aborted_transaction(db: Engine) -> None:
     """TransactionAborted is not retryable: a unit of work that aborts its own transaction runs once."""
     runs: list[int] = []

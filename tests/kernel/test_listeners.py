@@ -20,8 +20,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 import stateguard
 from stateguard import _kernel, create_tables, drop_tables, guarded_update, version_column
-
-from ..conftest import Backend
+from tests.conftest import Backend
 
 _COUNT = textwrap.dedent(
     """
@@ -168,6 +167,7 @@ def test_the_journal_of_an_earlier_transaction_on_a_kept_connection_is_not_repla
             s.commit()
 
 
+@pytest.mark.rollback
 def test_an_idempotent_block_opens_its_savepoint_before_the_first_statement_on_a_fresh_engine(
     fresh: Engine,
 ) -> None:

@@ -20,8 +20,7 @@ from stateguard import (
     idempotent,
     increment,
 )
-
-from ..models import Order
+from tests._support.models import Order
 
 pytestmark = pytest.mark.hostile
 
@@ -103,6 +102,7 @@ def test_an_engine_names_the_call_and_shows_it_with_a_session(
     engine.dispose()
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(("label", "call", "name", "example"), CALLS, ids=IDS)
 def test_other_wrong_objects_name_the_call_and_say_what_to_pass(
     label: str, call: Callable[[Any], Any], name: str, example: str

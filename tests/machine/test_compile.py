@@ -12,8 +12,7 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.engine import Dialect
 
 from stateguard import InvalidArgument
-
-from ..models import Color, Lamp, Order, Shipment, Ticket
+from tests._support.models import Color, Lamp, Order, Shipment, Ticket
 
 DIALECTS = {
     "postgresql": postgresql.dialect,
@@ -163,9 +162,10 @@ def test_multi_destination_trigger_uses_case(dialect: Dialect) -> None:
         )
 
 
+@pytest.mark.limits
 def test_declared_per_edge_values_use_case_with_several_edges() -> None:
     """A trigger whose edges declare different values for one column picks the value with a CASE."""
-    from .test_trigger import Doc
+    from tests.machine.test_trigger import Doc
 
     dialect = postgresql.dialect()
     sql, params = _compile(Doc.flow.archive.statement(1, dialect=dialect), dialect)

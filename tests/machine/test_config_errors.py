@@ -10,9 +10,8 @@ from sqlalchemy import Enum, ForeignKey, Integer, String, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from stateguard import ConfigurationError, StateguardError, StateMachine, version_column
-
-from ..conftest import Backend
-from ..models import Base, Order
+from tests._support.models import Base, Order
+from tests.conftest import Backend
 
 GOOD = [{"trigger": "go", "source": "a", "dest": "b"}]
 

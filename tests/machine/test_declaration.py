@@ -13,9 +13,8 @@ from sqlalchemy import Enum, ForeignKey, Integer, String, func, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from stateguard import ConfigurationError, StateguardError, StateMachine, Trigger
-
-from ..conftest import Backend
-from ..models import Base, Order
+from tests._support.models import Base, Order
+from tests.conftest import Backend
 
 GOOD: list[Any] = [{"trigger": "go", "source": "a", "dest": "b"}]
 

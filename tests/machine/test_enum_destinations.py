@@ -12,8 +12,7 @@ from sqlalchemy import Enum, Integer, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from stateguard import Outcome, StateMachine
-
-from ..conftest import Backend
+from tests.conftest import Backend
 
 
 class Light(enum.Enum):

@@ -23,9 +23,8 @@ from stateguard import (
     insert_once,
     retry_on_conflict,
 )
-
-from ..conftest import Backend, count_statements
-from ..models import Base, Color, Lamp, Message, Order, Shipment, Ticket
+from tests._support.models import Base, Color, Lamp, Message, Order, Shipment, Ticket
+from tests.conftest import Backend, capable, count_statements
 
 SEEN: list[Any] = []
 
@@ -45,15 +44,14 @@ class Job(JobBase):
     )
 
 
-@pytest.fixture
-def engine(backend: Backend) -> Any:
-    eng = backend.create(Base.metadata)
-    with Session(eng) as s, s.begin():
-        s.add_all([Order(id=1), Order(id=2, status="paid"), Order(id=3, status="shipped")])
-        s.add_all([Ticket(id=1), Ticket(id=2, priority=9)])
-        s.add(Lamp(id=1))
-        s.add(Shipment(warehouse="north", number=7))
-    return eng
+def _seed(s: Session) -> None:
+    s.add_all([Order(id=1), Order(id=2, status="paid"), Order(id=3, status="shipped")])
+    s.add_all([Ticket(id=1), Ticket(id=2, priority=9)])
+    s.add(Lamp(id=1))
+    s.add(Shipment(warehouse="north", number=7))
+
+
+pytestmark = pytest.mark.tables(Base.metadata, seed=_seed, stateguard=False)
 
 
 def _row(engine: Any, model: Any, key: Any) -> Any:
@@ -279,9 +277,10 @@ def test_on_commit_runs_after_commit_only_for_applied_calls(engine: Any) -> None
     assert calls == ["paid-1", "after close"]
 
 
+@pytest.mark.rollback
 def test_on_commit_follows_savepoints(backend: Backend) -> None:
     """A callback registered in a rolled-back savepoint is dropped; one in a released savepoint runs."""
-    eng = stateguard.sqlite_engine(backend.url) if backend.name == "sqlite" else backend.engine
+    eng = backend.engine if capable(backend, "row_locks") else stateguard.sqlite_engine(backend.url)
     backend.create(Base.metadata)
     with Session(eng) as s, s.begin():
         s.add_all([Order(id=1), Order(id=2)])
@@ -313,6 +312,7 @@ def test_declared_after_commit_receives_the_result(backend: Backend) -> None:
     assert [(r.key, r.state, r.outcome) for r in SEEN] == [(1, "done", Outcome.APPLIED)]
 
 
+@pytest.mark.hostile
 def test_bad_input_is_typed_and_changes_nothing(engine: Any) -> None:
     """Unknown triggers, wrong keys, bad values, foreign instances: typed errors, nothing written."""
     with Session(engine) as s, s.begin():

@@ -40,9 +40,8 @@ from stateguard import (
     UnknownTrigger,
     guarded_update,
 )
-
-from ..conftest import Backend, count_statements
-from ..models import ORDER_STATES, ORDER_TRANSITIONS, Base, Color, Lamp, Order, Ticket
+from tests._support.models import ORDER_STATES, ORDER_TRANSITIONS, Base, Color, Lamp, Order, Ticket
+from tests.conftest import Backend, count_statements
 
 SETTINGS = settings(
     max_examples=30,
@@ -126,14 +125,14 @@ class Graph:
         if row.state in self.dests(trigger) and edge is None:
             # Already there: REPEATED wins over a version mismatch.  Not when the trigger also
             # leaves from there (a self-loop such as stop: * -> red fired on a red row): the
-            # UPDATE would have matched, so it did not apply (issue 15: STALE or REJECTED).
+            # UPDATE would have matched, so it did not apply (STALE or REJECTED).
             return Outcome.REPEATED, row
         if edge is not None and not version_ok:
             return Outcome.STALE, row
         return Outcome.REJECTED, row
 
 
-# Restated from tests/models.py on purpose: the model must not read stateguard's copy.
+# Restated from tests/_support/models.py on purpose: the model must not read stateguard's copy.
 TICKET_GRAPH = Graph.declared(
     ["open", "closed"],
     [

@@ -2,22 +2,19 @@
 
 ``withdraw: open -> open`` guarded by ``balance >= 100`` matches no row when the
 guard fails or the version is stale; the row is then "in the destination", but
-nothing was applied.  Before issue 15 such calls were reported REPEATED, so
+nothing was applied.  Such calls once were reported REPEATED, so
 callers skipped work that never happened.  A repeat of a self-loop can only be
 known from its request_id in the transition history.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from sqlalchemy import Engine, Integer, String, column
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from stateguard import Outcome, StateMachine, version_column
-
-from ..conftest import Backend
+from tests.conftest import Backend
 
 
 class _Base(DeclarativeBase):
@@ -51,16 +48,11 @@ class Account(_Base):
     )
 
 
-@pytest.fixture
-def engine(backend: Backend) -> Iterator[Engine]:
-    from stateguard import create_tables, drop_tables
+def _seed(s: Session) -> None:
+    s.add_all([Account(id=1, balance=50), Account(id=2, balance=500), Account(id=3, balance=500)])
 
-    eng = backend.create(_Base.metadata)
-    create_tables(eng)
-    with Session(eng) as s, s.begin():
-        s.add_all([Account(id=1, balance=50), Account(id=2, balance=500), Account(id=3, balance=500)])
-    yield eng
-    drop_tables(eng)
+
+pytestmark = pytest.mark.tables(_Base.metadata, seed=_seed)
 
 
 def _balance(engine: Engine, key: int) -> int:
@@ -122,7 +114,7 @@ def test_a_trigger_into_a_state_it_does_not_leave_still_repeats(engine: Engine) 
 
 def test_the_property_tests_counterexample_stop_on_a_red_lamp_with_an_old_version(backend: Backend) -> None:
     """Pinned from test_property's falsifying run: stop (* -> red) on a red lamp, version behind: STALE."""
-    from ..models import Base, Color, Lamp
+    from tests._support.models import Base, Color, Lamp
 
     engine = backend.create(Base.metadata)
     with Session(engine) as s, s.begin():

@@ -19,9 +19,8 @@ from stateguard import (
     TransitionRejected,
     version_column,
 )
-
-from ..conftest import Backend, count_statements
-from ..models import Base, Color, Lamp, Order, Shipment, Ticket
+from tests._support.models import Base, Color, Lamp, Order, Shipment, Ticket
+from tests.conftest import Backend, count_statements
 
 
 class DocBase(DeclarativeBase):
@@ -60,17 +59,15 @@ class Doc(DocBase):
     )
 
 
-@pytest.fixture
-def engine(backend: Backend) -> Engine:
-    """Orders 1 pending, 2 paid, 3 shipped; tickets 1 (priority 0), 2 (priority 9); a lamp; a shipment."""
-    eng = backend.create(Base.metadata, DocBase.metadata)
-    with Session(eng) as s, s.begin():
-        s.add_all([Order(id=1), Order(id=2, status="paid"), Order(id=3, status="shipped")])
-        s.add_all([Ticket(id=1), Ticket(id=2, priority=9)])
-        s.add(Lamp(id=1))
-        s.add(Shipment(warehouse="north", number=7))
-        s.add_all([Doc(id=1), Doc(id=2)])
-    return eng
+def _seed(s: Session) -> None:
+    s.add_all([Order(id=1), Order(id=2, status="paid"), Order(id=3, status="shipped")])
+    s.add_all([Ticket(id=1), Ticket(id=2, priority=9)])
+    s.add(Lamp(id=1))
+    s.add(Shipment(warehouse="north", number=7))
+    s.add_all([Doc(id=1), Doc(id=2)])
+
+
+pytestmark = pytest.mark.tables(Base.metadata, DocBase.metadata, seed=_seed, stateguard=False)
 
 
 def _db(engine: Engine, model: Any, key: Any) -> Any:
@@ -178,6 +175,7 @@ def test_repeated_wins_over_stale_when_the_row_is_already_in_the_dest(engine: En
     assert (r.outcome, r.state, r.version) == (Outcome.REPEATED, "paid", 1)
 
 
+@pytest.mark.hostile
 def test_wrong_state_with_wrong_version_is_rejected_not_stale(engine: Engine) -> None:
     """A wrong expected_version on a row whose state forbids the trigger is REJECTED."""
     with Session(engine) as s, s.begin():
@@ -214,6 +212,7 @@ def test_trigger_with_several_sources(engine: Engine) -> None:
     assert (again.outcome, again.state) == (Outcome.REPEATED, "cancelled")
 
 
+@pytest.mark.rollback
 def test_rolled_back_transition_leaves_the_row_unchanged(engine: Engine) -> None:
     """An APPLIED transition inside a transaction that rolls back changes nothing in the database."""
     with Session(engine) as s:

@@ -63,9 +63,8 @@ from stateguard.observe import on_span
 from stateguard.otel import instrument
 from stateguard.tables import metadata as stateguard_metadata
 from stateguard.tables import outbox
-
-from .._async_helpers import Tables, async_target
-from ..conftest import REDIS_URL, Backend
+from tests._support.async_helpers import Tables, async_target
+from tests.conftest import REDIS_URL, Backend
 
 pytestmark = pytest.mark.failing_observer
 
@@ -365,6 +364,7 @@ DATABASE_CALLS: dict[str, tuple[Callable[[Engine], None], tuple[str, ...]]] = {
 }
 
 
+@pytest.mark.failing_observer
 @pytest.mark.parametrize("call", list(DATABASE_CALLS))
 def test_database_calls_keep_their_results(
     call: str, db: Engine, broken: Broken, caplog: pytest.LogCaptureFixture
@@ -375,6 +375,7 @@ def test_database_calls_keep_their_results(
     broken.check(caplog, *operations)
 
 
+@pytest.mark.failing_observer
 def test_a_call_that_raises_keeps_its_own_error(
     sqlite: Backend, tables: Tables, broken: Broken, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -392,6 +393,7 @@ def test_a_call_that_raises_keeps_its_own_error(
     broken.check(caplog, "trigger")
 
 
+@pytest.mark.failing_observer
 def test_every_span_closes_when_another_fails_to(
     sqlite: Backend, tables: Tables, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -425,6 +427,8 @@ def test_every_span_closes_when_another_fails_to(
     assert any(r.name == "stateguard.observe" and r.levelno == logging.ERROR for r in caplog.records)
 
 
+@pytest.mark.failing_observer
+@pytest.mark.cancel
 def test_an_observers_keyboard_interrupt_is_not_swallowed(sqlite: Backend, tables: Tables) -> None:
     """Only Exceptions are swallowed: a KeyboardInterrupt from an observer still reaches the caller."""
     tables.ready(sqlite)
@@ -492,6 +496,7 @@ ASYNC_CALLS: dict[str, tuple[Callable[[AsyncSession], Awaitable[None]], tuple[st
 }
 
 
+@pytest.mark.failing_observer
 @pytest.mark.parametrize("call", list(ASYNC_CALLS))
 def test_async_session_calls_keep_their_results(
     call: str, backend: Backend, db: Engine, broken: Broken, caplog: pytest.LogCaptureFixture
@@ -520,6 +525,7 @@ def test_async_session_calls_keep_their_results(
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.failing_observer
 def test_redis_lock_is_held_and_released(
     redis_client: Any, lock_name: str, broken: Broken, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -536,6 +542,7 @@ def test_redis_lock_is_held_and_released(
     broken.check(caplog, "redis_lock.acquire", "redis_lock.release")
 
 
+@pytest.mark.failing_observer
 def test_redis_tokens_keep_their_outcomes(
     redis_client: Any, broken: Broken, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -548,6 +555,7 @@ def test_redis_tokens_keep_their_outcomes(
     broken.check(caplog, "redis_token.issue", "redis_token.consume")
 
 
+@pytest.mark.failing_observer
 def test_async_redis_lock_is_held_and_released(
     redis_client: Any, lock_name: str, broken: Broken, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -586,19 +594,19 @@ def test_async_redis_lock_is_held_and_released(
 def zookeeper() -> Iterator[str]:
     """The hosts of a private standalone ZooKeeper (skips loudly, fails in CI, without zookeeperd)."""
     pytest.importorskip("kazoo", reason="!!! SKIPPED: kazoo is not installed (pip install -e '.[test]')")
-    from .._zookeeper_server import ZooKeeperServer
+    from tests._support.zookeeper_server import ZooKeeperServer
 
     with ZooKeeperServer() as running:
         yield running.hosts
 
 
+@pytest.mark.failing_observer
 def test_zookeeper_lock_is_held_and_released(
     zookeeper: str, broken: Broken, caplog: pytest.LogCaptureFixture
 ) -> None:
     """ZooKeeperLock.acquire() returns its fence with the lock held; release() deletes its znode."""
     from stateguard import ZooKeeperLock
-
-    from .._zk_workers import client_for
+    from tests._support.zk_workers import client_for
 
     client = client_for(zookeeper)
     try:

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from .._async_helpers import ASYNC_TARGETS, AsyncTarget, target_from
-from .._redis_server import RedisServer
+from tests._support.async_helpers import ASYNC_TARGETS, AsyncTarget, target_from
+from tests._support.redis_server import RedisServer
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ lease when the relay lost track of its claim); ``Relay.run()`` survives sink err
 database errors; ``RedisStreamSink`` XADDs each event with its id, so a consumer that records
 the id with ``consume_once`` in the transaction of its effect applies each event once.
 
-Every fault is real: the fault proxy (tests/_faultproxy.py) forwards a request to Redis, PostgreSQL or
-MariaDB and drops the server's reply (or closes every connection), and tests/_redis_server
+Every fault is real: tests/_support/faultproxy.FaultProxy forwards a request to Redis, PostgreSQL or
+MariaDB and drops the server's reply (or closes every connection), and tests/_support/redis_server
 starts a private Redis without persistence that a test crashes and restarts.  Nothing of a
 database or of Redis is mocked; the only wrapper is a sink that records what the real
 ``RedisStreamSink`` returned successfully.
@@ -40,10 +40,9 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from stateguard import OutboxEvent, RedisStreamSink, Relay, consume_once, create_tables, drop_tables, emit
 from stateguard.tables import outbox
-
-from .._faultproxy import COMMIT, FaultProxy
-from .._redis_server import RedisServer
-from ..conftest import REDIS_URL, Backend
+from tests._support.faultproxy import COMMIT, FaultProxy
+from tests._support.redis_server import RedisServer
+from tests.conftest import REDIS_URL, Backend
 
 CONSUMER = "relay-faults"
 #: What a relay's mark statement looks like on the wire (PostgreSQL and MariaDB): only the mark

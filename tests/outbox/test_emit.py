@@ -15,9 +15,9 @@ from sqlalchemy.orm import Session
 
 from stateguard import CallableSink, InvalidArgument, Relay, create_tables, drop_tables, emit, purge_published
 from stateguard.tables import outbox
+from tests._support.models import Base, Order
 
 from ..conftest import Backend, count_statements
-from ..models import Base, Order
 from ._events import Recorder, emit_one, event_rows
 
 

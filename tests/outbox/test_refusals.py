@@ -19,8 +19,8 @@ from redis.retry import Retry
 from sqlalchemy import Engine
 
 from stateguard import OutboxEvent, PublishFailed, RedisStreamSink, Relay, create_tables, drop_tables
+from tests._support.redis_server import RedisServer
 
-from .._redis_server import RedisServer
 from ..conftest import Backend
 from ._events import Refusing, emit_one, event_row, event_rows
 

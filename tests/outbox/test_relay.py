@@ -30,9 +30,9 @@ from stateguard import (
     emit,
 )
 from stateguard.tables import outbox
+from tests._support import outbox_workers as w
+from tests._support.async_helpers import AsyncTarget
 
-from .._async_helpers import AsyncTarget
-from .._support import outbox_workers as w
 from ..conftest import Backend
 from ._events import Recorder, emit_one, event_rows, wait_for_db_clock_past
 

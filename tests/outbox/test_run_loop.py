@@ -28,7 +28,7 @@ from stateguard import (
 )
 from stateguard.tables import outbox
 
-from .._async_helpers import AsyncTarget
+from .._support.async_helpers import AsyncTarget
 from ..conftest import Backend
 
 pytestmark = pytest.mark.hostile

@@ -17,8 +17,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from stateguard import AsyncRelay, CallableSink, Relay, StateMachine, create_tables, drop_tables, emit
 from stateguard.outbox.wakeup import CHANNEL, MIN_POLL_S, Poll
+from tests._support.async_helpers import PG_TARGETS, AsyncTarget, target_from
 
-from .._async_helpers import PG_TARGETS, AsyncTarget, target_from
 from ..conftest import Backend
 from ._events import emit_one
 

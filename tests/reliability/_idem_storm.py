@@ -11,8 +11,7 @@ from sqlalchemy import create_engine, insert
 from sqlalchemy.orm import Session
 
 from stateguard import idempotent, retry_on_conflict
-
-from .._idem_workers import BODY, payments
+from tests._support.idem_workers import BODY, payments
 
 SCOPE = "payments:storm"
 

@@ -11,7 +11,7 @@ interleaved in a seeded random order.
 Every unit of work runs in its own transaction through :func:`persist`:
 ``stateguard.retry_on_conflict`` for conflicts, plus a reconnect loop for
 connections the server dropped (a terminated backend, a killed connection, a
-restarting server).  A side effect row (:class:`tests._workers.Effect`) is
+restarting server).  A side effect row (:class:`tests._support.workers.Effect`) is
 written in the same transaction as every APPLIED change, so a rolled-back
 change leaves none and a double application leaves two.
 
@@ -52,10 +52,9 @@ from sqlalchemy.orm import Session
 from stateguard import DeadlockDetected, Result, StateguardError, decrement, reserve, retry_on_conflict
 from stateguard._kernel import classify_db_error
 from stateguard.tables import counter_ledger
-
-from .. import _workers as w
-from .._counter_workers import Bin
-from ..models import Order
+from tests._support import workers as w
+from tests._support.counter_workers import Bin
+from tests._support.models import Order
 
 T = TypeVar("T")
 
@@ -594,9 +593,8 @@ class Setup:
 def prepare(backend: Any, sizes: Sizes) -> Setup:
     """Create (and, after the test, drop) orders, bins, side effects and stateguard's tables."""
     from stateguard.tables import metadata as stateguard_metadata
-
-    from .._counter_workers import CounterBase
-    from ..models import Base
+    from tests._support.counter_workers import CounterBase
+    from tests._support.models import Base
 
     engine = backend.create(Base.metadata, CounterBase.metadata, w.EffectBase.metadata, stateguard_metadata)
     keys = list(range(1, sizes.orders + 1))

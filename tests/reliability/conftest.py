@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ._storm import Sizes, soak_factor
+from tests.reliability._storm import Sizes, soak_factor
 
 
 @pytest.fixture

@@ -25,11 +25,10 @@ from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
 from stateguard.tables import counter_ledger
-
-from .. import _workers as w
-from ..conftest import IN_CI, Backend, _Namespaces, _only
-from ..models import Order
-from ._storm import (
+from tests._support import workers as w
+from tests._support.models import Order
+from tests.conftest import IN_CI, Backend, _Namespaces, _only
+from tests.reliability._storm import (
     COUNTERS,
     TRANSITIONS,
     Control,
@@ -267,8 +266,7 @@ def test_postgresql_restart_mid_striped_storm_sells_each_ref_once(pg: Backend) -
     from concurrent.futures import ProcessPoolExecutor
 
     from stateguard import create_tables, drop_tables
-
-    from .. import _striped_workers as sw
+    from tests._support import striped_workers as sw
 
     restart, start = cluster_commands(pg.url)
     drop_tables(pg.engine)
@@ -353,9 +351,8 @@ def test_postgresql_restart_mid_idempotency_storm_runs_each_key_once(pg: Backend
 
     from stateguard import create_tables, drop_tables
     from stateguard.tables import idempotency_keys
-
-    from .._idem_workers import metadata, payments
-    from . import _idem_storm
+    from tests._support.idem_workers import metadata, payments
+    from tests.reliability import _idem_storm
 
     restart, start = cluster_commands(pg.url)
     engine = pg.create(metadata)

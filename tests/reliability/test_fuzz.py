@@ -34,11 +34,10 @@ from sqlalchemy.orm import Session
 from stateguard import Result, decrement, retry_on_conflict
 from stateguard.tables import counter_ledger
 from stateguard.tables import metadata as stateguard_metadata
-
-from .._counter_workers import Bin, CounterBase
-from ..conftest import Backend
-from ..models import Base, Order
-from ._storm import Sizes
+from tests._support.counter_workers import Bin, CounterBase
+from tests._support.models import Base, Order
+from tests.conftest import Backend
+from tests.reliability._storm import Sizes
 
 # The declared graph, restated (the model must not read stateguard's copy).
 SOURCES = {"pay": {"pending"}, "ship": {"paid"}, "cancel": {"pending", "paid"}}

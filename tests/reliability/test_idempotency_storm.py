@@ -10,10 +10,9 @@ from concurrent.futures import ProcessPoolExecutor
 from sqlalchemy import select
 
 from stateguard import create_tables, drop_tables
-
-from .._idem_workers import metadata, payments
-from ..conftest import Backend
-from . import _idem_storm
+from tests._support.idem_workers import metadata, payments
+from tests.conftest import Backend
+from tests.reliability import _idem_storm
 
 PROCESSES = 8
 KEYS = 60

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from ..conftest import Backend, _Namespaces, _only
-from ._storm import Sizes, check_counters, check_transitions, prepare, run_storm
+from tests.conftest import Backend, _Namespaces, _only
+from tests.reliability._storm import Sizes, check_counters, check_transitions, prepare, run_storm
 
 #: (backend, level as SQLAlchemy takes it, level as the server reports it, a conflict is certain).
 LEVELS = [

@@ -29,10 +29,9 @@ from sqlalchemy.orm import Session
 
 from stateguard import create_tables, drop_tables
 from stateguard.tables import consumed_messages, outbox
-
-from ..conftest import REDIS_URL, Backend
-from . import _pipeline_workers as pw
-from ._storm import Sizes
+from tests.conftest import REDIS_URL, Backend
+from tests.reliability import _pipeline_workers as pw
+from tests.reliability._storm import Sizes
 
 #: Orders at CI sizes (times the soak factor); each gets "pay" then "ship": 2 transitions, 2 events.
 ORDERS = 60

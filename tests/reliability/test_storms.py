@@ -7,8 +7,8 @@ Isolation levels other than the default are in test_isolation.py; faults in test
 
 from __future__ import annotations
 
-from ..conftest import Backend
-from ._storm import Sizes, check_counters, check_transitions, prepare, run_storm
+from tests.conftest import Backend
+from tests.reliability._storm import Sizes, check_counters, check_transitions, prepare, run_storm
 
 #: What each backend runs at unless told otherwise (as the workers read it back).
 DEFAULT_LEVEL = {"sqlite": None, "postgresql": "read committed", "mariadb": "REPEATABLE-READ"}

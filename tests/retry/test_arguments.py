@@ -11,8 +11,7 @@ from typing import Any
 import pytest
 
 from stateguard import InvalidArgument, Outcome, Result, retry_on_conflict
-
-from ..models import Order
+from tests._support.models import Order
 
 pytestmark = pytest.mark.hostile
 
@@ -55,6 +54,7 @@ def _ids(case: tuple[str, Any]) -> str:
     return f"{case[0]}={case[1]!r}"
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(("name", "value"), BAD, ids=[_ids(c) for c in BAD])
 def test_bad_argument_is_invalid_argument_before_a_synchronous_fn_runs(name: str, value: Any) -> None:
     """A bad argument raises InvalidArgument naming it, and the synchronous fn is never called."""
@@ -65,6 +65,7 @@ def test_bad_argument_is_invalid_argument_before_a_synchronous_fn_runs(name: str
     assert "e.g." in str(caught.value) or name in ("lock_not_acquired", "sleep")
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(("name", "value"), BAD, ids=[_ids(c) for c in BAD])
 def test_bad_argument_is_invalid_argument_at_the_call_of_the_async_form(name: str, value: Any) -> None:
     """With a coroutine function the bad argument raises at the call itself: no coroutine is made or run."""
@@ -81,6 +82,7 @@ def test_bad_argument_is_invalid_argument_at_the_call_of_the_async_form(name: st
     assert calls == []
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize("fn", [None, 42, "work"], ids=repr)
 def test_fn_that_is_not_callable_is_invalid_argument(fn: Any) -> None:
     """A fn that cannot be called is InvalidArgument saying to pass the unit of work or a lambda."""
@@ -112,6 +114,7 @@ def test_good_arguments_are_accepted_in_both_forms(kwargs: dict[str, Any]) -> No
     assert asyncio.run(retry_on_conflict(work, **kwargs)) == "async"
 
 
+@pytest.mark.limits
 def test_many_attempts_grow_the_wait_without_overflowing() -> None:
     """Past 1,024 attempts the exponential wait stays capped at max_backoff (2**1100 is no float)."""
 

@@ -13,10 +13,9 @@ import pytest
 from sqlalchemy import create_engine, inspect, make_url, text
 
 from stateguard.tables import metadata
-
-from .. import conftest
-from ..conftest import BACKENDS, unavailable
-from . import _race
+from tests import conftest
+from tests.conftest import BACKENDS, unavailable
+from tests.schema import _race
 
 OURS = {t.name for t in metadata.sorted_tables}
 THREADS = 8

@@ -18,9 +18,8 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from stateguard.tooling import cli
-
-from ..conftest import Backend
-from ._helpers import Terminal, run, write_module
+from tests.conftest import Backend
+from tests.tooling._helpers import Terminal, run, write_module
 
 # --------------------------------------------------------------------------
 # check: declarations

@@ -26,9 +26,8 @@ from stateguard.outbox.sinks.redis_streams import RedisStreamSink
 from stateguard.tables import consumed_messages, idempotency_keys, outbox, tokens
 from stateguard.tooling import cli
 from stateguard.tooling.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, main
-
-from ..conftest import REDIS_URL, Backend
-from ._helpers import DEMO, MULTI, run
+from tests.conftest import REDIS_URL, Backend
+from tests.tooling._helpers import DEMO, MULTI, run
 
 # --------------------------------------------------------------------------
 # Arguments, help, exit codes
@@ -540,6 +539,7 @@ def test_relay_finishes_the_batch_in_hand_on_sigterm(
         drop_tables(sqlite.engine)
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

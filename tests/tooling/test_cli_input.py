@@ -21,8 +21,7 @@ from stateguard import CallableSink, InvalidArgument, Relay, create_tables, emit
 from stateguard.outbox.sinks.redis_streams import RedisStreamSink
 from stateguard.tables import outbox
 from stateguard.tooling.cli import EXIT_OK, EXIT_USAGE, main
-
-from ..conftest import Backend
+from tests.conftest import Backend
 
 pytestmark = pytest.mark.hostile
 
@@ -562,6 +561,7 @@ def hostile_argv(draw: st.DrawFn) -> list[str]:
     return argv
 
 
+@pytest.mark.hostile
 @settings(
     max_examples=60,
     deadline=None,

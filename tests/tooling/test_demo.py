@@ -36,8 +36,7 @@ from stateguard.tooling.demo import (
     Request,
     SchemeRow,
 )
-
-from ..conftest import IN_CI, REDIS_URL, Backend
+from tests.conftest import IN_CI, REDIS_URL, Backend
 
 SCHEMES = (
     "state machine",
@@ -384,6 +383,7 @@ def test_demo_refuses_a_namespace_it_did_not_make(
         drop_namespace(backend, schema)
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize("name", ["Upper", "1st", "a-b", "x" * 49, "a;drop"])
 def test_demo_refuses_a_bad_schema_name(
     name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]

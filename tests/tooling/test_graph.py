@@ -13,9 +13,8 @@ import pytest
 
 from stateguard.tooling.demo import DemoOrder
 from stateguard.tooling.graph import GRAPHVIZ_HINT, graphviz_available, render_graph
-
-from ..conftest import unavailable
-from ._helpers import DEMO, MULTI, ROOT, run, write_module
+from tests.conftest import unavailable
+from tests.tooling._helpers import DEMO, MULTI, ROOT, run, write_module
 
 
 def test_readme_shows_the_current_demo_graph(capsys: pytest.CaptureFixture[str]) -> None:

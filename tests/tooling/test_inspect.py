@@ -24,9 +24,8 @@ from stateguard._kernel import db_now_ms
 from stateguard.tables import idempotency_keys, metadata, outbox, tokens, worker_leases
 from stateguard.tooling.graph import GRAPHVIZ_HINT, graphviz_available
 from stateguard.tooling.inspection import ScanProgress
-
-from ..conftest import Backend
-from ._helpers import Terminal, run, write_module
+from tests.conftest import Backend
+from tests.tooling._helpers import Terminal, run, write_module
 
 MODELS = """
 from sqlalchemy import String
@@ -344,6 +343,7 @@ def test_stuck_work_found_and_healthy_work_not(
     assert (code, report["ok"], report["stuck"]) == (0, True, [])
 
 
+@pytest.mark.clock
 @pytest.mark.parametrize("skew_hours", [3, -3])
 def test_application_clock_skew_changes_no_verdict(
     skew_hours: int,
@@ -554,7 +554,7 @@ def test_readme_documents_the_json_shape(
     app: tuple[str, ModuleType, Backend], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Every key ``--json`` prints (each section filled) is in the CLI page's shape, and nothing else is."""
-    from ._helpers import ROOT
+    from tests.tooling._helpers import ROOT
 
     name, module, backend = app
     _stuck_and_not(backend.engine)
@@ -610,7 +610,7 @@ def test_inspect_as_a_real_subprocess(sqlite_app: tuple[str, ModuleType, Backend
     import subprocess
     import sys
 
-    from ._helpers import ROOT
+    from tests.tooling._helpers import ROOT
 
     _, _, backend = sqlite_app
     _stuck_and_not(backend.engine)

@@ -17,11 +17,10 @@ from sqlalchemy.orm import Session
 from stateguard import create_tables, drop_tables, emit
 from stateguard.tables import outbox
 from stateguard.tooling.cli import EXIT_OK, EXIT_USAGE
-
-from ..conftest import Backend
-from ..outbox.sinks import _brokers
-from ..outbox.sinks._brokers import NATS_URL, RABBITMQ_URL
-from ._helpers import run
+from tests.conftest import Backend
+from tests.outbox.sinks import _brokers
+from tests.outbox.sinks._brokers import NATS_URL, RABBITMQ_URL
+from tests.tooling._helpers import run
 
 
 @pytest.fixture

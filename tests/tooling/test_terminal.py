@@ -7,8 +7,7 @@ import io
 import pytest
 
 from stateguard.tooling import terminal
-
-from ._helpers import Terminal
+from tests.tooling._helpers import Terminal
 
 
 def test_colour_only_on_a_terminal_without_no_color(monkeypatch: pytest.MonkeyPatch) -> None:

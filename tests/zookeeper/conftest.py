@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from .._zk_workers import client_for
-from .._zookeeper_server import ZooKeeperServer
+from tests._support.zk_workers import client_for
+from tests._support.zookeeper_server import ZooKeeperServer
 
 pytest.importorskip("kazoo", reason="!!! SKIPPED: kazoo is not installed (pip install -e '.[test]')")
 

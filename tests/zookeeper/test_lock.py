@@ -1,4 +1,4 @@
-"""ZooKeeperLock against real ZooKeeper servers started by the tests (issue 17).
+"""ZooKeeperLock against real ZooKeeper servers started by the tests.
 
 A standalone server (module scope) on a private port serves most tests; a
 three-server ensemble on localhost is started for the failover test.  The
@@ -24,9 +24,8 @@ from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from stateguard import InvalidArgument, LockLost, LockNotAcquired, ZooKeeperLock
-
-from .._faultproxy import FaultProxy
-from .._zk_workers import (
+from tests._support.faultproxy import FaultProxy
+from tests._support.zk_workers import (
     ZkBase,
     ZkLog,
     ZkPayout,
@@ -39,8 +38,8 @@ from .._zk_workers import (
     storm,
     thaw,
 )
-from .._zookeeper_server import Gate, ZooKeeperEnsemble, ZooKeeperServer
-from ..conftest import Backend
+from tests._support.zookeeper_server import Gate, ZooKeeperEnsemble, ZooKeeperServer
+from tests.conftest import Backend
 
 pytest.importorskip("kazoo", reason="!!! SKIPPED: kazoo is not installed (pip install -e '.[test]')")
 
@@ -61,7 +60,7 @@ def worker_context() -> Any:
     """A forkserver that has imported the workers' modules once: each worker forks from it ready to run
     (8 spawned interpreters importing SQLAlchemy and kazoo cost more than the storm itself)."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["tests._zk_workers"])
+    ctx.set_forkserver_preload(["tests._support.zk_workers"])
     return ctx
 
 
@@ -133,6 +132,7 @@ def test_fence_is_the_czxid_of_the_holders_own_znode(zk: Any, path: str) -> None
         assert stat.ephemeralOwner == zk.client_id[0]
 
 
+@pytest.mark.restart
 def test_fence_grows_when_the_sequence_counter_restarts(zk: Any, path: str) -> None:
     """A recreated parent restarts the sequence suffix at 0; the czxid fence still grows."""
     seen: list[tuple[int, str]] = []
@@ -148,6 +148,7 @@ def test_fence_grows_when_the_sequence_counter_restarts(zk: Any, path: str) -> N
     assert fences == sorted(set(fences))  # the fence never did
 
 
+@pytest.mark.restart
 def test_server_restart_keeps_the_lock_and_fences_grow(
     server: ZooKeeperServer, clients: Callable[..., Any], path: str
 ) -> None:
@@ -203,6 +204,7 @@ def test_not_reentrant_and_release_needs_a_hold(zk: Any, path: str) -> None:
         lock.release()
 
 
+@pytest.mark.hostile
 def test_wrong_client_objects(server: ZooKeeperServer, zk: Any) -> None:
     """Anything but a started KazooClient is InvalidArgument, saying what to pass."""
     import redis
@@ -223,6 +225,7 @@ def test_wrong_client_objects(server: ZooKeeperServer, zk: Any) -> None:
         ZooKeeperLock(stopped, "/locks/x")
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize(
     "bad",
     ["", "locks/x", "/", "/locks/", "/a//b", "/a/./b", "/a/../b", "/zookeeper", "/zookeeper/x",
@@ -234,6 +237,8 @@ def test_bad_paths(zk: Any, bad: Any) -> None:
         ZooKeeperLock(zk, bad)
 
 
+@pytest.mark.hostile
+@pytest.mark.cancel
 def test_bad_timeout_and_identifier(zk: Any) -> None:
     """A negative or non-numeric timeout and a non-str or huge identifier are InvalidArgument."""
     for kw in ({"timeout": -1}, {"timeout": "5"}, {"identifier": 5}, {"identifier": "x" * 2000}):
@@ -284,6 +289,7 @@ def test_session_expiry_while_holding(
     a.release()
 
 
+@pytest.mark.lost_reply
 def test_session_lost_between_grant_and_fence_read(
     server: ZooKeeperServer, clients: Callable[..., Any], path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -351,6 +357,7 @@ def test_suspended_is_not_held_then_reconnected(
         assert zk.get_children(path) == []
 
 
+@pytest.mark.lost_reply
 def test_acquire_whose_create_reply_was_lost_holds_its_own_znode(
     server: ZooKeeperServer, clients: Callable[..., Any], path: str
 ) -> None:
@@ -373,6 +380,7 @@ def test_acquire_whose_create_reply_was_lost_holds_its_own_znode(
         assert observer.get_children(path) == []
 
 
+@pytest.mark.lost_reply
 def test_release_whose_reply_was_lost_is_released_not_lost(
     server: ZooKeeperServer, clients: Callable[..., Any], path: str
 ) -> None:
@@ -467,6 +475,7 @@ def test_paused_holder_process_is_fenced_out(
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.failover
 def test_leader_failover_never_two_holders() -> None:
     """Kill the leader of a 3-server ensemble while the lock is held and contended: one holder at a time,
     fences strictly increasing (the new epoch's above the old), and the lock keeps being granted."""
@@ -571,6 +580,8 @@ def test_acquire_and_release_report_outcome_events(clients: Callable[..., Any], 
     assert seen[1].duration >= 0.05
 
 
+@pytest.mark.limits
+@pytest.mark.cancel
 def test_infinite_timeout_waits_forever_and_a_huge_one_is_refused(zk: Any, path: str) -> None:
     lock = ZooKeeperLock(zk, path, timeout=float("inf"))
     assert lock.timeout is None

@@ -1,6 +1,6 @@
 """ZooKeeperLock.acquire(timeout=T) bounds the whole call, a client cut off from ZooKeeper included.
 
-The client is cut off two ways: behind a :class:`~tests._zookeeper_server.Gate`
+The client is cut off two ways: behind a :class:`~tests._support.zookeeper_server.Gate`
 that closes every connection and refuses new ones (the client is SUSPENDED
 and keeps trying to reconnect), and with the server process frozen by
 SIGSTOP (the connection stays open, nothing answers).  Either way the call
@@ -21,8 +21,7 @@ from typing import Any
 import pytest
 
 from stateguard import LockNotAcquired, ZooKeeperLock
-
-from .._zookeeper_server import Gate, ZooKeeperServer
+from tests._support.zookeeper_server import Gate, ZooKeeperServer
 
 pytest.importorskip("kazoo", reason="!!! SKIPPED: kazoo is not installed (pip install -e '.[test]')")
 

@@ -20,7 +20,7 @@ from stateguard import ConfigurationError, InvalidArgument, OutboxEvent, Publish
 from stateguard.outbox import AsyncRelay
 from stateguard.outbox.sinks import AsyncNATSSink, NATSSink
 
-from ..._faultproxy import FaultProxy
+from ..._support.faultproxy import FaultProxy
 from ...conftest import Backend
 from . import _brokers
 from ._brokers import NATS_PORT, NATS_URL, Stream, drain_relay, outbox_rows, publish_all, via

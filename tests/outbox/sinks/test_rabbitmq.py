@@ -24,7 +24,7 @@ from stateguard import ConfigurationError, InvalidArgument, OutboxEvent, Publish
 from stateguard.outbox import AsyncRelay
 from stateguard.outbox.sinks import AsyncRabbitMQSink, RabbitMQSink
 
-from ..._faultproxy import FaultProxy
+from ..._support.faultproxy import FaultProxy
 from ...conftest import Backend
 from ._brokers import (
     RABBITMQ_PORT,

@@ -13,8 +13,8 @@ from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from stateguard import AsyncRelay, InvalidArgument, RedisStreamSink, Relay, create_tables, drop_tables, emit
+from tests._support.async_helpers import AsyncTarget
 
-from ..._async_helpers import AsyncTarget
 from ...conftest import REDIS_URL, Backend
 from .._events import emit_one
 
