@@ -272,6 +272,11 @@ def test_relay_publishes_around_an_event_amqp_cannot_carry(outbox_db: Engine, mq
 
 
 @pytest.mark.restart
+# pika leaves the socket of a handshake the proxy cuts unclosed (its connection workflow drops
+# the half-open connection without closing it): a ResourceWarning from pika's own objects,
+# raised whenever the garbage collector meets them, not a stateguard leak.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
 def test_a_broker_cut_off_for_many_rounds_parks_no_event(
     outbox_db: Engine, mq: Rabbit, caplog: pytest.LogCaptureFixture
 ) -> None:
