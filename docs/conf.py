@@ -119,6 +119,7 @@ _EXTERNAL_UNQUALIFIED = [
     "Redis", "AsyncRedis", "RedisCluster", "KazooClient", "Tracer", "Meter", "Span",
     "BlockingConnection", "Channel", "AbstractRobustConnection", "NATS", "JetStreamContext",
     "Request", "Response", "Starlette", "WSGIApplication", "StartResponse", "WSGIEnvironment",
+    "Celery", "Task",
 ]
 nitpick_ignore_regex = [
     (r"py:.*", rf"({'|'.join(_EXTERNAL)})(\..*)?"),
