@@ -19,7 +19,10 @@ def test_every_scenario_runs_with_tiny_sizes(backend: Backend) -> None:
     tables = run([backend.url], None, quick=True, out=out)
     assert len(tables) == len(RUNNERS)
     by_number = {t.title.split(" ")[0]: t for t in tables}
-    assert set(by_number) == {"1.", "2.", "3.", "3b.", "4.", "5a.", "5b.", "5c.", "6.", "6b.", "6c.", "7.", "8."}
+    assert set(by_number) == {
+        *("1.", "2.", "3.", "3b.", "4.", "5a.", "5b.", "5c."),
+        *("6.", "6b.", "6c.", "7.", "8."),
+    }
 
     single = {r["variant"]: r for r in by_number["1."].rows}
     assert single["stateguard"]["stmts_per_call"] == 1.0
