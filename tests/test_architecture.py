@@ -43,7 +43,7 @@ OPTIONAL = {
     "aio_pika": {"stateguard.outbox.sinks.rabbitmq"},
     "aiormq": {"stateguard.outbox.sinks.rabbitmq"},
     "nats": {"stateguard.outbox.sinks.nats", "stateguard.consumers.nats"},
-    "celery": {"stateguard.consumers.celery"},
+    "celery": {"stateguard.consumers.celery", "stateguard.outbox.sinks.celery"},
 }
 
 

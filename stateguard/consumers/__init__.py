@@ -16,9 +16,9 @@ below is imported from its module the first time it is used::
   consumer group (module ``redis_streams``, extra ``redis``);
 - :class:`RabbitMQConsumer`: a RabbitMQ queue (``rabbitmq``, pika);
 - :class:`NATSConsumer`: a JetStream durable pull consumer (``nats``, nats-py);
-- :func:`exactly_once`: a Celery task applied once per key; :func:`enqueue`
-  and :class:`CelerySink`: a Celery task sent through the outbox
-  (``celery``, celery).
+- :func:`exactly_once`: a Celery task applied once per key; :func:`enqueue`:
+  a Celery task sent through the outbox by a relay with
+  :class:`~stateguard.outbox.sinks.CelerySink` (``celery``, celery).
 
 :class:`Message` is what a handler gets.  See ``docs/how-to/consumers.md``.
 """
@@ -28,17 +28,17 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .. import _compat
 from ._core import DEFAULT_MAX_DELIVERIES as DEFAULT_MAX_DELIVERIES
 from ._core import Handler, Message
 
 if TYPE_CHECKING:
-    from .celery import CelerySink, enqueue, exactly_once
+    from .celery import enqueue, exactly_once
     from .nats import NATSConsumer
     from .rabbitmq import RabbitMQConsumer
     from .redis_streams import RedisStreamConsumer
 
 __all__ = [
-    "CelerySink",
     "Handler",
     "Message",
     "NATSConsumer",
@@ -50,7 +50,6 @@ __all__ = [
 
 #: Which module defines each name (imported on first use: each needs its own client).
 _MODULES = {
-    "CelerySink": "celery",
     "enqueue": "celery",
     "exactly_once": "celery",
     "NATSConsumer": "nats",
@@ -59,10 +58,14 @@ _MODULES = {
 }
 
 
+#: Names this package exported before they moved to the outbox's sinks, and where they live now.
+_MOVED = {"CelerySink": "stateguard.outbox.sinks.celery"}
+
+
 def __getattr__(name: str) -> Any:
     module = _MODULES.get(name)
     if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        return _compat.moved(__name__, name, _MOVED, public="stateguard.outbox.sinks")
     return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
 

@@ -8,10 +8,13 @@
 comes again (a worker killed mid-task, a visibility timeout, a retry, a
 ``delay()`` made twice with one key) is acknowledged without running the
 body again.  :func:`enqueue` stores the call as an outbox event in the
-caller's transaction, and a relay with a :class:`CelerySink` sends it after
-COMMIT, with a task id made of the event id, so the relay's re-publications
-are the same task.  celery (the ``stateguard[celery]`` extra) is imported
-only by this module.  See ``docs/how-to/consumers.md``.
+caller's transaction, and a relay with a
+:class:`~stateguard.outbox.sinks.CelerySink` (module
+``stateguard.outbox.sinks.celery``; importing it from here still works, with
+a DeprecationWarning) sends it after COMMIT, with a task id made of the
+event id, so the relay's re-publications are the same task.  celery (the
+``stateguard[celery]`` extra) is referred to only by this module and the
+sink's.  See ``docs/how-to/consumers.md``.
 """
 
 from __future__ import annotations
@@ -24,18 +27,22 @@ from typing import TYPE_CHECKING, Any, Final
 
 from sqlalchemy.orm import Session
 
-from ..exceptions import InvalidArgument, PublishFailed
+from .. import _compat
+from ..exceptions import InvalidArgument
 from ..inserts import consume_once
-from ..outbox import OutboxEvent, emit
+from ..outbox import emit
 from ._core import MAX_BACKOFF, check_name, is_transient, session_factory
 
 if TYPE_CHECKING:
     from celery import Celery, Task
 
-__all__ = ["CelerySink", "enqueue", "exactly_once"]
+__all__ = ["enqueue", "exactly_once"]
 
-#: Put before the outbox event id to make the Celery task id of an enqueued call.
-TASK_ID_PREFIX: Final = "stateguard-outbox-"
+#: Names this module defined before the sink moved to the outbox's sinks, and where they live now.
+_MOVED: Final = {
+    "CelerySink": "stateguard.outbox.sinks.celery",
+    "TASK_ID_PREFIX": "stateguard.outbox.sinks.celery",
+}
 
 
 def exactly_once(
@@ -132,7 +139,8 @@ def enqueue(
 ) -> int:
     """Store a call of ``task`` as an outbox event in the session's transaction; return the event id.
 
-    The task is sent by a relay with a :class:`CelerySink` once the
+    The task is sent by a relay with a
+    :class:`~stateguard.outbox.sinks.CelerySink` once the
     transaction commits, never if it rolls back, and even if the process
     dies right after COMMIT (where Celery's ``delay_on_commit`` loses it)::
 
@@ -154,63 +162,5 @@ def enqueue(
     return emit(session, name, payload, key=key)
 
 
-class CelerySink:
-    """An outbox :class:`~stateguard.outbox.Sink` sending each event :func:`enqueue` made as a Celery task.
-
-    ::
-
-        app.conf.broker_transport_options = {"confirm_publish": True}   # wait for the broker's confirm
-        Relay(engine, CelerySink(app), topics=[ship.name]).run(stop_event)
-
-    Each event is ``app.send_task(event.topic, args, kwargs,
-    task_id=TASK_ID_PREFIX + str(event.id))``: an event the relay publishes
-    twice is one task id twice, which an :func:`exactly_once` task applies
-    once.  Give the relay ``topics=`` (the task names) so it takes only
-    these events.  With RabbitMQ set ``confirm_publish``, so that a send
-    returns once the broker has the message.  An event whose payload is not
-    what :func:`enqueue` writes is refused (:class:`~stateguard.PublishFailed`
-    naming it): the relay parks it dead after ``max_attempts``.
-
-    :param app: the Celery app whose broker the tasks go to.
-    :param options: more ``send_task`` options for every task (``queue=``...).
-    """
-
-    __slots__ = ("app", "options")
-
-    def __init__(self, app: Celery, **options: Any) -> None:
-        if not callable(getattr(app, "send_task", None)):
-            raise InvalidArgument(f"CelerySink needs a Celery app, got {app!r}")
-        self.app = app
-        self.options = options
-
-    def publish(self, events: Sequence[OutboxEvent]) -> None:
-        """Send one task per event, in order; raise PublishFailed naming the events not sent."""
-        for done, event in enumerate(events):
-            payload = event.payload
-            if (
-                not isinstance(payload, dict)
-                or not isinstance(payload.get("args", []), list)
-                or not isinstance(payload.get("kwargs", {}), dict)
-            ):
-                raise PublishFailed(
-                    f"outbox event {event.id} (topic {event.topic!r}) is not a task call enqueue() wrote: "
-                    f"its payload must be {{'args': [...], 'kwargs': {{...}}}}",
-                    event_ids=(event.id,),
-                )
-            try:
-                self.app.send_task(
-                    event.topic,
-                    args=payload.get("args", []),
-                    kwargs=payload.get("kwargs", {}),
-                    task_id=f"{TASK_ID_PREFIX}{event.id}",
-                    **self.options,
-                )
-            except Exception as error:  # kombu's OperationalError, a lost connection, a nack
-                raise PublishFailed(
-                    f"Celery's broker did not take task {event.topic!r} of outbox event {event.id}: "
-                    f"{type(error).__name__}: {error}",
-                    event_ids=tuple(e.id for e in events[done:]),
-                ) from error
-
-    def __repr__(self) -> str:
-        return f"CelerySink({self.app.main!r})"
+def __getattr__(name: str) -> Any:
+    return _compat.moved(__name__, name, _MOVED, public="stateguard.outbox.sinks")

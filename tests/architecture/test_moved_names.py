@@ -108,3 +108,21 @@ def test_triggers_may_not_take_the_names_of_the_machines_own_attributes(name: st
             id: Mapped[int] = mapped_column(primary_key=True)
             state: Mapped[str] = mapped_column(String(10), default="a")
             flow = StateMachine("state", states=["a", "b"], transitions=[[name, "a", "b"]])
+
+
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [
+        ("stateguard.consumers", "CelerySink"),
+        ("stateguard.consumers.celery", "CelerySink"),
+        ("stateguard.consumers.celery", "TASK_ID_PREFIX"),
+    ],
+)
+def test_a_name_moved_to_the_outbox_sinks_still_imports_with_a_warning(module: str, name: str) -> None:
+    """from stateguard.consumers import CelerySink still works, warning where it lives now."""
+    sinks = importlib.import_module("stateguard.outbox.sinks.celery")
+    with pytest.warns(
+        DeprecationWarning, match=rf"{module}\.{name} moved to stateguard\.outbox\.sinks\.celery"
+    ):
+        found = getattr(importlib.import_module(module), name)
+    assert found is getattr(sinks, name)

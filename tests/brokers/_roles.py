@@ -105,7 +105,7 @@ def relay(broker: str) -> int:
 
         real = NATSSink(NATS_URL, stream=env("SG_TARGET"), lease=LEASE)
     else:
-        from stateguard.consumers import CelerySink
+        from stateguard.outbox.sinks import CelerySink
 
         from ._celery_app import app
 

@@ -10,7 +10,6 @@ import sys
 import stateguard.consumers
 
 EXPECTED = [
-    "CelerySink",
     "Handler",
     "Message",
     "NATSConsumer",

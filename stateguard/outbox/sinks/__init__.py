@@ -14,6 +14,7 @@ sink                          relay                        module (extra)
 :class:`NATSSink`             :class:`~stateguard.Relay`   ``nats`` (nats-py)
 :class:`AsyncNATSSink`        ``AsyncRelay``               ``nats`` (nats-py)
 :class:`RedisStreamSink`      either (by its client)       ``redis`` (redis-py)
+:class:`CelerySink`           :class:`~stateguard.Relay`   ``celery`` (celery)
 ============================  ===========================  =======================
 
 The RabbitMQ and NATS
@@ -29,15 +30,24 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .celery import CelerySink
     from .nats import AsyncNATSSink, NATSSink
     from .rabbitmq import AsyncRabbitMQSink, RabbitMQSink
     from .redis_streams import RedisStreamSink
 
-__all__ = ["AsyncNATSSink", "AsyncRabbitMQSink", "NATSSink", "RabbitMQSink", "RedisStreamSink"]
+__all__ = [
+    "AsyncNATSSink",
+    "AsyncRabbitMQSink",
+    "CelerySink",
+    "NATSSink",
+    "RabbitMQSink",
+    "RedisStreamSink",
+]
 
 #: Which module defines each sink (imported on first use: each needs its own client).
 _MODULES = {
     "AsyncNATSSink": "nats",
+    "CelerySink": "celery",
     "NATSSink": "nats",
     "AsyncRabbitMQSink": "rabbitmq",
     "RabbitMQSink": "rabbitmq",
