@@ -54,6 +54,7 @@ __all__ = [
     "InsertOnce",
     "check_statement_size",
     "connection_for",
+    "connection_for_key",
     "ensure_real_transaction",
     "execute",
     "insert_rows",
@@ -123,6 +124,30 @@ def connection_for(
         # transaction, and may read before it writes; take the write lock now.
         sqlite_write_lock(conn)
     return conn
+
+
+def connection_for_key(session: Session, info: ModelInfo, value: Any) -> tuple[Connection, Backend]:
+    """:func:`connection_for` for one row named by a one-column key ``value``, and the connection's Backend.
+
+    The same flush, binds and checks, written out for the most frequent guarded
+    write (a trigger fired on one scalar primary key): no tuples of keys to walk.
+    """
+    if session.autoflush:
+        session.flush()
+    conn = session.connection(bind_arguments=info.bind_arguments)
+    backend = backend_of(conn.dialect)
+    bounds = info.key_limits.get(backend)
+    if bounds is None:
+        bounds = key_bounds(conn, info) or ()
+    if bounds:
+        limits = bounds[0]
+        if limits is not None and type(value) is int and not limits[0] <= value <= limits[1]:
+            raise out_of_range_error(info, info.pk_columns[0], value, limits, "primary key")
+    if info.text_key and type(value) is str:
+        check_string(info, None, value, "primary key")
+    if backend.driver_begins_lazily and conn.info.get(BEGIN_MARK) == PENDING:
+        sqlite_write_lock(conn)
+    return conn, backend
 
 
 def own_connection(session: Session, table: Table | None) -> Connection:

@@ -416,6 +416,7 @@ class StateMachine(Generic[S]):
                     _check_guard(self, trig, edge.where(cls), mapper)
         for trigger in self.triggers.values():
             trigger.topic = events.topic_for(self, trigger, mapper.local_table.name)
+            trigger._simple = not self.history_enabled and trigger.topic is None and len(trigger.dests) == 1
         if self.check_constraint:
             ddl.add_states_check(self)
 

@@ -57,6 +57,11 @@ class Trigger:
         self._callbacks = any(e.after_commit for e in edges)
         #: The outbox topic of this trigger's events, or ``None`` (set when the machine is bound).
         self.topic: str | None = None
+        #: No history, no events, one destination (set when the machine is bound): a call on a
+        #: scalar key with no options takes :meth:`_attempt_simple`.
+        self._simple = False
+        #: :meth:`_attempt_simple`'s statement per Backend (interned: a handful at most).
+        self._simple_plans: dict[_kernel.Backend, compile.Plan] = {}
 
     def __repr__(self) -> str:
         model = self.machine.model.__name__ if self.machine.model is not None else "?"
@@ -167,8 +172,19 @@ class Trigger:
         coroutine: ``r = await Order.flow.pay(session, 42)``.
         """
         # new_request_id()'s UUID is stored as its canonical text.
-        rid = str(request_id) if isinstance(request_id, UUID) else request_id
-        result = self._attempt(session, target, values, expected_version, fence, rid, metadata)
+        rid = str(request_id) if request_id is not None and isinstance(request_id, UUID) else request_id
+        if (
+            self._simple
+            and type(target) is self.machine._fast_key
+            and values is None
+            and expected_version is None
+            and fence is None
+            and rid is None
+            and metadata is None
+        ):
+            result = self._attempt_simple(session, target)
+        else:
+            result = self._attempt(session, target, values, expected_version, fence, rid, metadata)
         raced = 0
         while result.outcome is Outcome.REJECTED and raced < _RACE_RETRIES and self._allows(result.state):
             # At READ COMMITTED (PostgreSQL) the follow-up read takes a newer
@@ -182,6 +198,47 @@ class Trigger:
     __call__ = dual_method(_fire, operation="trigger")
     many = dual_method(bulk.fire_many, operation="many")
     where = dual_method(bulk.fire_where, operation="where")
+
+    def _attempt_simple(self, session: Session, value: Any) -> Result:
+        """:meth:`_attempt` for the most frequent call, written out: a scalar primary key of exactly
+        the column's type, no options, on a trigger with one destination, no history and no events."""
+        m = self.machine
+        info = m._info
+        if info is None:  # never: the key's type is known only once the model info is
+            info = m.info
+        conn, backend = _kernel.connection_for_key(session, info, value)
+        plan = self._simple_plans.get(backend)
+        if plan is None:
+            plan = self._simple_plans[backend] = compile.plan(self, backend, (), False, False, False)
+        applied, row = _kernel.run_guarded(
+            conn,
+            plan.stmt,
+            {"sg_pk0": value},
+            returning=plan.returning,
+            last_insert_id=plan.uses_last_insert_id,
+        )
+        key = (value,)
+        if not applied:
+            return self._classify(session, conn, backend, info, key, None, None)
+        # RETURNING (version,), or MySQL's (LAST_INSERT_ID,): the new version.
+        version = row[0] if row is not None and info.version_column is not None else None
+        state = self.dests[0]
+        if self._callbacks:
+            out = self._applied(session, key, state, version)
+        else:
+            out = Result(
+                Outcome.APPLIED,
+                model=info.model,
+                key=value,
+                trigger=self.name,
+                state=state,
+                version=version,
+                session=session,
+            )
+        instance = _kernel.identity_instance(session, info, key)
+        if instance is not None:
+            self._sync_applied(session, info, key, instance, (), m.codec.to_db(state), version, None)
+        return out
 
     def _attempt(
         self,
@@ -309,19 +366,33 @@ class Trigger:
         if instance is None:
             instance = _kernel.identity_instance(session, info, key)
         if instance is not None:
-            committed = {m.attr: db_state}
-            expire = [attr for attr, _, _ in items]
-            for edge in self.edges:
-                expire.extend(edge.values)
-            if info.version_attr is not None:
-                if version is not None:
-                    committed[info.version_attr] = version
-                else:
-                    expire.append(info.version_attr)
-            if fence is not None and info.fence_attr is not None:
-                committed[info.fence_attr] = fence
-            _kernel.sync_loaded(session, info, key, instance, committed, expire)
+            self._sync_applied(session, info, key, instance, items, db_state, version, fence)
         return out
+
+    def _sync_applied(
+        self,
+        session: Session,
+        info: _kernel.ModelInfo,
+        key: tuple[Any, ...],
+        instance: Any,
+        items: compile.Items,
+        db_state: Any,
+        version: int | None,
+        fence: int | None,
+    ) -> None:
+        """Make the loaded ``instance`` agree with the row this trigger's UPDATE just wrote."""
+        committed = {self.machine.attr: db_state}
+        expire = [attr for attr, _, _ in items]
+        for edge in self.edges:
+            expire.extend(edge.values)
+        if info.version_attr is not None:
+            if version is not None:
+                committed[info.version_attr] = version
+            else:
+                expire.append(info.version_attr)
+        if fence is not None and info.fence_attr is not None:
+            committed[info.fence_attr] = fence
+        _kernel.sync_loaded(session, info, key, instance, committed, expire)
 
     def _allows(self, state: Any) -> bool:
         """Whether an unguarded edge of this trigger leaves from ``state``."""
