@@ -78,6 +78,9 @@ class Verdict(enum.Enum):
     FAILED = "failed"
     #: Stopped while waiting for the database to come back: release it untouched.
     STOPPED = "stopped"
+    #: Its id cannot be recorded by consume_once (empty, blank, too long, NUL, not text): no
+    #: delivery can ever handle it once, so it is dead-lettered at once, the handler not run.
+    UNUSABLE = "unusable"
 
 
 def check_name(value: Any, what: str, limit: int = MAX_SCOPE) -> str:
@@ -150,13 +153,16 @@ class Handling:
 
     def handle(self, message: Message, keep_alive: Callable[[], Any] | None = None) -> Verdict:
         """Apply ``message``; wait out a database outage (calling ``keep_alive`` between tries)."""
-        if not message.id or len(message.id) > MAX_KEY:
+        try:
+            check_name(message.id, "message id", MAX_KEY)
+        except InvalidArgument as error:
             log.error(
-                "consumer %r: a message without a usable id (%r) cannot be handled once: dead-lettered",
+                "consumer %r: a message whose id cannot be recorded (%s) cannot be handled once: "
+                "dead-lettered",
                 self.consumer,
-                message.id[:80],
+                error,
             )
-            return Verdict.FAILED
+            return Verdict.UNUSABLE
         pause = 0.05
         while True:
             try:

@@ -274,7 +274,9 @@ class NATSConsumer:
             self.handled += 1
         elif verdict is Verdict.STOPPED:
             await raw.nak()
-        elif deliveries >= self.max_deliveries or not message.id:
+        elif verdict is Verdict.UNUSABLE:
+            await self._dead_letter(js, raw, message, "its id cannot be recorded")
+        elif deliveries >= self.max_deliveries:
             await self._dead_letter(js, raw, message, "the handler failed")
         else:
             await raw.nak(delay=self.retry_delay)

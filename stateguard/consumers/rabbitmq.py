@@ -229,7 +229,9 @@ class RabbitMQConsumer:
             self.handled += 1
         elif verdict is Verdict.STOPPED:
             channel.basic_nack(method.delivery_tag, requeue=True)
-        elif deliveries >= self.max_deliveries or not message.id:
+        elif verdict is Verdict.UNUSABLE:
+            self._dead_letter(channel, method, message, "its id cannot be recorded")
+        elif deliveries >= self.max_deliveries:
             self._dead_letter(channel, method, message, "the handler failed")
         else:
             self._retry(channel, method, properties, body, deliveries)

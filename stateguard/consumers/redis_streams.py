@@ -49,6 +49,16 @@ def _text(value: Any) -> str | None:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
+def _is_utf8(value: Any) -> bool:
+    if not isinstance(value, bytes):
+        return True
+    try:
+        value.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def _field(fields: dict[Any, Any], name: str) -> Any:
     """A field of an entry read with or without ``decode_responses``."""
     value = fields.get(name.encode())
@@ -276,6 +286,10 @@ class RedisStreamConsumer:
             # Trimmed from the stream while pending: nothing left to handle.
             self.client.xack(self.stream, self.group, entry_id)
             return 1
+        if not _is_utf8(_field(fields, "id")):
+            # Decoded with replacement, b"\xff" and b"\xfe" would both read "\ufffd" and the
+            # second would pass for a repeat of the first: its effect lost.  No delivery can help.
+            return self._dead_letter(entry_id, fields, deliveries, "its id is not UTF-8 text")
         message = Message(
             id=_text(_field(fields, "id")) or "",
             body=_bytes(_field(fields, "payload")),
@@ -291,7 +305,9 @@ class RedisStreamConsumer:
             self.client.xack(self.stream, self.group, entry_id)
             self.handled += 1
             return 1
-        if verdict is Verdict.FAILED and (deliveries >= self.max_deliveries or not message.id):
+        if verdict is Verdict.UNUSABLE:
+            return self._dead_letter(entry_id, fields, deliveries, "its id cannot be recorded")
+        if verdict is Verdict.FAILED and deliveries >= self.max_deliveries:
             return self._dead_letter(entry_id, fields, deliveries, "the handler failed")
         return 0  # pending: claimed again after claim_idle
 

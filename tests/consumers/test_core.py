@@ -101,13 +101,18 @@ def test_stop_during_an_outage_releases_the_message_untouched(db: Engine) -> Non
     assert records(db) == []
 
 
-def test_a_message_without_an_id_fails_without_running_the_handler(db: Engine) -> None:
-    """No id means no deduplication: the message is FAILED (dead-lettered) and the handler never runs."""
+@pytest.mark.hostile
+@pytest.mark.parametrize("bad", ["", " \t", "x" * 256, "a\x00b", "\ud800"], ids=repr)
+def test_a_message_whose_id_cannot_be_recorded_is_unusable_without_running_the_handler(
+    db: Engine, bad: str
+) -> None:
+    """No usable id means no deduplication: UNUSABLE (dead-lettered at once), the handler never runs,
+    nothing is written."""
     calls: list[Message] = []
     handling = Handling(db, lambda s, m: calls.append(m), "billing", "test")
-    assert handling.handle(Message(id="", body=b"{}")) is Verdict.FAILED
-    assert handling.handle(Message(id="x" * 256, body=b"{}")) is Verdict.FAILED
+    assert handling.handle(Message(id=bad, body=b"{}")) is Verdict.UNUSABLE
     assert calls == [] and records(db) == []
+    assert handling.handle(Message(id="x" * 255, body=b"{}")) is Verdict.DONE  # the limit itself is fine
 
 
 def test_a_sessionmaker_is_accepted_as_the_bind(db: Engine) -> None:

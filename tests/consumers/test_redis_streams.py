@@ -164,6 +164,27 @@ def test_an_entry_without_an_id_is_dead_lettered_at_once(db: Engine, stream: tup
     assert client.xlen(f"{name}:dead") == 1 and pending(stream) == 0
 
 
+@pytest.mark.hostile
+def test_entries_whose_ids_cannot_be_recorded_are_dead_lettered_at_once_and_apart(
+    db: Engine, stream: tuple[Any, str]
+) -> None:
+    """Non-UTF-8, NUL, blank and over-long ids: each dead-lettered on its first delivery, handler not
+    run, nothing recorded; two different non-UTF-8 ids are not taken for one (no replacement text)."""
+    client, name = stream
+    hostile: list[Any] = [b"\xff", b"\xfe", "a\x00b", " ", "x" * 256]
+    for bad in hostile:
+        client.xadd(name, {"id": bad, "topic": "t", "key": "k", "payload": "{}"})
+    client.xadd(name, {"id": "good", "topic": "t", "key": "k", "payload": "{}"})
+    calls: list[str] = []
+    c = consumer(db, stream, lambda s, m: calls.append(m.id), max_deliveries=5)
+    drain(c)
+    assert calls == ["good"]
+    assert client.xlen(f"{name}:dead") == len(hostile) and pending(stream) == 0
+    assert c.dead_lettered == len(hostile)
+    errors = {e[1][b"error"] for e in client.xrange(f"{name}:dead")}
+    assert errors == {b"its id is not UTF-8 text", b"its id cannot be recorded"}
+
+
 def test_stop_finishes_the_entry_in_hand_and_leaves_the_rest_pending(
     db: Engine, stream: tuple[Any, str]
 ) -> None:
