@@ -11,6 +11,7 @@ import is), and the import graph built from them (:func:`targets`,
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,8 +50,9 @@ def source_files() -> list[Path]:
     )
 
 
+@functools.cache
 def parse(path: Path) -> ast.Module:
-    """The syntax tree of the module at ``path``."""
+    """The syntax tree of the module at ``path`` (parsed once a test run; nothing may change it)."""
     return ast.parse(path.read_text(), str(path))
 
 
@@ -85,13 +87,17 @@ def runtime_nodes(tree: ast.AST) -> Iterator[ast.AST]:
 def imports_of(path: Path) -> list[Import]:
     """The run-time imports of the module at ``path``."""
     importer = module_name(path)
-    return imports_in(path.read_text(), importer, package_of(importer, path))
+    return _imports_in_tree(parse(path), importer, package_of(importer, path))
 
 
 def imports_in(source: str, importer: str, package: str) -> list[Import]:
     """The run-time imports of ``source`` (module ``importer`` of ``package``), names made absolute."""
+    return _imports_in_tree(ast.parse(source), importer, package)
+
+
+def _imports_in_tree(tree: ast.AST, importer: str, package: str) -> list[Import]:
     found: list[Import] = []
-    for node in runtime_nodes(ast.parse(source)):
+    for node in runtime_nodes(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 found.append(Import(importer, alias.name, (), node.lineno))

@@ -211,7 +211,9 @@ def test_a_module_that_imports_only_after_another_fails_on_its_own(tmp_path: Pat
     (package / "__init__.py").write_text("registry = {}\n")
     (package / "fills.py").write_text("from orderdep import registry\nregistry['x'] = 1\n")
     (package / "needs.py").write_text("from orderdep import registry\nVALUE = registry['x']\n")
-    (package / "fine.py").write_text("import orderdep.fills\nfrom orderdep import registry\nVALUE = registry['x']\n")
+    (package / "fine.py").write_text(
+        "import orderdep.fills\nfrom orderdep import registry\nVALUE = registry['x']\n"
+    )
     (package / "broken.py").write_text("raise SystemExit(3)\n")
     modules = ["orderdep.fills", "orderdep.needs", "orderdep.fine", "orderdep.broken"]
     failures = import_failures("orderdep", modules, tmp_path)

@@ -82,8 +82,9 @@ def private_attributes(tree: ast.AST) -> set[str]:
         for node in ast.walk(cls):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and is_private(node.name):
                 found.add(node.name)
-            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and is_private(node.attr):
-                found.add(node.attr)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                if is_private(node.attr):
+                    found.add(node.attr)
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and is_private(node.id):
                 found.add(node.id)
             elif isinstance(node, ast.Constant) and isinstance(node.value, str) and is_private(node.value):
