@@ -19,11 +19,11 @@ import logging
 import random
 import threading
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Dialect, Engine
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import inspect as sa_inspect
 
@@ -162,11 +162,11 @@ class _RelayCore(_Isolation, Generic[E]):
         self._schema_checked = False
 
     @staticmethod
-    def _dialect_of(engine: Any) -> Any:
+    def _dialect_of(engine: Any) -> Dialect:
         """The engine's dialect; :class:`InvalidArgument` for anything but the relay's kind of engine."""
         raise NotImplementedError
 
-    def run_once(self) -> Any:
+    def run_once(self) -> int | Coroutine[Any, Any, int]:
         """One cycle: its count, or (AsyncRelay) a coroutine of it."""
         raise NotImplementedError
 
@@ -186,7 +186,7 @@ class _RelayCore(_Isolation, Generic[E]):
         """Wait ``seconds`` or until ``stop`` is set."""
         raise NotImplementedError
 
-    def _make_listener(self) -> Any:
+    def _make_listener(self) -> Listener | AsyncListener:
         """A :class:`~.wakeup.Listener` (or its async twin) on the relay's engine."""
         raise NotImplementedError
 
@@ -513,7 +513,7 @@ class Relay(_RelayCore[Engine]):
     """
 
     @staticmethod
-    def _dialect_of(engine: Any) -> Any:
+    def _dialect_of(engine: Any) -> Dialect:
         if not isinstance(engine, Engine):
             raise InvalidArgument(
                 f"Relay needs an Engine, got {type(engine).__name__}"
@@ -595,10 +595,11 @@ class AsyncRelay(_RelayCore["AsyncEngine"]):
     """
 
     @staticmethod
-    def _dialect_of(engine: Any) -> Any:
+    def _dialect_of(engine: Any) -> Dialect:
         if type(engine).__name__ != "AsyncEngine" or not hasattr(engine, "sync_engine"):
             raise InvalidArgument(f"AsyncRelay needs an AsyncEngine, got {type(engine).__name__}")
-        return engine.sync_engine.dialect
+        dialect: Dialect = engine.sync_engine.dialect
+        return dialect
 
     async def run_once(self) -> int:
         """Claim one batch, publish what the sink takes, mark it published; see :meth:`Relay.run_once`."""
