@@ -18,7 +18,7 @@ from stateguard import ConfigurationError, InvalidArgument, Relay, consume_once
 from stateguard.consumers import Message, NATSConsumer
 from stateguard.outbox.sinks import NATSSink
 
-from ._brokers import NATS_URL, Stream
+from .._support.brokers import NATS_URL, Stream
 from ._effects import applied, committed_ids, emit_events, record
 
 LEASE = timedelta(seconds=30)

@@ -16,7 +16,7 @@ from stateguard import CallableSink, InvalidArgument, Relay, consume_once
 from stateguard.consumers import Message, RabbitMQConsumer
 from stateguard.outbox.sinks import RabbitMQSink
 
-from ._brokers import RABBITMQ_URL, Queue
+from .._support.brokers import RABBITMQ_URL, Queue
 from ._effects import applied, committed_ids, emit_events, record
 
 
@@ -135,8 +135,9 @@ def test_a_poison_message_goes_to_the_dead_letter_exchange(db: Engine, mq: Queue
     c = consumer(db, mq, max_deliveries=3)
     run_until(c, lambda: c.dead_lettered == 1 and c.handled == 1)
     assert applied(db) == {"14": 1}
-    [(properties, body)] = mq.drain(mq.dead_queue)
-    assert (properties.message_id, body) == ("13", b"not json")
+    [dead] = mq.drain(mq.dead_queue)
+    properties = dead.properties
+    assert (properties.message_id, dead.body) == ("13", b"not json")
     assert properties.headers["x-stateguard-deliveries"] == 2  # the failures before the last delivery
     assert properties.headers["x-death"][0]["reason"] == "rejected"
     assert mq.count() == 0
