@@ -21,6 +21,7 @@ calling thread and each handler in a worker thread.  See
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import logging
 import random
@@ -48,6 +49,8 @@ log = logging.getLogger("stateguard.consumers")
 #: Headers added to a dead-lettered copy: how often it was delivered, its stream and sequence (its
 #: ``Nats-Msg-Id`` moves to ``Stateguard-Msg-Id``).
 DEAD_HEADERS: Final = ("Stateguard-Deliveries", "Stateguard-Stream", "Stateguard-Stream-Seq")
+#: What nats-py puts for header bytes that are not UTF-8 (it decodes with ``errors="replace"``).
+REPLACED: Final = "\ufffd"
 
 
 def _seconds(value: Any, what: str) -> float:
@@ -259,6 +262,11 @@ class NATSConsumer:
         if deliveries > self.max_deliveries:
             await self._dead_letter(js, raw, message, "delivered more often than max_deliveries")
             return
+        if REPLACED in message.id and not await self._id_is_utf8(js, raw):
+            # nats-py decodes header values with replacement: b"\xff" and b"\xfe" would both read
+            # "\ufffd" and the second would pass for a repeat of the first, its effect lost.
+            await self._dead_letter(js, raw, message, "its id is not UTF-8 text")
+            return
         loop = asyncio.get_running_loop()
 
         def keep_alive() -> None:
@@ -280,6 +288,26 @@ class NATSConsumer:
             await self._dead_letter(js, raw, message, "the handler failed")
         else:
             await raw.nak(delay=self.retry_delay)
+
+    async def _id_is_utf8(self, js: Any, raw: Any) -> bool:
+        """Whether the ``Nats-Msg-Id`` the stream stored is UTF-8 (read back as sent: nats-py's decoded
+        headers cannot tell a U+FFFD that was sent from bytes it replaced)."""
+        from nats.js.errors import NotFoundError
+
+        try:
+            stored = await js.get_msg(self.stream, raw.metadata.sequence.stream)
+        except NotFoundError:  # gone from the stream (max_age, purged): its id cannot be read as sent
+            return False
+        block = base64.b64decode(stored.hdrs or b"")
+        for line in block.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip() == b"Nats-Msg-Id":
+                try:
+                    value.strip().decode("utf-8")
+                except UnicodeDecodeError:
+                    return False
+                return True
+        return False
 
     async def _tell_in_progress(self, raw: Any) -> None:
         """While the handler runs, reset JetStream's ack timer every third of ``ack_wait``."""

@@ -212,8 +212,9 @@ class RabbitMQConsumer:
         headers = properties.headers or {}
         deliveries = deliveries_of(properties, bool(method.redelivered))
         key = headers.get("key")
+        sent_id = properties.message_id
         message = Message(
-            id=properties.message_id or "",
+            id=sent_id if isinstance(sent_id, str) else "",
             body=body,
             topic=properties.type,
             key=key if isinstance(key, str) else None,
@@ -222,6 +223,9 @@ class RabbitMQConsumer:
         )
         if deliveries > self.max_deliveries:
             self._dead_letter(channel, method, message, "delivered more often than max_deliveries")
+            return
+        if isinstance(sent_id, bytes):  # pika hands a short string that is not UTF-8 over as bytes
+            self._dead_letter(channel, method, message, "its id is not UTF-8 text")
             return
         verdict = self._handling.handle(message, keep_alive=lambda: channel.connection.process_data_events(0))
         if verdict is Verdict.DONE:
@@ -275,7 +279,7 @@ class RabbitMQConsumer:
         log.error(
             "consumer %r: message %r rejected to queue %r's dead-letter exchange after %d deliveries: %s",
             self.consumer,
-            message.id,
+            message.id or getattr(message.raw[1], "message_id", None),
             self.queue,
             message.deliveries,
             why,

@@ -19,6 +19,7 @@ from stateguard.consumers import Message, NATSConsumer
 from stateguard.outbox.sinks import NATSSink
 
 from .._support.brokers import NATS_URL, Stream
+from ._drive import publish_nats_bytes
 from ._effects import applied, committed_ids, emit_events, record
 
 LEASE = timedelta(seconds=30)
@@ -183,3 +184,39 @@ def test_bad_arguments_are_refused(db: Engine) -> None:
         NATSConsumer(db, record, NATS_URL, stream="S", durable="d", max_deliveries=0)
     with pytest.raises(InvalidArgument, match="ack_wait"):
         NATSConsumer(db, record, NATS_URL, stream="S", durable="d", ack_wait=timedelta(0))
+
+
+#: Nats-Msg-Id header values consume_once cannot record, as they go on the wire: NUL, a lone
+#: surrogate (its CESU-8 octets), two different non-UTF-8 ids (a client decoding with replacement
+#: reads both as U+FFFD), blank, and 256 characters.
+HOSTILE_IDS: list[bytes] = [b"a\x00b", b"\xed\xa0\x80", b"\xff", b"\xfe", b"   ", b"x" * 256]
+
+
+@pytest.mark.hostile
+def test_messages_whose_ids_cannot_be_recorded_are_dead_lettered_at_once(
+    db: Engine, js: Stream, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each hostile Nats-Msg-Id: copied to the dead-letter subject on its first delivery with the reason
+    logged, the handler never run, never redelivered; the consumer goes on with the good message after."""
+    for bad in HOSTILE_IDS:
+        publish_nats_bytes(js, b"Nats-Msg-Id: " + bad)
+    publish(js, "ok")
+    calls: list[str] = []
+
+    def handler(session: Session, message: Message) -> None:
+        calls.append(message.id)
+        record(session, message)
+
+    c = consumer(db, js, handler)
+    with caplog.at_level("ERROR", logger="stateguard.consumers"):
+        run_until(c, lambda: c.dead_lettered == len(HOSTILE_IDS) and c.handled == 1)
+    assert calls == ["ok"] and applied(db) == {"ok": 1}
+    dead = js.messages(js.dead_name)
+    assert len(dead) == len(HOSTILE_IDS)
+    assert {letter.headers["Stateguard-Deliveries"] for letter in dead} == {"1"}  # never retried
+    reasons = [r.getMessage() for r in caplog.records if "terminated" in r.getMessage()]
+    assert len(reasons) == len(HOSTILE_IDS), reasons
+    assert all("cannot be recorded" in r or "not UTF-8" in r for r in reasons), reasons
+    again = consumer(db, js, handler)
+    run_until(again, lambda: False, timeout=0.5)
+    assert again.handled == again.dead_lettered == 0  # terminated: none comes back

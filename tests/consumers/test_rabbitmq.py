@@ -192,3 +192,38 @@ def test_bad_arguments_are_refused(db: Engine) -> None:
         RabbitMQConsumer(db, record, RABBITMQ_URL, queue="q", prefetch=0)
     with pytest.raises(InvalidArgument, match="max_deliveries"):
         RabbitMQConsumer(db, record, RABBITMQ_URL, queue="q", max_deliveries=0)
+
+
+#: message_id values consume_once cannot record, as they go on the wire (an AMQP short string holds at
+#: most 255 octets, so an over-long id cannot be sent): NUL, a lone surrogate (its CESU-8 octets),
+#: bytes that are not UTF-8, blank, empty.
+HOSTILE_IDS: list[Any] = [b"a\x00b", b"\xed\xa0\x80", b"\xff", b"\xfe", b"   ", b""]
+
+
+@pytest.mark.hostile
+def test_messages_whose_ids_cannot_be_recorded_are_dead_lettered_at_once(
+    db: Engine, mq: Queue, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each hostile message_id: rejected to the dead letters on its first delivery with the reason
+    logged, the handler never run, never requeued; the consumer goes on with the good message after."""
+    for bad in HOSTILE_IDS:
+        publish(mq, bad)
+    publish(mq, "ok")
+    calls: list[str] = []
+
+    def handler(session: Session, message: Message) -> None:
+        calls.append(message.id)
+        record(session, message)
+
+    c = consumer(db, mq, handler)
+    with caplog.at_level("ERROR", logger="stateguard.consumers"):
+        run_until(c, lambda: c.dead_lettered == len(HOSTILE_IDS) and c.handled == 1)
+    assert calls == ["ok"] and applied(db) == {"ok": 1}
+    dead = mq.drain(mq.dead_queue)
+    assert len(dead) == len(HOSTILE_IDS) and mq.count() == 0
+    for letter in dead:
+        assert "x-stateguard-deliveries" not in (letter.properties.headers or {})  # never retried
+        assert letter.properties.headers["x-death"][0]["count"] == 1
+    reasons = [r.getMessage() for r in caplog.records if "dead-letter exchange" in r.getMessage()]
+    assert len(reasons) == len(HOSTILE_IDS), reasons
+    assert all("cannot be recorded" in r or "not UTF-8" in r for r in reasons), reasons
