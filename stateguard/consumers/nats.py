@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import logging
 import random
 import threading
 from datetime import timedelta
@@ -39,12 +38,12 @@ from ._core import (
     Verdict,
     check_deliveries,
     check_name,
+    log,
 )
 from ._core import serve as _serve
 
 __all__ = ["NATSConsumer"]
 
-log = logging.getLogger("stateguard.consumers")
 
 #: Headers added to a dead-lettered copy: how often it was delivered, its stream and sequence (its
 #: ``Nats-Msg-Id`` moves to ``Stateguard-Msg-Id``).

@@ -17,7 +17,6 @@ only by this module.  See ``docs/how-to/consumers.md``.
 
 from __future__ import annotations
 
-import logging
 import random
 import threading
 from typing import Any, Final
@@ -31,12 +30,12 @@ from ._core import (
     Verdict,
     check_deliveries,
     check_name,
+    log,
 )
 from ._core import serve as _serve
 
 __all__ = ["RabbitMQConsumer"]
 
-log = logging.getLogger("stateguard.consumers")
 
 #: The header counting a message's failed deliveries (set on the copy published after a failure).
 DELIVERIES_HEADER: Final = "x-stateguard-deliveries"
