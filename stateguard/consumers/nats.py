@@ -58,6 +58,15 @@ def _seconds(value: Any, what: str) -> float:
     return value.total_seconds()
 
 
+async def _pause(stop: threading.Event, seconds: float) -> None:
+    """Sleep ``seconds``, or less when ``stop`` is set meanwhile (a backoff reaches 30 s: stop() must
+    not wait that long)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not stop.is_set() and (left := deadline - loop.time()) > 0:
+        await asyncio.sleep(min(left, 0.1))
+
+
 class NATSConsumer:
     """Pull messages from a JetStream durable consumer; run ``handler(session, message)`` once per event.
 
@@ -142,6 +151,7 @@ class NATSConsumer:
         #: How many messages this consumer acknowledged (handled now or before) and dead-lettered.
         self.handled = 0
         self.dead_lettered = 0
+        self._connected = False
 
     @property
     def consumer(self) -> str:
@@ -182,12 +192,15 @@ class NATSConsumer:
     async def _main(self, stop: threading.Event) -> None:
         pause = 0.05
         while not stop.is_set():
+            self._connected = False
             try:
                 await self._consume(stop)
                 pause = 0.05
             except ConfigurationError:
                 raise
             except Exception as error:  # nats-py's connection and timeout errors, OSError
+                if self._connected:  # this connection worked: a new outage, whose backoff starts afresh
+                    pause = 0.05
                 log.warning(
                     "consumer %r: NATS at %s: %s: %s; connecting again in %.2f s",
                     self.consumer,
@@ -196,7 +209,7 @@ class NATSConsumer:
                     error,
                     pause,
                 )
-                await asyncio.sleep(pause * random.uniform(0.5, 1.0))  # jitter, not security
+                await _pause(stop, pause * random.uniform(0.5, 1.0))  # jitter, not security
                 pause = min(pause * 2, MAX_BACKOFF)
 
     async def _consume(self, stop: threading.Event) -> None:
@@ -228,6 +241,7 @@ class NATSConsumer:
                     f"NATS JetStream at {self.servers[0]} has no stream {self.stream!r} ({error}): "
                     "create it before the consumer starts"
                 ) from error
+            self._connected = True
             while not stop.is_set():
                 try:
                     messages = await subscription.fetch(self.batch, timeout=self.poll)

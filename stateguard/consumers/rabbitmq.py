@@ -137,6 +137,7 @@ class RabbitMQConsumer:
         self.handled = 0
         self.dead_lettered = 0
         self._connection: Any = None
+        self._connected = False
 
     @property
     def consumer(self) -> str:
@@ -161,6 +162,7 @@ class RabbitMQConsumer:
         stop = self._handling.stop_event
         pause = 0.05
         while not stop.is_set():
+            self._connected = False
             try:
                 self._consume(stop)
                 pause = 0.05
@@ -168,6 +170,8 @@ class RabbitMQConsumer:
                 self._drop()
                 if stop.is_set():
                     break
+                if self._connected:  # this connection worked: a new outage, whose backoff starts afresh
+                    pause = 0.05
                 log.warning(
                     "consumer %r: RabbitMQ at %s: %s: %s; connecting again in %.2f s",
                     self.consumer,
@@ -200,6 +204,7 @@ class RabbitMQConsumer:
         channel = connection.channel()
         channel.confirm_delivery()  # the copy of a failed message is published confirmed
         channel.basic_qos(prefetch_count=self.prefetch)
+        self._connected = True
         for method, properties, body in channel.consume(self.queue, inactivity_timeout=self.poll):
             if method is not None:
                 self._handle(channel, method, properties, body)
