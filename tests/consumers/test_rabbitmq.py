@@ -288,8 +288,9 @@ def test_a_connection_lost_mid_message_is_reconnected_and_every_effect_is_in_onc
 
 @pytest.mark.restart
 def test_after_a_connection_that_worked_the_reconnect_is_prompt(db: Engine, mq: Queue) -> None:
-    """Seven connections lost in a row, each after it worked: each reconnection starts the backoff
-    afresh (50 ms), so the seventh is not delayed by the six before it (that would be 1.6 s to 3.2 s)."""
+    """Nine connections lost in a row, each after it worked: each reconnection starts the backoff
+    afresh (50 ms), so the ninth is not delayed by the eight before it (that would be 6.4 s to 12.8 s;
+    the bound leaves room for a loaded machine)."""
     with FaultProxy("127.0.0.1", RABBITMQ_PORT) as proxy:
         c = RabbitMQConsumer(
             db, record, via(RABBITMQ_URL, RABBITMQ_PORT, proxy.port), queue=mq.queue, poll=0.05
@@ -299,7 +300,7 @@ def test_after_a_connection_that_worked_the_reconnect_is_prompt(db: Engine, mq: 
         thread.start()
         took: list[float] = []
         try:
-            for i in range(8):
+            for i in range(10):
                 started = time.monotonic()
                 publish(mq, f"m{i}")
                 deadline = started + 20
@@ -307,10 +308,10 @@ def test_after_a_connection_that_worked_the_reconnect_is_prompt(db: Engine, mq: 
                     time.sleep(0.01)
                 assert c.handled == i + 1
                 took.append(time.monotonic() - started)
-                if i < 7:
+                if i < 9:
                     assert proxy.cut_all() == 1
         finally:
             stop.set()
             thread.join(15)
     assert not thread.is_alive()
-    assert max(took) < 1.5, [f"{t:.2f}" for t in took]
+    assert max(took) < 4, [f"{t:.2f}" for t in took]
