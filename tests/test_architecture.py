@@ -51,9 +51,7 @@ OPTIONAL = {
 MAX_LINES = 725
 
 #: Modules still longer, and why; each entry must still be needed (a split module leaves the list).
-LONG_MODULES = {
-    "stateguard.counters": "the counter ledger (shared with striped counters) is to move out of it",
-}
+LONG_MODULES: dict[str, str] = {}
 
 #: Modules outside the kernel still reading ``dialect.name``, and why.
 DIALECT_NAME_READERS = {
