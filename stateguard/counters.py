@@ -44,6 +44,7 @@ from .tables import DIGEST_PREFIX, MAX_REF, ROW_KEY_LENGTH, counter_ledger, row_
 
 __all__ = ["counter_ledger", "decrement", "increment", "release", "reserve"]
 
+
 class _Counter:
     """What a guarded change of one column needs, computed once per column and bound kind."""
 

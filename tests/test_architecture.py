@@ -54,11 +54,7 @@ MAX_LINES = 725
 LONG_MODULES: dict[str, str] = {}
 
 #: Modules outside the kernel still reading ``dialect.name``, and why.
-DIALECT_NAME_READERS = {
-    "stateguard.tooling.check": "tooling is being reorganised; its dialect checks follow",
-    "stateguard.tooling.inspection": "tooling is being reorganised; its dialect checks follow",
-    "stateguard.tooling.demo": "being split into stateguard/tooling/demo/",
-}
+DIALECT_NAME_READERS: dict[str, str] = {}
 
 #: The stateguard modules the kernel may import: nothing above it.
 KERNEL_DEPENDS_ON = {"stateguard.exceptions", "stateguard.engine"}
