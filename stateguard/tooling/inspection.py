@@ -27,7 +27,7 @@ from typing import Any, Final
 
 from sqlalchemy import ColumnElement, Connection, String, and_, case, cast, func, inspect, literal, select
 
-from .._kernel import db_now_ms, is_galera
+from .._kernel import backend, db_now_ms, is_galera
 from ..machine import StateMachine
 from ..machine.ddl import stored_states
 from ..tables import idempotency_keys, metadata, outbox, tokens, worker_leases
@@ -414,7 +414,7 @@ def describe_server(conn: Connection) -> str:
         with engine.connect() as conn:
             describe_server(conn)   # 'sqlite'
     """
-    name = conn.dialect.name
+    name = backend(conn.dialect).name
     if not is_galera(conn):
         return name
     row = conn.exec_driver_sql("SHOW GLOBAL STATUS LIKE 'wsrep_cluster_size'").first()

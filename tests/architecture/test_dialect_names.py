@@ -13,11 +13,7 @@ import ast
 from tests.architecture._source import module_name, parse, source_files
 
 #: Modules outside the kernel still reading ``dialect.name``, and why.
-DIALECT_NAME_READERS = {
-    "stateguard.tooling.check": "tooling is being reorganised; its dialect checks follow",
-    "stateguard.tooling.inspection": "tooling is being reorganised; its dialect checks follow",
-    "stateguard.tooling.demo": "being split into stateguard/tooling/demo/",
-}
+DIALECT_NAME_READERS: dict[str, str] = {}
 
 #: Dialect names: comparing a ``.name`` to one is a dialect check.
 DIALECT_NAMES = {"postgresql", "mysql", "mariadb", "sqlite", "cockroachdb", "oracle", "mssql"}
