@@ -43,10 +43,13 @@ def package_of(module: str, path: Path) -> str:
     return module if path.name == "__init__.py" else module.rpartition(".")[0]
 
 
-def source_files() -> list[Path]:
-    """Every module of stateguard/, the alembic revisions under migrations/ excepted."""
+def source_files(*, migrations: bool = False) -> list[Path]:
+    """Every module of stateguard/, the alembic revisions under migrations/ only with ``migrations``
+    (they are loaded by alembic from their files, not imported as modules of the package)."""
     return sorted(
-        p for p in PACKAGE_DIR.rglob("*.py") if "migrations" not in p.relative_to(PACKAGE_DIR).parts
+        p
+        for p in PACKAGE_DIR.rglob("*.py")
+        if migrations or "migrations" not in p.relative_to(PACKAGE_DIR).parts
     )
 
 

@@ -44,9 +44,9 @@ def dialect_name_reads(tree: ast.AST) -> list[int]:
 
 
 def dialect_name_readers() -> dict[str, list[int]]:
-    """Modules outside ``stateguard._kernel`` that read a dialect's name, with the lines."""
+    """Modules outside ``stateguard._kernel`` (alembic revisions included) that read a dialect's name."""
     out: dict[str, list[int]] = {}
-    for path in source_files():
+    for path in source_files(migrations=True):
         module = module_name(path)
         if module == "stateguard._kernel" or module.startswith("stateguard._kernel."):
             continue
