@@ -9,6 +9,7 @@ nothing was applied twice, oversold or lost.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import random
@@ -39,6 +40,7 @@ from stateguard import (
     version_column,
 )
 from stateguard._kernel import classify_db_error, is_galera
+from stateguard._kernel.execute import CAUSAL_MARK
 from stateguard.tooling.inspection import describe_server
 
 from .._support import galera
@@ -58,6 +60,7 @@ class Order(Base):
     __tablename__ = "gal_orders"
     id: Mapped[int] = mapped_column(primary_key=True)
     status: Mapped[str] = mapped_column(String(20), default="pending")
+    note: Mapped[str] = mapped_column(String(40), default="")
     version: Mapped[int] = version_column()
 
     flow = StateMachine(
@@ -80,6 +83,15 @@ class Message(Base):
 
     __tablename__ = "gal_messages"
     message_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+
+
+class Blocker(Base):
+    """A row whose writeset a node is made to apply late (``LOCK TABLES`` there): the writesets
+    after it wait in the node's apply queue, so the node lags the cluster."""
+
+    __tablename__ = "gal_blocker"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    n: Mapped[int] = mapped_column(Integer, default=0)
 
 
 class Effect(Base):
@@ -196,7 +208,9 @@ def test_every_node_is_recognised_as_galera_and_a_single_server_is_not(engines: 
     for eng in engines:
         with eng.connect() as conn:
             assert is_galera(conn)
-            assert describe_server(conn) == "mysql (Galera cluster node, 3 nodes)"
+            assert describe_server(conn) == (
+                "mysql (Galera cluster node, 3 nodes, causal: wsrep_sync_wait raised to 3)"
+            )
     single = create_engine(MYSQL_URL)
     try:
         with single.connect() as conn:
@@ -249,6 +263,95 @@ def test_the_same_transition_on_two_nodes_fails_one_commit_with_a_retryable_dead
             return str(Order.flow.pay(s, 1).outcome.name)
 
     assert retry_on_conflict(lambda: again(engines[2])) == "REPEATED"
+
+
+@contextlib.contextmanager
+def _lagging(engine: Engine, primary: Engine) -> Iterator[Callable[[], None]]:
+    """Make ``engine``'s node lag: it holds ``LOCK TABLES gal_blocker WRITE`` while ``primary``'s
+    node commits to gal_blocker, so that writeset and every later one wait in its apply queue
+    until the yielded ``release()`` (or the block's end) unlocks the table."""
+    holder = engine.connect()
+    holder.exec_driver_sql("LOCK TABLES gal_blocker WRITE")
+    with Session(primary) as s, s.begin():
+        s.execute(text("UPDATE gal_blocker SET n = n + 1 WHERE id = 1"))
+    released = threading.Event()
+
+    def release() -> None:
+        if not released.is_set():
+            released.set()
+            holder.exec_driver_sql("UNLOCK TABLES")
+            holder.close()
+
+    try:
+        yield release
+    finally:
+        release()
+
+
+@pytest.mark.lag
+def test_a_lagging_node_classifies_a_zero_row_write_exactly_because_its_writes_wait(
+    cluster: galera.GaleraCluster, engines: list[Engine]
+) -> None:
+    """On a node that has not applied node 0's commits, a 0-row write would read REJECTED / NOT_FOUND /
+    STALE for changes the cluster has made; stateguard's wsrep_sync_wait makes it wait and APPLY."""
+    with Session(engines[0]) as s, s.begin():
+        s.add(Blocker(id=1))
+        s.add_all([Order(id=1), Order(id=3)])
+    # Node 1 has the rows (it was synced before the lag starts).
+    with engines[1].connect() as conn:
+        conn.exec_driver_sql("SET SESSION wsrep_sync_wait = 1")
+        assert conn.scalar(select(func.count()).select_from(Order)) == 2
+
+    def made_elsewhere(s: Session) -> int:
+        """On node 0: order 1 paid, order 2 created paid, order 3 paid (its new version returned)."""
+        assert Order.flow.pay(s, 1).applied
+        s.add(Order(id=2, status="paid"))
+        r = Order.flow.pay(s, 3)
+        assert r.applied and r.version is not None
+        return r.version
+
+    def on_lagging(s: Session, version: int) -> list[str]:
+        return [
+            Order.flow.ship(s, 1).outcome.name,  # paid on node 0: ship is allowed
+            Order.flow.ship(s, 2).outcome.name,  # created on node 0
+            stateguard.guarded_update(s, Order, 3, {"note": "gift"}, expected_version=version).outcome.name,
+        ]
+
+    # Without the wait (a connection stateguard believes it has raised, left at 0): misclassified.
+    plain = create_engine(cluster.urls[1])
+    try:
+        with _lagging(engines[1], engines[0]):
+            with Session(engines[0]) as s, s.begin():
+                version = made_elsewhere(s)
+            with Session(plain) as s, s.begin():
+                conn = s.connection()
+                conn.exec_driver_sql("SET SESSION wsrep_sync_wait = 0")
+                conn.connection.info[CAUSAL_MARK] = True
+                wrong = on_lagging(s, version)
+        assert wrong == ["REJECTED", "NOT_FOUND", "STALE"], wrong
+    finally:
+        plain.dispose()
+
+    # The same, with stateguard's own set-up: each write waits for node 1 to catch up, then applies.
+    with Session(engines[0]) as s, s.begin():
+        s.execute(Order.__table__.delete())
+        s.add_all([Order(id=1), Order(id=3)])
+    with engines[1].connect() as conn:
+        conn.exec_driver_sql("SET SESSION wsrep_sync_wait = 1")
+        assert conn.scalar(select(func.count()).select_from(Order)) == 2
+    with _lagging(engines[1], engines[0]) as release:
+        with Session(engines[0]) as s, s.begin():
+            version = made_elsewhere(s)
+        timer = threading.Timer(0.5, release)
+        timer.start()
+        started = time.monotonic()
+        with Session(engines[1]) as s, s.begin():
+            right = on_lagging(s, version)
+            waited = time.monotonic() - started
+            assert s.connection().exec_driver_sql("SELECT @@session.wsrep_sync_wait").scalar() == 3
+        timer.join()
+    assert right == ["APPLIED", "APPLIED", "APPLIED"], right
+    assert waited >= 0.4, f"the writes did not wait for the node to catch up ({waited:.2f}s)"
 
 
 def test_a_storm_over_three_nodes_applies_everything_exactly_once(engines: list[Engine]) -> None:
@@ -396,3 +499,64 @@ def test_a_node_killed_mid_storm_loses_and_doubles_nothing(
     with Session(engines[2]) as s:
         s.execute(text("SET SESSION wsrep_sync_wait = 1"))
         assert s.scalar(select(func.count()).select_from(Effect)) == 2 * orders + stock
+
+
+# --------------------------------------------------------------------------
+# Storms of the other schemes, writers on all three nodes
+# --------------------------------------------------------------------------
+
+
+class Account(Base):
+    """A balance changed by read-version-then-guarded_update (optimistic lock)."""
+
+    __tablename__ = "gal_accounts"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    balance: Mapped[int] = mapped_column(Integer, default=0)
+    version: Mapped[int] = version_column()
+
+
+def _effects(engine: Engine) -> Counter[tuple[str, str]]:
+    with Session(engine) as s:
+        s.execute(text("SET SESSION wsrep_sync_wait = 1"))
+        return Counter((kind, item) for kind, item in s.execute(select(Effect.kind, Effect.item)))
+
+
+def test_guarded_update_storm_over_three_nodes_loses_no_update(engines: list[Engine]) -> None:
+    """9 writers add 1 to one balance 15 times each by version: 135 applied, balance 135, version +135."""
+    with Session(engines[0]) as s, s.begin():
+        s.add(Account(id=1, balance=0))
+        s.flush()
+        start = s.scalar(select(Account.version))
+    per_worker = 15
+
+    def add_one(tag: str) -> Callable[[Engine], None]:
+        def unit(engine: Engine) -> None:
+            while True:  # STALE: someone wrote first; read again (the docs' optimistic loop)
+                with Session(engine) as s, s.begin():
+                    balance, version = s.execute(select(Account.balance, Account.version)).one()
+                    r = stateguard.guarded_update(
+                        s, Account, 1, {"balance": balance + 1}, expected_version=version
+                    )
+                    if r.applied:
+                        s.add(Effect(kind="add", item=tag))
+                        return
+                    assert r.outcome.name == "STALE", r
+                    with _TALLY_LOCK:
+                        TALLY["stale"] += 1
+
+        return unit
+
+    def work(i: int) -> None:
+        for n in range(per_worker):
+            _persist(engines, i % 3, add_one(f"{i}-{n}"))
+
+    TALLY.clear()
+    errors = _storm(9, work)
+    assert errors == []
+    with Session(engines[1]) as s:
+        s.execute(text("SET SESSION wsrep_sync_wait = 1"))
+        balance, version = s.execute(select(Account.balance, Account.version)).one()
+    effects = _effects(engines[1])
+    assert set(effects.values()) == {1} and len(effects) == 9 * per_worker
+    assert balance == 9 * per_worker and start is not None and version == start + 9 * per_worker
+    assert TALLY["retried"] + TALLY["stale"] > 0, f"no conflict happened ({TALLY})"
