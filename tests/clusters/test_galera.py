@@ -560,3 +560,178 @@ def test_guarded_update_storm_over_three_nodes_loses_no_update(engines: list[Eng
     assert set(effects.values()) == {1} and len(effects) == 9 * per_worker
     assert balance == 9 * per_worker and start is not None and version == start + 9 * per_worker
     assert TALLY["retried"] + TALLY["stale"] > 0, f"no conflict happened ({TALLY})"
+
+
+def test_striped_counter_storm_over_three_nodes_never_oversells(engines: list[Engine]) -> None:
+    """40 units over 4 stripes, 60 refs each bought by 2 twins on different nodes: 40 sold once each."""
+    stock = stateguard.StripedCounter("gal-stock", stripes=4)
+    with Session(engines[0]) as s, s.begin():
+        assert stock.create(s, "sku", amount=40).applied
+    refs = [f"o{n}" for n in range(60)]
+
+    def buy(ref: str) -> Callable[[Engine], str]:
+        def unit(engine: Engine) -> str:
+            with Session(engine) as s, s.begin():
+                r = stock.decrement(s, "sku", by=1, ref=ref)
+                if r.applied:
+                    s.add(Effect(kind="buy", item=ref))
+                return r.outcome.name
+
+        return unit
+
+    outcomes: Counter[str] = Counter()
+
+    def work(i: int) -> None:
+        mine = [ref for n, ref in enumerate(refs) if n % 3 == i % 3]  # each ref: 2 of the 6 writers
+        random.Random(i).shuffle(mine)
+        for ref in mine:
+            got = _persist(engines, i % 3, buy(ref))
+            with _TALLY_LOCK:
+                outcomes[got] += 1
+
+    TALLY.clear()
+    errors = _storm(6, work)
+    assert errors == []
+    effects = _effects(engines[2])
+    with Session(engines[2]) as s:
+        s.execute(text("SET SESSION wsrep_sync_wait = 1"))
+        left = stock.total(s, "sku")
+    assert set(effects.values()) == {1} and len(effects) == 40, effects
+    assert left == 0 and outcomes["APPLIED"] == 40, (left, outcomes)
+    assert outcomes["APPLIED"] + outcomes["REPEATED"] + outcomes["INSUFFICIENT"] == 120, outcomes
+
+
+def test_consume_once_and_tokens_storm_over_three_nodes_apply_each_once(engines: list[Engine]) -> None:
+    """30 messages redelivered to 3 nodes, 20 tokens spent by 9 writers: each handled once, no NOT_FOUND."""
+    with Session(engines[0]) as s, s.begin():
+        tokens = [
+            stateguard.issue_token(s, scope="gal-confirm", ttl=datetime.timedelta(minutes=5))
+            for _ in range(20)
+        ]
+    messages = [f"msg-{n}" for n in range(30)]
+
+    def handle(message_id: str) -> Callable[[Engine], str]:
+        def unit(engine: Engine) -> str:
+            with Session(engine) as s, s.begin():
+                r = stateguard.consume_once(s, "gal-billing", message_id)
+                if r.applied:
+                    s.add(Effect(kind="message", item=message_id))
+                return r.outcome.name
+
+        return unit
+
+    def spend(n: int, token: str) -> Callable[[Engine], str]:
+        def unit(engine: Engine) -> str:
+            with Session(engine) as s, s.begin():
+                r = stateguard.consume_token(s, token, scope="gal-confirm")
+                if r.applied:
+                    s.add(Effect(kind="token", item=str(n)))
+                return r.outcome.name
+
+        return unit
+
+    outcomes: Counter[str] = Counter()
+
+    def work(i: int) -> None:
+        units = [handle(m) for m in messages] + [spend(n, t) for n, t in enumerate(tokens)]
+        random.Random(i).shuffle(units)
+        for unit in units:
+            got = _persist(engines, i % 3, unit)
+            with _TALLY_LOCK:
+                outcomes[got] += 1
+
+    TALLY.clear()
+    errors = _storm(9, work)
+    assert errors == []
+    effects = _effects(engines[1])
+    assert set(effects.values()) == {1}, [k for k, v in effects.items() if v > 1]
+    assert sum(1 for k in effects if k[0] == "message") == 30
+    assert sum(1 for k in effects if k[0] == "token") == 20
+    assert outcomes == {"APPLIED": 50, "REPEATED": 8 * 50}, outcomes
+
+
+def test_emit_and_relays_on_three_nodes_publish_each_event_once_in_key_order(engines: list[Engine]) -> None:
+    """6 writers emit 20 events each while a relay per node publishes: each once, a writer's in order."""
+    published: list[stateguard.OutboxEvent] = []
+    lock = threading.Lock()
+
+    def sink(events: Any) -> None:
+        with lock:
+            published.extend(events)
+
+    relays = [stateguard.Relay(eng, stateguard.CallableSink(sink), batch=7) for eng in engines]
+    per_writer = 20
+    stop = threading.Event()
+
+    def emit_one(writer: int, n: int) -> Callable[[Engine], None]:
+        def unit(engine: Engine) -> None:
+            with Session(engine) as s, s.begin():
+                stateguard.emit(s, "gal.topic", {"writer": writer, "n": n}, key=f"w{writer}")
+
+        return unit
+
+    def relay_loop(node: int) -> None:
+        while not stop.is_set():
+            try:
+                if relays[node].run_once() == 0:
+                    time.sleep(0.005)
+            except stateguard.SerializationConflict:
+                with _TALLY_LOCK:
+                    TALLY["relay_conflict"] += 1
+
+    def work(i: int) -> None:
+        if i >= 6:
+            relay_loop(i - 6)
+            return
+        for n in range(per_writer):
+            _persist(engines, i % 3, emit_one(i, n))
+
+    TALLY.clear()
+    stopper = threading.Thread(target=_stop_when, args=(stop, lambda: len(published) >= 6 * per_writer))
+    stopper.start()
+    errors = _storm(9, work)
+    stopper.join(timeout=120)
+    assert errors == []
+    ids = Counter(e.id for e in published)
+    assert len(ids) == 6 * per_writer and set(ids.values()) == {1}, [i for i, c in ids.items() if c > 1]
+    for writer in range(6):
+        ns = [e.payload["n"] for e in published if e.key == f"w{writer}"]
+        assert ns == list(range(per_writer)), (writer, ns)
+
+
+def _stop_when(stop: threading.Event, done: Callable[[], bool], timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)  # a relay still publishing a duplicate would show it now
+    stop.set()
+
+
+def test_snowflakes_on_three_nodes_hold_distinct_workers_and_issue_unique_ids(engines: list[Engine]) -> None:
+    """6 generators (2 per node) created at once lease 6 distinct worker ids; 18 threads' ids are unique."""
+    made: list[stateguard.Snowflake] = []
+    made_lock = threading.Lock()
+
+    def create(i: int) -> None:
+        gen = _persist(
+            engines, i % 3, lambda engine: stateguard.Snowflake(engine, namespace="gal", heartbeat=False)
+        )
+        with made_lock:
+            made.append(gen)
+
+    TALLY.clear()
+    assert _storm(6, create) == []
+    try:
+        assert len({g.worker_id for g in made}) == 6, sorted(g.worker_id for g in made)
+        ids: list[int] = []
+
+        def draw(i: int) -> None:
+            mine = [made[i % 6].next_id() for _ in range(2000)]
+            with made_lock:
+                ids.extend(mine)
+
+        assert _storm(18, draw) == []
+        assert len(ids) == len(set(ids)) == 36000
+    finally:
+        for g in made:
+            g.close()
