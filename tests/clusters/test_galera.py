@@ -44,6 +44,7 @@ from stateguard._kernel.execute import CAUSAL_MARK
 from stateguard.tooling.inspection import describe_server
 
 from .._support import galera
+from .._support.faultproxy import COMMIT, FaultProxy
 from ..conftest import MYSQL_URL, unavailable
 
 T = TypeVar("T")
@@ -780,3 +781,36 @@ def test_row_lock_excludes_on_one_node_and_across_nodes_the_loser_fails_at_commi
         s.execute(text("SET SESSION wsrep_sync_wait = 1"))
         assert s.scalar(select(Account.balance)) == 1 + 60
     assert TALLY["retried"] > 0, f"no writer lost at COMMIT ({TALLY})"
+
+
+@pytest.mark.lost_reply
+@pytest.mark.parametrize("retry_on", [1, 2], ids=["same-node", "other-node"])
+def test_a_lost_commit_reply_on_a_node_is_recognised_as_a_repeat_on_retry(
+    cluster: galera.GaleraCluster, engines: list[Engine], retry_on: int
+) -> None:
+    """A decrement with ref whose COMMIT reached node 1 but whose reply was cut is REPEATED with
+    same_request when retried (on node 1 or on node 2, where a client that lost its node goes)."""
+    with Session(engines[0]) as s, s.begin():
+        s.add(Stock(id=1, amount=5))
+    node = cluster.nodes[1]
+    with FaultProxy("127.0.0.1", node.port) as proxy:
+        proxied = create_engine(f"mysql+pymysql://root@{proxy.host}:{proxy.port}/test")
+        try:
+            with Session(proxied) as s:
+                assert decrement(s, Stock.amount, 1, by=2, ref="order-7").applied
+                proxy.cut_after_next_request(COMMIT["mariadb"])
+                with pytest.raises(sa_exc.DBAPIError):
+                    s.commit()
+            assert proxy.wait_cut() and proxy.cuts == 1
+        finally:
+            proxied.dispose()
+
+    def again(engine: Engine) -> Any:
+        with Session(engine) as s, s.begin():
+            return decrement(s, Stock.amount, 1, by=2, ref="order-7")
+
+    r = retry_on_conflict(lambda: again(engines[retry_on]))
+    assert (r.outcome.name, r.same_request) == ("REPEATED", True)
+    with Session(engines[0]) as s:
+        s.execute(text("SET SESSION wsrep_sync_wait = 1"))
+        assert s.scalar(select(Stock.amount)) == 3  # taken once
