@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
-from sqlalchemy import Engine, Integer, String, create_engine, func, select, text
+from sqlalchemy import Engine, Integer, String, create_engine, event, func, select, text
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
@@ -814,3 +814,51 @@ def test_a_lost_commit_reply_on_a_node_is_recognised_as_a_repeat_on_retry(
     with Session(engines[0]) as s:
         s.execute(text("SET SESSION wsrep_sync_wait = 1"))
         assert s.scalar(select(Stock.amount)) == 3  # taken once
+
+
+def test_wsrep_sync_wait_is_raised_once_per_connection_keeping_the_applications_bits(
+    cluster: galera.GaleraCluster, engines: list[Engine]
+) -> None:
+    """The SET is sent on a connection's first stateguard call only, ORs in 3 (the app's 4 stays), is sent
+    again on a connection the pool replaced, and never on a MariaDB that is not a Galera node."""
+    with Session(engines[0]) as s, s.begin():
+        s.add_all([Order(id=1), Order(id=2)])
+    sent: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.startswith("SET SESSION wsrep_sync_wait = @@session.wsrep_sync_wait |"):
+            sent.append(statement)
+
+    def pay(engine: Engine, key: int) -> tuple[str, int]:
+        with Session(engine) as s, s.begin():
+            outcome = Order.flow.pay(s, key).outcome.name
+            return outcome, s.connection().exec_driver_sql("SELECT @@session.wsrep_sync_wait").scalar_one()
+
+    one = create_engine(cluster.urls[2], pool_size=1, max_overflow=0)
+    event.listen(one, "before_cursor_execute", record)
+    try:
+        with one.connect() as conn:
+            conn.exec_driver_sql("SET SESSION wsrep_sync_wait = 4")  # the application's own setting
+        assert pay(one, 1) == ("APPLIED", 7) and len(sent) == 1
+        assert pay(one, 1) == ("REPEATED", 7) and len(sent) == 1  # the same pooled connection: not again
+        with one.connect() as conn:
+            conn.invalidate()  # the pool opens a new connection, at the server's default (0)
+        assert pay(one, 2) == ("APPLIED", 3) and len(sent) == 2
+    finally:
+        one.dispose()
+
+    single = create_engine(MYSQL_URL)
+    event.listen(single, "before_cursor_execute", record)
+    try:
+        Base.metadata.create_all(single, tables=[Order.__table__])
+        with Session(single) as s, s.begin():
+            s.add(Order(id=1))
+        with Session(single) as s, s.begin():
+            assert Order.flow.pay(s, 1).applied
+        assert len(sent) == 2, sent
+    except sa_exc.OperationalError as exc:
+        unavailable("MariaDB", exc)
+    finally:
+        with contextlib.suppress(sa_exc.OperationalError):
+            Base.metadata.drop_all(single, tables=[Order.__table__])
+        single.dispose()
