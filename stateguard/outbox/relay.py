@@ -19,7 +19,7 @@ import logging
 import random
 import threading
 import uuid
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
@@ -556,7 +556,7 @@ class Relay(_RelayCore[Engine]):
         run_steps(self._serve(stop_event if stop_event is not None else threading.Event(), idle_sleep))
 
     def _db(self, fn: Callable[..., T], /, *args: Any) -> Steps[T]:
-        with self._steps_engine.begin() as conn:
+        with _commit_conflicts(), self._steps_engine.begin() as conn:
             return step(fn(conn, *args))
 
     def _call_sink(self, fn: Callable[..., Any], /, *args: Any) -> Steps[Any]:
@@ -577,6 +577,24 @@ class Relay(_RelayCore[Engine]):
 
     def _make_listener(self) -> Listener:
         return Listener(self.engine)
+
+
+@contextlib.contextmanager
+def _commit_conflicts() -> Iterator[None]:
+    """Raise a conflict the COMMIT of a relay's transaction reports as its typed error.
+
+    The statements map their own conflicts; a Galera node certifies the claim
+    (or the mark) only at COMMIT, and a relay on another node that claimed the
+    same events first makes this COMMIT fail with 1213: DeadlockDetected (a
+    SerializationConflict), which the cycle treats as "nothing claimed".
+    """
+    try:
+        yield
+    except sa_exc.DBAPIError as error:
+        mapped = _kernel.conflict_error(error)
+        if mapped is None:
+            raise
+        raise mapped from error
 
 
 class AsyncRelay(_RelayCore["AsyncEngine"]):
@@ -613,8 +631,9 @@ class AsyncRelay(_RelayCore["AsyncEngine"]):
         return step(self._in_transaction(fn, args))
 
     async def _in_transaction(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
-        async with self._steps_engine.begin() as conn:
-            return await conn.run_sync(fn, *args)
+        with _commit_conflicts():
+            async with self._steps_engine.begin() as conn:
+                return await conn.run_sync(fn, *args)
 
     def _call_sink(self, fn: Callable[..., Any], /, *args: Any) -> Steps[Any]:
         return step(fn(*args))
