@@ -121,7 +121,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         name = callspec.params.get("backend") if callspec is not None else None
         if name is None:
             raise pytest.UsageError(f"{item.nodeid}: requires() needs the backend or engine fixture")
-        missing = [c for marker in markers for c in marker.args if not capable(name, c)]
+        try:
+            missing = [c for marker in markers for c in marker.args if not capable(name, c)]
+        except ValueError as error:  # a misspelt capability
+            raise pytest.UsageError(f"{item.nodeid}: {error}") from None
         if missing:
             item.add_marker(pytest.mark.skip(reason=f"{name} lacks {', '.join(missing)}"))
 
