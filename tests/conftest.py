@@ -295,14 +295,15 @@ def engine(backend: Backend, request: pytest.FixtureRequest) -> Iterator[Engine]
     metadatas, options = (marker.args, marker.kwargs) if marker else ((), {})
     unknown = set(options) - {"seed", "stateguard", "sqlite_engine"}
     if unknown:
-        raise pytest.UsageError(f"unknown tables() option(s): {', '.join(sorted(unknown))}")
+        pytest.fail(f"unknown tables() option(s): {', '.join(sorted(unknown))}", pytrace=False)
     ours = options.get("stateguard", True)
     if ours not in (True, False, "dropped"):
-        raise pytest.UsageError(f"tables(stateguard=...) is True, False or 'dropped', not {ours!r}")
+        pytest.fail(f"tables(stateguard=...) is True, False or 'dropped', not {ours!r}", pytrace=False)
+    create = ours != "dropped" and bool(ours)
     eng = backend.create(*metadatas)
     if ours:
         drop_tables(eng)
-    if ours is True:
+    if create:
         create_tables(eng)
     private = options.get("sqlite_engine", False)
     if private and backend.name == "sqlite":
@@ -314,7 +315,7 @@ def engine(backend: Backend, request: pytest.FixtureRequest) -> Iterator[Engine]
     yield eng
     if eng is not backend.engine:
         eng.dispose()
-    if ours is True:
+    if create:
         drop_tables(backend.engine)
 
 

@@ -37,7 +37,7 @@ from stateguard import (
 from stateguard.striped import MAX_AMOUNT, SPACE, stripe_ids
 from stateguard.tables import counter_ledger, counter_stripes
 from tests._support import striped_workers as w
-from tests.conftest import Backend, _only, capable, count_statements
+from tests.conftest import Backend, _only, backends_with, capable, count_statements
 
 WORKERS = 8
 
@@ -381,7 +381,7 @@ def test_fast_path_statement_counts(engine: Any, backend: Backend) -> None:
         assert "FOR UPDATE SKIP LOCKED" in counted.statements[-1]
 
 
-@pytest.fixture(params=["postgresql", "mariadb"])
+@pytest.fixture(params=backends_with("row_locks"))
 def server(request: pytest.FixtureRequest, namespaces: Any) -> Iterator[Backend]:
     """The backends with row locks, where a buyer can find every stripe held by others."""
     yield from _only(request.param, namespaces)
