@@ -35,13 +35,59 @@ BACKENDS = ("sqlite", "postgresql", "mariadb")
 # (as SQLAlchemy's ``requires.*``): ``capable(backend, "row_locks")`` in a test body, or
 # ``@pytest.mark.requires("row_locks")`` to skip the backends that lack it.
 CAPABILITIES: dict[str, frozenset[str]] = {
-    # UPDATE ... RETURNING (SQLite >= 3.35); one-statement writes
+    # update_returning: UPDATE ... RETURNING (SQLite >= 3.35); one-statement writes
     # row_locks: SELECT ... FOR UPDATE and named locks (SQLite locks the whole file instead)
+    # skip_locked: SELECT ... FOR UPDATE SKIP LOCKED (PostgreSQL, MariaDB >= 10.6)
     # concurrent_writers: two connections write at once (SQLite serializes writers)
-    # writable_cte: a data-modifying WITH statement (PostgreSQL)
+    # writable_cte: a data-modifying WITH statement (PostgreSQL): stateguard's claim, or a
+    #   transition and its outbox event, is one statement
+    # isolation_levels: a connection can be set to REPEATABLE READ / SERIALIZABLE (SQLite is
+    #   serializable already and takes no isolation_level of that name)
+    # snapshot_conflicts: at REPEATABLE READ, writing a row changed since the snapshot fails with a
+    #   serialization error (PostgreSQL 40001; InnoDB writes the latest version)
+    # update_rechecks_where: at READ COMMITTED a waiting UPDATE re-checks its WHERE against the row
+    #   its blocker committed, so a loser matches 0 rows instead of failing (PostgreSQL)
+    # error_aborts_transaction: after a failed statement the transaction refuses every other one
+    #   until it is rolled back, to a savepoint or whole (PostgreSQL)
+    # int32_integer: INTEGER is 32 bits, 2**31 does not fit (SQLite's INTEGER holds 64)
+    # deadlock_rolls_back_transaction: a deadlock victim loses its whole transaction, savepoints
+    #   included (InnoDB); PostgreSQL fails the statement, and a savepoint can be rolled back
+    # duplicate_inserts_deadlock: INSERTs of one unique key that wait on an uncommitted holder
+    #   can deadlock among themselves (InnoDB's next-key locks on the duplicate)
+    # savepoint_releases_locks: ROLLBACK TO SAVEPOINT releases the row locks taken after it, so
+    #   another session can write the row while this one goes on (PostgreSQL; InnoDB keeps them)
+    # inexact_keys: the default collation matches 'SKU-A' and 'sku-a ' to 'sku-a' (MariaDB:
+    #   case-insensitive, PAD SPACE)
+    # legal_edges: stateguard installs its legal-edges trigger (PostgreSQL; elsewhere a warning)
     "sqlite": frozenset({"update_returning"}),
-    "postgresql": frozenset({"update_returning", "row_locks", "concurrent_writers", "writable_cte"}),
-    "mariadb": frozenset({"row_locks", "concurrent_writers"}),
+    "postgresql": frozenset(
+        {
+            "update_returning",
+            "row_locks",
+            "skip_locked",
+            "concurrent_writers",
+            "writable_cte",
+            "isolation_levels",
+            "snapshot_conflicts",
+            "update_rechecks_where",
+            "error_aborts_transaction",
+            "int32_integer",
+            "savepoint_releases_locks",
+            "legal_edges",
+        }
+    ),
+    "mariadb": frozenset(
+        {
+            "row_locks",
+            "skip_locked",
+            "concurrent_writers",
+            "isolation_levels",
+            "int32_integer",
+            "deadlock_rolls_back_transaction",
+            "duplicate_inserts_deadlock",
+            "inexact_keys",
+        }
+    ),
 }
 
 
@@ -51,6 +97,36 @@ def capable(backend: Backend | str, capability: str) -> bool:
     if not any(capability in caps for caps in CAPABILITIES.values()):
         raise ValueError(f"unknown capability {capability!r}; add it to CAPABILITIES")
     return capability in CAPABILITIES[name]
+
+
+def backends_with(*capabilities: str) -> list[str]:
+    """The backends that have every one of ``capabilities``, in :data:`BACKENDS` order.
+
+    For a file that exists only for those backends (the others are not collected, rather than
+    skipped)::
+
+        pytestmark = pytest.mark.parametrize("backend", backends_with("inexact_keys"), indirect=True)
+    """
+    return [name for name in BACKENDS if all(capable(name, c) for c in capabilities)]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``@pytest.mark.requires(*capabilities)``: skip, at collection, the ``backend`` params that
+    lack one of them (with the missing capabilities as the reason)."""
+    for item in items:
+        markers = list(item.iter_markers("requires"))
+        if not markers:
+            continue
+        callspec = getattr(item, "callspec", None)
+        name = callspec.params.get("backend") if callspec is not None else None
+        if name is None:
+            raise pytest.UsageError(f"{item.nodeid}: requires() needs the backend or engine fixture")
+        try:
+            missing = [c for marker in markers for c in marker.args if not capable(name, c)]
+        except ValueError as error:  # a misspelt capability
+            raise pytest.UsageError(f"{item.nodeid}: {error}") from None
+        if missing:
+            item.add_marker(pytest.mark.skip(reason=f"{name} lacks {', '.join(missing)}"))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -172,11 +248,8 @@ _engines: dict[str, Engine] = {}
 def backend(request: pytest.FixtureRequest, namespaces: _Namespaces) -> Iterator[Backend]:
     """Each backend in turn; the test creates its tables with ``backend.create``.
 
-    ``@pytest.mark.requires("row_locks", ...)`` skips the backends without those capabilities."""
-    for marker in request.node.iter_markers("requires"):
-        missing = [c for c in marker.args if not capable(request.param, c)]
-        if missing:
-            pytest.skip(f"{request.param} lacks {', '.join(missing)}")
+    ``@pytest.mark.requires("row_locks", ...)`` skips the backends without those capabilities
+    (:func:`pytest_collection_modifyitems`)."""
     yield from _only(request.param, namespaces)
 
 
@@ -201,33 +274,49 @@ def _only(name: str, namespaces: _Namespaces) -> Iterator[Backend]:
 def engine(backend: Backend, request: pytest.FixtureRequest) -> Iterator[Engine]:
     """The backend's engine with stateguard's tables and the test's own, dropped afterwards.
 
-    A module (or test) names its tables with the ``tables`` marker::
+    The only ``engine`` fixture of the suite.  A module (or test) names its tables with the
+    ``tables`` marker::
 
         pytestmark = pytest.mark.tables(Base.metadata, seed=_seed, stateguard=False)
 
-    ``seed(session)`` adds rows in one committed transaction before the test;
-    ``stateguard=False`` leaves stateguard's own tables out.  A file that needs
-    something special (another engine on SQLite, a pool setting) builds a small
-    ``engine`` fixture of its own on this one.
+    * ``seed(session)`` adds rows in one committed transaction before the test;
+    * ``stateguard=False`` leaves stateguard's own tables out (whatever an earlier test left);
+      ``stateguard="dropped"`` makes sure they do not exist (tests of a missing table);
+    * ``sqlite_engine=True`` (or a dict of its options, ``{"busy_timeout": 60}``): on SQLite
+      the engine is a separate :func:`stateguard.sqlite_engine` on the same file (real BEGINs
+      around SAVEPOINTs, ``BEGIN IMMEDIATE`` for locks), disposed afterwards; the other
+      backends keep theirs.
     """
     from sqlalchemy.orm import Session
 
-    from stateguard import create_tables, drop_tables
+    from stateguard import create_tables, drop_tables, sqlite_engine
 
     marker = request.node.get_closest_marker("tables")
     metadatas, options = (marker.args, marker.kwargs) if marker else ((), {})
+    unknown = set(options) - {"seed", "stateguard", "sqlite_engine"}
+    if unknown:
+        pytest.fail(f"unknown tables() option(s): {', '.join(sorted(unknown))}", pytrace=False)
     ours = options.get("stateguard", True)
+    if ours not in (True, False, "dropped"):
+        pytest.fail(f"tables(stateguard=...) is True, False or 'dropped', not {ours!r}", pytrace=False)
+    create = ours != "dropped" and bool(ours)
     eng = backend.create(*metadatas)
     if ours:
         drop_tables(eng)
+    if create:
         create_tables(eng)
+    private = options.get("sqlite_engine", False)
+    if private and backend.name == "sqlite":
+        eng = sqlite_engine(backend.url, **(private if isinstance(private, dict) else {}))
     seed = options.get("seed")
     if seed is not None:
         with Session(eng) as session, session.begin():
             seed(session)
     yield eng
-    if ours:
-        drop_tables(eng)
+    if eng is not backend.engine:
+        eng.dispose()
+    if create:
+        drop_tables(backend.engine)
 
 
 @pytest.fixture(scope="module")

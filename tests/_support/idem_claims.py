@@ -29,7 +29,7 @@ from stateguard import (
     retry_on_conflict,
 )
 from stateguard.tables import idempotency_keys
-from tests.conftest import Backend
+from tests.conftest import Backend, capable
 
 ca_md = MetaData()
 work = Table(
@@ -174,4 +174,4 @@ def _verbs(statements: list[str]) -> list[str]:
 
 
 def _claim_verb(backend: Backend) -> str:
-    return "WITH" if backend.name == "postgresql" else "INSERT"
+    return "WITH" if capable(backend, "writable_cte") else "INSERT"

@@ -1,22 +1,17 @@
-"""The versioned ``Doc`` model of the version-column tests, and helpers that create its tables
-and read its rows."""
+"""The versioned ``Doc`` model of the version-column tests, the ``tables`` marker that creates its
+tables, and helpers that read its rows."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from decimal import Decimal
 from typing import Any
 
+import pytest
 from sqlalchemy import Engine, Integer, Numeric, SmallInteger, String, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from stateguard import (
-    StateMachine,
-    create_tables,
-    drop_tables,
-    version_column,
-)
+from stateguard import StateMachine, version_column
 from tests.conftest import Backend
 
 
@@ -53,15 +48,14 @@ class Doc(_Base):
     )
 
 
-def _tables(backend: Backend) -> Iterator[Engine]:
-    eng = backend.create(_Base.metadata)
-    drop_tables(eng)
-    create_tables(eng)
-    with Session(eng) as s, s.begin():
-        s.add_all([Doc(id=1, title="orig"), Doc(id=2, title="two")])
+def _seed(s: Session) -> None:
+    s.add_all([Doc(id=1, title="orig"), Doc(id=2, title="two")])
     _declared_calls.clear()
-    yield eng
-    drop_tables(eng)
+
+
+# The tables of a module on the shared ``engine`` fixture (tests/conftest.py): Doc and
+# stateguard's own, with the rows 1 and 2.
+DOC_TABLES = pytest.mark.tables(_Base.metadata, seed=_seed)
 
 
 def _row(engine: Engine, key: int) -> Any:

@@ -37,7 +37,7 @@ from stateguard import (
     idempotent,
 )
 from stateguard.tables import idempotency_keys
-from tests.conftest import Backend, count_statements
+from tests.conftest import Backend, capable, count_statements
 
 business = MetaData()
 orders = Table(
@@ -72,7 +72,7 @@ def _verbs(statements: list[str]) -> list[str]:
 
 
 def _claim_verb(backend: Backend) -> str:
-    return "WITH" if backend.name == "postgresql" else "INSERT"
+    return "WITH" if capable(backend, "writable_cte") else "INSERT"
 
 
 def _orders(engine: Engine, ref: str) -> int:
@@ -152,7 +152,7 @@ def test_first_call_is_two_statements_and_a_replay_one_on_postgresql(
     assert not replayed and verbs == [_claim_verb(backend), "UPDATE"]
     replayed, again, verbs = _call(engine, "k", {"a": 1})
     assert replayed and again == first
-    assert verbs == (["WITH"] if backend.name == "postgresql" else ["INSERT", "SELECT"])
+    assert verbs == (["WITH"] if capable(backend, "writable_cte") else ["INSERT", "SELECT"])
 
 
 @pytest.mark.rollback
@@ -281,7 +281,7 @@ def test_another_payload_is_still_refused_in_one_statement_on_postgresql(
         with count_statements(engine) as seen, pytest.raises(IdempotencyKeyReused):
             with idempotent(session, scope="s", key="k", fingerprint={"amount": 2}):
                 raise AssertionError("the block must not run")
-    assert _verbs(seen.statements) == (["WITH"] if backend.name == "postgresql" else ["INSERT", "SELECT"])
+    assert _verbs(seen.statements) == (["WITH"] if capable(backend, "writable_cte") else ["INSERT", "SELECT"])
     assert _record(engine, "k").response == '{"key":"k","attempt":1}'
 
 
@@ -311,7 +311,7 @@ def test_a_dead_claim_is_taken_over_inside_the_savepoint(backend: Backend, engin
         with count_statements(engine) as seen, idempotent(session, scope="s", key="dead") as call:
             assert call.taken_over and call.attempt == 2
             call.complete("recovered")
-    read = [] if backend.name == "postgresql" else ["SELECT"]
+    read = [] if capable(backend, "writable_cte") else ["SELECT"]
     assert _verbs(seen.statements) == [
         _claim_verb(backend),
         *read,
@@ -366,7 +366,7 @@ def test_a_twin_waiting_on_the_claim_replays_once_it_commits(backend: Backend, e
         t.join(30)
     assert results["replayed"] is True and results["response"] == "first"
     assert _orders(engine, "twin") == 1
-    if backend.name == "postgresql":
+    if capable(backend, "writable_cte"):
         assert results["verbs"] == ["WITH", "SELECT"]
 
 

@@ -17,7 +17,7 @@ from stateguard import (
     idempotent,
 )
 from tests._support.idem_items import Boom, Item, _names, items, md
-from tests.conftest import Backend
+from tests.conftest import Backend, capable
 
 
 def _wait_for_twin(backend: Backend, probe: Engine, out: dict[str, Any]) -> None:
@@ -185,7 +185,7 @@ def test_twin_at_stricter_isolation_never_runs_twice_nor_replays_garbage(
     conflict, and a retry replays; it must never run the work nor return a wrong response."""
     from stateguard import DeadlockDetected, SerializationConflict
 
-    if backend.name == "sqlite":
+    if not capable(backend, "isolation_levels"):
         iso_eng = backend.new_engine(pool_size=2, max_overflow=0)  # SQLite is serializable already
     else:
         iso_eng = backend.new_engine(pool_size=2, max_overflow=0, isolation_level=isolation)

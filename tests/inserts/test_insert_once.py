@@ -29,9 +29,7 @@ class Delivery(PairBase):
     payload: Mapped[str | None] = mapped_column(String(200))
 
 
-@pytest.fixture
-def engine(backend: Backend) -> Engine:
-    return backend.create(Base.metadata, PairBase.metadata)
+pytestmark = pytest.mark.tables(Base.metadata, PairBase.metadata, stateguard=False)
 
 
 def _count(engine: Engine, model: Any) -> int:

@@ -4,8 +4,6 @@ callback does not stop the others, and a callback scheduled in a rolled-back sav
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import IntegrityError
@@ -14,13 +12,10 @@ from sqlalchemy.orm import Session
 from stateguard import (
     guarded_update,
 )
-from tests._support.version_docs import Doc, _Base, _declared_calls, _row, _tables
+from tests._support.version_docs import DOC_TABLES, Doc, _Base, _declared_calls, _row
 from tests.conftest import Backend
 
-
-@pytest.fixture
-def engine(backend: Backend) -> Iterator[Engine]:
-    yield from _tables(backend)
+pytestmark = DOC_TABLES
 
 
 # -- after-commit callbacks ------------------------------------------------------------------------

@@ -10,10 +10,9 @@ import pytest
 from sqlalchemy import Engine, String, create_engine, func, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-import stateguard
 from stateguard import Outcome, Result, StateMachine, guarded_update, insert_once, version_column
 from tests._support.models import Base, Message, Order
-from tests.conftest import Backend, capable
+from tests.conftest import Backend
 
 CALLS: list[Any] = []
 
@@ -56,17 +55,15 @@ def _clear_calls() -> Iterator[None]:
     CALLS.clear()
 
 
-@pytest.fixture
-def engine(backend: Backend) -> Iterator[Engine]:
-    """An engine with real transactions around savepoints (sqlite_engine on SQLite), seeded."""
-    backend.create(Base.metadata, JobBase.metadata)
-    eng = backend.engine if capable(backend, "row_locks") else stateguard.sqlite_engine(backend.url)
-    with Session(eng) as s, s.begin():
-        s.add_all([Order(id=i) for i in (1, 2, 3)] + [Order(id=4, status="shipped")])
-        s.add_all([Job(id=i) for i in (1, 2, 3)])
-    yield eng
-    if eng is not backend.engine:
-        eng.dispose()
+def _seed(s: Session) -> None:
+    s.add_all([Order(id=i) for i in (1, 2, 3)] + [Order(id=4, status="shipped")])
+    s.add_all([Job(id=i) for i in (1, 2, 3)])
+
+
+# Real transactions around savepoints: stateguard.sqlite_engine on SQLite.
+pytestmark = pytest.mark.tables(
+    Base.metadata, JobBase.metadata, seed=_seed, stateguard=False, sqlite_engine=True
+)
 
 
 def _statuses(engine: Engine) -> dict[int, str]:

@@ -8,15 +8,13 @@ several outbox keys (so two relays could publish them out of order).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from sqlalchemy import Engine, Integer, String, func, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from stateguard import Outcome, StateMachine, create_tables, decrement, drop_tables
+from stateguard import Outcome, StateMachine, decrement
 from stateguard.tables import outbox
-from tests.conftest import Backend
+from tests.conftest import backends_with
 
 
 class _Base(DeclarativeBase):
@@ -40,15 +38,15 @@ class Sku(_Base):
     )
 
 
-@pytest.fixture
-def engine(mariadb: Backend) -> Iterator[Engine]:
-    eng = mariadb.create(_Base.metadata)
-    drop_tables(eng)
-    create_tables(eng)
-    with Session(eng) as s, s.begin():
-        s.add(Sku(code="sku-a"))
-    yield eng
-    drop_tables(eng)
+def _seed(s: Session) -> None:
+    s.add(Sku(code="sku-a"))
+
+
+# Only the backends whose default collation matches inexact spellings (MariaDB); not collected on the others.
+pytestmark = [
+    pytest.mark.tables(_Base.metadata, seed=_seed),
+    pytest.mark.parametrize("backend", backends_with("inexact_keys"), indirect=True),
+]
 
 
 def test_one_ref_applies_once_whatever_the_spelling(engine: Engine) -> None:

@@ -34,29 +34,21 @@ from stateguard.locks import advisory_key, mysql_lock_name
 from tests._support import lock_workers as w
 from tests._support.lock_workers import Job, JobTake, LockBase, Payout, Tally
 from tests._support.models import Base, Shipment
-from tests.conftest import REDIS_URL, Backend, _Namespaces, _only, count_statements
+from tests.conftest import REDIS_URL, Backend, _Namespaces, _only, backends_with, capable, count_statements
 
 # --------------------------------------------------------------------------
 # Fixtures
 # --------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["postgresql", "mariadb"])
+@pytest.fixture(params=backends_with("row_locks"))
 def server(request: pytest.FixtureRequest, namespaces: _Namespaces) -> Iterator[Backend]:
     """The backends with real row and named locks (PostgreSQL, MariaDB)."""
     yield from _only(request.param, namespaces)
 
 
-@pytest.fixture
-def engine(backend: Backend) -> Iterator[Engine]:
-    """The lock tables on each backend; on SQLite through ``sqlite_engine`` (BEGIN IMMEDIATE)."""
-    backend.create(LockBase.metadata)
-    if backend.name != "sqlite":
-        yield backend.engine
-        return
-    eng = sqlite_engine(backend.url, busy_timeout=60)
-    yield eng
-    eng.dispose()
+# The lock tables on each backend; on SQLite through ``sqlite_engine`` (BEGIN IMMEDIATE).
+pytestmark = pytest.mark.tables(LockBase.metadata, stateguard=False, sqlite_engine={"busy_timeout": 60})
 
 
 @pytest.fixture
@@ -233,7 +225,7 @@ def test_row_lock_of_a_list_is_one_ordered_statement(backend: Backend, engine: E
         assert len(stmts) == 1
         sql = " ".join(stmts.statements[0].split())
         assert "ORDER BY lock_tally.id" in sql
-        if backend.name != "sqlite":
+        if capable(backend, "row_locks"):
             assert sql.endswith("FOR UPDATE")
         assert row_lock(s, Tally, []) == []
 

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 from stateguard import (
     retry_on_conflict,
 )
-from tests.conftest import Backend
+from tests.conftest import Backend, capable
 
 # --------------------------------------------------------------------------
 # The sweeper's lock (README "Scheduled sweeper")
@@ -28,7 +28,7 @@ def test_sweeper_lock_timeout_zero_gives_up_at_once_and_is_not_retried(backend: 
 
     engine = backend.engine
     name = f"cron:sweep-{uuid.uuid4().hex[:8]}"
-    if backend.name == "sqlite":
+    if not capable(backend, "row_locks"):
         with Session(engine) as session, session.begin():
             with pytest.raises(NotSupported):
                 with advisory_lock(session, name, timeout=0):

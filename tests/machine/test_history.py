@@ -21,7 +21,7 @@ from stateguard import (
     retry_on_conflict,
 )
 from stateguard.machine.history import HistoryEntry
-from stateguard.tables import create_tables, drop_tables, transition_log
+from stateguard.tables import transition_log
 from tests._support.bulk_models import (
     JOIN,
     BOrder,
@@ -37,15 +37,7 @@ from tests._support.bulk_models import (
 from tests._support.models import Base, Invoice, Order
 from tests.conftest import Backend, _only, count_statements
 
-
-@pytest.fixture
-def engine(backend: Backend) -> Any:
-    eng = backend.create(Base.metadata)
-    create_tables(eng)
-    with eng.begin() as conn:
-        conn.execute(transition_log.delete())
-    yield eng
-    drop_tables(eng)
+pytestmark = pytest.mark.tables(Base.metadata)
 
 
 def _invoices(engine: Any, n: int) -> None:

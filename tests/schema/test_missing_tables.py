@@ -3,7 +3,7 @@ not a raw OperationalError / ProgrammingError that says only "no such table"."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -17,23 +17,19 @@ from stateguard import (
     consume_once,
     consume_token,
     decrement,
-    drop_tables,
     idempotent,
     issue_token,
     purge_expired,
 )
 from tests._support.models import Base, Invoice, Order
-from tests.conftest import Backend
 
 
-@pytest.fixture
-def engine(backend: Backend) -> Iterator[Engine]:
-    eng = backend.create(Base.metadata)
-    drop_tables(eng)
-    with Session(eng) as s, s.begin():
-        s.add(Order(id=1, amount=5))
-        s.add(Invoice(id=1))
-    return eng
+def _seed(s: Session) -> None:
+    s.add(Order(id=1, amount=5))
+    s.add(Invoice(id=1))
+
+
+pytestmark = pytest.mark.tables(Base.metadata, seed=_seed, stateguard="dropped")
 
 
 def _idempotent(s: Session) -> None:

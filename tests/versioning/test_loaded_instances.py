@@ -6,7 +6,6 @@ alone, and AsyncSession savepoints behave the same."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,13 +19,10 @@ from stateguard import (
     StateguardError,
     guarded_update,
 )
-from tests._support.version_docs import Doc, _Base, _race, _row, _tables
-from tests.conftest import Backend
+from tests._support.version_docs import DOC_TABLES, Doc, _Base, _race, _row
+from tests.conftest import Backend, backends_with
 
-
-@pytest.fixture
-def engine(backend: Backend) -> Iterator[Engine]:
-    yield from _tables(backend)
+pytestmark = DOC_TABLES
 
 
 # -- loaded objects and rollbacks -------------------------------------------------------------
@@ -108,18 +104,11 @@ def test_three_levels_middle_rolled_back_after_inner_released(engine: Engine) ->
     assert _row(engine, 1) == ("draft", "a", None, 3, 1)
 
 
-@pytest.fixture
-def pg_engine(pg: Backend) -> Iterator[Engine]:
-    """PostgreSQL only: it releases the row lock of a rolled-back savepoint (MariaDB keeps it, SQLite
-    has one writer), so another session can commit while this one goes on."""
-    yield from _tables(pg)
-
-
 @pytest.mark.rollback
-def test_rolled_back_savepoint_then_another_session_commits_then_flush_is_stale(pg_engine: Engine) -> None:
+@pytest.mark.parametrize("backend", backends_with("savepoint_releases_locks"), indirect=True)
+def test_rolled_back_savepoint_then_another_session_commits_then_flush_is_stale(engine: Engine) -> None:
     """After a savepoint rollback the instance holds the pre-write version; a concurrent commit must
     still make the stale object's flush fail (no lost update through a version the sync left behind)."""
-    engine = pg_engine
     with Session(engine) as s:
         s.begin()
         doc = s.get_one(Doc, 1)

@@ -5,10 +5,8 @@ with exactly n increments, and racing triggers from one source publish once."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
@@ -16,13 +14,10 @@ from stateguard import (
     guarded_update,
     retry_on_conflict,
 )
-from tests._support.version_docs import Doc, _declared_calls, _race, _row, _tables
+from tests._support.version_docs import DOC_TABLES, Doc, _declared_calls, _race, _row
 from tests.conftest import Backend
 
-
-@pytest.fixture
-def engine(backend: Backend) -> Iterator[Engine]:
-    yield from _tables(backend)
+pytestmark = DOC_TABLES
 
 
 def test_serializable_workers_retrying_end_with_exactly_n(engine: Engine, backend: Backend) -> None:

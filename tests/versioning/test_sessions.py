@@ -4,8 +4,6 @@ transaction gives an error, not a wrong outcome."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import DBAPIError
@@ -16,13 +14,10 @@ from stateguard import (
     StateguardError,
     guarded_update,
 )
-from tests._support.version_docs import Doc, _Base, _row, _tables
+from tests._support.version_docs import DOC_TABLES, Doc, _Base, _row
 from tests.conftest import Backend
 
-
-@pytest.fixture
-def engine(backend: Backend) -> Iterator[Engine]:
-    yield from _tables(backend)
+pytestmark = DOC_TABLES
 
 
 # -- wrong session objects -------------------------------------------------------------------------

@@ -3,7 +3,6 @@ decimals than the scale are invalid, SQL text is bound not run, and exact limits
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from decimal import Decimal
 from typing import Any
 
@@ -15,13 +14,9 @@ from stateguard import (
     InvalidArgument,
     guarded_update,
 )
-from tests._support.version_docs import Doc, _row, _tables
-from tests.conftest import Backend
+from tests._support.version_docs import DOC_TABLES, Doc, _row
 
-
-@pytest.fixture
-def engine(backend: Backend) -> Iterator[Engine]:
-    yield from _tables(backend)
+pytestmark = DOC_TABLES
 
 
 # -- hostile values= -------------------------------------------------------------------------------
