@@ -27,7 +27,7 @@ import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from decimal import Decimal
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 from sqlalchemy import (
     Connection,
@@ -553,7 +553,7 @@ def _change(
     bound: Any,
     role: str,
     ref: str | None,
-    durability: _kernel.Durability | None = None,
+    durability: Literal["replicated", "local"] | None = None,
 ) -> Result:
     counter = _counter(column, bound, role)
     _check_amount(counter, by)
@@ -586,7 +586,7 @@ def decrement(
     by: int | float | Decimal = 1,
     floor: Any = 0,
     ref: str | None = None,
-    durability: _kernel.Durability | None = None,
+    durability: Literal["replicated", "local"] | None = None,
 ) -> Result:
     """Take ``by`` off a counter unless that would go below ``floor``: one UPDATE.
 
@@ -636,7 +636,7 @@ def increment(
     by: int | float | Decimal = 1,
     ceiling: Any = None,
     ref: str | None = None,
-    durability: _kernel.Durability | None = None,
+    durability: Literal["replicated", "local"] | None = None,
 ) -> Result:
     """Add ``by`` to a counter unless that would go above ``ceiling``: one UPDATE.
 
@@ -662,7 +662,7 @@ def reserve(
     amounts: Mapping[Any, Any],
     *,
     ref: str,
-    durability: _kernel.Durability | None = None,
+    durability: Literal["replicated", "local"] | None = None,
 ) -> Result:
     """Decrement several rows all-or-nothing (floor 0), idempotently per ``ref``.
 
@@ -733,7 +733,7 @@ def reserve(
 
 @dual
 def release(
-    session: Session, column: Any, ref: str, *, durability: _kernel.Durability | None = None
+    session: Session, column: Any, ref: str, *, durability: Literal["replicated", "local"] | None = None
 ) -> Result:
     """Undo every change ``ref`` made to ``column`` (a cancelled order), exactly once.
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from datetime import timedelta
-from typing import Any, Final
+from typing import Any, Final, Literal
 from uuid import UUID
 
 from sqlalchemy import Connection, Engine, bindparam, insert, select, update
@@ -147,7 +147,7 @@ def consume_token(
     *,
     scope: str,
     request_id: str | UUID | None = None,
-    durability: _kernel.Durability | None = None,
+    durability: Literal["replicated", "local"] | None = None,
 ) -> Result:
     """Consume ``token`` once: one conditional UPDATE in the session's transaction.
 

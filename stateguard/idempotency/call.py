@@ -9,7 +9,7 @@ which holds the algorithm; with an AsyncSession the methods are awaited.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from .. import _kernel
 from .._async import DualObject, dual_member
@@ -81,7 +81,7 @@ class IdempotentCall(DualObject[S]):
         """``"same_transaction"`` or ``"separate"``."""
         return self._claim.options.mode
 
-    def _complete(self, response: R, *, durability: _kernel.Durability | None = None) -> R:
+    def _complete(self, response: R, *, durability: Literal["replicated", "local"] | None = None) -> R:
         """Store ``response`` as the key's result and return it.
 
         In same-transaction mode the record commits with the caller's

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol, runtime_checkable
+from typing import Any, Final, Literal, Protocol, runtime_checkable
 
 from sqlalchemy import bindparam, insert
 from sqlalchemy.orm import Session
@@ -169,7 +169,7 @@ def emit(
     payload: Any,
     *,
     key: str | None = None,
-    durability: _kernel.Durability | None = None,
+    durability: Literal["replicated", "local"] | None = None,
 ) -> int:
     """Store an event in the session's current transaction and return its id.
 

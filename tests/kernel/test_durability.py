@@ -33,7 +33,7 @@ from stateguard import (
     reserve,
     set_durability,
 )
-from tests.conftest import Backend, count_statements
+from tests.conftest import Backend, count_statements, unavailable
 
 
 class Base(DeclarativeBase):
@@ -190,3 +190,35 @@ def test_the_public_function_is_exported() -> None:
     """stateguard.set_durability is the public name, documented."""
     assert stateguard.set_durability is set_durability
     assert set_durability.__doc__ and "ReplicationTimeout" in set_durability.__doc__
+
+
+@pytest.mark.parametrize("driver", ["psycopg", "asyncpg"])
+def test_an_async_session_gets_the_same_refusals(driver: str) -> None:
+    """AsyncSession: async psycopg gets the server's answer (ConfigurationError), asyncpg NotSupported."""
+    import asyncio
+
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    from tests.conftest import PG_URL
+
+    url = make_url(PG_URL).set(drivername=f"postgresql+{driver}")
+    expected = ConfigurationError if driver == "psycopg" else NotSupported
+
+    async def run() -> None:
+        engine = create_async_engine(url)
+        try:
+            async with AsyncSession(engine) as s:
+                if (await s.execute(text("SHOW synchronous_standby_names"))).scalar_one():
+                    pytest.skip("this PostgreSQL has synchronous_standby_names set")
+                # Refused before the INSERT: no table is needed for the answer.
+                with pytest.raises(expected, match="durability='replicated'"):
+                    await emit(s, "paid", {"n": 1}, durability="replicated")
+                await s.rollback()
+        finally:
+            await engine.dispose()
+
+    try:
+        asyncio.run(run())
+    except OSError as error:  # pragma: no cover - a laptop without the server: skipped loudly, CI fails
+        unavailable("postgresql", error)
