@@ -177,8 +177,10 @@ class CommitWatch:
         "_cancelled",
         "_committing",
         "_driver",
+        "_listened",
         "_lock",
         "_owner",
+        "_root",
         "_timeout",
         "_timer",
         "armed",
@@ -190,6 +192,8 @@ class CommitWatch:
         self._lock = threading.Lock()
         self.armed = False
         self._owner: SessionTransaction | None = None
+        self._root: SessionTransaction | None = None
+        self._listened: Connection | None = None
         self._timeout: float | None = None
         self._timer: threading.Timer | None = None
         self._committing = False
@@ -233,20 +237,27 @@ class CommitWatch:
 
     def arm(self, session: Session, conn: Connection, timeout: float | None) -> None:
         """``remote_apply`` was just set: watch this transaction's COMMIT."""
-        first = not self.armed
-        self.armed = True
-        self._owner = session.get_nested_transaction() or session.get_transaction()
-        if timeout is not None:
-            self._timeout = timeout if self._timeout is None else min(timeout, self._timeout)
-        if first:
+        root = session.get_transaction()
+        if self._root is not root:
+            # A new root transaction; or an arming whose session never ended its transaction
+            # (dropped unclosed): what it left is forgotten, not reported for this one.
+            self.stop()
             self._cancelled = None
             self.results = []
-            watch_commit(session, self)
+            self._timeout = None
+            self._listened = None
+            self._root = root
+        self.armed = True
+        self._owner = session.get_nested_transaction() or root
+        if timeout is not None:
+            self._timeout = timeout if self._timeout is None else min(timeout, self._timeout)
+        watch_commit(session, self)
+        if self._timeout is not None and self._listened is not conn:
             # Listeners on this one Connection (the session transaction's), not on the Engine:
             # only a durable transaction's COMMIT starts a timer.
-            if self._timeout is not None:
-                event.listen(conn, "commit", self._start)
-                event.listen(conn, "rollback", self._stop_event)
+            event.listen(conn, "commit", self._start)
+            event.listen(conn, "rollback", self._stop_event)
+            self._listened = conn
 
     def _start(self, conn: Connection) -> None:
         timeout = self._timeout
@@ -287,7 +298,8 @@ class CommitWatch:
         self.stop()
         cancelled, results = self._cancelled, self.results
         self.armed = False
-        self._owner = None
+        self._owner = self._root = None
+        self._listened = None
         self._timeout = None
         self._cancelled = None
         self.results = []

@@ -644,3 +644,29 @@ def test_a_separate_mode_completion_the_standby_did_not_confirm_raises_and_the_c
     finally:
         set_durability(engine, None)
         engine.dispose()
+
+
+def test_a_savepoint_rolled_back_after_a_durable_call_makes_the_next_one_set_remote_apply_again(
+    pair: pg_cluster.PgReplicaPair,
+) -> None:
+    """ROLLBACK TO SAVEPOINT undoes set_config: the next durable call sends it again, and COMMIT waits."""
+    pair.set_synchronous(True)
+    assert pair.standby is not None
+    standby = pair.standby
+    # Non-durable commits do not wait: only the durable transaction's setting can make this one wait.
+    engine = routing_engine(routing_url(pair), local=True)
+    try:
+        [first, second] = issue_tokens(engine, 2)
+        with count_statements(engine) as counted, Session(engine) as s:
+            with s.begin():
+                savepoint = s.begin_nested()
+                assert consume_token(s, first, scope=TOKEN_SCOPE, durability="replicated").applied
+                savepoint.rollback()
+                assert s.execute(text("SHOW synchronous_commit")).scalar_one() == "local"
+                assert consume_token(s, second, scope=TOKEN_SCOPE, durability="replicated").applied
+                assert s.execute(text("SHOW synchronous_commit")).scalar_one() == "remote_apply"
+        assert sum(SET_REMOTE_APPLY in sql for sql in counted.statements) == 2, counted.statements
+        # remote_apply: the standby shows the second token consumed when COMMIT returned; not the first.
+        assert standby.scalar(TOKENS_CONSUMED) == 1
+    finally:
+        engine.dispose()
