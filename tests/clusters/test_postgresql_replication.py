@@ -670,3 +670,26 @@ def test_a_savepoint_rolled_back_after_a_durable_call_makes_the_next_one_set_rem
         assert standby.scalar(TOKENS_CONSUMED) == 1
     finally:
         engine.dispose()
+
+
+def test_durability_replicated_on_an_engine_that_commits_locally_loses_no_acknowledged_write(
+    pair: pg_cluster.PgReplicaPair,
+) -> None:
+    """Engine commits locally, set_durability(engine, "replicated"), SIGKILL mid-storm: 0 lost."""
+    pair.set_synchronous(True)
+    engine = routing_engine(routing_url(pair), local=True)
+    try:
+        tokens = issue_tokens(engine, 600)
+        pair.wait_replayed()  # issued by non-durable (local) commits: on the standby before the storm
+        set_durability(engine, "replicated")
+        measured = storm(engine, tokens, writers=4, kill_after=150, kill=pair.kill_primary)
+        set_durability(engine, None)  # the promoted standby has no standby of its own to confirm reruns
+        pair.promote()
+        engine.dispose()
+        count_losses(engine, tokens, measured)
+        scenario = 'sync standby, primary SIGKILLed mid-storm, engine local + durability="replicated"'
+        print(measured.line(scenario))
+        assert measured.lost == 0 and measured.tokens_twice == 0 and measured.blocks_twice == 0
+    finally:
+        set_durability(engine, None)
+        engine.dispose()
