@@ -47,7 +47,7 @@ FILL_BATCH = 250_000
 WARMUP = 5
 #: The latency at the largest size may exceed the smallest's by this much and still count as flat.
 FLAT = 1.10
-#: Issue 19: a first call within this factor of the Core INSERT + UPDATE, a replay of the PK SELECT.
+#: Targets: a first call within this factor of the Core INSERT + UPDATE, a replay of the PK SELECT.
 FIRST_TARGET = 1.10
 REPLAY_TARGET = 1.30
 
@@ -468,7 +468,7 @@ def _table(
     first_x = max(med[size, FIRST] / med[size, FLOOR2] for size in sizes)
     replay_x = max(med[size, REPLAY] / med[size, BASELINE] for size in sizes)
     table.notes += [
-        f"target (issue 19) first call <= {FIRST_TARGET:.2f}x the Core INSERT + UPDATE: {first_x:.3f}x "
+        f"target first call <= {FIRST_TARGET:.2f}x the Core INSERT + UPDATE: {first_x:.3f}x "
         f"(the worse of the sizes), {_verdict(first_x <= FIRST_TARGET)}; replay <= {REPLAY_TARGET:.2f}x "
         f"the PK SELECT: {replay_x:.3f}x, {_verdict(replay_x <= REPLAY_TARGET)}",
         f"target latency flat from {smallest} to {largest} keys (median within {FLAT:.2f}x): first call "

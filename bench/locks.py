@@ -1,4 +1,4 @@
-"""7. Distributed locks protecting the same fenced update (issue 17).
+"""7. Distributed locks protecting the same fenced update.
 
 ``workers`` processes each run ``ops`` operations of: acquire the lock, read the
 row, write ``value + 1`` with :func:`stateguard.guarded_update` (fenced where the

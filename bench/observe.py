@@ -1,4 +1,4 @@
-"""8. What outcome events cost (issue 18): a single transition with nobody listening, compared
+"""8. What outcome events cost: a single transition with nobody listening, compared
 with the same transition that skips the reporting bridge, and with listeners on.
 
 Variants, interleaved call by call on fresh 'pending' rows, one call per transaction:

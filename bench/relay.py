@@ -1,4 +1,4 @@
-"""Scenario 6: outbox relay throughput, from the database to a Redis stream (issue 16).
+"""Scenario 6: outbox relay throughput, from the database to a Redis stream.
 
 Events are written with :func:`stateguard.emit` into a ``stateguard_outbox``
 table of the scenario's own (a PostgreSQL schema, a MariaDB database, an

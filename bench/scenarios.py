@@ -83,6 +83,11 @@ def _raw_conn(engine: Engine) -> tuple[Any, str]:
 # ---------------------------------------------------------------------------
 
 
+#: A transition costs no more than the same UPDATE written by hand on a Session (PostgreSQL's target;
+#: the other databases are reported against it too).
+SINGLE_TARGET = 1.00
+
+
 def single_transition(url: str, n: int) -> Table:
     """Each variant pays ``n`` fresh 'pending' rows of its own, one call per transaction."""
     engine = make_engine(url)
@@ -216,8 +221,8 @@ def single_transition(url: str, n: int) -> Table:
     x_orm = med["ORM load-check-save"] / med["stateguard"]
     x_cpu = cpu_med["stateguard"] / cpu_med["hand-written Core"]
     table.notes += [
-        f"target stateguard <= 1.05x hand-written Core (median latency): {x_core:.3f}x, "
-        f"{_verdict(x_core <= 1.05)}",
+        f"target stateguard <= {SINGLE_TARGET:.2f}x hand-written Core, a Session UPDATE (median latency): "
+        f"{x_core:.3f}x, {_verdict(x_core <= SINGLE_TARGET)}",
         f"target ORM load-check-save >= 2x stateguard (median latency): {x_orm:.2f}x, {_verdict(x_orm >= 2)}",
         f"client CPU per call (median process_time), stateguard / Core: {x_cpu:.3f}x",
         "statements counted by SQLAlchemy's before_cursor_execute (BEGIN/COMMIT are not statements)",

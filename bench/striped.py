@@ -1,4 +1,4 @@
-"""The flash sale on one hot item, striped (issue 19): ``python -m bench run --only striped``.
+"""The flash sale on one hot item, striped: ``python -m bench run --only striped``.
 
 ``buyers`` worker processes each make ``per_buyer`` purchases of one unit,
 each in its own transaction that also records a purchase row (the work an

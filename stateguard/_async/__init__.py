@@ -15,28 +15,18 @@ and async cannot drift apart; the cost is one greenlet switch per call.
     r = decrement(session, Stock.amount, sku, by=1)          # Session: a Result
     r = await decrement(session, Stock.amount, sku, by=1)    # AsyncSession: awaited
 
-:mod:`.bridge` gives session-taking calls, methods and context managers their
-async face; :mod:`.steps` runs code that talks to something other than a
+:mod:`.bridge` gives session-taking functions and context managers their
+async face, :mod:`.methods` methods and members (real functions under the
+public name), :mod:`.sessions` checks what was passed where the session
+belongs; :mod:`.steps` runs code that talks to something other than a
 session (a Redis client, an Engine of its own) as a sans-I/O generator.
 """
 
 from __future__ import annotations
 
-from .bridge import (
-    AsyncSession,
-    Dual,
-    DualConnectable,
-    DualContext,
-    DualObject,
-    as_session,
-    dual,
-    dual_bind,
-    dual_connectable,
-    dual_member,
-    dual_method,
-    sync_session_of,
-    wrong_session,
-)
+from .bridge import Dual, DualConnectable, DualContext, dual, dual_bind, dual_connectable
+from .methods import DualObject, dual_member, dual_method
+from .sessions import AsyncSession, as_session, sync_session_of, wrong_session
 from .steps import Awaited, Steps, run_steps, step
 
 __all__ = [

@@ -117,6 +117,10 @@ class Backend:
     #: Any integer is stored in up to 8 bytes whatever the declared type (SQLite): the declared
     #: type's range is applied anyway, so a model tested here refuses what production refuses.
     loose_integers: bool
+    #: The server may be a node of a Galera cluster (MariaDB/MySQL with ``wsrep_on``), asked once
+    #: per engine (:func:`is_galera`): there a node applies the others' writes late, and
+    #: stateguard makes its connections wait for them (``wsrep_sync_wait``).
+    may_be_galera: bool
 
     @classmethod
     def for_postgresql(cls, name: str, *, returning: bool = True) -> Backend:
@@ -175,6 +179,7 @@ class Backend:
             folds_text=True,
             column_charsets=True,
             loose_integers=False,
+            may_be_galera=True,
         )
 
     @classmethod
@@ -231,6 +236,7 @@ _NOT_INNODB: Final[dict[str, Any]] = {
     "packet_limit": False,
     "folds_text": False,
     "column_charsets": False,
+    "may_be_galera": False,
 }
 
 
@@ -287,7 +293,9 @@ def is_galera(conn: Connection) -> bool:
     Read once per engine (``SHOW GLOBAL VARIABLES``, which every MySQL-family server answers,
     unlike ``@@wsrep_on``), on the first call that needs it; never asked of other databases.
     What changes on a Galera node: ``GET_LOCK`` is local to the node (advisory_lock refuses it),
-    and a conflicting write on another node surfaces as error 1213 at COMMIT (DeadlockDetected).
+    a conflicting write on another node surfaces as error 1213 at COMMIT (DeadlockDetected), and
+    a node applies the others' writes late, so stateguard raises ``wsrep_sync_wait`` on the
+    connections it writes through (``ensure_causal_writes`` in :mod:`.execute`).
     """
     dialect = conn.dialect
     found = _galera.get(dialect)

@@ -42,7 +42,7 @@ from sqlalchemy.sql.lambdas import StatementLambdaElement
 
 from ..engine import BEGIN_MARK, PENDING
 from ..exceptions import ConfigurationError, InvalidArgument, StateguardError
-from .backend import Backend
+from .backend import Backend, is_galera
 from .backend import backend as backend_of
 from .checks import check_exact, check_integer, check_string, key_bounds, out_of_range_error
 from .errors import conflict_error, is_duplicate_key, missing_own_table, out_of_range
@@ -55,6 +55,7 @@ __all__ = [
     "check_statement_size",
     "connection_for",
     "connection_for_key",
+    "ensure_causal_writes",
     "ensure_real_transaction",
     "execute",
     "insert_rows",
@@ -123,6 +124,8 @@ def connection_for(
         # sqlite_engine(begin="auto"): a stateguard write starts this
         # transaction, and may read before it writes; take the write lock now.
         sqlite_write_lock(conn)
+    if backend.may_be_galera:
+        ensure_causal_writes(conn)
     return conn
 
 
@@ -147,12 +150,51 @@ def connection_for_key(session: Session, info: ModelInfo, value: Any) -> tuple[C
         check_string(info, None, value, "primary key")
     if backend.driver_begins_lazily and conn.info.get(BEGIN_MARK) == PENDING:
         sqlite_write_lock(conn)
+    if backend.may_be_galera:
+        ensure_causal_writes(conn)
     return conn, backend
 
 
 def own_connection(session: Session, table: Table | None) -> Connection:
     """The session's connection for ``table``, one of stateguard's own tables (:func:`own_bind`)."""
-    return session.connection(bind_arguments={"bind": own_bind(session, table)})
+    conn = session.connection(bind_arguments={"bind": own_bind(session, table)})
+    if backend_of(conn.dialect).may_be_galera:
+        ensure_causal_writes(conn)
+    return conn
+
+
+#: Key in the pooled DBAPI connection's ``info`` (kept across checkouts, cleared when the
+#: connection is replaced): stateguard has raised this connection's ``wsrep_sync_wait``.
+CAUSAL_MARK: Final = "stateguard.causal"
+#: The ``wsrep_sync_wait`` bits stateguard needs: 1 (reads: SELECT, BEGIN) and 2 (UPDATE, DELETE).
+CAUSAL_BITS: Final = 3
+
+
+def ensure_causal_writes(conn: Connection) -> None:
+    """On a Galera node, make ``conn``'s UPDATEs and reads wait until the node has applied every
+    write the cluster committed before them (``wsrep_sync_wait`` bits 1 and 2); elsewhere nothing.
+
+    A Galera node applies the writesets of the other nodes asynchronously: a
+    conditional UPDATE on a node that has not applied a transition committed
+    elsewhere matches 0 rows and reads the old state, and stateguard would
+    answer REJECTED, STALE or NOT_FOUND for a change the cluster has made.  (A
+    write that *matches* a stale row is safe: certification fails it at COMMIT
+    with 1213, DeadlockDetected.)  Setting ``wsrep_sync_wait`` for the
+    classifying read alone is not enough: the UPDATE itself has to wait.
+
+    Sent once per pooled DBAPI connection, on the first stateguard call through
+    it (``SET SESSION wsrep_sync_wait = @@session.wsrep_sync_wait | 3``: bits
+    the application set are kept); a connection the pool replaces is raised
+    again.  The SET is session state: the application's own statements on that
+    connection wait too (one round trip to the cluster per statement, see
+    docs/explanation/clusters-galera.md).
+    """
+    record = conn.connection.info
+    if CAUSAL_MARK in record:
+        return
+    if is_galera(conn):
+        conn.exec_driver_sql(f"SET SESSION wsrep_sync_wait = @@session.wsrep_sync_wait | {CAUSAL_BITS}")
+    record[CAUSAL_MARK] = True
 
 
 def own_bind(session: Session, table: Table | None) -> Engine | Connection:

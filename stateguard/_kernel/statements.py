@@ -63,7 +63,7 @@ def value_params(items: Iterable[tuple[str, Column[Any], Any]]) -> dict[str, Any
     return {f"sg_v_{attr}": value for attr, _, value in items if not isinstance(value, ClauseElement)}
 
 
-def variant_key(items: tuple[tuple[str, Column[Any], Any], ...], has_sql: bool) -> Any:
+def variant_key(items: tuple[tuple[str, Column[Any], Any], ...], has_sql: bool) -> tuple[Any, ...] | None:
     """Cache key for a statement variant, or ``None`` when it must not be cached.
 
     Plain values are bound, so only their names matter.  A SQL expression

@@ -25,9 +25,51 @@ from sqlalchemy.orm import Session
 from .. import _kernel
 from ..exceptions import InvalidArgument, StateguardError
 from ..inserts import consume_once
+from ..observe import failed
 from ..tables import MAX_KEY, MAX_SCOPE
 
-log = logging.getLogger("stateguard.consumers")
+
+class ConsumerLog:
+    """The consumers' logger (``stateguard.consumers``), whose lines cannot change what a consumer does.
+
+    A logging filter or handler that raises (an observer, like an outcome
+    listener) would otherwise end the consumer in the middle of a message:
+    committed and never acknowledged, or a failure never counted.  Its
+    error is logged on ``stateguard.observe`` (if that can be) and dropped,
+    as :mod:`stateguard.observe` does with every observer's.
+    """
+
+    __slots__ = ("logger",)
+
+    def __init__(self, name: str) -> None:
+        self.logger = logging.getLogger(name)
+
+    def _say(self, level: int, msg: str, *args: Any, **kwargs: Any) -> None:
+        if not self.logger.isEnabledFor(level):
+            return
+        try:
+            self.logger.log(level, msg, *args, stacklevel=3, **kwargs)
+        except Exception:  # a logging filter or handler that raises
+            failed(self.logger, "logging a consumer's line")
+
+    def debug(self, msg: str, *args: Any, **kwargs: Any) -> None:
+        """``logging.Logger.debug``, never raising."""
+        self._say(logging.DEBUG, msg, *args, **kwargs)
+
+    def info(self, msg: str, *args: Any, **kwargs: Any) -> None:
+        """``logging.Logger.info``, never raising."""
+        self._say(logging.INFO, msg, *args, **kwargs)
+
+    def warning(self, msg: str, *args: Any, **kwargs: Any) -> None:
+        """``logging.Logger.warning``, never raising."""
+        self._say(logging.WARNING, msg, *args, **kwargs)
+
+    def error(self, msg: str, *args: Any, **kwargs: Any) -> None:
+        """``logging.Logger.error``, never raising."""
+        self._say(logging.ERROR, msg, *args, **kwargs)
+
+
+log = ConsumerLog("stateguard.consumers")
 
 #: Deliveries of one message whose handler failed before it goes to the dead letters.
 DEFAULT_MAX_DELIVERIES: Final = 5

@@ -21,8 +21,8 @@ calling thread and each handler in a worker thread.  See
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
-import logging
 import random
 import threading
 from datetime import timedelta
@@ -38,22 +38,33 @@ from ._core import (
     Verdict,
     check_deliveries,
     check_name,
+    log,
 )
 from ._core import serve as _serve
 
 __all__ = ["NATSConsumer"]
 
-log = logging.getLogger("stateguard.consumers")
 
 #: Headers added to a dead-lettered copy: how often it was delivered, its stream and sequence (its
 #: ``Nats-Msg-Id`` moves to ``Stateguard-Msg-Id``).
 DEAD_HEADERS: Final = ("Stateguard-Deliveries", "Stateguard-Stream", "Stateguard-Stream-Seq")
+#: What nats-py puts for header bytes that are not UTF-8 (it decodes with ``errors="replace"``).
+REPLACED: Final = "\ufffd"
 
 
 def _seconds(value: Any, what: str) -> float:
     if not isinstance(value, timedelta) or value <= timedelta(0):
         raise InvalidArgument(f"{what} must be a positive datetime.timedelta, got {value!r}")
     return value.total_seconds()
+
+
+async def _pause(stop: threading.Event, seconds: float) -> None:
+    """Sleep ``seconds``, or less when ``stop`` is set meanwhile (a backoff reaches 30 s: stop() must
+    not wait that long)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not stop.is_set() and (left := deadline - loop.time()) > 0:
+        await asyncio.sleep(min(left, 0.1))
 
 
 class NATSConsumer:
@@ -140,6 +151,7 @@ class NATSConsumer:
         #: How many messages this consumer acknowledged (handled now or before) and dead-lettered.
         self.handled = 0
         self.dead_lettered = 0
+        self._connected = False
 
     @property
     def consumer(self) -> str:
@@ -180,12 +192,15 @@ class NATSConsumer:
     async def _main(self, stop: threading.Event) -> None:
         pause = 0.05
         while not stop.is_set():
+            self._connected = False
             try:
                 await self._consume(stop)
                 pause = 0.05
             except ConfigurationError:
                 raise
             except Exception as error:  # nats-py's connection and timeout errors, OSError
+                if self._connected:  # this connection worked: a new outage, whose backoff starts afresh
+                    pause = 0.05
                 log.warning(
                     "consumer %r: NATS at %s: %s: %s; connecting again in %.2f s",
                     self.consumer,
@@ -194,7 +209,7 @@ class NATSConsumer:
                     error,
                     pause,
                 )
-                await asyncio.sleep(pause * random.uniform(0.5, 1.0))  # jitter, not security
+                await _pause(stop, pause * random.uniform(0.5, 1.0))  # jitter, not security
                 pause = min(pause * 2, MAX_BACKOFF)
 
     async def _consume(self, stop: threading.Event) -> None:
@@ -226,6 +241,7 @@ class NATSConsumer:
                     f"NATS JetStream at {self.servers[0]} has no stream {self.stream!r} ({error}): "
                     "create it before the consumer starts"
                 ) from error
+            self._connected = True
             while not stop.is_set():
                 try:
                     messages = await subscription.fetch(self.batch, timeout=self.poll)
@@ -259,6 +275,11 @@ class NATSConsumer:
         if deliveries > self.max_deliveries:
             await self._dead_letter(js, raw, message, "delivered more often than max_deliveries")
             return
+        if REPLACED in message.id and not await self._id_is_utf8(js, raw):
+            # nats-py decodes header values with replacement: b"\xff" and b"\xfe" would both read
+            # "\ufffd" and the second would pass for a repeat of the first, its effect lost.
+            await self._dead_letter(js, raw, message, "its id is not UTF-8 text")
+            return
         loop = asyncio.get_running_loop()
 
         def keep_alive() -> None:
@@ -280,6 +301,26 @@ class NATSConsumer:
             await self._dead_letter(js, raw, message, "the handler failed")
         else:
             await raw.nak(delay=self.retry_delay)
+
+    async def _id_is_utf8(self, js: Any, raw: Any) -> bool:
+        """Whether the ``Nats-Msg-Id`` the stream stored is UTF-8 (read back as sent: nats-py's decoded
+        headers cannot tell a U+FFFD that was sent from bytes it replaced)."""
+        from nats.js.errors import NotFoundError
+
+        try:
+            stored = await js.get_msg(self.stream, raw.metadata.sequence.stream)
+        except NotFoundError:  # gone from the stream (max_age, purged): its id cannot be read as sent
+            return False
+        block = base64.b64decode(stored.hdrs or b"")
+        for line in block.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip() == b"Nats-Msg-Id":
+                try:
+                    value.strip().decode("utf-8")
+                except UnicodeDecodeError:
+                    return False
+                return True
+        return False
 
     async def _tell_in_progress(self, raw: Any) -> None:
         """While the handler runs, reset JetStream's ack timer every third of ``ack_wait``."""

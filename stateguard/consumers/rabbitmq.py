@@ -17,7 +17,6 @@ only by this module.  See ``docs/how-to/consumers.md``.
 
 from __future__ import annotations
 
-import logging
 import random
 import threading
 from typing import Any, Final
@@ -31,12 +30,12 @@ from ._core import (
     Verdict,
     check_deliveries,
     check_name,
+    log,
 )
 from ._core import serve as _serve
 
 __all__ = ["RabbitMQConsumer"]
 
-log = logging.getLogger("stateguard.consumers")
 
 #: The header counting a message's failed deliveries (set on the copy published after a failure).
 DELIVERIES_HEADER: Final = "x-stateguard-deliveries"
@@ -138,6 +137,7 @@ class RabbitMQConsumer:
         self.handled = 0
         self.dead_lettered = 0
         self._connection: Any = None
+        self._connected = False
 
     @property
     def consumer(self) -> str:
@@ -162,6 +162,7 @@ class RabbitMQConsumer:
         stop = self._handling.stop_event
         pause = 0.05
         while not stop.is_set():
+            self._connected = False
             try:
                 self._consume(stop)
                 pause = 0.05
@@ -169,6 +170,8 @@ class RabbitMQConsumer:
                 self._drop()
                 if stop.is_set():
                     break
+                if self._connected:  # this connection worked: a new outage, whose backoff starts afresh
+                    pause = 0.05
                 log.warning(
                     "consumer %r: RabbitMQ at %s: %s: %s; connecting again in %.2f s",
                     self.consumer,
@@ -201,6 +204,7 @@ class RabbitMQConsumer:
         channel = connection.channel()
         channel.confirm_delivery()  # the copy of a failed message is published confirmed
         channel.basic_qos(prefetch_count=self.prefetch)
+        self._connected = True
         for method, properties, body in channel.consume(self.queue, inactivity_timeout=self.poll):
             if method is not None:
                 self._handle(channel, method, properties, body)
@@ -212,8 +216,9 @@ class RabbitMQConsumer:
         headers = properties.headers or {}
         deliveries = deliveries_of(properties, bool(method.redelivered))
         key = headers.get("key")
+        sent_id = properties.message_id
         message = Message(
-            id=properties.message_id or "",
+            id=sent_id if isinstance(sent_id, str) else "",
             body=body,
             topic=properties.type,
             key=key if isinstance(key, str) else None,
@@ -222,6 +227,9 @@ class RabbitMQConsumer:
         )
         if deliveries > self.max_deliveries:
             self._dead_letter(channel, method, message, "delivered more often than max_deliveries")
+            return
+        if isinstance(sent_id, bytes):  # pika hands a short string that is not UTF-8 over as bytes
+            self._dead_letter(channel, method, message, "its id is not UTF-8 text")
             return
         verdict = self._handling.handle(message, keep_alive=lambda: channel.connection.process_data_events(0))
         if verdict is Verdict.DONE:
@@ -275,7 +283,7 @@ class RabbitMQConsumer:
         log.error(
             "consumer %r: message %r rejected to queue %r's dead-letter exchange after %d deliveries: %s",
             self.consumer,
-            message.id,
+            message.id or getattr(message.raw[1], "message_id", None),
             self.queue,
             message.deliveries,
             why,

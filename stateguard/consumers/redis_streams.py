@@ -16,7 +16,6 @@ client this module uses.  See ``docs/how-to/consumers.md``.
 
 from __future__ import annotations
 
-import logging
 import random
 import threading
 from datetime import timedelta
@@ -32,12 +31,12 @@ from ._core import (
     Verdict,
     check_deliveries,
     check_name,
+    log,
 )
 from ._core import serve as _serve
 
 __all__ = ["RedisStreamConsumer"]
 
-log = logging.getLogger("stateguard.consumers")
 
 #: Suffix of the default dead-letter stream's name.
 DEAD_SUFFIX: Final = ":dead"

@@ -45,7 +45,15 @@ from .core import (
     too_large,
 )
 from .keys import KEY_HEADER, BadKey, parse_key
-from .options import REFUSED_BEFORE_EXECUTION, Options, RouteOptions, RoutesFn, ScopeFn, default_store_status
+from .options import (
+    REFUSED_BEFORE_EXECUTION,
+    Options,
+    RouteOptions,
+    RoutesFn,
+    ScopeFn,
+    Settings,
+    default_store_status,
+)
 from .principal import Anonymous, PrincipalFn, principal, scope_from_principal
 from .request import HttpRequest
 from .responses import CREDENTIAL_HEADERS
@@ -320,7 +328,7 @@ class IdempotencyMiddleware:
         self.store_status = store_status
         self.documentation = documentation
 
-    def settings_for(self, scope: Scope) -> Any:
+    def settings_for(self, scope: Scope) -> Settings | None:
         """The effective settings for a request, or ``None`` when its route is disabled."""
         return self.options.settings_for(str(scope.get("path", "")), scope)
 

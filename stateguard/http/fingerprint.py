@@ -12,7 +12,7 @@ import hashlib
 import json
 import math
 from decimal import Decimal, InvalidOperation
-from typing import Any
+from typing import Any, NoReturn
 
 from ..idempotency import fingerprint_of
 from .request import HttpRequest
@@ -29,7 +29,7 @@ def _is_json(request: HttpRequest) -> bool:
     return media == b"application/json" or (b"/" in media and media.endswith(b"+json"))
 
 
-def _no_constant(name: str) -> Any:
+def _no_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not JSON")
 
 

@@ -167,7 +167,9 @@ def idempotent_function(
             "key must be a callable that receives the function's arguments and returns the key"
         )
 
-    def manager_for(fn: Callable[..., Any], session_type: type, args: Any, kwargs: Any) -> Any:
+    def manager_for(
+        fn: Callable[..., Any], session_type: type, args: Any, kwargs: Any
+    ) -> DualContext[IdempotentCall[Any]]:
         if not args or not isinstance(args[0], session_type):
             raise InvalidArgument(
                 f"{fn.__qualname__}() is @idempotent_function: its first positional argument must be "

@@ -212,6 +212,7 @@ class StateMachine(Generic[S]):
         """``Model.attribute`` of this machine (``"Order.flow"``), as messages name it."""
         return self._where()
 
+    # Any: a declared state, the machine's Enum member or str (its S, which the body cannot narrow to).
     def _state(self, value: Any, role: str, trigger: str | None = None) -> Any:
         """Resolve a declared state reference (name, value or member)."""
         if self._enum is not None:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sqlalchemy import (
     Connection,
+    Row,
     and_,
     bindparam,
     insert,
@@ -109,7 +110,7 @@ _lookup = (
 
 def applied_by_request(
     conn: Connection, machine: StateMachine[Any], trigger: str, key: tuple[Any, ...], request_id: str
-) -> Any:
+) -> Row[*tuple[Any, ...]] | None:
     """The logged row (dest, version) if ``request_id`` already applied ``trigger`` to ``key``."""
     return _kernel.execute(
         conn,
@@ -200,6 +201,6 @@ def entries(session: Session, machine: StateMachine[Any], target: Any) -> list[H
     ]
 
 
-def meta_of(value: Mapping[str, Any] | None) -> Any:
+def meta_of(value: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """``metadata`` as the log stores it (a plain dict, or ``None``)."""
     return None if value is None else dict(value)

@@ -24,8 +24,6 @@ from ..exceptions import InvalidArgument
 from ..tables import MAX_KEY, outbox
 from .statements import _requeue_statement
 
-_o = outbox
-
 
 @dual_bind
 def requeue_dead(
@@ -61,7 +59,7 @@ def requeue_dead(
     if isinstance(bind, Engine):
         with bind.begin() as conn:
             return _requeue(conn, id_list, key)
-    return _requeue(_kernel.own_connection(bind, _o) if isinstance(bind, Session) else bind, id_list, key)
+    return _requeue(_kernel.own_connection(bind, outbox) if isinstance(bind, Session) else bind, id_list, key)
 
 
 def _requeue(conn: Connection, ids: list[int] | None, key: str | None) -> int:
@@ -91,6 +89,9 @@ def purge_published(bind: Engine | Connection | Session, *, older_than: timedelt
         ``batch`` not a positive int.
     """
     old = and_(
-        _o.c.published_ms.is_not(None), _o.c.published_ms <= _kernel.db_now_ms() - bindparam("sg_older")
+        outbox.c.published_ms.is_not(None),
+        outbox.c.published_ms <= _kernel.db_now_ms() - bindparam("sg_older"),
     )
-    return _kernel.purge_rows(_o, bind, batch, old, sg_older=_kernel.duration_ms(older_than, "older_than"))
+    return _kernel.purge_rows(
+        outbox, bind, batch, old, sg_older=_kernel.duration_ms(older_than, "older_than")
+    )

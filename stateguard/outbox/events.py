@@ -11,8 +11,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol, runtime_checkable
 
-from sqlalchemy import bindparam, insert
+from sqlalchemy import Insert, bindparam, insert
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.dml import ReturningInsert
 
 from .. import _kernel
 from .._async import dual
@@ -24,8 +25,6 @@ from .wakeup import notifies, notify_column
 MAX_TOPIC: Final = 200
 #: How deep a payload may nest (lists and objects): deeper is InvalidArgument, not a RecursionError.
 MAX_DEPTH: Final = 100
-
-_o = outbox
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,9 +141,9 @@ def payload_text(payload: Any) -> str:
     return _kernel.json_text(payload, "payload", MAX_DEPTH)
 
 
-def _insert(backend: _kernel.Backend) -> Any:
-    def build() -> Any:
-        stmt = insert(_o).values(
+def _insert(backend: _kernel.Backend) -> Insert | ReturningInsert[Any]:
+    def build() -> Insert | ReturningInsert[Any]:
+        stmt = insert(outbox).values(
             topic=bindparam("sg_topic"),
             key=bindparam("sg_key"),
             payload=bindparam("sg_payload"),
@@ -156,8 +155,8 @@ def _insert(backend: _kernel.Backend) -> Any:
             return stmt
         if notifies(backend):
             # Wakes the relays when the transaction commits, in the same round trip (see .wakeup).
-            return stmt.returning(_o.c.id, notify_column())
-        return stmt.returning(_o.c.id)
+            return stmt.returning(outbox.c.id, notify_column())
+        return stmt.returning(outbox.c.id)
 
     return _kernel.memo.get_or_build(("outbox_insert", backend), build)
 
@@ -208,7 +207,7 @@ def emit(
     text = payload_text(payload)
     if session.autoflush:
         session.flush()
-    conn = _kernel.own_connection(session, _o)
+    conn = _kernel.own_connection(session, outbox)
     _kernel.check_statement_size(conn, text, "payload")
     watch = _kernel.durable(session, conn, durability) if durability is not None or _kernel.DURABLE else None
     backend = _kernel.backend(conn.dialect)

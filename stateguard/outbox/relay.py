@@ -19,11 +19,11 @@ import logging
 import random
 import threading
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Dialect, Engine
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import inspect as sa_inspect
 
@@ -162,11 +162,11 @@ class _RelayCore(_Isolation, Generic[E]):
         self._schema_checked = False
 
     @staticmethod
-    def _dialect_of(engine: Any) -> Any:
+    def _dialect_of(engine: Any) -> Dialect:
         """The engine's dialect; :class:`InvalidArgument` for anything but the relay's kind of engine."""
         raise NotImplementedError
 
-    def run_once(self) -> Any:
+    def run_once(self) -> int | Coroutine[Any, Any, int]:
         """One cycle: its count, or (AsyncRelay) a coroutine of it."""
         raise NotImplementedError
 
@@ -186,7 +186,7 @@ class _RelayCore(_Isolation, Generic[E]):
         """Wait ``seconds`` or until ``stop`` is set."""
         raise NotImplementedError
 
-    def _make_listener(self) -> Any:
+    def _make_listener(self) -> Listener | AsyncListener:
         """A :class:`~.wakeup.Listener` (or its async twin) on the relay's engine."""
         raise NotImplementedError
 
@@ -513,7 +513,7 @@ class Relay(_RelayCore[Engine]):
     """
 
     @staticmethod
-    def _dialect_of(engine: Any) -> Any:
+    def _dialect_of(engine: Any) -> Dialect:
         if not isinstance(engine, Engine):
             raise InvalidArgument(
                 f"Relay needs an Engine, got {type(engine).__name__}"
@@ -556,7 +556,7 @@ class Relay(_RelayCore[Engine]):
         run_steps(self._serve(stop_event if stop_event is not None else threading.Event(), idle_sleep))
 
     def _db(self, fn: Callable[..., T], /, *args: Any) -> Steps[T]:
-        with self._steps_engine.begin() as conn:
+        with _commit_conflicts(), self._steps_engine.begin() as conn:
             return step(fn(conn, *args))
 
     def _call_sink(self, fn: Callable[..., Any], /, *args: Any) -> Steps[Any]:
@@ -579,6 +579,24 @@ class Relay(_RelayCore[Engine]):
         return Listener(self.engine)
 
 
+@contextlib.contextmanager
+def _commit_conflicts() -> Iterator[None]:
+    """Raise a conflict the COMMIT of a relay's transaction reports as its typed error.
+
+    The statements map their own conflicts; a Galera node certifies the claim
+    (or the mark) only at COMMIT, and a relay on another node that claimed the
+    same events first makes this COMMIT fail with 1213: DeadlockDetected (a
+    SerializationConflict), which the cycle treats as "nothing claimed".
+    """
+    try:
+        yield
+    except sa_exc.DBAPIError as error:
+        mapped = _kernel.conflict_error(error)
+        if mapped is None:
+            raise
+        raise mapped from error
+
+
 class AsyncRelay(_RelayCore["AsyncEngine"]):
     """:class:`Relay` on an :class:`~sqlalchemy.ext.asyncio.AsyncEngine`: the same cycle, awaited.
 
@@ -595,10 +613,11 @@ class AsyncRelay(_RelayCore["AsyncEngine"]):
     """
 
     @staticmethod
-    def _dialect_of(engine: Any) -> Any:
+    def _dialect_of(engine: Any) -> Dialect:
         if type(engine).__name__ != "AsyncEngine" or not hasattr(engine, "sync_engine"):
             raise InvalidArgument(f"AsyncRelay needs an AsyncEngine, got {type(engine).__name__}")
-        return engine.sync_engine.dialect
+        dialect: Dialect = engine.sync_engine.dialect
+        return dialect
 
     async def run_once(self) -> int:
         """Claim one batch, publish what the sink takes, mark it published; see :meth:`Relay.run_once`."""
@@ -612,8 +631,9 @@ class AsyncRelay(_RelayCore["AsyncEngine"]):
         return step(self._in_transaction(fn, args))
 
     async def _in_transaction(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
-        async with self._steps_engine.begin() as conn:
-            return await conn.run_sync(fn, *args)
+        with _commit_conflicts():
+            async with self._steps_engine.begin() as conn:
+                return await conn.run_sync(fn, *args)
 
     def _call_sink(self, fn: Callable[..., Any], /, *args: Any) -> Steps[Any]:
         return step(fn(*args))

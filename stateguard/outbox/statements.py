@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 from sqlalchemy import (
     ARRAY,
     BigInteger,
     ColumnElement,
     Connection,
+    Label,
+    Select,
+    Update,
     any_,
     bindparam,
     case,
@@ -29,14 +32,23 @@ from sqlalchemy import (
     true,
     update,
 )
+from sqlalchemy.sql.dml import ReturningUpdate
 
 from .. import _kernel
 from ..tables import outbox
 from .events import OutboxEvent
 
-_o = outbox
+#: What :func:`_event` reads: id, topic, key, payload, created_ms, refusals (Core columns, untyped).
+_EventRow: TypeAlias = tuple[Any, Any, Any, Any, Any, Any]
 
-_EVENT_COLUMNS: Final = (_o.c.id, _o.c.topic, _o.c.key, _o.c.payload, _o.c.created_ms, _o.c.refusals)
+_EVENT_COLUMNS: Final = (
+    outbox.c.id,
+    outbox.c.topic,
+    outbox.c.key,
+    outbox.c.payload,
+    outbox.c.created_ms,
+    outbox.c.refusals,
+)
 
 #: The key-order modes of a relay (``Relay(key_order=...)``): what a dead event does to its key.
 SKIP_DEAD: Final = "skip_dead"
@@ -58,45 +70,45 @@ def _async_commit(backend: _kernel.Backend) -> bool:
     return backend.commit_without_flush
 
 
-def _no_flush() -> Any:
+def _no_flush() -> Label[Any]:
     """``set_config('synchronous_commit', 'off', true)``: this statement's transaction commits without
     waiting for its WAL to reach the disk (see :func:`_async_commit`)."""
     return func.set_config(literal("synchronous_commit"), literal("off"), true()).label("sg_no_flush")
 
 
-def _lease_free() -> Any:
-    return or_(_o.c.claimed_until_ms.is_(None), _o.c.claimed_until_ms <= _kernel.db_now_ms())
+def _lease_free() -> ColumnElement[bool]:
+    return or_(outbox.c.claimed_until_ms.is_(None), outbox.c.claimed_until_ms <= _kernel.db_now_ms())
 
 
-def _head_conditions(topics: bool, strict: bool) -> list[Any]:
+def _head_conditions(topics: bool, strict: bool) -> list[ColumnElement[bool]]:
     """Unpublished, alive, not leased, and its key's earliest unpublished event (or keyless); of
     ``:sg_topics``.
 
     An earlier *dead* event of the key counts only in strict key order: by
     default a dead event no longer holds back the later events of its key.
     """
-    earlier = _o.alias("sg_earlier")
-    before = [earlier.c.key == _o.c.key, earlier.c.published_ms.is_(None), earlier.c.id < _o.c.id]
+    earlier = outbox.alias("sg_earlier")
+    before = [earlier.c.key == outbox.c.key, earlier.c.published_ms.is_(None), earlier.c.id < outbox.c.id]
     if not strict:
         before.append(earlier.c.dead_ms.is_(None))
     earlier_pending = exists().where(*before)
     conditions = [
-        _o.c.published_ms.is_(None),
-        _o.c.dead_ms.is_(None),
+        outbox.c.published_ms.is_(None),
+        outbox.c.dead_ms.is_(None),
         _lease_free(),
-        or_(_o.c.key.is_(None), ~earlier_pending),
+        or_(outbox.c.key.is_(None), ~earlier_pending),
     ]
     if topics:
-        conditions.append(_o.c.topic.in_(bindparam("sg_topics", expanding=True)))
+        conditions.append(outbox.c.topic.in_(bindparam("sg_topics", expanding=True)))
     return conditions
 
 
-def _heads_statement(backend: _kernel.Backend, topics: bool, strict: bool) -> Any:
+def _heads_statement(backend: _kernel.Backend, topics: bool, strict: bool) -> Select[*_EventRow]:
     """Free unpublished events that are their key's earliest unpublished one (or have no key)."""
 
-    def build() -> Any:
+    def build() -> Select[*_EventRow]:
         conditions = _head_conditions(topics, strict)
-        stmt = select(*_EVENT_COLUMNS).where(*conditions).order_by(_o.c.id).limit(bindparam("sg_batch"))
+        stmt = select(*_EVENT_COLUMNS).where(*conditions).order_by(outbox.c.id).limit(bindparam("sg_batch"))
         if backend.row_locks:
             # PostgreSQL re-checks the WHERE of a row it locks that changed since its snapshot
             # (EvalPlanQual), InnoDB's locking read reads the latest committed row: a head
@@ -107,43 +119,50 @@ def _heads_statement(backend: _kernel.Backend, topics: bool, strict: bool) -> An
     return _kernel.memo.get_or_build(("outbox_heads", backend, topics, strict), build)
 
 
-def _followers_statement(backend: _kernel.Backend, strict: bool) -> Any:
+def _followers_statement(backend: _kernel.Backend, strict: bool) -> Select[*tuple[Any, ...]]:
     """Every unpublished event of the given keys, id order, with the lease state on the database clock
     (dead ones only in strict key order, where they hold back what follows them)."""
 
-    def build() -> Any:
-        conditions = [_o.c.key.in_(bindparam("sg_keys", expanding=True)), _o.c.published_ms.is_(None)]
+    def build() -> Select[*tuple[Any, ...]]:
+        conditions = [outbox.c.key.in_(bindparam("sg_keys", expanding=True)), outbox.c.published_ms.is_(None)]
         if not strict:
-            conditions.append(_o.c.dead_ms.is_(None))
+            conditions.append(outbox.c.dead_ms.is_(None))
         return (
-            select(*_EVENT_COLUMNS, _o.c.claimed_until_ms, _o.c.dead_ms, _kernel.db_now_ms().label("sg_now"))
+            select(
+                *_EVENT_COLUMNS,
+                outbox.c.claimed_until_ms,
+                outbox.c.dead_ms,
+                _kernel.db_now_ms().label("sg_now"),
+            )
             .where(*conditions)
-            .order_by(_o.c.id)
+            .order_by(outbox.c.id)
         )
 
     return _kernel.memo.get_or_build(("outbox_followers", backend, strict), build)
 
 
-def _claim_statement(backend: _kernel.Backend) -> Any:
-    def build() -> Any:
+def _claim_statement(backend: _kernel.Backend) -> Update:
+    def build() -> Update:
         return (
-            update(_o)
+            update(outbox)
             .where(
-                _o.c.id.in_(bindparam("sg_ids", expanding=True)),
-                _o.c.published_ms.is_(None),
-                _o.c.dead_ms.is_(None),
+                outbox.c.id.in_(bindparam("sg_ids", expanding=True)),
+                outbox.c.published_ms.is_(None),
+                outbox.c.dead_ms.is_(None),
             )
             .values(
                 claimed_by=bindparam("sg_owner"),
                 claimed_until_ms=_kernel.db_now_ms() + bindparam("sg_lease"),
-                attempts=_o.c.attempts + 1,
+                attempts=outbox.c.attempts + 1,
             )
         )
 
     return _kernel.memo.get_or_build(("outbox_claim", backend), build)
 
 
-def _claim_once_statement(backend: _kernel.Backend, topics: bool, strict: bool) -> Any:
+def _claim_once_statement(
+    backend: _kernel.Backend, topics: bool, strict: bool
+) -> ReturningUpdate[*tuple[Any, ...]]:
     """The whole claim as one ``UPDATE ... RETURNING`` (PostgreSQL, SQLite): one round trip.
 
     The same rule as the three statements of :meth:`_RelayCore._claim`, in SQL,
@@ -164,10 +183,10 @@ def _claim_once_statement(backend: _kernel.Backend, topics: bool, strict: bool) 
     ... LIMIT ... FOR UPDATE SKIP LOCKED`` would.
     """
 
-    def build() -> Any:
+    def build() -> ReturningUpdate[*tuple[Any, ...]]:
         now = _kernel.db_now_ms()
-        earlier = _o.alias("sg_earlier")
-        before = [earlier.c.key == _o.c.key, earlier.c.published_ms.is_(None), earlier.c.id < _o.c.id]
+        earlier = outbox.alias("sg_earlier")
+        before = [earlier.c.key == outbox.c.key, earlier.c.published_ms.is_(None), earlier.c.id < outbox.c.id]
         if not strict:
             before.append(earlier.c.dead_ms.is_(None))
         untakeable = [earlier.c.claimed_until_ms > now]
@@ -177,26 +196,26 @@ def _claim_once_statement(backend: _kernel.Backend, topics: bool, strict: bool) 
             untakeable.append(earlier.c.topic.not_in(bindparam("sg_topics", expanding=True)))
         held_back = exists().where(*before, or_(*untakeable))
         conditions = [
-            _o.c.published_ms.is_(None),
-            _o.c.dead_ms.is_(None),
+            outbox.c.published_ms.is_(None),
+            outbox.c.dead_ms.is_(None),
             _lease_free(),
-            or_(_o.c.key.is_(None), ~held_back),
+            or_(outbox.c.key.is_(None), ~held_back),
         ]
         if topics:
-            conditions.append(_o.c.topic.in_(bindparam("sg_topics", expanding=True)))
+            conditions.append(outbox.c.topic.in_(bindparam("sg_topics", expanding=True)))
         # ORDER BY (published_ms, id), all NULL: id order, and the order of ix_stateguard_outbox_pending,
         # so the planner walks that index from the first unpublished event instead of the primary key
         # through every published one (what it chose for ORDER BY id while its statistics were stale).
         heads_select = (
-            select(_o.c.id, _o.c.key)
+            select(outbox.c.id, outbox.c.key)
             .where(*conditions)
-            .order_by(_o.c.published_ms, _o.c.id)
+            .order_by(outbox.c.published_ms, outbox.c.id)
             .limit(bindparam("sg_batch"))
         )
         if backend.row_locks:
             heads_select = heads_select.with_for_update(skip_locked=True)
         heads = heads_select.cte("sg_heads").prefix_with("MATERIALIZED")
-        outside = _o.alias("sg_outside")
+        outside = outbox.alias("sg_outside")
         gap = [outside.c.key == heads.c.key, outside.c.published_ms.is_(None), outside.c.id < heads.c.id]
         if not strict:
             gap.append(outside.c.dead_ms.is_(None))
@@ -206,16 +225,16 @@ def _claim_once_statement(backend: _kernel.Backend, topics: bool, strict: bool) 
             # id = ANY(ARRAY(...)): the picked ids are computed once and the rows reached through the
             # primary key, whatever the planner estimates (an IN (...) join became a nested loop over
             # every unpublished row while the table had no statistics).
-            chosen = _o.c.id == func.any(func.array(picked.scalar_subquery()))
+            chosen = outbox.c.id == func.any(func.array(picked.scalar_subquery()))
         else:
-            chosen = _o.c.id.in_(picked)
+            chosen = outbox.c.id.in_(picked)
         return (
-            update(_o)
-            .where(chosen, _o.c.published_ms.is_(None), _o.c.dead_ms.is_(None))
+            update(outbox)
+            .where(chosen, outbox.c.published_ms.is_(None), outbox.c.dead_ms.is_(None))
             .values(
                 claimed_by=bindparam("sg_owner"),
                 claimed_until_ms=_kernel.db_now_ms() + bindparam("sg_lease"),
-                attempts=_o.c.attempts + 1,
+                attempts=outbox.c.attempts + 1,
             )
             .returning(*_EVENT_COLUMNS, *((_no_flush(),) if _async_commit(backend) else ()))
         )
@@ -223,7 +242,7 @@ def _claim_once_statement(backend: _kernel.Backend, topics: bool, strict: bool) 
     return _kernel.memo.get_or_build(("outbox_claim_once", backend, topics, strict), build)
 
 
-def _ids_in(backend: _kernel.Backend) -> Any:
+def _ids_in(backend: _kernel.Backend) -> ColumnElement[bool]:
     """``id`` among the bound list ``sg_ids``: ``= ANY(:sg_ids)``, one ARRAY parameter, on PostgreSQL.
 
     One statement text whatever the batch's size, and a primary-key lookup the
@@ -232,53 +251,61 @@ def _ids_in(backend: _kernel.Backend) -> Any:
     (about 5 ms a mark for 5,000 unpublished events; see bench/README.md, scenario 6).
     """
     if backend.array_params:
-        return _o.c.id == any_(bindparam("sg_ids", type_=ARRAY(BigInteger)))
-    return _o.c.id.in_(bindparam("sg_ids", expanding=True))
+        return outbox.c.id == any_(bindparam("sg_ids", type_=ARRAY(BigInteger)))
+    return outbox.c.id.in_(bindparam("sg_ids", expanding=True))
 
 
-def _owned_update(backend: _kernel.Backend, what: str, values: Callable[[], dict[str, Any]]) -> Any:
+def _owned_update(backend: _kernel.Backend, what: str, values: Callable[[], dict[str, Any]]) -> Update:
     """``UPDATE`` of the batch ``:sg_ids`` this relay (``:sg_owner``) still holds unpublished (built once)."""
 
-    def build() -> Any:
-        mine = (_ids_in(backend), _o.c.claimed_by == bindparam("sg_owner"), _o.c.published_ms.is_(None))
-        return update(_o).where(*mine).values(**values())
+    def build() -> Update:
+        mine = (
+            _ids_in(backend),
+            outbox.c.claimed_by == bindparam("sg_owner"),
+            outbox.c.published_ms.is_(None),
+        )
+        return update(outbox).where(*mine).values(**values())
 
     return _kernel.memo.get_or_build((f"outbox_{what}", backend), build)
 
 
-def _mark_statement(backend: _kernel.Backend) -> Any:
+def _mark_statement(backend: _kernel.Backend) -> Update | ReturningUpdate[Any]:
     """Mark the batch published (and free its lease); on PostgreSQL it returns a row per event marked,
     committed without waiting for the WAL flush (:func:`_async_commit`)."""
 
-    def build() -> Any:
-        mine = (_ids_in(backend), _o.c.claimed_by == bindparam("sg_owner"), _o.c.published_ms.is_(None))
-        stmt = update(_o).where(*mine).values(published_ms=_kernel.db_now_ms(), claimed_until_ms=None)
+    def build() -> Update | ReturningUpdate[Any]:
+        mine = (
+            _ids_in(backend),
+            outbox.c.claimed_by == bindparam("sg_owner"),
+            outbox.c.published_ms.is_(None),
+        )
+        stmt = update(outbox).where(*mine).values(published_ms=_kernel.db_now_ms(), claimed_until_ms=None)
         return stmt.returning(_no_flush()) if _async_commit(backend) else stmt
 
     return _kernel.memo.get_or_build(("outbox_mark", backend), build)
 
 
-def _release_statement(backend: _kernel.Backend) -> Any:
+def _release_statement(backend: _kernel.Backend) -> Update:
     """Give the batch back unpublished: claimable again at once."""
     return _owned_update(backend, "release", lambda: {"claimed_until_ms": None})
 
 
-def _refuse_statement(backend: _kernel.Backend) -> Any:
+def _refuse_statement(backend: _kernel.Backend) -> Update:
     """One refused event of the batch (``:sg_id``) back unpublished, claimable after ``:sg_delay`` ms,
     its refusal counted and its error kept; ``:sg_dead`` 1: parked dead instead (executemany)."""
 
-    def build() -> Any:
+    def build() -> Update:
         now = _kernel.db_now_ms()
         dead = bindparam("sg_dead", type_=BigInteger) == 1
         return (
-            update(_o)
+            update(outbox)
             .where(
-                _o.c.id == bindparam("sg_id"),
-                _o.c.claimed_by == bindparam("sg_owner"),
-                _o.c.published_ms.is_(None),
+                outbox.c.id == bindparam("sg_id"),
+                outbox.c.claimed_by == bindparam("sg_owner"),
+                outbox.c.published_ms.is_(None),
             )
             .values(
-                refusals=_o.c.refusals + 1,
+                refusals=outbox.c.refusals + 1,
                 last_error=bindparam("sg_error"),
                 claimed_until_ms=case((dead, None), else_=now + bindparam("sg_delay", type_=BigInteger)),
                 dead_ms=case((dead, now), else_=None),
@@ -288,16 +315,19 @@ def _refuse_statement(backend: _kernel.Backend) -> Any:
     return _kernel.memo.get_or_build(("outbox_refuse", backend), build)
 
 
-def _requeue_statement(backend: _kernel.Backend, ids: bool, key: bool) -> Any:
+def _requeue_statement(backend: _kernel.Backend, ids: bool, key: bool) -> Update:
     """Dead events (of ``:sg_ids``, of ``:sg_key``) alive again, refusals from 0, claimable at once."""
 
-    def build() -> Any:
-        conditions: list[ColumnElement[bool]] = [_o.c.dead_ms.is_not(None), _o.c.published_ms.is_(None)]
+    def build() -> Update:
+        conditions: list[ColumnElement[bool]] = [
+            outbox.c.dead_ms.is_not(None),
+            outbox.c.published_ms.is_(None),
+        ]
         if ids:
-            conditions.append(_o.c.id.in_(bindparam("sg_ids", expanding=True)))
+            conditions.append(outbox.c.id.in_(bindparam("sg_ids", expanding=True)))
         if key:
-            conditions.append(_o.c.key == bindparam("sg_key"))
-        return update(_o).where(*conditions).values(dead_ms=None, refusals=0, claimed_until_ms=None)
+            conditions.append(outbox.c.key == bindparam("sg_key"))
+        return update(outbox).where(*conditions).values(dead_ms=None, refusals=0, claimed_until_ms=None)
 
     return _kernel.memo.get_or_build(("outbox_requeue", backend, ids, key), build)
 

@@ -27,7 +27,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Final
 
-from sqlalchemy import func, literal, select
+from sqlalchemy import Label, Select, func, literal, select
 
 from .. import _kernel
 
@@ -54,12 +54,12 @@ def notifies(backend: _kernel.Backend) -> bool:
     return backend.listen_notify
 
 
-def notify_column() -> Any:
+def notify_column() -> Label[Any]:
     """``pg_notify('stateguard_outbox', '')``, to add to the RETURNING of a statement writing events."""
     return func.pg_notify(literal(CHANNEL), literal("")).label("sg_notify")
 
 
-def notify_statement() -> Any:
+def notify_statement() -> Select[Any]:
     """``SELECT pg_notify('stateguard_outbox', '')``, for a path whose INSERT has no RETURNING."""
     return select(notify_column())
 

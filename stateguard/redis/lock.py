@@ -11,7 +11,7 @@ asyncio cancellation :mod:`~stateguard.redis.cancellation`'s.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager, suppress
 from datetime import timedelta
 from types import TracebackType
@@ -116,7 +116,7 @@ class _RedisLock(_RedisClient):
         fence: int | None = getattr(self._lock.local, "fence", None)
         return fence
 
-    def _database_fence(self) -> Any:
+    def _database_fence(self) -> int | Coroutine[Any, Any, int]:
         """The next fence from the database, in a transaction of its own (a coroutine for AsyncEngine)."""
         if self._asynchronous:
             return self._async_database_fence()

@@ -173,7 +173,7 @@ class _RedisTokens(_RedisClient):
 _THREAD: Final = threading.local()
 
 
-def _caller() -> Any:
+def _caller() -> object:
     """Who is calling: the running asyncio task, else the thread (its own marker object)."""
     try:
         task = asyncio.current_task()

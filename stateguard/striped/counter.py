@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from .. import _kernel
 from .._async import dual_method
-from ..counters import LedgerTarget, Shortfall, ledger_claim, ledger_forget, ledger_release, reserve_all
+from .._ledger import LedgerTarget, Shortfall, ledger_claim, ledger_forget, ledger_release, reserve_all
 from ..exceptions import InvalidArgument
 from ..result import Outcome, Result
 from ..tables import counter_stripes

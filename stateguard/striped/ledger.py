@@ -3,7 +3,8 @@
 A change with ``ref=`` claims a row of ``stateguard_counter_ledger`` (the
 table name ``stateguard_counter_stripes``, the counter's name as column, the
 item as row key) in the same transaction, as the guarded counters do
-(:mod:`stateguard.counters`): a ref applies once, whatever happens, and is
+(:mod:`stateguard.counters`; the claims and the release algorithm are
+:mod:`stateguard._ledger`): a ref applies once, whatever happens, and is
 REPEATED on redelivery; a release undoes what its ref's rows record.
 """
 
@@ -15,7 +16,7 @@ from typing import Any, Final
 
 from sqlalchemy import Connection
 
-from ..counters import Shortfall
+from .._ledger import Shortfall
 from ..result import Outcome
 from ..tables import DIGEST_PREFIX, row_key
 from .pick import Pick
@@ -63,7 +64,7 @@ def give_back(
 
     A released increment (``delta < 0``) takes its units back as a decrement does: from one
     free stripe holding them, else from as many stripes as needed (never below zero); a
-    :class:`~stateguard.counters.Shortfall` when the item has less in all.
+    :class:`~stateguard._ledger.Shortfall` when the item has less in all.
 
     :raises InvalidArgument: no stripe has room for ``delta`` below 2**63 - 1.
     """

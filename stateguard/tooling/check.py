@@ -13,6 +13,7 @@ from typing import Any, Final
 
 from sqlalchemy import Connection
 
+from .._kernel import backend
 from ..machine import StateMachine
 from ..machine.ddl import stored_edges, stored_states
 from ..schema import legal_edges_current, reflect_check_states, reflect_legal_edges, undeclared_rows
@@ -241,7 +242,8 @@ def check_database(conn: Connection, machine: StateMachine[Any]) -> list[Finding
                 rows=count,
             )
         )
-    if dialect.name == "postgresql":
+    # Where the legal-edges trigger can live (PL/pgSQL: PostgreSQL; CockroachDB has none to check).
+    if backend(dialect).trigger_functions:
         current = reflect_legal_edges(conn, tname, schema=schema_name).get(cname)
         if machine.legal_edges and not legal_edges_current(current, tname, stored_edges(machine, dialect)):
             code = "missing_legal_edges" if current is None else "outdated_legal_edges"
@@ -261,7 +263,7 @@ def check_database(conn: Connection, machine: StateMachine[Any]) -> list[Finding
             finding(
                 WARNING,
                 "legal_edges_unsupported",
-                f"legal_edges=True is enforced on PostgreSQL only, not on {dialect.name}",
+                f"legal_edges=True is enforced on PostgreSQL only, not on {backend(dialect).name}",
             )
         )
     return found

@@ -27,7 +27,7 @@ from typing import Any, Final
 
 from sqlalchemy import ColumnElement, Connection, String, and_, case, cast, func, inspect, literal, select
 
-from .._kernel import db_now_ms, is_galera
+from .._kernel import backend, db_now_ms, is_galera
 from ..machine import StateMachine
 from ..machine.ddl import stored_states
 from ..tables import idempotency_keys, metadata, outbox, tokens, worker_leases
@@ -138,7 +138,8 @@ class Inspection:
     row: dict[str, Any] | None = None
     ledger: dict[str, Any] | None = None
     #: What the server is, as far as stateguard's behaviour depends on it: the dialect's name,
-    #: and "Galera cluster node" where GET_LOCK is local and conflicts surface at COMMIT.
+    #: and "Galera cluster node" where GET_LOCK is local, conflicts surface at COMMIT and
+    #: stateguard raises ``wsrep_sync_wait`` so a lagging node does not misclassify a 0-row write.
     server: str = ""
 
     def as_dict(self) -> dict[str, Any]:
@@ -409,17 +410,19 @@ def _outbox(conn: Connection, stale_ms: int, limit: int) -> dict[str, Any]:
 
 def describe_server(conn: Connection) -> str:
     """The server as stateguard treats it: ``"postgresql"``, ``"mariadb"``, or ``"mariadb (Galera
-    cluster node, 3 nodes)"`` where advisory_lock is refused and conflicts surface at COMMIT::
+    cluster node, 3 nodes, causal: wsrep_sync_wait raised to 3)"`` where advisory_lock is refused,
+    conflicts surface at COMMIT and stateguard's connections wait for the cluster's earlier
+    writes before they write::
 
         with engine.connect() as conn:
             describe_server(conn)   # 'sqlite'
     """
-    name = conn.dialect.name
+    name = backend(conn.dialect).name
     if not is_galera(conn):
         return name
     row = conn.exec_driver_sql("SHOW GLOBAL STATUS LIKE 'wsrep_cluster_size'").first()
     size = f", {row[1]} nodes" if row is not None else ""
-    return f"{name} (Galera cluster node{size})"
+    return f"{name} (Galera cluster node{size}, causal: wsrep_sync_wait raised to 3)"
 
 
 def inspect_database(

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from stateguard.consumers import Message, exactly_once
 
-from ..consumers._brokers import RABBITMQ_URL
+from .._support.brokers import RABBITMQ_URL
 from ._roles import Log, handler
 
 QUEUE = os.environ["SG_TARGET"]

@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 from stateguard import CallableSink, OutboxEvent, RedisStreamSink, Relay, emit
 from stateguard.consumers import Message
 
-from ..consumers._brokers import NATS_URL, RABBITMQ_URL, REDIS_URL
+from .._support.brokers import NATS_URL, RABBITMQ_URL, REDIS_URL
 from ..consumers._effects import effects
 
 TOPIC_PREFIX = "e2e"

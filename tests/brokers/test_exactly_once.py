@@ -22,8 +22,8 @@ from sqlalchemy import Engine, select
 from stateguard import create_tables, drop_tables
 from stateguard.tables import outbox
 
+from .._support import brokers as _brokers
 from ..conftest import Backend
-from ..consumers import _brokers
 from ..consumers._effects import effects, metadata
 
 ROOT = Path(__file__).resolve().parent.parent.parent

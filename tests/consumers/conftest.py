@@ -11,8 +11,8 @@ from sqlalchemy import Engine
 
 from stateguard import create_tables, drop_tables
 
+from .._support import brokers as _brokers
 from ..conftest import Backend
-from . import _brokers
 from ._effects import metadata
 
 

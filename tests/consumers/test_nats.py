@@ -18,17 +18,19 @@ from stateguard import ConfigurationError, InvalidArgument, Relay, consume_once
 from stateguard.consumers import Message, NATSConsumer
 from stateguard.outbox.sinks import NATSSink
 
-from ._brokers import NATS_URL, Stream
+from .._support.brokers import NATS_URL, Stream, nats_stream
+from .._support.nats_server import NATSServer
+from ._drive import publish_nats_bytes
 from ._effects import applied, committed_ids, emit_events, record
 
 LEASE = timedelta(seconds=30)
 
 
-def publish(js: Stream, msg_id: str | None, body: bytes = b"{}") -> None:
+def publish(js: Stream, msg_id: str | None, body: bytes = b"{}", url: str = NATS_URL) -> None:
     async def send() -> None:
         import nats
 
-        client = await nats.connect(NATS_URL)
+        client = await nats.connect(url)
         try:
             headers = {"Outbox-Key": "k%2F1"} | ({"Nats-Msg-Id": msg_id} if msg_id is not None else {})
             await client.jetstream().publish(js.topic(), body, headers=headers)
@@ -183,3 +185,133 @@ def test_bad_arguments_are_refused(db: Engine) -> None:
         NATSConsumer(db, record, NATS_URL, stream="S", durable="d", max_deliveries=0)
     with pytest.raises(InvalidArgument, match="ack_wait"):
         NATSConsumer(db, record, NATS_URL, stream="S", durable="d", ack_wait=timedelta(0))
+
+
+#: Nats-Msg-Id header values consume_once cannot record, as they go on the wire: NUL, a lone
+#: surrogate (its CESU-8 octets), two different non-UTF-8 ids (a client decoding with replacement
+#: reads both as U+FFFD), blank, and 256 characters.
+HOSTILE_IDS: list[bytes] = [b"a\x00b", b"\xed\xa0\x80", b"\xff", b"\xfe", b"   ", b"x" * 256]
+
+
+@pytest.mark.hostile
+def test_messages_whose_ids_cannot_be_recorded_are_dead_lettered_at_once(
+    db: Engine, js: Stream, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each hostile Nats-Msg-Id: copied to the dead-letter subject on its first delivery with the reason
+    logged, the handler never run, never redelivered; the consumer goes on with the good message after."""
+    for bad in HOSTILE_IDS:
+        publish_nats_bytes(js, b"Nats-Msg-Id: " + bad)
+    publish(js, "ok")
+    calls: list[str] = []
+
+    def handler(session: Session, message: Message) -> None:
+        calls.append(message.id)
+        record(session, message)
+
+    c = consumer(db, js, handler)
+    with caplog.at_level("ERROR", logger="stateguard.consumers"):
+        run_until(c, lambda: c.dead_lettered == len(HOSTILE_IDS) and c.handled == 1)
+    assert calls == ["ok"] and applied(db) == {"ok": 1}
+    dead = js.messages(js.dead_name)
+    assert len(dead) == len(HOSTILE_IDS)
+    assert {letter.headers["Stateguard-Deliveries"] for letter in dead} == {"1"}  # never retried
+    reasons = [r.getMessage() for r in caplog.records if "terminated" in r.getMessage()]
+    assert len(reasons) == len(HOSTILE_IDS), reasons
+    assert all("cannot be recorded" in r or "not UTF-8" in r for r in reasons), reasons
+    again = consumer(db, js, handler)
+    run_until(again, lambda: False, timeout=0.5)
+    assert again.handled == again.dead_lettered == 0  # terminated: none comes back
+
+
+# -- a NATS server killed mid-stream (a private one: never the shared server) ------------------------
+
+
+def settled(url: str, stream: str, durable: str) -> bool:
+    """Whether the durable consumer has nothing pending and nothing waiting for an ack."""
+
+    async def ask() -> bool:
+        import nats
+
+        client = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0)
+        try:
+            info = await client.jetstream().consumer_info(stream, durable)
+            return bool(info.num_pending == 0 and info.num_ack_pending == 0)
+        finally:
+            await client.close()
+
+    try:
+        return asyncio.run(ask())
+    except Exception:  # the server is down or restarting: not settled
+        return False
+
+
+@pytest.mark.restart
+def test_a_nats_server_killed_mid_stream_and_restarted_leaves_every_effect_once(db: Engine) -> None:
+    """SIGKILL of the server inside a handler, restarted on the same port and store: the consumer
+    reconnects by itself, the message whose ack was lost comes again and is a repeat (its handler ran
+    once), and every message's effect is in once."""
+    ids = [str(i) for i in range(1, 9)]
+    with NATSServer() as server, nats_stream(url=server.url) as js:
+        for message_id in ids:
+            publish(js, message_id, url=server.url)
+        calls: list[str] = []
+        restarted: list[threading.Thread] = []
+
+        def handler(session: Session, message: Message) -> None:
+            calls.append(message.id)
+            record(session, message)
+            if message.id == "3" and not restarted:
+                server.kill()  # before this message's commit and ack
+
+                def restart() -> None:
+                    time.sleep(0.5)
+                    server.start()
+
+                restarted.append(threading.Thread(target=restart))
+                restarted[0].start()
+
+        c = NATSConsumer(
+            db,
+            handler,
+            server.url,
+            stream=js.name,
+            durable="billing",
+            poll=timedelta(milliseconds=100),
+            ack_wait=timedelta(seconds=3),  # how soon JetStream delivers the unacknowledged message again
+        )
+        run_until(
+            c,
+            lambda: len(applied(db)) == len(ids) and settled(server.url, js.name, "billing"),
+            timeout=60,
+        )
+        restarted[0].join(20)
+        assert applied(db) == dict.fromkeys(ids, 1)
+        assert sorted(calls) == ids  # the redelivered message was a repeat: its handler did not run again
+        assert c.dead_lettered == 0
+
+
+@pytest.mark.restart
+def test_stop_while_the_nats_server_is_down_returns_promptly(db: Engine) -> None:
+    """The server killed and not restarted: the consumer keeps trying to reconnect, and stop() still
+    ends run() within seconds (not after the reconnect backoff), without an error."""
+    with NATSServer() as server, nats_stream(url=server.url) as js:
+        publish(js, "1", url=server.url)
+        c = NATSConsumer(
+            db, record, server.url, stream=js.name, durable="billing", poll=timedelta(milliseconds=100)
+        )
+        stop = threading.Event()
+        thread = threading.Thread(target=c.run, args=(stop,))
+        thread.start()
+        deadline = time.monotonic() + 10
+        while c.handled < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert c.handled == 1
+        server.kill()
+        time.sleep(8)  # the consumer retries with a growing pause meanwhile
+        asked = time.monotonic()
+        stop.set()
+        thread.join(30)
+        took = time.monotonic() - asked
+        assert not thread.is_alive()
+        server.start()  # for the stream's deletion
+    assert took < 6, f"run() took {took:.1f} s to return after stop()"

@@ -3,6 +3,7 @@ requeued, poison messages to the queue's dead-letter exchange, graceful stop."""
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -16,7 +17,8 @@ from stateguard import CallableSink, InvalidArgument, Relay, consume_once
 from stateguard.consumers import Message, RabbitMQConsumer
 from stateguard.outbox.sinks import RabbitMQSink
 
-from ._brokers import RABBITMQ_URL, Queue
+from .._support.brokers import RABBITMQ_PORT, RABBITMQ_URL, Queue, via
+from .._support.faultproxy import FaultProxy
 from ._effects import applied, committed_ids, emit_events, record
 
 
@@ -135,8 +137,9 @@ def test_a_poison_message_goes_to_the_dead_letter_exchange(db: Engine, mq: Queue
     c = consumer(db, mq, max_deliveries=3)
     run_until(c, lambda: c.dead_lettered == 1 and c.handled == 1)
     assert applied(db) == {"14": 1}
-    [(properties, body)] = mq.drain(mq.dead_queue)
-    assert (properties.message_id, body) == ("13", b"not json")
+    [dead] = mq.drain(mq.dead_queue)
+    properties = dead.properties
+    assert (properties.message_id, dead.body) == ("13", b"not json")
     assert properties.headers["x-stateguard-deliveries"] == 2  # the failures before the last delivery
     assert properties.headers["x-death"][0]["reason"] == "rejected"
     assert mq.count() == 0
@@ -191,3 +194,124 @@ def test_bad_arguments_are_refused(db: Engine) -> None:
         RabbitMQConsumer(db, record, RABBITMQ_URL, queue="q", prefetch=0)
     with pytest.raises(InvalidArgument, match="max_deliveries"):
         RabbitMQConsumer(db, record, RABBITMQ_URL, queue="q", max_deliveries=0)
+
+
+#: message_id values consume_once cannot record, as they go on the wire (an AMQP short string holds at
+#: most 255 octets, so an over-long id cannot be sent): NUL, a lone surrogate (its CESU-8 octets),
+#: bytes that are not UTF-8, blank, empty.
+HOSTILE_IDS: list[Any] = [b"a\x00b", b"\xed\xa0\x80", b"\xff", b"\xfe", b"   ", b""]
+
+
+@pytest.mark.hostile
+def test_messages_whose_ids_cannot_be_recorded_are_dead_lettered_at_once(
+    db: Engine, mq: Queue, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each hostile message_id: rejected to the dead letters on its first delivery with the reason
+    logged, the handler never run, never requeued; the consumer goes on with the good message after."""
+    for bad in HOSTILE_IDS:
+        publish(mq, bad)
+    publish(mq, "ok")
+    calls: list[str] = []
+
+    def handler(session: Session, message: Message) -> None:
+        calls.append(message.id)
+        record(session, message)
+
+    c = consumer(db, mq, handler)
+    with caplog.at_level("ERROR", logger="stateguard.consumers"):
+        run_until(c, lambda: c.dead_lettered == len(HOSTILE_IDS) and c.handled == 1)
+    assert calls == ["ok"] and applied(db) == {"ok": 1}
+    dead = mq.drain(mq.dead_queue)
+    assert len(dead) == len(HOSTILE_IDS) and mq.count() == 0
+    for letter in dead:
+        assert "x-stateguard-deliveries" not in (letter.properties.headers or {})  # never retried
+        assert letter.properties.headers["x-death"][0]["count"] == 1
+    reasons = [r.getMessage() for r in caplog.records if "dead-letter exchange" in r.getMessage()]
+    assert len(reasons) == len(HOSTILE_IDS), reasons
+    assert all("cannot be recorded" in r or "not UTF-8" in r for r in reasons), reasons
+
+
+# -- the consumer's connection lost mid-consume ------------------------------------------------------
+
+
+def closing_connection_of(queue: str) -> Callable[[], None]:
+    """A function closing, from the server side (``rabbitmqctl close_connection``), the connection of
+    the consumer on ``queue`` (the server keeps running)."""
+
+    def ctl(*args: str) -> list[list[str]]:
+        done = subprocess.run(
+            ["rabbitmqctl", "-q", *args], capture_output=True, text=True, timeout=60, check=True
+        )
+        return [line.split("\t") for line in done.stdout.splitlines() if line.strip()]
+
+    def close() -> None:
+        channels = {row[1] for row in ctl("list_consumers", "queue_name", "channel_pid") if row[0] == queue}
+        connections = [row[1] for row in ctl("list_channels", "pid", "connection") if row[0] in channels]
+        assert len(connections) == 1, (channels, connections)
+        # RabbitMQ 3.10 takes the connection's pid (later versions also its name).
+        ctl("close_connection", connections[0], "stateguard test: the consumer's connection is closed")
+
+    return close
+
+
+@pytest.mark.restart
+@pytest.mark.parametrize("how", ["cut on the wire", "closed by the broker"])
+def test_a_connection_lost_mid_message_is_reconnected_and_every_effect_is_in_once(
+    db: Engine, mq: Queue, how: str
+) -> None:
+    """The consumer's connection dies while a handler runs (its ack cannot be sent): the consumer
+    connects again by itself, the message comes back and is a repeat (its handler ran once), and every
+    message's effect is in once."""
+    ids = [str(i) for i in range(1, 7)]
+    for message_id in ids:
+        publish(mq, message_id)
+    calls: list[str] = []
+    with FaultProxy("127.0.0.1", RABBITMQ_PORT) as proxy:
+        close_by_broker = closing_connection_of(mq.queue)
+
+        def handler(session: Session, message: Message) -> None:
+            calls.append(message.id)
+            record(session, message)
+            if message.id == "3" and calls.count("3") == 1:
+                if how == "cut on the wire":
+                    assert proxy.cut_all() == 1
+                else:
+                    close_by_broker()
+
+        url = via(RABBITMQ_URL, RABBITMQ_PORT, proxy.port) if how == "cut on the wire" else RABBITMQ_URL
+        c = RabbitMQConsumer(db, handler, url, queue=mq.queue, consumer="billing", poll=0.05)
+        run_until(c, lambda: len(applied(db)) == len(ids) and c.handled >= len(ids), timeout=60)
+    assert applied(db) == dict.fromkeys(ids, 1)
+    assert sorted(calls) == ids  # the redelivered message was a repeat: its handler did not run again
+    assert mq.count() == 0 and mq.count(mq.dead_queue) == 0
+
+
+@pytest.mark.restart
+def test_after_a_connection_that_worked_the_reconnect_is_prompt(db: Engine, mq: Queue) -> None:
+    """Nine connections lost in a row, each after it worked: each reconnection starts the backoff
+    afresh (50 ms), so the ninth is not delayed by the eight before it (that would be 6.4 s to 12.8 s;
+    the bound leaves room for a loaded machine)."""
+    with FaultProxy("127.0.0.1", RABBITMQ_PORT) as proxy:
+        c = RabbitMQConsumer(
+            db, record, via(RABBITMQ_URL, RABBITMQ_PORT, proxy.port), queue=mq.queue, poll=0.05
+        )
+        stop = threading.Event()
+        thread = threading.Thread(target=c.run, args=(stop,))
+        thread.start()
+        took: list[float] = []
+        try:
+            for i in range(10):
+                started = time.monotonic()
+                publish(mq, f"m{i}")
+                deadline = started + 20
+                while c.handled < i + 1 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert c.handled == i + 1
+                took.append(time.monotonic() - started)
+                if i < 9:
+                    assert proxy.cut_all() == 1
+        finally:
+            stop.set()
+            thread.join(15)
+    assert not thread.is_alive()
+    assert max(took) < 4, [f"{t:.2f}" for t in took]

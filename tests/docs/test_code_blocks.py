@@ -200,7 +200,7 @@ def servers_for(needs: set[str], monkeypatch: pytest.MonkeyPatch) -> Iterator[No
     """Point DATABASE_URL / REDIS_URL / ZOOKEEPER_HOSTS at private test servers for ``needs``."""
     monkeypatch.delenv("DATABASE_URL", raising=False)
     if "rabbitmq" in needs or "nats" in needs:
-        from tests.consumers import _brokers
+        from tests._support import brokers as _brokers
 
         for server, url, check in (
             ("rabbitmq", _brokers.RABBITMQ_URL, _brokers.check_rabbitmq),

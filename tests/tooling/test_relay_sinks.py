@@ -17,9 +17,9 @@ from sqlalchemy.orm import Session
 from stateguard import create_tables, drop_tables, emit
 from stateguard.tables import outbox
 from stateguard.tooling.cli import EXIT_OK, EXIT_USAGE
+from tests._support import brokers as _brokers
+from tests._support.brokers import NATS_URL, RABBITMQ_URL
 from tests.conftest import Backend
-from tests.outbox.sinks import _brokers
-from tests.outbox.sinks._brokers import NATS_URL, RABBITMQ_URL
 from tests.tooling._helpers import run
 
 
@@ -68,7 +68,7 @@ def _relay_until(argv: list[str], done: Callable[[], bool]) -> tuple[int, str]:
 
 def test_relay_to_rabbitmq_publishes_every_event_and_stops_on_sigterm(db: Backend) -> None:
     """--sink rabbitmq --url --exchange --key-routing: every event in the queue once, marked, exit 0."""
-    with _brokers.rabbit() as mq:
+    with _brokers.rabbit_queue(dead_letters=False) as mq:
         ids = _emit(db.engine, "order.paid", 12)
         argv = ["--db", db.url, "--sink", "rabbitmq", "--url", RABBITMQ_URL, "--exchange", mq.exchange]
         got: list[_brokers.Delivered] = []
@@ -88,7 +88,7 @@ def test_relay_to_rabbitmq_publishes_every_event_and_stops_on_sigterm(db: Backen
 
 def test_relay_to_nats_publishes_every_event_and_stops_on_sigterm(db: Backend) -> None:
     """--sink nats --url --stream: every event stored once with its Nats-Msg-Id, marked, exit 0."""
-    with _brokers.stream() as js:
+    with _brokers.nats_stream() as js:
         ids = _emit(db.engine, js.topic(), 9)
         argv = ["--db", db.url, "--sink", "nats", "--url", NATS_URL, "--stream", js.name]
         code, err = _relay_until(argv, lambda: _unpublished(db.engine) == 0)
@@ -151,7 +151,7 @@ def test_relay_refuses_an_unusable_broker_with_exit_2(
     line naming the problem, nothing published."""
     base = ["relay", "--db", db.url]
     _emit(db.engine, "order.paid", 2)
-    with _brokers.stream(duplicate_window=10) as js:
+    with _brokers.nats_stream(duplicate_window=10) as js:
         cases = [
             (
                 ["--sink", "rabbitmq", "--url", "amqp://guest:s3cret@127.0.0.1:1/%2F"],

@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import mysql
 
+from stateguard._kernel import backend
 from stateguard.tables import ExactString, Utf8Text
 
 revision = "sg_0005"
@@ -50,7 +51,8 @@ _COLUMNS: list[tuple[str, str, int | str, bool]] = [
 
 
 def _mysql() -> bool:
-    return op.get_context().dialect.name in ("mysql", "mariadb")
+    # A text column without a declared charset takes the database's (MySQL/MariaDB).
+    return backend(op.get_context().dialect).column_charsets
 
 
 def upgrade() -> None:

@@ -34,6 +34,8 @@ from ... import _kernel
 from ...exceptions import ConfigurationError, InvalidArgument, PublishFailed
 
 if TYPE_CHECKING:
+    from nats.js import JetStreamContext
+
     from .. import OutboxEvent
 
 __all__ = ["AsyncNATSSink", "NATSSink"]
@@ -156,7 +158,7 @@ class AsyncNATSSink:
                 "NATS sinks need the nats-py package: pip install 'stateguard[nats]'"
             ) from error
         self._client: Any = None
-        self._js: Any = None
+        self._js: JetStreamContext | None = None
         self._lock: asyncio.Lock | None = None
         #: The stream's duplicate window (seconds), read when the sink connected.
         self.duplicate_window: float | None = None
@@ -298,7 +300,7 @@ class AsyncNATSSink:
             self._lock = asyncio.Lock()
         return self._lock
 
-    async def _open(self) -> Any:
+    async def _open(self) -> JetStreamContext:
         import nats
         from nats.js.errors import NotFoundError
 

@@ -324,7 +324,7 @@ class RabbitMQSink(_Face):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _open(self) -> Any:
+    def _open(self) -> Any:  # a pika channel: pika ships no types
         """The channel, in confirm mode; a new connection if there is none or it was lost."""
         import pika
         from pika.exceptions import AMQPError
@@ -503,6 +503,7 @@ class AsyncRabbitMQSink(_Face):
             self._lock = asyncio.Lock()
         return self._lock
 
+    # Any: an aio_pika Exchange; its abstract type (AbstractExchange) lacks the .channel read below.
     async def _open(self) -> Any:
         import aio_pika
         from aio_pika.exceptions import ChannelNotFoundEntity

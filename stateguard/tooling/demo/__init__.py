@@ -23,6 +23,7 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine
 
+from ..._kernel import backend
 from ..terminal import Progress
 from . import scenarios as scenarios
 from .models import DemoBase, DemoInbox, DemoOrder, DemoPlainInbox, DemoSideEffect, DemoStock
@@ -124,6 +125,7 @@ def run_demo(
         if naive is not None:
             naive.dispose()
     progress.done()
+    here = backend(engine.dialect)
     return DemoReport(
         rows=rows,
         seed=seed,
@@ -132,7 +134,8 @@ def run_demo(
         url=engine.url.render_as_string(hide_password=True),
         elapsed=time.monotonic() - started,
         notes=run.notes,
-        dialect="mariadb" if engine.dialect.name == "mysql" else engine.dialect.name,
+        # The MySQL family's notes are MariaDB's (the server the demo is run on).
+        dialect="mariadb" if here.family == "mysql" else here.name,
     )
 
 
@@ -147,6 +150,6 @@ def hand_written_engine(engine: Engine, workers: int) -> Engine | None:
     same hand-written code is refused at its first write whenever its read
     went stale, and re-run.
     """
-    if engine.dialect.name != "sqlite":
+    if not backend(engine.dialect).driver_begins_lazily:
         return None
     return create_engine(engine.url, pool_size=workers, max_overflow=workers, connect_args={"timeout": 60})

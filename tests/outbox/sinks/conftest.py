@@ -9,21 +9,21 @@ from sqlalchemy import Engine
 
 from stateguard import create_tables, drop_tables
 
+from ..._support import brokers as _brokers
 from ...conftest import Backend
-from . import _brokers
 
 
 @pytest.fixture
-def mq() -> Iterator[_brokers.Rabbit]:
+def mq() -> Iterator[_brokers.Queue]:
     """A private topic exchange with a queue bound to ``#`` (and an exchange with no queue)."""
-    with _brokers.rabbit() as box:
+    with _brokers.rabbit_queue(dead_letters=False) as box:
         yield box
 
 
 @pytest.fixture
 def js() -> Iterator[_brokers.Stream]:
     """A private JetStream stream with a 60 s duplicate window."""
-    with _brokers.stream() as made:
+    with _brokers.nats_stream() as made:
         yield made
 
 

@@ -17,7 +17,7 @@ from stateguard.consumers import enqueue
 from stateguard.outbox.sinks import CelerySink
 from stateguard.outbox.sinks.celery import TASK_ID_PREFIX
 
-from ._brokers import RABBITMQ_URL, Rabbit
+from ..._support.brokers import RABBITMQ_URL, Queue
 
 celery = pytest.importorskip("celery")
 
@@ -34,7 +34,7 @@ def celery_app(broker: str = RABBITMQ_URL) -> Any:
 
 
 @pytest.fixture
-def app(mq: Rabbit) -> Iterator[Any]:
+def app(mq: Queue) -> Iterator[Any]:
     """A Celery app whose tasks go to the private queue (Celery declares an exchange of that name too)."""
     made = celery_app()
     yield made
@@ -49,7 +49,7 @@ def claimed(db: Engine) -> list[Any]:
 
 
 def test_each_enqueued_call_is_one_task_message_with_the_event_id_in_its_task_id(
-    outbox_db: Engine, mq: Rabbit, app: Any
+    outbox_db: Engine, mq: Queue, app: Any
 ) -> None:
     """Two enqueued calls relayed: two task messages in order, each named by the event id, args kept."""
     with Session(outbox_db) as session, session.begin():
@@ -66,7 +66,7 @@ def test_each_enqueued_call_is_one_task_message_with_the_event_id_in_its_task_id
     assert (args, kwargs) == ([7], {"express": True})
 
 
-def test_a_payload_that_is_not_a_task_call_is_refused_alone(outbox_db: Engine, mq: Rabbit, app: Any) -> None:
+def test_a_payload_that_is_not_a_task_call_is_refused_alone(outbox_db: Engine, mq: Queue, app: Any) -> None:
     """A payload enqueue() did not write is PublishFailed naming only that event; nothing is sent."""
     with Session(outbox_db) as session, session.begin():
         bad = emit(session, "shop.ship", [1, 2])

@@ -20,10 +20,11 @@ from stateguard import ConfigurationError, InvalidArgument, OutboxEvent, Publish
 from stateguard.outbox import AsyncRelay
 from stateguard.outbox.sinks import AsyncNATSSink, NATSSink
 
+from ..._support import brokers as _brokers
+from ..._support.brokers import NATS_PORT, NATS_URL, Stream, via
 from ..._support.faultproxy import FaultProxy
 from ...conftest import Backend
-from . import _brokers
-from ._brokers import NATS_PORT, NATS_URL, Stream, drain_relay, outbox_rows, publish_all, via
+from ._relay import drain_relay, outbox_rows, publish_all
 
 LEASE = timedelta(seconds=30)
 
@@ -124,7 +125,7 @@ def test_lost_pubacks_publish_the_batch_again_and_jetstream_drops_the_copies(
 def test_lease_longer_than_the_duplicate_window_is_refused(outbox_db: Engine) -> None:
     """A relay lease over the stream's duplicate_window: ConfigurationError at connect() and at the first
     publish, nothing stored, the batch unpublished; a lease equal to the window is taken."""
-    with _brokers.stream(duplicate_window=5) as js:
+    with _brokers.nats_stream(duplicate_window=5) as js:
         emit_events(outbox_db, js.topic(), 3)
         long = timedelta(seconds=5, milliseconds=1)
         with NATSSink(NATS_URL, stream=js.name, lease=long) as sink:

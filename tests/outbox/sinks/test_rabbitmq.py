@@ -24,18 +24,10 @@ from stateguard import ConfigurationError, InvalidArgument, OutboxEvent, Publish
 from stateguard.outbox import AsyncRelay
 from stateguard.outbox.sinks import AsyncRabbitMQSink, RabbitMQSink
 
+from ..._support.brokers import RABBITMQ_PORT, RABBITMQ_URL, Delivered, Queue, via
 from ..._support.faultproxy import FaultProxy
 from ...conftest import Backend
-from ._brokers import (
-    RABBITMQ_PORT,
-    RABBITMQ_URL,
-    Delivered,
-    Rabbit,
-    drain_relay,
-    outbox_rows,
-    publish_all,
-    via,
-)
+from ._relay import drain_relay, outbox_rows, publish_all
 
 #: Payloads that are not plain ASCII text: the body is the stored JSON in UTF-8.
 PAYLOADS: list[Any] = [{"n": 0, "name": "Zoë ✓"}, [1, 2.5, None, True], "text", 7, {"nested": {"a": [{}]}}]
@@ -82,7 +74,7 @@ def assert_in_key_order(got: list[Delivered], rows: dict[int, Any]) -> None:
 
 
 def test_every_event_arrives_persistent_with_its_properties(
-    backend: Backend, engine: Engine, mq: Rabbit
+    backend: Backend, engine: Engine, mq: Queue
 ) -> None:
     """Relay + RabbitMQSink: each event is one persistent message carrying it, in id order per key."""
     ids = emit_events(engine, 23)
@@ -98,7 +90,7 @@ def test_every_event_arrives_persistent_with_its_properties(
     assert all(row.published_ms is not None for row in rows.values())
 
 
-def test_routing_key_is_the_topic_the_key_or_a_fixed_one(outbox_db: Engine, mq: Rabbit) -> None:
+def test_routing_key_is_the_topic_the_key_or_a_fixed_one(outbox_db: Engine, mq: Queue) -> None:
     """The routing key is the topic by default, the event's key with key_as_routing_key (topic when keyless),
     or one fixed routing_key."""
     emit_events(outbox_db, 4)
@@ -114,7 +106,7 @@ def test_routing_key_is_the_topic_the_key_or_a_fixed_one(outbox_db: Engine, mq: 
         assert [m.routing_key for m in mq.drain()] == expected, options
 
 
-def test_default_exchange_routes_to_the_queue_named_by_the_routing_key(outbox_db: Engine, mq: Rabbit) -> None:
+def test_default_exchange_routes_to_the_queue_named_by_the_routing_key(outbox_db: Engine, mq: Queue) -> None:
     """exchange="" (the default exchange) with routing_key=<queue> puts every event in that queue."""
     ids = emit_events(outbox_db, 3)
     with RabbitMQSink(RABBITMQ_URL, routing_key=mq.queue) as sink:
@@ -122,7 +114,7 @@ def test_default_exchange_routes_to_the_queue_named_by_the_routing_key(outbox_db
     assert [int(m.properties.message_id) for m in mq.drain()] == ids
 
 
-def test_unroutable_message_raises_and_the_batch_stays_unpublished(outbox_db: Engine, mq: Rabbit) -> None:
+def test_unroutable_message_raises_and_the_batch_stays_unpublished(outbox_db: Engine, mq: Queue) -> None:
     """mandatory=True: with no queue bound the broker returns the message and publish raises PublishFailed
     naming it and the unsent rest; a relay marks none published; once a queue is bound all are published."""
     ids = emit_events(outbox_db, 4)
@@ -168,7 +160,7 @@ def test_unreachable_broker_raises_publish_failed(outbox_db: Engine) -> None:
 
 @pytest.mark.lost_reply
 def test_lost_confirmation_publishes_the_batch_again_with_the_same_message_ids(
-    outbox_db: Engine, mq: Rabbit
+    outbox_db: Engine, mq: Queue
 ) -> None:
     """The connection is cut after event 3 reached the broker, before its confirmation: publish raises
     PublishFailed naming 3-5, event 3 is not marked, it comes again on a new connection, and the queue
@@ -200,7 +192,7 @@ def test_lost_confirmation_publishes_the_batch_again_with_the_same_message_ids(
 
 @pytest.mark.restart
 def test_connection_cut_between_batches_is_opened_again_without_a_failed_batch(
-    outbox_db: Engine, mq: Rabbit
+    outbox_db: Engine, mq: Queue
 ) -> None:
     """The connection dies while the relay is idle: the next publish notices, reconnects and publishes."""
     ids = emit_events(outbox_db, 2)
@@ -239,7 +231,7 @@ def test_bad_arguments_are_invalid_argument(kwargs: dict[str, Any], message: str
 
 
 @pytest.mark.limits
-def test_topic_longer_than_amqp_type_raises_publish_failed(mq: Rabbit) -> None:
+def test_topic_longer_than_amqp_type_raises_publish_failed(mq: Queue) -> None:
     """A topic over 255 UTF-8 bytes does not fit AMQP's type property: PublishFailed refusing that event,
     naming it and the unsent rest as unpublished (the event before it was confirmed)."""
     events = [
@@ -257,7 +249,7 @@ def test_topic_longer_than_amqp_type_raises_publish_failed(mq: Rabbit) -> None:
 
 
 @pytest.mark.limits
-def test_relay_publishes_around_an_event_amqp_cannot_carry(outbox_db: Engine, mq: Rabbit) -> None:
+def test_relay_publishes_around_an_event_amqp_cannot_carry(outbox_db: Engine, mq: Queue) -> None:
     """A relay's batch with a too-long topic in the middle: the events after it are sent in the same round
     (not counted published unsent), the refused one is counted and stays unpublished."""
     ids = emit_events(outbox_db, 2)
@@ -278,7 +270,7 @@ def test_relay_publishes_around_an_event_amqp_cannot_carry(outbox_db: Engine, mq
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.filterwarnings("ignore::ResourceWarning")
 def test_a_broker_cut_off_for_many_rounds_parks_no_event(
-    outbox_db: Engine, mq: Rabbit, caplog: pytest.LogCaptureFixture
+    outbox_db: Engine, mq: Queue, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Every connection to RabbitMQ is cut as soon as it opens (the fault proxy) for 25 relay rounds with
     max_attempts=3: no refusal is counted, nothing is parked; once the cuts stop every event arrives, each
@@ -327,7 +319,7 @@ def test_a_broker_cut_off_for_many_rounds_parks_no_event(
 
 
 def test_async_sink_publishes_every_event_with_async_relay(
-    sqlite: Backend, outbox_db: Engine, mq: Rabbit
+    sqlite: Backend, outbox_db: Engine, mq: Queue
 ) -> None:
     """AsyncRelay + AsyncRabbitMQSink: the batch's messages, pipelined, arrive in id order with the same
     properties as the sync sink's; an unroutable one raises PublishFailed and leaves its batch unpublished."""
@@ -358,7 +350,7 @@ def test_async_sink_publishes_every_event_with_async_relay(
 
 @pytest.mark.lost_reply
 def test_async_lost_confirmation_publishes_the_batch_again(
-    sqlite: Backend, outbox_db: Engine, mq: Rabbit
+    sqlite: Backend, outbox_db: Engine, mq: Queue
 ) -> None:
     """AsyncRabbitMQSink: a connection cut before the confirmations came raises PublishFailed naming the
     unconfirmed events; the sink reconnects and every event is published, duplicates sharing a message_id."""

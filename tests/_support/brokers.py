@@ -1,29 +1,41 @@
-"""Private broker resources for the consumer tests: a RabbitMQ queue with a dead-letter queue, a
-JetStream stream with a dead-letter stream, a Redis stream; each deleted afterwards.
+"""The brokers of the sink and consumer tests: private RabbitMQ exchanges and queues, JetStream streams
+and Redis streams, each deleted afterwards.
 
-One that cannot be reached skips its tests on a laptop and fails them under ``CI=true``
-(``conftest.unavailable``).  Also used by tests/brokers/ and its worker processes.
+The brokers run on every machine of the project (RabbitMQ 127.0.0.1:5672 guest/guest, NATS with
+JetStream 127.0.0.1:4222, Redis 6379); one that cannot be reached skips its tests on a laptop and
+fails them under ``CI=true`` (``tests.conftest.unavailable``).  Used by tests/outbox/sinks/,
+tests/consumers/, tests/brokers/ and its worker processes (which is why ``tests.conftest`` is
+imported only when a broker is missing).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 RABBITMQ_URL = os.environ.get("STATEGUARD_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 NATS_URL = os.environ.get("STATEGUARD_NATS_URL", "nats://127.0.0.1:4222")
 REDIS_URL = os.environ.get("STATEGUARD_REDIS_URL", "redis://127.0.0.1:6379/0")
+RABBITMQ_PORT = 5672
+NATS_PORT = 4222
 
 
-def _unavailable(what: str, error: BaseException) -> None:
-    from ..conftest import unavailable
+def via(url: str, port: int, proxy_port: int) -> str:
+    """``url`` with its port replaced by the fault proxy's."""
+    return url.replace(f":{port}", f":{proxy_port}", 1)
+
+
+def _unavailable(what: str, error: BaseException) -> NoReturn:
+    from tests.conftest import unavailable
 
     unavailable(what, error)
+    raise error  # unavailable() skips or fails; this line is for the type checker
 
 
 def check_rabbitmq() -> None:
@@ -55,23 +67,38 @@ def check_nats() -> None:
 # -- RabbitMQ ------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Delivered:
+    """One message read back from a queue."""
+
+    routing_key: str
+    properties: Any
+    body: bytes
+
+    @property
+    def payload(self) -> Any:
+        return json.loads(self.body)
+
+
 @dataclass
 class Queue:
-    """A topic exchange bound (``#``) to a durable queue whose dead letters go to a dead queue."""
+    """A topic exchange bound (``#``) to a durable queue whose dead letters go to ``dead_queue``; and
+    ``unbound_exchange``, a topic exchange no queue is bound to."""
 
     channel: Any
     exchange: str
     queue: str
     dead_queue: str
+    unbound_exchange: str
 
-    def drain(self, queue: str | None = None) -> list[tuple[Any, bytes]]:
-        """Every message of ``queue`` (default: the main queue), acknowledged: ``(properties, body)``."""
+    def drain(self, queue: str | None = None) -> list[Delivered]:
+        """Every message of ``queue`` (default: the main queue) in queue order, acknowledged."""
         got = []
         while True:
             method, properties, body = self.channel.basic_get(queue or self.queue, auto_ack=True)
             if method is None:
                 return got
-            got.append((properties, body))
+            got.append(Delivered(method.routing_key, properties, body))
 
     def count(self, queue: str | None = None) -> int:
         """Messages ready in ``queue`` (default: the main queue)."""
@@ -79,32 +106,37 @@ class Queue:
 
 
 @contextmanager
-def rabbit_queue() -> Iterator[Queue]:
-    """A :class:`Queue` with unique names, deleted afterwards."""
+def rabbit_queue(*, dead_letters: bool = True) -> Iterator[Queue]:
+    """A :class:`Queue` with unique names, deleted afterwards.
+
+    ``dead_letters=False``: the queue is declared without arguments (what a Celery worker declares
+    for itself), its dead letters are dropped.
+    """
     import pika
 
     try:
         connection = pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))
     except Exception as error:  # AMQPConnectionError, OSError
         _unavailable(f"RabbitMQ at {RABBITMQ_URL}", error)
-        raise
     tag = uuid.uuid4().hex[:10]
-    box = Queue(connection.channel(), f"sgc-{tag}", f"sgc-{tag}-q", f"sgc-{tag}-dead")
-    dlx = f"sgc-{tag}-dlx"
+    box = Queue(connection.channel(), f"sgt-{tag}", f"sgt-{tag}-q", f"sgt-{tag}-dead", f"sgt-{tag}-unbound")
+    dlx = f"sgt-{tag}-dlx"
     try:
         ch = box.channel
         ch.exchange_declare(box.exchange, "topic")
+        ch.exchange_declare(box.unbound_exchange, "topic")
         ch.exchange_declare(dlx, "fanout")
         ch.queue_declare(box.dead_queue, durable=True)
         ch.queue_bind(box.dead_queue, dlx)
-        ch.queue_declare(box.queue, durable=True, arguments={"x-dead-letter-exchange": dlx})
+        arguments = {"x-dead-letter-exchange": dlx} if dead_letters else None
+        ch.queue_declare(box.queue, durable=True, arguments=arguments)
         ch.queue_bind(box.queue, box.exchange, "#")
         yield box
     finally:
         with _closing(connection) as ch:
             for name in (box.queue, box.dead_queue):
                 ch.queue_delete(name)
-            for name in (box.exchange, dlx):
+            for name in (box.exchange, box.unbound_exchange, dlx):
                 ch.exchange_delete(name)
 
 
@@ -125,13 +157,21 @@ def _closing(connection: Any) -> Iterator[Any]:
 
 @dataclass
 class Stream:
-    """A stream taking ``<name>.>`` and a dead-letter stream taking ``<dead_subject>``."""
+    """A stream taking ``<name>.>`` and a dead-letter stream taking ``<dead_name>.>``."""
 
     name: str
     dead_name: str
+    duplicate_window: float
+    url: str = NATS_URL
+
+    @property
+    def subject(self) -> str:
+        """A subject of the main stream."""
+        return f"{self.name}.events"
 
     @property
     def dead_subject(self) -> str:
+        """A subject of the dead-letter stream."""
         return f"{self.dead_name}.letters"
 
     def topic(self, suffix: str = "paid") -> str:
@@ -139,18 +179,19 @@ class Stream:
         return f"{self.name}.{suffix}"
 
     def messages(self, stream: str | None = None) -> list[Any]:
-        """Every stored message of ``stream`` (default: the main one), in stream order."""
-        return asyncio.run(_read(stream or self.name))
+        """Every stored message of ``stream`` (default: the main one), in stream order
+        (``.headers``, ``.data``, ``.subject``, ``.seq``)."""
+        return asyncio.run(_read(stream or self.name, self.url))
 
 
-async def _client() -> Any:
+async def _client(url: str = NATS_URL) -> Any:
     import nats
 
-    return await nats.connect(NATS_URL, connect_timeout=3, max_reconnect_attempts=0)
+    return await nats.connect(url, connect_timeout=3, max_reconnect_attempts=0)
 
 
-async def _read(name: str) -> list[Any]:
-    client = await _client()
+async def _read(name: str, url: str) -> list[Any]:
+    client = await _client(url)
     try:
         js = client.jetstream()
         info = await js.stream_info(name)
@@ -161,21 +202,21 @@ async def _read(name: str) -> list[Any]:
         await client.close()
 
 
-async def _add(names: tuple[str, str]) -> None:
+async def _add(names: tuple[str, str], duplicate_window: float, url: str) -> None:
     from nats.js.api import StreamConfig
 
-    client = await _client()
+    client = await _client(url)
     try:
         for name in names:
             await client.jetstream().add_stream(
-                StreamConfig(name=name, subjects=[f"{name}.>"], duplicate_window=60.0)
+                StreamConfig(name=name, subjects=[f"{name}.>"], duplicate_window=duplicate_window)
             )
     finally:
         await client.close()
 
 
-async def _delete(names: tuple[str, str]) -> None:
-    client = await _client()
+async def _delete(names: tuple[str, str], url: str) -> None:
+    client = await _client(url)
     try:
         for name in names:
             await client.jetstream().delete_stream(name)
@@ -184,19 +225,19 @@ async def _delete(names: tuple[str, str]) -> None:
 
 
 @contextmanager
-def nats_stream() -> Iterator[Stream]:
-    """A :class:`Stream` (60 s duplicate window) and its dead-letter stream, deleted afterwards."""
+def nats_stream(duplicate_window: float = 60.0, url: str = NATS_URL) -> Iterator[Stream]:
+    """A :class:`Stream` with this duplicate window (seconds) and its dead-letter stream, on the
+    server at ``url``; both deleted afterwards."""
     tag = uuid.uuid4().hex[:10].upper()
-    names = (f"SGC{tag}", f"SGC{tag}DEAD")
+    names = (f"SGT{tag}", f"SGT{tag}DEAD")
     try:
-        asyncio.run(_add(names))
+        asyncio.run(_add(names, duplicate_window, url))
     except Exception as error:  # NoServersError, OSError, no JetStream
-        _unavailable(f"NATS JetStream at {NATS_URL}", error)
-        raise
+        _unavailable(f"NATS JetStream at {url}", error)
     try:
-        yield Stream(*names)
+        yield Stream(*names, duplicate_window=duplicate_window, url=url)
     finally:
-        asyncio.run(_delete(names))
+        asyncio.run(_delete(names, url))
 
 
 # -- Redis Streams ------------------------------------------------------------
@@ -213,8 +254,7 @@ def redis_stream() -> Iterator[tuple[Any, str]]:
     except redis.ConnectionError as error:
         client.close()
         _unavailable(f"Redis at {REDIS_URL}", error)
-        raise
-    name = f"sgc-{uuid.uuid4().hex[:10]}"
+    name = f"sgt-{uuid.uuid4().hex[:10]}"
     try:
         yield client, name
     finally:
