@@ -7,6 +7,7 @@ the affected-row count (or the conflict) says what happened.  See README.md.
 from __future__ import annotations
 
 from .counters import decrement, increment, release, reserve
+from .durability import set_durability
 from .engine import async_sqlite_engine, sqlite_engine
 from .exceptions import (
     ConfigurationError,
@@ -138,6 +139,7 @@ __all__ = [
     "reserve",
     "retry_on_conflict",
     "row_lock",
+    "set_durability",
     "sqlite_engine",
     "version_column",
 ]

@@ -29,7 +29,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from decimal import Decimal
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import Connection, Update, bindparam, func, update
 from sqlalchemy.orm import Session
@@ -299,6 +299,7 @@ def _change(
     bound: Any,
     role: str,
     ref: str | None,
+    durability: Literal["replicated", "local"] | None = None,
 ) -> Result:
     counter = _counter(column, bound, role)
     _check_amount(counter, by)
@@ -311,6 +312,14 @@ def _change(
     if counter.bound_column is None and bound is not None:
         integers.append((counter.column, bound, role))
     conn = _kernel.connection_for(session, counter.info, (key,), integers)
+    # The engine's default durability guards counters with a ref only; the keyword, any change.
+    if durability is not None or (ref is not None and _kernel.DURABLE):
+        watch = _kernel.durable(session, conn, durability)
+        if watch is not None:
+            backend = _kernel.backend(conn.dialect)
+            result = _apply(session, conn, backend, counter, key, instance, by, sign, bound, ref)
+            watch.note(result)
+            return result
     return _apply(session, conn, _kernel.backend(conn.dialect), counter, key, instance, by, sign, bound, ref)
 
 
@@ -323,6 +332,7 @@ def decrement(
     by: int | float | Decimal = 1,
     floor: Any = 0,
     ref: str | None = None,
+    durability: Literal["replicated", "local"] | None = None,
 ) -> Result:
     """Take ``by`` off a counter unless that would go below ``floor``: one UPDATE.
 
@@ -348,10 +358,19 @@ def decrement(
         if r.outcome is Outcome.INSUFFICIENT:
             raise OutOfStock(sku_id, left=r.value)
 
+    ``durability="replicated"``: the transaction commits only once a
+    synchronous standby applied it, or its commit raises
+    :class:`~stateguard.ReplicationTimeout`; an engine's
+    :func:`~stateguard.set_durability` default applies to calls with a ``ref``.
+
     :raises InvalidArgument: bad column, ``by``, ``floor``, ``ref`` or target;
         nothing was sent to the database.
+    :raises NotSupported: ``durability="replicated"`` on SQLite, MariaDB or
+        a driver other than psycopg.
+    :raises ConfigurationError: ``durability="replicated"`` with no
+        synchronous standby; nothing was changed.
     """
-    return _change(session, column, target, by, -1, floor, "floor", ref)
+    return _change(session, column, target, by, -1, floor, "floor", ref, durability)
 
 
 @dual
@@ -363,6 +382,7 @@ def increment(
     by: int | float | Decimal = 1,
     ceiling: Any = None,
     ref: str | None = None,
+    durability: Literal["replicated", "local"] | None = None,
 ) -> Result:
     """Add ``by`` to a counter unless that would go above ``ceiling``: one UPDATE.
 
@@ -375,12 +395,21 @@ def increment(
         r = increment(session, Coupon.used, coupon_id, ceiling=Coupon.max_uses, ref=order_ref)
         if not r:
             r.raise_for_outcome()   # InsufficientQuantity: the coupon is used up
+
+    ``durability`` as for :func:`decrement`.
     """
-    return _change(session, column, target, by, 1, ceiling, "ceiling", ref)
+    return _change(session, column, target, by, 1, ceiling, "ceiling", ref, durability)
 
 
 @dual
-def reserve(session: Session, column: Any, amounts: Mapping[Any, Any], *, ref: str) -> Result:
+def reserve(
+    session: Session,
+    column: Any,
+    amounts: Mapping[Any, Any],
+    *,
+    ref: str,
+    durability: Literal["replicated", "local"] | None = None,
+) -> Result:
     """Decrement several rows all-or-nothing (floor 0), idempotently per ``ref``.
 
     ``amounts`` maps targets (primary keys or instances) to positive amounts.
@@ -400,6 +429,8 @@ def reserve(session: Session, column: Any, amounts: Mapping[Any, Any], *, ref: s
 
         r = reserve(session, Stock.amount, {sku_a: 2, sku_b: 1}, ref="order-42")
         r.raise_for_outcome()     # InsufficientQuantity(.target, .value)
+
+    ``durability`` as for :func:`decrement`.
     """
     counter = _counter(column, 0, "floor")
     if ref is None:
@@ -420,6 +451,7 @@ def reserve(session: Session, column: Any, amounts: Mapping[Any, Any], *, ref: s
         resolved[key] = (by, instance)
     amounts_checked = [(counter.column, by, "an amount") for by, _ in resolved.values()]
     conn = _kernel.connection_for(session, counter.info, list(resolved), amounts_checked)
+    watch = _kernel.durable(session, conn, durability) if durability is not None or _kernel.DURABLE else None
     backend = _kernel.backend(conn.dialect)
 
     def apply(key: tuple[Any, ...]) -> Result:
@@ -431,10 +463,10 @@ def reserve(session: Session, column: Any, amounts: Mapping[Any, Any], *, ref: s
         lambda key: _ledger_key(counter, key),
     )  # fmt: skip
     if isinstance(done, Result):
-        return done
+        return done if watch is None else watch.note(done)
     outcome = next(iter(done.values())).outcome
     values = {key: r.value for key, r in done.items()}
-    return Result(
+    result = Result(
         outcome,
         model=counter.model,
         key=ref,
@@ -442,10 +474,13 @@ def reserve(session: Session, column: Any, amounts: Mapping[Any, Any], *, ref: s
         session=session,
         same_request=outcome is Outcome.REPEATED,
     )
+    return result if watch is None else watch.note(result)
 
 
 @dual
-def release(session: Session, column: Any, ref: str) -> Result:
+def release(
+    session: Session, column: Any, ref: str, *, durability: Literal["replicated", "local"] | None = None
+) -> Result:
     """Undo every change ``ref`` made to ``column`` (a cancelled order), exactly once.
 
     APPLIED the first time (``.value`` maps each key to the amount given
@@ -462,6 +497,8 @@ def release(session: Session, column: Any, ref: str) -> Result:
         if release(session, Stock.amount, "order-42"):
             notify_restock()
 
+    ``durability`` as for :func:`decrement`.
+
     :raises InvalidArgument: a bad ref; or giving the units back would take
         an integer column past its range (the row was refilled to the top
         since): nothing was given back and the ref is not released, even if
@@ -473,6 +510,7 @@ def release(session: Session, column: Any, ref: str) -> Result:
     _check_ref(ref)
     info = counter.info
     conn = _kernel.connection_for(session, info)
+    watch = _kernel.durable(session, conn, durability) if durability is not None or _kernel.DURABLE else None
     backend = _kernel.backend(conn.dialect)
     limits = _kernel.integer_limits(conn, counter.column)
 
@@ -528,10 +566,12 @@ def release(session: Session, column: Any, ref: str) -> Result:
     found = ledger_release(conn, backend, _target(counter), ref, undo_entries, give_back)
     if isinstance(found, Outcome):
         same = found is Outcome.REPEATED
-        return Result(found, model=counter.model, key=ref, session=session, same_request=same)
-    if isinstance(found, Shortfall):
-        return Result(
+        result = Result(found, model=counter.model, key=ref, session=session, same_request=same)
+    elif isinstance(found, Shortfall):
+        result = Result(
             Outcome.INSUFFICIENT, model=counter.model, key=found.key, value=found.value, session=session
         )
-    given_back = {_kernel.public_key(key): amount for key, amount in found}
-    return Result(Outcome.APPLIED, model=counter.model, key=ref, value=given_back, session=session)
+    else:
+        given_back = {_kernel.public_key(key): amount for key, amount in found}
+        result = Result(Outcome.APPLIED, model=counter.model, key=ref, value=given_back, session=session)
+    return result if watch is None else watch.note(result)

@@ -21,7 +21,7 @@ transaction may succeed (see :func:`stateguard.retry_on_conflict`).
     ├── LockLost                         a lock expired and another holder took it
     │   ├── LeaseLost                    an idempotency key's lease was taken over
     │   └── WorkerLeaseLost              a Snowflake's worker-id lease was taken over
-    ├── ReplicationTimeout               a Redis write is on the master, not yet on N replicas
+    ├── ReplicationTimeout               a write is on the primary, not confirmed by its replicas
     ├── PublishFailed                    retryable=True: a broker did not take an outbox batch
     ├── WorkerIdsExhausted               retryable=True: every Snowflake worker id is leased
     ├── RequestInProgress                an idempotency key is being worked on (.retry_after)
@@ -41,6 +41,7 @@ version conflicts keep working.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm.exc import StaleDataError
@@ -240,9 +241,9 @@ class LockLost(StateguardError):
 
 
 class ReplicationTimeout(StateguardError):
-    """A Redis write happened on the master, but fewer replicas than ``wait_replicas`` confirmed it in time.
+    """A write happened on the primary (Redis master, PostgreSQL), but its replicas did not confirm it.
 
-    Raised by :class:`~stateguard.RedisTokens` and :class:`~stateguard.RedisLock`
+    **Redis.**  Raised by :class:`~stateguard.RedisTokens` and :class:`~stateguard.RedisLock`
     (and their async forms) built with ``wait_replicas=N`` when Redis ``WAIT``
     returned fewer than ``N`` acknowledgements within ``wait_timeout``.  The
     write **was applied** on the master and is not undone: it is *applied but
@@ -259,12 +260,51 @@ class ReplicationTimeout(StateguardError):
             r = tokens.consume(token, scope="payout:42")
         except ReplicationTimeout as error:
             r = error.value          # consumed on the master; decide whether to act on it
+
+    **PostgreSQL.**  Raised by the session's commit (``session.commit()``, the
+    end of ``with session.begin():``, or :meth:`~stateguard.IdempotentCall.complete`
+    in separate mode) of a transaction in which a call asked for
+    ``durability="replicated"`` (or ran on an engine given
+    :func:`~stateguard.set_durability`), when PostgreSQL cut the COMMIT's wait
+    for the synchronous standby short: the wait was cancelled (the
+    ``timeout`` of :func:`~stateguard.set_durability`, ``pg_cancel_backend``,
+    a client's cancel request), which the server reports only as a WARNING
+    ("canceling wait for synchronous replication", "already committed
+    locally").  The whole transaction **is committed on the primary** and is
+    not undone; only the standby's confirmation is missing.  The session is
+    usable again (no transaction open).  ``value`` is the tuple of what the
+    durable calls of the transaction returned, in call order (a
+    :class:`~stateguard.Result`, an outbox event id, a stored response);
+    ``acknowledged`` is 0 and ``wanted`` 1 (standbys).  The transaction's
+    ``on_commit`` callbacks were **not** run: ``callbacks`` holds them, each
+    callable with no arguments, for the caller to run once it has decided to
+    act on the write (for instance after the standby caught up)::
+
+        try:
+            with Session(engine) as s, s.begin():
+                r = consume_token(s, token, scope="payout", durability="replicated")
+                r.on_commit(send_payout)
+        except ReplicationTimeout as error:
+            [r] = error.value        # consumed on the primary, not confirmed by the standby
+            wait_for_standby()       # or alert, or hold the payout for review
+            for run in error.callbacks:
+                run()
     """
 
-    def __init__(self, message: str, *, value: Any = None, acknowledged: int = 0, wanted: int = 0) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        value: Any = None,
+        acknowledged: int = 0,
+        wanted: int = 0,
+        callbacks: tuple[Callable[[], object], ...] = (),
+    ) -> None:
         self.value = value
         self.acknowledged = acknowledged
         self.wanted = wanted
+        #: PostgreSQL: the transaction's ``on_commit`` callbacks, not run (empty for Redis).
+        self.callbacks = callbacks
         super().__init__(message)
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from datetime import timedelta
-from typing import Any, Final
+from typing import Any, Final, Literal
 from uuid import UUID
 
 from sqlalchemy import Connection, Engine, bindparam, insert, select, update
@@ -142,7 +142,12 @@ def issue_token(session: Session, *, scope: str, ttl: timedelta) -> str:
 
 @dual
 def consume_token(
-    session: Session, token: str, *, scope: str, request_id: str | UUID | None = None
+    session: Session,
+    token: str,
+    *,
+    scope: str,
+    request_id: str | UUID | None = None,
+    durability: Literal["replicated", "local"] | None = None,
 ) -> Result:
     """Consume ``token`` once: one conditional UPDATE in the session's transaction.
 
@@ -167,8 +172,18 @@ def consume_token(
         r.raise_for_outcome()
         charge(...)
 
+    ``durability="replicated"`` (PostgreSQL with a synchronous standby): the
+    transaction commits only once the standby applied it, and a COMMIT the
+    standby did not confirm raises :class:`~stateguard.ReplicationTimeout`
+    (see :func:`~stateguard.set_durability`, the engine-wide default;
+    ``"local"`` opts this call out of it).
+
     :raises InvalidArgument: non-str, blank, oversize or NUL-containing
         ``token``, ``scope`` or ``request_id``; nothing was sent to the database.
+    :raises NotSupported: ``durability="replicated"`` on a database or driver
+        that cannot confirm it (SQLite, MariaDB, a driver other than psycopg).
+    :raises ConfigurationError: ``durability="replicated"`` on a PostgreSQL with
+        no synchronous standby; nothing was written.
     """
     _check_token(token)
     _check_scope(scope)
@@ -181,14 +196,16 @@ def consume_token(
     if session.autoflush:
         session.flush()
     conn = _kernel.own_connection(session, tokens)
+    watch = _kernel.durable(session, conn, durability) if durability is not None or _kernel.DURABLE else None
     if _kernel.execute(conn, _CONSUME, params).rowcount == 1:
-        return Result(Outcome.APPLIED, model=OneTimeToken, key=digest, state="consumed", session=session)
+        result = Result(Outcome.APPLIED, model=OneTimeToken, key=digest, state="consumed", session=session)
+        return result if watch is None else watch.note(result)
     backend = _kernel.backend(conn.dialect)
     row = _kernel.execute(conn, _FIND_LOCKING if backend.fresh_read_needs_lock else _FIND, params).first()
     if row is None:
-        return Result(Outcome.NOT_FOUND, model=OneTimeToken, key=digest, trigger="consume", session=session)
-    if row.consumed_ms is not None:
-        return Result(
+        result = Result(Outcome.NOT_FOUND, model=OneTimeToken, key=digest, trigger="consume", session=session)
+    elif row.consumed_ms is not None:
+        result = Result(
             Outcome.REPEATED,
             model=OneTimeToken,
             key=digest,
@@ -196,8 +213,8 @@ def consume_token(
             value=row.consumed_ms,
             same_request=request_id is not None and row.consumed_by == request_id,
         )
-    if row.expires_ms <= row.db_now:
-        return Result(
+    elif row.expires_ms <= row.db_now:
+        result = Result(
             Outcome.REJECTED,
             model=OneTimeToken,
             key=digest,
@@ -205,12 +222,14 @@ def consume_token(
             state="expired",
             value=row.expires_ms,
         )
-    # Live and unconsumed, yet the UPDATE matched nothing: only a snapshot
-    # older than the row (PostgreSQL REPEATABLE READ) can show this.
-    raise SerializationConflict(  # pragma: no cover - needs a snapshot taken between two statements
-        "the token's row changed while consume_token() read it; roll back and retry "
-        "(retry_on_conflict() does this)"
-    )
+    else:
+        # Live and unconsumed, yet the UPDATE matched nothing: only a snapshot
+        # older than the row (PostgreSQL REPEATABLE READ) can show this.
+        raise SerializationConflict(  # pragma: no cover - needs a snapshot taken between two statements
+            "the token's row changed while consume_token() read it; roll back and retry "
+            "(retry_on_conflict() does this)"
+        )
+    return result if watch is None else watch.note(result)
 
 
 @dual_bind

@@ -47,6 +47,7 @@ from .checks import (
     value_integers,
 )
 from .clock import db_now_ms, now_ms
+from .durability import DURABLE, CommitWatch, Durability, durable, set_durability
 from .errors import (
     aborted_transaction,
     classify_db_error,
@@ -100,13 +101,16 @@ from .statements import (
 )
 
 __all__ = [
+    "DURABLE",
     "INFO_KEY",
     "MAX_LIMIT",
     "POSTGRESQL_FAMILY",
     "AnySelect",
     "Backend",
     "ClauseElement",
+    "CommitWatch",
     "DeferredSavepoint",
+    "Durability",
     "InsertOnce",
     "Memo",
     "ModelInfo",
@@ -133,6 +137,7 @@ __all__ = [
     "db_now_ms",
     "decode_key",
     "dumps_json",
+    "durable",
     "duration_ms",
     "ensure_real_transaction",
     "exact_collation",
@@ -176,6 +181,7 @@ __all__ = [
     "schedule",
     "seconds",
     "set_clause",
+    "set_durability",
     "split_values",
     "sqlite_write_lock",
     "stored_key",

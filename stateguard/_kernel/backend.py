@@ -97,6 +97,9 @@ class Backend:
     #: ``synchronous_commit`` can be turned off for one transaction (PostgreSQL): the relay's
     #: claim and mark do not wait for a WAL flush.
     commit_without_flush: bool
+    #: COMMIT can wait for a synchronous standby (``synchronous_commit = remote_apply`` and
+    #: ``synchronous_standby_names``, PostgreSQL; not CockroachDB): ``durability="replicated"``.
+    synchronous_standbys: bool
     #: String literals in reflected SQL escape quotes with a backslash (MySQL/MariaDB).
     backslash_escapes: bool
     #: An ``UPDATE``/``INSERT ... RETURNING`` may stand in a ``WITH`` clause, so two writes are
@@ -142,6 +145,7 @@ class Backend:
             trigger_functions=postgres,
             listen_notify=postgres,
             commit_without_flush=postgres,
+            synchronous_standbys=postgres,
             dml_cte=True,
             driver_begins_lazily=False,
             loose_integers=False,
@@ -168,6 +172,7 @@ class Backend:
             trigger_functions=False,
             listen_notify=False,
             commit_without_flush=False,
+            synchronous_standbys=False,
             backslash_escapes=True,
             dml_cte=False,
             packet_limit=True,
@@ -192,6 +197,7 @@ class Backend:
             trigger_functions=False,
             listen_notify=False,
             commit_without_flush=False,
+            synchronous_standbys=False,
             dml_cte=False,
             loose_integers=True,
             **_NOT_INNODB,
@@ -211,6 +217,7 @@ class Backend:
             trigger_functions=False,
             listen_notify=False,
             commit_without_flush=False,
+            synchronous_standbys=False,
             dml_cte=False,
             driver_begins_lazily=False,
             loose_integers=False,

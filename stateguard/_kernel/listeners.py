@@ -16,21 +16,34 @@ or ``Session`` classes that every application object shares.
   never after a rollback, through ``after_commit`` and
   ``after_transaction_end`` listeners registered on that session the first
   time one is scheduled (``AsyncSession.sync_session`` for an async one).
+- :func:`watch_commit`: the same two listeners check the COMMIT of a
+  transaction that asked for a replicated commit
+  (:mod:`~stateguard._kernel.durability`).  When the standby did not confirm
+  it, the session's commit raises :class:`~stateguard.ReplicationTimeout`
+  once the transaction is closed (the session is usable), and the
+  ``on_commit`` callbacks of that transaction are *not* run: they are handed
+  to the error (``error.callbacks``, each callable with no arguments), for
+  the caller to run once it has decided the write is safe to act on.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from sqlalchemy import Engine, event
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Session, SessionTransaction
 
-__all__ = ["HOOKED", "hook_dialect", "hooked", "pending", "schedule"]
+if TYPE_CHECKING:
+    from ..exceptions import ReplicationTimeout
+    from .durability import CommitWatch
+
+__all__ = ["HOOKED", "hook_dialect", "hooked", "pending", "schedule", "watch_commit"]
 
 log = logging.getLogger("stateguard")
 
@@ -84,6 +97,8 @@ def hooked(engine: Engine) -> bool:
 # need.
 
 _ATTR = "_stateguard_on_commit"
+_WATCHES = "_stateguard_commit_watches"
+_HOOKED = "_stateguard_session_hooked"
 
 _Entry = list[Any]  # [owner transaction, fn, args, kwargs]
 
@@ -97,9 +112,25 @@ def schedule(
     entries: list[_Entry] | None = session.__dict__.get(_ATTR)
     if entries is None:
         entries = session.__dict__[_ATTR] = []
+        _hook_session(session)
+    entries.append([owner, fn, args, kwargs])
+
+
+def _hook_session(session: Session) -> None:
+    if _HOOKED not in session.__dict__:
+        session.__dict__[_HOOKED] = True
         event.listen(session, "after_commit", _after_commit)
         event.listen(session, "after_transaction_end", _after_transaction_end)
-    entries.append([owner, fn, args, kwargs])
+
+
+def watch_commit(session: Session, watch: CommitWatch) -> None:
+    """Check the COMMIT of ``session``'s current root transaction with ``watch`` (durability)."""
+    watches: list[Any] | None = session.__dict__.get(_WATCHES)
+    if watches is None:
+        watches = session.__dict__[_WATCHES] = []
+        _hook_session(session)
+    if watch not in watches:
+        watches.append(watch)
 
 
 def _within(owner: Any, ancestor: SessionTransaction) -> bool:
@@ -114,11 +145,17 @@ _COMMITTED = object()  # owner marker: the root committed, run after it closes
 
 
 def _after_commit(session: Session) -> None:
+    # The committing transaction has not been closed yet, so it is still the
+    # session's current (nested) transaction.
+    watches: list[Any] | None = session.__dict__.get(_WATCHES)
+    if watches and session.get_nested_transaction() is None:
+        # The root's COMMIT returned: no cancel request may go out any more.
+        for watch in watches:
+            watch.stop()
+        session.__dict__[_WATCHES] = [(watch, True) for watch in watches]
     entries: list[_Entry] | None = session.__dict__.get(_ATTR)
     if not entries:
         return
-    # The committing transaction has not been closed yet, so it is still the
-    # session's current (nested) transaction.
     nested = session.get_nested_transaction()
     target: Any = nested.parent if nested is not None else _COMMITTED
     for entry in entries:
@@ -127,8 +164,21 @@ def _after_commit(session: Session) -> None:
 
 
 def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
+    unconfirmed: ReplicationTimeout | None = None
+    if transaction.parent is None:
+        watches: list[Any] | None = session.__dict__.get(_WATCHES)
+        if watches:
+            session.__dict__[_WATCHES] = []
+            for item in watches:
+                # (watch, True) after the root's commit; a bare watch after a rollback or close.
+                watch, committed = item if type(item) is tuple else (item, False)
+                error = watch.finish(committed)
+                if unconfirmed is None:
+                    unconfirmed = error
     entries: list[_Entry] | None = session.__dict__.get(_ATTR)
     if not entries:
+        if unconfirmed is not None:
+            raise unconfirmed
         return
     if transaction.parent is not None:
         entries[:] = [e for e in entries if not _within(e[0], transaction)]
@@ -137,6 +187,14 @@ def _after_transaction_end(session: Session, transaction: SessionTransaction) ->
     # run what its commit made ready, drop the rest (rollback or close).  The
     # listeners stay on the session (removing them costs more than an empty call).
     session.__dict__[_ATTR] = []
+    if unconfirmed is not None:
+        # Committed on the primary only: the caller decides whether to act on it.
+        unconfirmed.callbacks = tuple(
+            functools.partial(fn, *args, **kwargs)
+            for owner, fn, args, kwargs in entries
+            if owner is _COMMITTED
+        )
+        raise unconfirmed
     errors: list[BaseException] = []
     for owner, fn, args, kwargs in entries:
         if owner is not _COMMITTED:

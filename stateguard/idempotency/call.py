@@ -9,7 +9,7 @@ which holds the algorithm; with an AsyncSession the methods are awaited.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from .. import _kernel
 from .._async import DualObject, dual_member
@@ -81,7 +81,7 @@ class IdempotentCall(DualObject[S]):
         """``"same_transaction"`` or ``"separate"``."""
         return self._claim.options.mode
 
-    def _complete(self, response: R) -> R:
+    def _complete(self, response: R, *, durability: Literal["replicated", "local"] | None = None) -> R:
         """Store ``response`` as the key's result and return it.
 
         In same-transaction mode the record commits with the caller's
@@ -95,15 +95,33 @@ class IdempotentCall(DualObject[S]):
             serialisable, NaN, nested too deeply, a NUL or lone surrogate in
             its text, larger than the server accepts): nothing was sent and
             the call stays open; or the call is a replay or already finished.
+        ``durability="replicated"`` (PostgreSQL with a synchronous standby): the
+        record's transaction commits only once the standby applied it; a
+        COMMIT the standby did not confirm raises
+        :class:`~stateguard.ReplicationTimeout` (from this call in separate
+        mode, which commits; from the caller's commit in same-transaction
+        mode), whose ``value`` holds ``response``.  An engine's
+        :func:`~stateguard.set_durability` default applies when it is ``None``;
+        ``"local"`` opts out.
+
         :raises LeaseLost: the lease expired and another worker took the key
             over; its record was left as it was.
+        :raises NotSupported: ``durability="replicated"`` on SQLite, MariaDB or
+            a driver other than psycopg; nothing was written, the call stays open.
+        :raises ConfigurationError: ``durability="replicated"`` with no
+            synchronous standby; nothing was written, the call stays open.
+        :raises ReplicationTimeout: separate mode: the completion is committed
+            on the primary (the call is completed) but the standby did not
+            confirm it.
         """
         if self._state != "open":
             self._check_open("complete")
         claim = self._claim
         text = dump(claim.options.serializer, response, "response")
         fresh = claim.fresh and claim.options.mode == "same_transaction"
-        claim.write(self, COMPLETE_FRESH if fresh else COMPLETE, {"sg_text": text}, "completed")
+        claim.write(
+            self, COMPLETE_FRESH if fresh else COMPLETE, {"sg_text": text}, "completed", durability, response
+        )
         return response
 
     def _checkpoint(self, name: str, data: Any = None) -> None:

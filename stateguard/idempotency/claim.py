@@ -28,10 +28,13 @@ from sqlalchemy.orm import Session
 
 from .. import _kernel
 from ..exceptions import (
+    ConfigurationError,
     DeadlockDetected,
     IdempotencyKeyReused,
     InvalidArgument,
     LeaseLost,
+    NotSupported,
+    ReplicationTimeout,
     RequestFailed,
     RequestInProgress,
     SerializationConflict,
@@ -331,9 +334,26 @@ class Claim(Generic[S]):
 
     # -- writes of an open call ---------------------------------------------
 
-    def write(self, call: IdempotentCall[S], stmt: Any, extra: dict[str, Any], kind: str | None) -> None:
-        """Run one owner-conditional UPDATE of the record (and in separate mode commit the session)."""
+    def write(
+        self,
+        call: IdempotentCall[S],
+        stmt: Any,
+        extra: dict[str, Any],
+        kind: str | None,
+        durability: str | None = None,
+        response: Any = None,
+    ) -> None:
+        """Run one owner-conditional UPDATE of the record (and in separate mode commit the session).
+
+        ``durability`` (a completion's, whose ``response`` is noted for the error): as
+        :func:`stateguard._kernel.durable` says; checked on the record's connection before the
+        UPDATE.  Checkpoints, releases and failures are never durable.  In separate mode a
+        commit the standby did not confirm finishes the call all the same (the record is
+        committed on the primary) and its ReplicationTimeout is raised after.
+        """
         params = {**self._base_params, **extra}
+        ask = kind == "completed" and (durability is not None or bool(_kernel.DURABLE))
+        unconfirmed: ReplicationTimeout | None = None
         if kind is not None:
             self._finishing = True
         text = extra.get("sg_text")
@@ -342,17 +362,26 @@ class Claim(Generic[S]):
                 with self._open(self._block_savepoint).paused() as conn:
                     if text is not None and _kernel.needs_size_check(conn, text):
                         self._check_size(conn, text)
+                    watch = _kernel.durable(self.session, conn, durability) if ask else None
                     matched = _kernel.execute(conn, stmt, params).rowcount
+                    if watch is not None and matched == 1:
+                        watch.note(response)
             else:
                 session = self.session
                 try:
                     conn = _kernel.own_connection(session, idempotency_keys)
                     if text is not None and _kernel.needs_size_check(conn, text):
                         self._check_size(conn, text)
+                    watch = _kernel.durable(session, conn, durability) if ask else None
                     matched = _kernel.execute(conn, stmt, params).rowcount
+                    if watch is not None and matched == 1:
+                        watch.note(response)
                     if matched == 1:
-                        session.commit()
-                except InvalidArgument:
+                        try:
+                            session.commit()
+                        except ReplicationTimeout as error:
+                            unconfirmed = error  # committed on the primary: the call is finished
+                except (InvalidArgument, NotSupported, ConfigurationError):
                     raise  # refused before sending: the phase's work is not rolled back
                 except BaseException:
                     session.rollback()
@@ -369,6 +398,8 @@ class Claim(Generic[S]):
                 self._stop_heartbeat()
             call._state = kind
             emit(kind, self.scope, self.key, call.attempt, self.options.mode)
+        if unconfirmed is not None:
+            raise unconfirmed
 
     def _check_size(self, conn: Connection, text: str) -> None:
         """InvalidArgument (nothing sent) when ``text`` cannot travel to the server in one statement.

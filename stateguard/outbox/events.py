@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol, runtime_checkable
+from typing import Any, Final, Literal, Protocol, runtime_checkable
 
 from sqlalchemy import Insert, bindparam, insert
 from sqlalchemy.orm import Session
@@ -162,7 +162,14 @@ def _insert(backend: _kernel.Backend) -> Insert | ReturningInsert[Any]:
 
 
 @dual
-def emit(session: Session, topic: str, payload: Any, *, key: str | None = None) -> int:
+def emit(
+    session: Session,
+    topic: str,
+    payload: Any,
+    *,
+    key: str | None = None,
+    durability: Literal["replicated", "local"] | None = None,
+) -> int:
     """Store an event in the session's current transaction and return its id.
 
     One INSERT into ``stateguard_outbox``: a relay sees the event only after
@@ -185,6 +192,14 @@ def emit(session: Session, topic: str, payload: Any, *, key: str | None = None) 
         infinity, non-str object keys, lone surrogates, nesting deeper than
         100, a circular reference) or too large for a MariaDB statement;
         nothing was written.
+    :raises NotSupported: ``durability="replicated"`` where no standby can
+        confirm a COMMIT (SQLite, MariaDB, a driver other than psycopg).
+    :raises ConfigurationError: ``durability="replicated"`` on a PostgreSQL
+        with no synchronous standby; nothing was written.
+
+    ``durability="replicated"``: the transaction commits only once a
+    synchronous standby applied it, or its commit raises
+    :class:`~stateguard.ReplicationTimeout` (see :func:`~stateguard.set_durability`).
     """
     _kernel.check_text(topic, "topic", MAX_TOPIC)
     if key is not None:
@@ -194,6 +209,8 @@ def emit(session: Session, topic: str, payload: Any, *, key: str | None = None) 
         session.flush()
     conn = _kernel.own_connection(session, outbox)
     _kernel.check_statement_size(conn, text, "payload")
+    watch = _kernel.durable(session, conn, durability) if durability is not None or _kernel.DURABLE else None
     backend = _kernel.backend(conn.dialect)
     result = _kernel.execute(conn, _insert(backend), {"sg_topic": topic, "sg_key": key, "sg_payload": text})
-    return int(result.scalar_one() if backend.returning else result.lastrowid)
+    event_id = int(result.scalar_one() if backend.returning else result.lastrowid)
+    return event_id if watch is None else watch.note(event_id)

@@ -78,6 +78,7 @@ EXPECTED = [
     "reserve",
     "retry_on_conflict",
     "row_lock",
+    "set_durability",
     "sqlite_engine",
     "version_column",
 ]

@@ -94,7 +94,14 @@ def _no_connection() -> Any:
 
 
 #: Backend fields of PostgreSQL proper that CockroachDB lacks (the name aside).
-_POSTGRESQL_ONLY = ("name", "named_locks", "trigger_functions", "listen_notify", "commit_without_flush")
+_POSTGRESQL_ONLY = (
+    "name",
+    "named_locks",
+    "trigger_functions",
+    "listen_notify",
+    "commit_without_flush",
+    "synchronous_standbys",
+)
 
 
 def test_backend_has_the_postgresql_capabilities_cockroachdb_has(crdb_dialect: Dialect) -> None:
