@@ -328,7 +328,7 @@ class IdempotencyMiddleware:
         self.store_status = store_status
         self.documentation = documentation
 
-    def settings_for(self, scope: Scope) -> Settings | None:
+    def _settings_for(self, scope: Scope) -> Settings | None:
         """The effective settings for a request, or ``None`` when its route is disabled."""
         return self.options.settings_for(str(scope.get("path", "")), scope)
 
@@ -336,7 +336,7 @@ class IdempotencyMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        settings = self.settings_for(scope)
+        settings = self._settings_for(scope)
         if settings is None or str(scope["method"]).upper() not in settings.methods:
             await self.app(scope, receive, send)
             return

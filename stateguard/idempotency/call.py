@@ -91,10 +91,6 @@ class IdempotentCall(DualObject[S]):
 
             return call.complete({"payment_id": payment.id})
 
-        :raises InvalidArgument: the response cannot be stored (not
-            serialisable, NaN, nested too deeply, a NUL or lone surrogate in
-            its text, larger than the server accepts): nothing was sent and
-            the call stays open; or the call is a replay or already finished.
         ``durability="replicated"`` (PostgreSQL with a synchronous standby): the
         record's transaction commits only once the standby applied it; a
         COMMIT the standby did not confirm raises
@@ -104,6 +100,10 @@ class IdempotentCall(DualObject[S]):
         :func:`~stateguard.set_durability` default applies when it is ``None``;
         ``"local"`` opts out.
 
+        :raises InvalidArgument: the response cannot be stored (not
+            serialisable, NaN, nested too deeply, a NUL or lone surrogate in
+            its text, larger than the server accepts): nothing was sent and
+            the call stays open; or the call is a replay or already finished.
         :raises LeaseLost: the lease expired and another worker took the key
             over; its record was left as it was.
         :raises NotSupported: ``durability="replicated"`` on SQLite, MariaDB or
