@@ -43,7 +43,7 @@ from tests._support.retry_conflicts import (
     pg_fast_options,
     setup,
 )
-from tests.conftest import Backend
+from tests.conftest import Backend, backends_with
 
 
 @pytest.fixture
@@ -407,11 +407,6 @@ def test_an_async_sleep_with_a_synchronous_unit_is_invalid_argument() -> None:
 # ---------------------------------------------------------------- deadlocks
 
 
-@pytest.fixture(params=["postgresql", "mariadb"])
-def server(request: pytest.FixtureRequest) -> Backend:
-    return request.getfixturevalue("pg" if request.param == "postgresql" else "mariadb")
-
-
 # ------------------------------------------------------------------ async
 
 
@@ -426,18 +421,19 @@ def async_url(backend: Backend) -> str:
 # SQLAlchemy errors in the __context__ chain.  The awaited retry_on_conflict raised it after ONE call
 # (the sync form retried); it now follows the chain through the wrapped driver error too.
 @pytest.mark.parametrize("nested", [0, 1, 2])
-def test_async_deadlock_retried_once(server: Backend, monkeypatch: pytest.MonkeyPatch, nested: int) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_async_deadlock_retried_once(backend: Backend, monkeypatch: pytest.MonkeyPatch, nested: int) -> None:
     """Promise: the async form retries a real deadlock (also inside begin_nested()), awaits each
     attempt, never calls time.sleep."""
-    setup(server)
+    setup(backend)
     slept: list[float] = []
     real_sleep = time.sleep
     monkeypatch.setattr(time, "sleep", lambda s: (slept.append(s), real_sleep(s)))
-    options = {"connect_args": pg_fast_options(server)} if server.name == "postgresql" else {}
+    options = {"connect_args": pg_fast_options(backend)} if backend.name == "postgresql" else {}
     calls: dict[str, list[int]] = {"a": [], "b": []}
 
     async def main() -> list[Any]:
-        engine = create_async_engine(async_url(server), **options)
+        engine = create_async_engine(async_url(backend), **options)
         barrier = asyncio.Barrier(2)
 
         def unit(tag: str, first: int, second: int) -> Callable[[], Any]:
@@ -480,8 +476,8 @@ def test_async_deadlock_retried_once(server: Backend, monkeypatch: pytest.Monkey
     assert sorted(results) == [1, 2], results
     assert sorted([len(calls["a"]), len(calls["b"])]) == [1, 2]
     assert slept == []
-    assert balances(server.engine) == {1: 2, 2: 2}
-    assert log_tags(server.engine) == ["a", "b"]
+    assert balances(backend.engine) == {1: 2, 2: 2}
+    assert log_tags(backend.engine) == ["a", "b"]
 
 
 def _with_held_row_async(pg: Backend, body: Callable[[Callable[[], Any], list[int]], Any]) -> None:
