@@ -64,6 +64,8 @@ CAPABILITIES: dict[str, frozenset[str]] = {
     # raise_sqlstate: a statement can raise an error of a chosen SQLSTATE and code (PostgreSQL:
     #   RAISE ... USING ERRCODE in a DO block; MariaDB: SIGNAL), the server's own retryable error
     #   on demand
+    # tcp_server: the database is a server reached over TCP, so a FaultProxy can stand in front of
+    #   it and cut a reply, or the connection can be lost while the client lives (SQLite is a file)
     "sqlite": frozenset({"update_returning"}),
     "postgresql": frozenset(
         {
@@ -81,6 +83,7 @@ CAPABILITIES: dict[str, frozenset[str]] = {
             "legal_edges",
             "alter_constraints",
             "raise_sqlstate",
+            "tcp_server",
         }
     ),
     "mariadb": frozenset(
@@ -95,6 +98,7 @@ CAPABILITIES: dict[str, frozenset[str]] = {
             "inexact_keys",
             "alter_constraints",
             "raise_sqlstate",
+            "tcp_server",
         }
     ),
 }
