@@ -339,14 +339,11 @@ def _wait_until_waiting(engine: Any, name: str, conn_id: int, done: threading.Ev
             return
 
 
-@pytest.mark.parametrize("server", ["pg", "mariadb"])
-def test_many_waits_for_rows_moved_into_its_source_and_applies_to_them(
-    server: str, request: pytest.FixtureRequest
-) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_many_waits_for_rows_moved_into_its_source_and_applies_to_them(backend: Backend) -> None:
     """Another transaction holds rows it moved into close's source (a reopen) or made pass its guard
     (priority): the batch waits for them and, after that COMMIT, closes them (APPLIED), however the
     rows stood in the snapshot the batch started from."""
-    backend: Backend = request.getfixturevalue(server)
     engine = backend.create(Base.metadata)
     with Session(engine) as s, s.begin():
         s.add_all([Ticket(id=1, state="closed"), Ticket(id=2, state="closed")])

@@ -58,6 +58,12 @@ def mariadb_orders(mariadb: Backend) -> Iterator[AsyncTarget]:
     yield from _orders(mariadb, "aiomysql")
 
 
+@pytest.fixture
+def orders(backend: Backend) -> Iterator[AsyncTarget]:
+    """The orders table on ``backend``, reached through its async driver (asyncpg, aiomysql)."""
+    yield from _orders(backend, "asyncpg" if backend.name == "postgresql" else "aiomysql")
+
+
 def _orders(backend: Backend, driver: str) -> Iterator[AsyncTarget]:
     table = cast(Table, Order.__table__)
     Base.metadata.drop_all(backend.engine, tables=[table])
@@ -219,13 +225,11 @@ def _deadlock_storm(target: AsyncTarget) -> tuple[list[BaseException], dict[str,
     return _run(target, body)  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("server", ["pg_orders", "mariadb_orders"])
-def test_async_deadlock_victim_is_retried_and_applies_once(
-    server: str, request: pytest.FixtureRequest
-) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_async_deadlock_victim_is_retried_and_applies_once(orders: AsyncTarget) -> None:
     """A real deadlock (PostgreSQL 40P01 / MariaDB 1213) between two async sessions: the victim is re-run,
     sees REPEATED, and each row is paid exactly once."""
-    target: AsyncTarget = request.getfixturevalue(server)
+    target = orders
     conflicts, final, rows = _deadlock_storm(target)
     assert len(conflicts) >= 1 and all(isinstance(c, DeadlockDetected) for c in conflicts)
     orig = conflicts[0].__cause__.orig  # type: ignore[union-attr]
