@@ -32,7 +32,7 @@ from stateguard import (
 from stateguard.tables import outbox
 from tests._support.async_helpers import AsyncTarget, target_from
 from tests._support.bridge_pieces import AttrDict, Record
-from tests.conftest import Backend, capable, count_statements
+from tests.conftest import Backend, backends_with, capable, count_statements
 
 
 class Awaitish:
@@ -64,12 +64,6 @@ def _free_and_unpublished(engine: Engine) -> bool:
 @pytest.fixture(params=["aiosqlite", "asyncpg", "aiomysql"])
 def target(request: pytest.FixtureRequest) -> AsyncTarget:
     return target_from(request)
-
-
-@pytest.fixture(params=["postgresql", "mariadb"])
-def server(request: pytest.FixtureRequest) -> Backend:
-    """PostgreSQL or MariaDB (the servers whose own errors a retry must recognise)."""
-    return request.getfixturevalue("pg" if request.param == "postgresql" else "mariadb")
 
 
 # --------------------------------------------------------------------------
@@ -249,8 +243,9 @@ def test_run_goes_through_a_subclassed_run_once(backend: Backend, engine: Engine
     assert _unpublished(engine) == 0
 
 
-def test_four_relay_threads_share_one_outbox_once_each_in_key_order(server: Backend) -> None:
-    engine = server.engine
+@pytest.mark.parametrize("backend", backends_with("concurrent_writers"), indirect=True)
+def test_four_relay_threads_share_one_outbox_once_each_in_key_order(backend: Backend) -> None:
+    engine = backend.engine
     drop_tables(engine)
     create_tables(engine)
     try:

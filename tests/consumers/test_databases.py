@@ -27,24 +27,19 @@ from stateguard.outbox.sinks import NATSSink, RabbitMQSink
 
 from .._support.brokers import NATS_URL, RABBITMQ_URL, Queue, Stream
 from .._support.faultproxy import COMMIT, FaultProxy
-from ..conftest import Backend
+from ..conftest import Backend, backends_with
 from ._drive import publish_amqp, publish_nats, run_until
 from ._effects import applied, committed_ids, emit_events, metadata, record
 
 LEASE = timedelta(seconds=30)
 
-
-@pytest.fixture(params=["postgresql", "mariadb"])
-def server(request: pytest.FixtureRequest) -> Backend:
-    """PostgreSQL and MariaDB (TCP servers a fault proxy can stand in front of)."""
-    backend: Backend = request.getfixturevalue("pg" if request.param == "postgresql" else "mariadb")
-    return backend
+pytestmark = pytest.mark.parametrize("backend", backends_with("tcp_server"), indirect=True)
 
 
 @pytest.fixture
-def direct(server: Backend) -> Iterator[Engine]:
-    """stateguard's tables and ``consumer_effects`` on the server, dropped afterwards."""
-    engine = server.create(metadata)
+def direct(backend: Backend) -> Iterator[Engine]:
+    """stateguard's tables and ``consumer_effects`` on the backend, dropped afterwards."""
+    engine = backend.create(metadata)
     drop_tables(engine)
     create_tables(engine)
     yield engine
@@ -52,13 +47,13 @@ def direct(server: Backend) -> Iterator[Engine]:
 
 
 @pytest.fixture
-def proxied(server: Backend, direct: Engine) -> Iterator[tuple[Engine, FaultProxy]]:
+def proxied(backend: Backend, direct: Engine) -> Iterator[tuple[Engine, FaultProxy]]:
     """An engine reaching the server through a FaultProxy, and the proxy."""
-    url = make_url(server.url)
-    default = 5432 if server.name == "postgresql" else 3306
+    url = make_url(backend.url)
+    default = 5432 if backend.name == "postgresql" else 3306
     with FaultProxy(url.host or "127.0.0.1", url.port or default) as proxy:
         through = url.set(host=proxy.host, port=proxy.port)
-        if server.name == "postgresql":
+        if backend.name == "postgresql":
             through = through.update_query_dict({"sslmode": "disable"})
         engine = create_engine(through)
         try:

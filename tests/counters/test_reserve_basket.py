@@ -27,18 +27,12 @@ from stateguard import (
 from stateguard.tables import counter_ledger
 from tests._support.async_helpers import AsyncTarget, target_from
 from tests._support.counter_workers import Bin, CounterBase
-from tests.conftest import Backend
+from tests.conftest import Backend, backends_with
 
 
 @pytest.fixture(params=["aiosqlite", "asyncpg", "aiomysql"])
 def target(request: pytest.FixtureRequest) -> AsyncTarget:
     return target_from(request)
-
-
-@pytest.fixture(params=["postgresql", "mariadb"])
-def server(request: pytest.FixtureRequest) -> Backend:
-    """PostgreSQL or MariaDB (the servers whose own errors a retry must recognise)."""
-    return request.getfixturevalue("pg" if request.param == "postgresql" else "mariadb")
 
 
 # --------------------------------------------------------------------------
@@ -128,10 +122,11 @@ def test_reserve_basket_under_an_async_session(bins: Engine, backend: Backend) -
     assert _qty(bins) == {1: 3, 2: 3, 3: 5}
 
 
-def test_reserve_races_one_ref_in_threads_applies_once(server: Backend) -> None:
+@pytest.mark.parametrize("backend", backends_with("concurrent_writers"), indirect=True)
+def test_reserve_races_one_ref_in_threads_applies_once(backend: Backend) -> None:
     """Eight threads reserving the same basket under one ref: one APPLIED, the rest REPEATED (or a
     retryable conflict, retried by retry_on_conflict), the stock taken once."""
-    engine = server.create(CounterBase.metadata)
+    engine = backend.create(CounterBase.metadata)
     drop_tables(engine)
     create_tables(engine)
     try:

@@ -5,7 +5,6 @@ lease; a response too large to store is still answered and not run twice."""
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
 from datetime import timedelta
 
 import anyio.to_thread
@@ -26,7 +25,7 @@ from tests._support.raw_asgi import (
     World,
     _Base,
 )
-from tests.conftest import Backend, _Namespaces, _only
+from tests.conftest import Backend, backends_with
 
 
 @pytest.fixture
@@ -104,20 +103,14 @@ def _proxied_url(backend: Backend, proxy: FaultProxy) -> str:
     return url.render_as_string(hide_password=False)
 
 
-@pytest.fixture(params=["postgresql", "mariadb"])
-def server_backend(request: pytest.FixtureRequest, namespaces: _Namespaces) -> Iterator[Backend]:
-    """PostgreSQL, then MariaDB: a database server the middleware can lose (not SQLite's file)."""
-    yield from _only(request.param, namespaces)
-
-
 @pytest.mark.restart
 @pytest.mark.lost_reply
+@pytest.mark.parametrize("backend", backends_with("tcp_server"), indirect=True)
 def test_database_lost_after_the_app_ran_is_not_a_double_execution_within_the_lease(
-    server_backend: Backend,
+    backend: Backend,
 ) -> None:
     """The database goes away after the claim, while the app runs: the response cannot be stored.  The key
     must stay held (409) for the rest of the lease once the database is back, not run the app again."""
-    backend = server_backend
     backend.create(stateguard_metadata, _Base.metadata)
     direct = World(sessionmaker(backend.engine))
     proxy = FaultProxy("127.0.0.1", make_url(backend.url).port or 0)

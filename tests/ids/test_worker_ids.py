@@ -21,8 +21,6 @@ from stateguard import (
     StateguardError,
     WorkerIdsExhausted,
     WorkerLeaseLost,
-    create_tables,
-    drop_tables,
 )
 from tests._support.snowflake_clocks import (
     _REAL_TIME_NS,
@@ -35,7 +33,7 @@ from tests._support.snowflake_clocks import (
     _take_over,
     _worker_engine,
 )
-from tests.conftest import Backend, _only
+from tests.conftest import Backend, backends_with
 
 
 @pytest.fixture
@@ -45,16 +43,6 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[SkewedClock]:
     monkeypatch.setattr(time, "time", c.time)
     yield c
     c.release.set()
-
-
-@pytest.fixture(params=["postgresql", "mariadb"])
-def server(request: pytest.FixtureRequest, namespaces: Any) -> Iterator[Backend]:
-    """PostgreSQL and MariaDB with stateguard's tables (server-only tests)."""
-    for b in _only(request.param, namespaces):
-        drop_tables(b.engine)
-        create_tables(b.engine)
-        yield b
-        drop_tables(b.engine)
 
 
 def proc_issue(name: str, url: str, namespace: str, count: int, barrier: Any) -> tuple[int, list[int]]:
@@ -316,9 +304,9 @@ def test_next_id_racing_close_never_duplicates_the_next_holders_ids(
     new.close()
 
 
-def test_twelve_takers_of_one_expired_worker_id_on_a_server(server: Backend) -> None:
+@pytest.mark.parametrize("backend", backends_with("concurrent_writers"), indirect=True)
+def test_twelve_takers_of_one_expired_worker_id_on_a_server(backend: Any, engine: Engine) -> None:
     """12 threads with their own engines race for worker ids while the only expired one is free."""
-    engine = server.engine
     live = [Snowflake(engine, namespace="takers", heartbeat=False) for _ in range(3)]
     dead = Snowflake(engine, namespace="takers", lease=timedelta(seconds=1), heartbeat=False)
     dead_ids = [dead.next_id() for _ in range(50)]
@@ -329,7 +317,7 @@ def test_twelve_takers_of_one_expired_worker_id_on_a_server(server: Backend) -> 
     # every generator stays live until all have issued: a generator closed early frees its worker id,
     # and a late starter may rightly take it again
     all_issued = threading.Barrier(n)
-    engines = [server.new_engine(pool_size=1) for _ in range(n)]
+    engines = [backend.new_engine(pool_size=1) for _ in range(n)]
 
     def take(e: Engine) -> tuple[int, list[int]]:
         with e.connect():

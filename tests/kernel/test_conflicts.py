@@ -27,7 +27,7 @@ from stateguard import (
     retry_on_conflict,
 )
 from tests._support.models import Base, Message, Order
-from tests.conftest import Backend
+from tests.conftest import Backend, backends_with
 
 
 def _seed(backend: Backend, *orders: Order) -> Engine:
@@ -232,10 +232,8 @@ def test_mariadb_deadlock_becomes_deadlock_detected(mariadb: Backend) -> None:
 
 
 @pytest.mark.parametrize("nested", [False, True], ids=["flat", "in-callers-savepoint"])
-@pytest.mark.parametrize("server", ["pg", "mariadb"])
-def test_deadlock_victim_retried_ends_repeated(
-    server: str, nested: bool, request: pytest.FixtureRequest
-) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_deadlock_victim_retried_ends_repeated(backend: Backend, nested: bool) -> None:
     """With retry_on_conflict around each unit, the victim re-runs and sees REPEATED: one APPLIED per row.
 
     ``in-callers-savepoint``: the second payment runs inside the caller's own ``with
@@ -244,7 +242,6 @@ def test_deadlock_victim_retried_ends_repeated(
     SQLAlchemy raises the driver's 1305 with the DeadlockDetected as its ``__context__``:
     retry_on_conflict still re-runs the unit (it gave up before).  PostgreSQL raises
     DeadlockDetected itself."""
-    backend: Backend = request.getfixturevalue(server)
     engine = _seed(backend, Order(id=1), Order(id=2))
     barrier = threading.Barrier(2, timeout=30)
     final: dict[str, list[Outcome]] = {}
@@ -290,7 +287,7 @@ def test_deadlock_victim_retried_ends_repeated(
         assert any(isinstance(e, DeadlockDetected) for e in chain), failures
     if not nested:
         assert all(isinstance(f, DeadlockDetected) for f in failures), failures
-    elif server == "mariadb":
+    elif backend.name == "mariadb":
         assert any(isinstance(f, DBAPIError) for f in failures), failures
     counted = Counter(o for got in final.values() for o in got)
     assert counted == Counter({Outcome.APPLIED: 2, Outcome.REPEATED: 2})

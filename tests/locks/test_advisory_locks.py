@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator
 from decimal import Decimal
 
 import pytest
@@ -18,7 +17,7 @@ from stateguard import (
     advisory_lock,
     version_column,
 )
-from tests.conftest import Backend, _Namespaces, _only
+from tests.conftest import Backend, backends_with
 
 
 class _Base(DeclarativeBase):
@@ -51,16 +50,11 @@ def _seed(s: Session) -> None:
 pytestmark = pytest.mark.tables(_Base.metadata, seed=_seed)
 
 
-@pytest.fixture(params=["postgresql", "mariadb"])
-def server(request: pytest.FixtureRequest, namespaces: _Namespaces) -> Iterator[Backend]:
-    """PostgreSQL, then MariaDB: the backends with named locks."""
-    yield from _only(request.param, namespaces)
-
-
 @pytest.mark.cancel
-def test_advisory_lock_timeout_inf_waits_like_none(server: Backend) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_advisory_lock_timeout_inf_waits_like_none(backend: Backend) -> None:
     """timeout=float('inf') takes a free lock (GET_LOCK refused 'inf' as a raw error before)."""
-    with Session(server.engine) as s, s.begin():
+    with Session(backend.engine) as s, s.begin():
         with advisory_lock(s, "hostile-inf", timeout=math.inf):
             pass
 

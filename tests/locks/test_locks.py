@@ -34,27 +34,15 @@ from stateguard.locks import advisory_key, mysql_lock_name
 from tests._support import lock_workers as w
 from tests._support.lock_workers import Job, JobTake, LockBase, Payout, Tally
 from tests._support.models import Base, Shipment
-from tests.conftest import REDIS_URL, Backend, _Namespaces, _only, backends_with, capable, count_statements
+from tests.conftest import REDIS_URL, Backend, backends_with, capable, count_statements
 
 # --------------------------------------------------------------------------
 # Fixtures
 # --------------------------------------------------------------------------
 
 
-@pytest.fixture(params=backends_with("row_locks"))
-def server(request: pytest.FixtureRequest, namespaces: _Namespaces) -> Iterator[Backend]:
-    """The backends with real row and named locks (PostgreSQL, MariaDB)."""
-    yield from _only(request.param, namespaces)
-
-
 # The lock tables on each backend; on SQLite through ``sqlite_engine`` (BEGIN IMMEDIATE).
 pytestmark = pytest.mark.tables(LockBase.metadata, stateguard=False, sqlite_engine={"busy_timeout": 60})
-
-
-@pytest.fixture
-def server_engine(server: Backend) -> Engine:
-    """The lock tables on PostgreSQL and MariaDB."""
-    return server.create(LockBase.metadata)
 
 
 @pytest.fixture
@@ -131,14 +119,15 @@ def test_8_processes_under_row_lock_lose_no_increment(
     assert _value(engine) == N_PROCS * TIMES
 
 
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
 def test_8_processes_under_advisory_lock_lose_no_increment(
-    server: Backend, server_engine: Engine, procs: tuple[Any, ProcessPoolExecutor]
+    backend: Backend, engine: Engine, procs: tuple[Any, ProcessPoolExecutor]
 ) -> None:
     """8 processes doing read-pause-write under advisory_lock end with every increment counted."""
-    _tallies(server_engine, [1])
+    _tallies(engine, [1])
     name = f"sgt:tally:{uuid.uuid4().hex}"
-    _increments(procs, server.name, server.url, "advisory", lock_name=name)
-    assert _value(server_engine) == N_PROCS * TIMES
+    _increments(procs, backend.name, backend.url, "advisory", lock_name=name)
+    assert _value(engine) == N_PROCS * TIMES
 
 
 def test_8_processes_under_redis_lock_lose_no_increment(
@@ -246,11 +235,12 @@ def test_row_lock_with_composite_keys(backend: Backend, engine: Engine) -> None:
 @pytest.mark.parametrize(
     ("option", "clause"), [("nowait", "FOR UPDATE NOWAIT"), ("skip_locked", "FOR UPDATE SKIP LOCKED")]
 )
-def test_row_lock_options_reach_the_sql(server_engine: Engine, option: str, clause: str) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_row_lock_options_reach_the_sql(engine: Engine, option: str, clause: str) -> None:
     """nowait and skip_locked become NOWAIT / SKIP LOCKED in the statement."""
-    _tallies(server_engine, [1])
-    with Session(server_engine) as s, s.begin():
-        with count_statements(server_engine) as stmts:
+    _tallies(engine, [1])
+    with Session(engine) as s, s.begin():
+        with count_statements(engine) as stmts:
             row_lock(s, Tally, 1, **{option: True})
         assert " ".join(stmts.statements[-1].split()).endswith(clause)
 
@@ -263,12 +253,13 @@ def _hold(engine: Engine, ids: list[int]) -> tuple[Session, Any]:
     return holder, tx
 
 
-def test_nowait_on_a_held_row_fails_at_once(server: Backend, server_engine: Engine) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_nowait_on_a_held_row_fails_at_once(backend: Backend, engine: Engine) -> None:
     """With the row held elsewhere, nowait raises LockNotAcquired at once; without it the call would wait."""
-    _tallies(server_engine, [1, 2])
-    holder, _ = _hold(server_engine, [1])
+    _tallies(engine, [1, 2])
+    holder, _ = _hold(engine, [1])
     try:
-        with Session(server_engine) as s:
+        with Session(engine) as s:
             with s.begin():
                 assert row_lock(s, Tally, 2, nowait=True).id == 2  # a free row is fine
                 started = time.monotonic()
@@ -279,7 +270,7 @@ def test_nowait_on_a_held_row_fails_at_once(server: Backend, server_engine: Engi
                 s.rollback()
             # Control: without nowait the same call waits (here until a short lock timeout).
             with s.begin():
-                if server.name == "postgresql":
+                if backend.name == "postgresql":
                     s.execute(text("SET LOCAL lock_timeout = '300ms'"))
                     minimum = 0.25
                 else:
@@ -294,22 +285,24 @@ def test_nowait_on_a_held_row_fails_at_once(server: Backend, server_engine: Engi
         holder.close()
 
 
-def test_skip_locked_returns_only_the_free_rows(server_engine: Engine) -> None:
+@pytest.mark.parametrize("backend", backends_with("skip_locked"), indirect=True)
+def test_skip_locked_returns_only_the_free_rows(engine: Engine) -> None:
     """skip_locked leaves out rows another transaction holds: a list loses them, a single target is None."""
-    _tallies(server_engine, [1, 2, 3])
-    holder, _ = _hold(server_engine, [2])
+    _tallies(engine, [1, 2, 3])
+    holder, _ = _hold(engine, [2])
     try:
-        with Session(server_engine) as s, s.begin():
+        with Session(engine) as s, s.begin():
             assert [t.id for t in row_lock(s, Tally, [3, 2, 1], skip_locked=True)] == [1, 3]
             assert row_lock(s, Tally, 2, skip_locked=True) is None
     finally:
         holder.close()
 
 
-def test_skip_locked_job_queue_gives_every_job_to_exactly_one_worker(server_engine: Engine) -> None:
+@pytest.mark.parametrize("backend", backends_with("skip_locked"), indirect=True)
+def test_skip_locked_job_queue_gives_every_job_to_exactly_one_worker(engine: Engine) -> None:
     """6 competing workers take up to 5 jobs at a time with skip_locked: no job taken twice, all taken."""
     n_jobs, n_workers, chunk = 60, 6, 5
-    with Session(server_engine) as s, s.begin():
+    with Session(engine) as s, s.begin():
         s.add_all([Job(id=i) for i in range(1, n_jobs + 1)])
     barrier = threading.Barrier(n_workers, timeout=60)
 
@@ -317,7 +310,7 @@ def test_skip_locked_job_queue_gives_every_job_to_exactly_one_worker(server_engi
         taken = 0
         barrier.wait()
         while True:
-            with Session(server_engine) as s, s.begin():
+            with Session(engine) as s, s.begin():
                 # Loads the instances (stale by the time they are locked: row_lock must refresh them).
                 pending = s.scalars(
                     select(Job).where(Job.done.is_(False)).order_by(Job.id).limit(chunk)
@@ -334,7 +327,7 @@ def test_skip_locked_job_queue_gives_every_job_to_exactly_one_worker(server_engi
 
     with ThreadPoolExecutor(n_workers) as pool:
         taken = [f.result(timeout=120) for f in [pool.submit(worker, f"w{i}") for i in range(n_workers)]]
-    with Session(server_engine) as s:
+    with Session(engine) as s:
         takes = Counter(s.scalars(select(JobTake.job_id)))
         workers = set(s.scalars(select(JobTake.worker)))
     assert sum(taken) == n_jobs
@@ -373,20 +366,20 @@ def _opposite_order_storm(server: Backend, engine: Engine, *, ordered: bool) -> 
     return len(deadlocks), [_value(engine, i) for i in rows]
 
 
-def test_opposite_order_multi_row_locks_never_deadlock(server: Backend, server_engine: Engine) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_opposite_order_multi_row_locks_never_deadlock(backend: Backend, engine: Engine) -> None:
     """8 threads locking the same rows in opposite orders never deadlock: row_lock sorts by primary key."""
-    _tallies(server_engine, [1, 2, 3, 4])
-    deadlocks, values = _opposite_order_storm(server, server_engine, ordered=True)
+    _tallies(engine, [1, 2, 3, 4])
+    deadlocks, values = _opposite_order_storm(backend, engine, ordered=True)
     assert deadlocks == 0
     assert values == [32] * 4
 
 
-def test_unordered_locks_deadlock_and_retry_on_conflict_recovers(
-    server: Backend, server_engine: Engine
-) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_unordered_locks_deadlock_and_retry_on_conflict_recovers(backend: Backend, engine: Engine) -> None:
     """Locking row by row in caller order deadlocks; retry_on_conflict reruns each unit until it lands."""
-    _tallies(server_engine, [1, 2, 3, 4])
-    deadlocks, values = _opposite_order_storm(server, server_engine, ordered=False)
+    _tallies(engine, [1, 2, 3, 4])
+    deadlocks, values = _opposite_order_storm(backend, engine, ordered=False)
     assert deadlocks > 0
     assert values == [32] * 4
 
@@ -409,15 +402,16 @@ def test_row_lock_rejects_bad_input(backend: Backend, engine: Engine) -> None:
         assert row_lock(s, Tally, 1).value == 0
 
 
-def test_row_lock_of_is_postgresql_only(server: Backend, server_engine: Engine) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_row_lock_of_is_postgresql_only(backend: Backend, engine: Engine) -> None:
     """of= becomes FOR UPDATE OF on PostgreSQL and raises NotSupported on MariaDB instead of being dropped."""
-    _tallies(server_engine, [1])
-    with Session(server_engine) as s, s.begin():
-        if server.name == "mariadb":
+    _tallies(engine, [1])
+    with Session(engine) as s, s.begin():
+        if backend.name == "mariadb":
             with pytest.raises(NotSupported, match="FOR UPDATE OF"):
                 row_lock(s, Tally, 1, of=Tally)
             return
-        with count_statements(server_engine) as stmts:
+        with count_statements(engine) as stmts:
             assert row_lock(s, Tally, 1, of=Tally).id == 1
         assert stmts.statements[-1].endswith("FOR UPDATE OF lock_tally")
 
@@ -507,41 +501,43 @@ def _held_by_pooled_connection(server: Backend, engine: Engine, name: str) -> bo
 
 
 @pytest.mark.parametrize("ending", ["commit inside", "exit then commit", "exception"])
-def test_advisory_lock_never_leaks_into_the_pool(server: Backend, ending: str) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_advisory_lock_never_leaks_into_the_pool(backend: Backend, ending: str) -> None:
     """The lock is held in the block and free, also on the reused pooled connection, once the session ends."""
-    engine = server.new_engine(pool_size=1, max_overflow=0)
+    engine = backend.new_engine(pool_size=1, max_overflow=0)
     name = f"sgt:leak:{uuid.uuid4().hex}"
     try:
         with Session(engine) as s:
             try:
                 with advisory_lock(s, name):
-                    assert not _is_free(server, name)
+                    assert not _is_free(backend, name)
                     if ending == "commit inside":
                         s.commit()
-                        assert _is_free(server, name)  # released with the transaction/connection
+                        assert _is_free(backend, name)  # released with the transaction/connection
                     if ending == "exception":
                         raise KeyError("boom")
             except KeyError:
                 pass
-            if server.name == "mariadb":
-                assert _is_free(server, name)  # GET_LOCK is released on exit, before the commit
+            if backend.name == "mariadb":
+                assert _is_free(backend, name)  # GET_LOCK is released on exit, before the commit
             s.commit()
-        assert _is_free(server, name)
-        assert not _held_by_pooled_connection(server, engine, name)
+        assert _is_free(backend, name)
+        assert not _held_by_pooled_connection(backend, engine, name)
     finally:
         engine.dispose()
 
 
 @pytest.mark.cancel
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
 def test_advisory_lock_timeout_gives_up_and_leaves_the_transaction_usable(
-    server: Backend, server_engine: Engine
+    backend: Backend, engine: Engine
 ) -> None:
     """A held lock makes timeout=0.3 raise LockNotAcquired after ~0.3s; the waiter's transaction lives on."""
     name = f"sgt:timeout:{uuid.uuid4().hex}"
     with (
-        Session(server_engine) as holder,
+        Session(engine) as holder,
         advisory_lock(holder, name),
-        Session(server_engine) as s,
+        Session(engine) as s,
         s.begin(),
     ):
         started = time.monotonic()
@@ -554,13 +550,14 @@ def test_advisory_lock_timeout_gives_up_and_leaves_the_transaction_usable(
         assert s.execute(text("SELECT 1")).scalar() == 1  # not aborted (PostgreSQL polls)
 
 
-def test_advisory_lock_waits_for_the_holder(server: Backend, server_engine: Engine) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_advisory_lock_waits_for_the_holder(backend: Backend, engine: Engine) -> None:
     """Without a timeout the waiter blocks until the holder's transaction ends, then gets the lock."""
     name = f"sgt:wait:{uuid.uuid4().hex}"
     holding, waited = threading.Event(), []
 
     def hold() -> None:
-        with Session(server_engine) as s, advisory_lock(s, name):
+        with Session(engine) as s, advisory_lock(s, name):
             holding.set()
             time.sleep(0.4)
             s.commit()
@@ -568,7 +565,7 @@ def test_advisory_lock_waits_for_the_holder(server: Backend, server_engine: Engi
     thread = threading.Thread(target=hold)
     thread.start()
     assert holding.wait(10)
-    with Session(server_engine) as s, s.begin():
+    with Session(engine) as s, s.begin():
         started = time.monotonic()
         with advisory_lock(s, name):
             waited.append(time.monotonic() - started)

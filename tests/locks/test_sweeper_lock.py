@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 from stateguard import (
     retry_on_conflict,
 )
-from tests.conftest import Backend, capable
+from tests.conftest import Backend, backends_with, capable
 
 # --------------------------------------------------------------------------
 # The sweeper's lock (README "Scheduled sweeper")
@@ -53,10 +53,8 @@ def test_sweeper_lock_timeout_zero_gives_up_at_once_and_is_not_retried(backend: 
             pass  # free again once the holder ended
 
 
-@pytest.mark.parametrize("server", ["pg", "mariadb"])
-def test_sweeper_lock_in_the_readme_shape_is_held_as_documented(
-    request: pytest.FixtureRequest, server: str
-) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_sweeper_lock_in_the_readme_shape_is_held_as_documented(backend: Backend) -> None:
     """README's sweeper shape, `with session.begin():` around `with advisory_lock(...)`: on PostgreSQL
     the lock is held until the COMMIT; on MariaDB GET_LOCK is released when the block exits (before the
     COMMIT), and a commit inside the block keeps the lock over the commit, as the README says.
@@ -64,7 +62,6 @@ def test_sweeper_lock_in_the_readme_shape_is_held_as_documented(
     Regression: the README's comment said "held until COMMIT" for both."""
     from stateguard import LockNotAcquired, advisory_lock
 
-    backend: Backend = request.getfixturevalue(server)
     engine = backend.engine
     name = f"cron:sweep-{uuid.uuid4().hex[:8]}"
 
@@ -81,7 +78,7 @@ def test_sweeper_lock_in_the_readme_shape_is_held_as_documented(
             session.execute(text("SELECT 1"))
             assert taken_by_another()
         # After the block, before the COMMIT of session.begin():
-        assert taken_by_another() is (server == "pg")
+        assert taken_by_another() is (backend.name == "postgresql")
     assert not taken_by_another()
     with Session(engine) as session:
         with advisory_lock(session, name, timeout=0):
@@ -92,15 +89,12 @@ def test_sweeper_lock_in_the_readme_shape_is_held_as_documented(
     assert not taken_by_another()
 
 
-@pytest.mark.parametrize("server", ["pg", "mariadb"])
-def test_sweeper_lock_does_not_stay_behind_after_a_failed_batch(
-    request: pytest.FixtureRequest, server: str
-) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_sweeper_lock_does_not_stay_behind_after_a_failed_batch(backend: Backend) -> None:
     """A batch that raises inside the lock: the lock is free for the next sweeper (never left in a
     pooled connection), on a pool of one connection that is reused at once."""
     from stateguard import advisory_lock
 
-    backend: Backend = request.getfixturevalue(server)
     engine = backend.new_engine(pool_size=1, max_overflow=0)
     other_engine = backend.new_engine(pool_size=1, max_overflow=0)
     name = f"cron:sweep-{uuid.uuid4().hex[:8]}"

@@ -34,7 +34,7 @@ from tests._support.bulk_models import (
     _wait_blocked,
 )
 from tests._support.models import Base, Order, Shipment, SideEffect, Ticket
-from tests.conftest import Backend, _only, capable, count_statements
+from tests.conftest import Backend, backends_with, capable, count_statements
 
 
 def _orders(engine: Any, states: dict[int, str]) -> None:
@@ -339,14 +339,11 @@ def _wait_until_waiting(engine: Any, name: str, conn_id: int, done: threading.Ev
             return
 
 
-@pytest.mark.parametrize("server", ["pg", "mariadb"])
-def test_many_waits_for_rows_moved_into_its_source_and_applies_to_them(
-    server: str, request: pytest.FixtureRequest
-) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_many_waits_for_rows_moved_into_its_source_and_applies_to_them(backend: Backend) -> None:
     """Another transaction holds rows it moved into close's source (a reopen) or made pass its guard
     (priority): the batch waits for them and, after that COMMIT, closes them (APPLIED), however the
     rows stood in the snapshot the batch started from."""
-    backend: Backend = request.getfixturevalue(server)
     engine = backend.create(Base.metadata)
     with Session(engine) as s, s.begin():
         s.add_all([Ticket(id=1, state="closed"), Ticket(id=2, state="closed")])
@@ -416,18 +413,6 @@ class Tag(BulkBase):
 def db(engine: Engine, backend: Backend) -> Iterator[Backend]:
     backend.create(BulkBase.metadata)
     yield backend
-
-
-@pytest.fixture(params=["postgresql", "mariadb"])
-def server(request: pytest.FixtureRequest, namespaces: Any) -> Iterator[Backend]:
-    from stateguard import create_tables, drop_tables
-
-    for b in _only(request.param, namespaces):
-        drop_tables(b.engine)
-        create_tables(b.engine)
-        b.create(BulkBase.metadata)
-        yield b
-        drop_tables(b.engine)
 
 
 # -- many(): shapes of the key list ------------------------------------------------
@@ -748,8 +733,11 @@ def test_many_pay_and_cancel_racing_history_chains_consistent(db: Backend) -> No
 # row the batch waited for is judged as that transaction committed it (paid: REPEATED, cancelled:
 # REJECTED, refunded back to pending: APPLIED; see test_many_waiting_on_refunded_row_is_applied_...).
 @pytest.mark.parametrize("holder_trigger", ["pay", "cancel", "refund"])
-def test_many_waiting_on_held_row_reports_its_committed_outcome(server: Backend, holder_trigger: str) -> None:
-    engine = server.engine
+@pytest.mark.tables(BulkBase.metadata)
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_many_waiting_on_held_row_reports_its_committed_outcome(
+    backend: Any, engine: Engine, holder_trigger: str
+) -> None:
     _seed(engine, 5)
     with Session(engine) as s, s.begin():
         BOrder.flow.pay(s, 3)  # refund needs a paid row
@@ -770,7 +758,7 @@ def test_many_waiting_on_held_row_reports_its_committed_outcome(server: Backend,
 
     def batch() -> None:
         with Session(engine) as s, s.begin():
-            ids.append(_conn_id(s, server.name))
+            ids.append(_conn_id(s, backend.name))
             started.set()
             out.update(BOrder.flow.pay.many(s, [5, 4, 3, 2, 1]))
         done.set()
@@ -779,7 +767,7 @@ def test_many_waiting_on_held_row_reports_its_committed_outcome(server: Backend,
     t.start()
     try:
         assert started.wait(JOIN)
-        _wait_blocked(engine, server.name, ids[0], done)
+        _wait_blocked(engine, backend.name, ids[0], done)
         assert not done.is_set()
     finally:
         holder.commit()
@@ -815,16 +803,17 @@ def test_many_waiting_on_held_row_reports_its_committed_outcome(server: Backend,
 # many([1, 2, 4, 5, 6, 7, 8]) on a 10-row table applies to all seven without waiting for row 3.  (On
 # MariaDB the chunk's `UPDATE ... WHERE id IN (...)` once scanned the whole index, waited for row 3 and
 # ended LockNotAcquired 1205: what made the overlapping batches above deadlock.)
-def test_many_locks_only_its_own_rows(server: Backend) -> None:
-    engine = server.engine
+@pytest.mark.tables(BulkBase.metadata)
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_many_locks_only_its_own_rows(backend: Any, engine: Engine) -> None:
     _seed(engine, 10)
-    other = server.new_engine(pool_size=1, max_overflow=0)
+    other = backend.new_engine(pool_size=1, max_overflow=0)
     holder = Session(engine)
     holder.begin()
     try:
         holder.execute(select(BOrder.id).where(BOrder.id == 3).with_for_update()).all()
         with Session(other) as s, s.begin():
-            if server.name == "postgresql":
+            if backend.name == "postgresql":
                 s.execute(text("SET LOCAL lock_timeout = '2s'"))
             else:
                 s.execute(text("SET SESSION innodb_lock_wait_timeout = 2"))

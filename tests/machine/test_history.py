@@ -35,7 +35,7 @@ from tests._support.bulk_models import (
     _wait_blocked,
 )
 from tests._support.models import Base, Invoice, Order
-from tests.conftest import Backend, _only, count_statements
+from tests.conftest import Backend, backends_with, count_statements
 
 pytestmark = pytest.mark.tables(Base.metadata)
 
@@ -285,18 +285,6 @@ def db(engine: Engine, backend: Backend) -> Iterator[Backend]:
     yield backend
 
 
-@pytest.fixture(params=["postgresql", "mariadb"])
-def server(request: pytest.FixtureRequest, namespaces: Any) -> Iterator[Backend]:
-    from stateguard import create_tables, drop_tables
-
-    for b in _only(request.param, namespaces):
-        drop_tables(b.engine)
-        create_tables(b.engine)
-        b.create(BulkBase.metadata)
-        yield b
-        drop_tables(b.engine)
-
-
 # -- history, request_id, metadata ---------------------------------------------------
 
 
@@ -386,10 +374,13 @@ def test_self_loop_retry_recognised_only_by_request_id(db: Backend) -> None:
 # batch waited for is APPLIED.  (On PostgreSQL it was once REJECTED with state 'pending' and left
 # unpaid: the UPDATE filtered it on its snapshot's 'paid' version, and the read after found 'pending'.)
 @pytest.mark.parametrize("batch_trigger", ["pay", "cancel"])
-def test_many_waiting_on_refunded_row_is_applied_not_rejected(server: Backend, batch_trigger: str) -> None:
+@pytest.mark.tables(BulkBase.metadata)
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_many_waiting_on_refunded_row_is_applied_not_rejected(
+    backend: Any, engine: Engine, batch_trigger: str
+) -> None:
     """A row moved back into the trigger's source while the batch waited for it must be APPLIED:
     REJECTED with state 'pending' for pay (source 'pending') contradicts the row."""
-    engine = server.engine
     _seed(engine, 3)
     with Session(engine) as s, s.begin():
         BOrder.flow.pay.many(s, [1, 2, 3])
@@ -404,7 +395,7 @@ def test_many_waiting_on_refunded_row_is_applied_not_rejected(server: Backend, b
 
     def batch() -> None:
         with Session(engine) as s, s.begin():
-            ids.append(_conn_id(s, server.name))
+            ids.append(_conn_id(s, backend.name))
             started.set()
             out.update(getattr(BOrder.flow, batch_trigger).many(s, [1, 2, 3]))
         done.set()
@@ -413,7 +404,7 @@ def test_many_waiting_on_refunded_row_is_applied_not_rejected(server: Backend, b
     t.start()
     try:
         assert started.wait(JOIN)
-        _wait_blocked(engine, server.name, ids[0], done)
+        _wait_blocked(engine, backend.name, ids[0], done)
     finally:
         holder.commit()
         holder.close()
@@ -429,11 +420,12 @@ def test_many_waiting_on_refunded_row_is_applied_not_rejected(server: Backend, b
     ]
 
 
-def test_same_request_id_racing_after_row_came_back_to_source(server: Backend) -> None:
+@pytest.mark.tables(BulkBase.metadata)
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_same_request_id_racing_after_row_came_back_to_source(backend: Any, engine: Engine) -> None:
     """The first call applied and moved the row back (uncommitted); the retry with the same request
     id waits on the row.  After the commit it must end REPEATED (after a retry of the unit of work
     when the log's unique index catches it), never a second application."""
-    engine = server.engine
     _seed(engine, 1)
     holder = Session(engine)
     holder.begin()
@@ -448,7 +440,7 @@ def test_same_request_id_racing_after_row_came_back_to_source(server: Backend) -
         for _ in range(3):
             with Session(engine) as s:
                 s.begin()
-                ids.append(_conn_id(s, server.name))
+                ids.append(_conn_id(s, backend.name))
                 started.set()
                 try:
                     r = BOrder.flow.pay(s, 1, request_id="same")
@@ -466,7 +458,7 @@ def test_same_request_id_racing_after_row_came_back_to_source(server: Backend) -
     t.start()
     try:
         assert started.wait(JOIN)
-        _wait_blocked(engine, server.name, ids[0], done)
+        _wait_blocked(engine, backend.name, ids[0], done)
     finally:
         holder.commit()
         holder.close()

@@ -29,7 +29,7 @@ from tests._support.token_races import (
     TokenBase,
     _run_threads,
 )
-from tests.conftest import Backend, _only
+from tests.conftest import Backend, backends_with
 
 
 class SweepOrder(TokenBase):
@@ -109,18 +109,6 @@ def test_sweep_with_a_huge_limit_is_clamped(parcels: Engine, backend: Backend) -
 def db(engine: Engine, backend: Backend) -> Iterator[Backend]:
     backend.create(BulkBase.metadata)
     yield backend
-
-
-@pytest.fixture(params=["postgresql", "mariadb"])
-def server(request: pytest.FixtureRequest, namespaces: Any) -> Iterator[Backend]:
-    from stateguard import create_tables, drop_tables
-
-    for b in _only(request.param, namespaces):
-        drop_tables(b.engine)
-        create_tables(b.engine)
-        b.create(BulkBase.metadata)
-        yield b
-        drop_tables(b.engine)
 
 
 # -- where(): sweepers -------------------------------------------------------------
@@ -246,14 +234,15 @@ def test_where_racing_single_transitions(db: Backend) -> None:
     assert all(r.request_id == f"p{r.row_key}" for r in log if r.trigger == "pay")
 
 
-def test_where_skips_rows_locked_by_another_sweeper(server: Backend) -> None:
-    engine = server.engine
+@pytest.mark.tables(BulkBase.metadata)
+@pytest.mark.parametrize("backend", backends_with("skip_locked"), indirect=True)
+def test_where_skips_rows_locked_by_another_sweeper(backend: Any, engine: Engine) -> None:
     _seed(engine, 9)
-    other = server.new_engine(pool_size=1, max_overflow=0)
+    other = backend.new_engine(pool_size=1, max_overflow=0)
     with Session(engine) as first, first.begin():
         assert BOrder.flow.cancel.where(first, BOrder.id > 0, limit=3) == [1, 2, 3]
         with Session(other) as second, second.begin():
-            if server.name == "postgresql":
+            if backend.name == "postgresql":
                 second.execute(text("SET LOCAL lock_timeout = '5s'"))
             else:
                 second.execute(text("SET SESSION innodb_lock_wait_timeout = 5"))

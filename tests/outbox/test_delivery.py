@@ -42,7 +42,7 @@ from stateguard import OutboxEvent, RedisStreamSink, Relay, consume_once, create
 from stateguard.tables import outbox
 from tests._support.faultproxy import COMMIT, FaultProxy
 from tests._support.redis_server import RedisServer
-from tests.conftest import REDIS_URL, Backend
+from tests.conftest import REDIS_URL, Backend, backends_with
 
 CONSUMER = "relay-faults"
 #: What a relay's mark statement looks like on the wire (PostgreSQL and MariaDB): only the mark
@@ -433,13 +433,6 @@ def test_relay_run_survives_a_redis_restart_and_publishes_what_the_restart_did_n
 # --------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["postgresql", "mariadb"])
-def server(request: pytest.FixtureRequest) -> Backend:
-    """PostgreSQL and MariaDB (TCP servers the proxy can stand in front of)."""
-    backend: Backend = request.getfixturevalue("pg" if request.param == "postgresql" else "mariadb")
-    return backend
-
-
 @dataclass
 class Proxied:
     direct: Engine  # the test's own connections: emit, inspect, consume
@@ -461,22 +454,22 @@ class Proxied:
 
 
 @pytest.fixture
-def proxied(server: Backend) -> Iterator[Proxied]:
-    direct = server.create(FaultBase.metadata)
+def proxied(backend: Backend) -> Iterator[Proxied]:
+    direct = backend.create(FaultBase.metadata)
     drop_tables(direct)
     create_tables(direct)
-    url = make_url(server.url)
+    url = make_url(backend.url)
     with FaultProxy(
-        url.host or "127.0.0.1", url.port or (5432 if server.name == "postgresql" else 3306)
+        url.host or "127.0.0.1", url.port or (5432 if backend.name == "postgresql" else 3306)
     ) as proxy:
         through = url.set(host=proxy.host, port=proxy.port)
-        if server.name == "postgresql":
+        if backend.name == "postgresql":
             through = through.update_query_dict({"sslmode": "disable"})
         engine = create_engine(through)
         try:
             with engine.connect() as conn:  # first connect (dialect initialisation) before any cut
                 conn.execute(text("SELECT 1"))
-            yield Proxied(direct, engine, proxy, server.name)
+            yield Proxied(direct, engine, proxy, backend.name)
         finally:
             engine.dispose()
     drop_tables(direct)
@@ -485,6 +478,7 @@ def proxied(server: Backend) -> Iterator[Proxied]:
 @pytest.mark.lost_reply
 @pytest.mark.parametrize("then", ["same-relay", "other-relay"])
 @pytest.mark.parametrize("fault", ["mark-reply-lost", "mark-connection-lost"])
+@pytest.mark.parametrize("backend", backends_with("tcp_server"), indirect=True)
 def test_lost_mark_leaves_nothing_unpublished_and_applies_each_event_once(
     proxied: Proxied, redis_client: Any, stream: str, fault: str, then: str
 ) -> None:
@@ -541,6 +535,7 @@ def test_lost_mark_leaves_nothing_unpublished_and_applies_each_event_once(
 
 
 @pytest.mark.lost_reply
+@pytest.mark.parametrize("backend", backends_with("tcp_server"), indirect=True)
 def test_lost_claim_reply_leaves_the_events_to_a_later_cycle_after_the_lease(
     proxied: Proxied, redis_client: Any, stream: str
 ) -> None:
@@ -572,6 +567,7 @@ def test_lost_claim_reply_leaves_the_events_to_a_later_cycle_after_the_lease(
 
 
 @pytest.mark.restart
+@pytest.mark.parametrize("backend", backends_with("tcp_server"), indirect=True)
 def test_relay_run_survives_database_connections_dying_under_it(
     proxied: Proxied, redis_client: Any, stream: str
 ) -> None:
@@ -620,6 +616,7 @@ def test_relay_run_survives_database_connections_dying_under_it(
 
 @pytest.mark.lost_reply
 @pytest.mark.parametrize("fault", ["release-reply-lost", "release-connection-lost"])
+@pytest.mark.parametrize("backend", backends_with("tcp_server"), indirect=True)
 def test_sink_error_whose_release_is_lost_is_published_again_never_marked_early(
     proxied: Proxied, redis_client: Any, stream: str, fault: str
 ) -> None:

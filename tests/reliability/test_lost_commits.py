@@ -41,32 +41,27 @@ from stateguard import (
 from tests._support.faultproxy import COMMIT, FaultProxy
 from tests._support.models import Base, Invoice, Message
 from tests._support.stock_workers import Stock, StockBase
-from tests.conftest import Backend
+from tests.conftest import Backend, backends_with
 
 #: A short lease for the separate-mode claim test.
 LEASE = timedelta(seconds=1)
 
 
-@pytest.fixture(params=["postgresql", "mariadb"])
-def server(request: pytest.FixtureRequest) -> Backend:
-    """PostgreSQL and MariaDB (a TCP server the proxy can stand in front of)."""
-    fixture = "pg" if request.param == "postgresql" else "mariadb"
-    backend: Backend = request.getfixturevalue(fixture)
-    return backend
+pytestmark = pytest.mark.parametrize("backend", backends_with("tcp_server"), indirect=True)
 
 
 @pytest.fixture
-def proxied(server: Backend) -> Iterator[tuple[Engine, FaultProxy]]:
-    """stateguard's tables and the models on ``server``, and an engine reaching it through a FaultProxy."""
-    direct = server.create(Base.metadata, StockBase.metadata)
+def proxied(backend: Backend) -> Iterator[tuple[Engine, FaultProxy]]:
+    """stateguard's tables and the models on ``backend``, and an engine reaching it through a FaultProxy."""
+    direct = backend.create(Base.metadata, StockBase.metadata)
     drop_tables(direct)
     create_tables(direct)
-    url = make_url(server.url)
+    url = make_url(backend.url)
     with FaultProxy(
-        url.host or "127.0.0.1", url.port or (5432 if server.name == "postgresql" else 3306)
+        url.host or "127.0.0.1", url.port or (5432 if backend.name == "postgresql" else 3306)
     ) as proxy:
         through = url.set(host=proxy.host, port=proxy.port)
-        if server.name == "postgresql":
+        if backend.name == "postgresql":
             through = through.update_query_dict({"sslmode": "disable"})
         engine = create_engine(through)
         try:

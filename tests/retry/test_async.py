@@ -43,7 +43,7 @@ from tests._support.retry_conflicts import (
     pg_fast_options,
     setup,
 )
-from tests.conftest import Backend
+from tests.conftest import Backend, backends_with
 
 
 @pytest.fixture
@@ -56,6 +56,12 @@ def pg_orders(pg: Backend) -> Iterator[AsyncTarget]:
 def mariadb_orders(mariadb: Backend) -> Iterator[AsyncTarget]:
     """The orders table on MariaDB, reached through aiomysql."""
     yield from _orders(mariadb, "aiomysql")
+
+
+@pytest.fixture
+def orders(backend: Backend) -> Iterator[AsyncTarget]:
+    """The orders table on ``backend``, reached through its async driver (asyncpg, aiomysql)."""
+    yield from _orders(backend, "asyncpg" if backend.name == "postgresql" else "aiomysql")
 
 
 def _orders(backend: Backend, driver: str) -> Iterator[AsyncTarget]:
@@ -219,13 +225,11 @@ def _deadlock_storm(target: AsyncTarget) -> tuple[list[BaseException], dict[str,
     return _run(target, body)  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("server", ["pg_orders", "mariadb_orders"])
-def test_async_deadlock_victim_is_retried_and_applies_once(
-    server: str, request: pytest.FixtureRequest
-) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_async_deadlock_victim_is_retried_and_applies_once(orders: AsyncTarget) -> None:
     """A real deadlock (PostgreSQL 40P01 / MariaDB 1213) between two async sessions: the victim is re-run,
     sees REPEATED, and each row is paid exactly once."""
-    target: AsyncTarget = request.getfixturevalue(server)
+    target = orders
     conflicts, final, rows = _deadlock_storm(target)
     assert len(conflicts) >= 1 and all(isinstance(c, DeadlockDetected) for c in conflicts)
     orig = conflicts[0].__cause__.orig  # type: ignore[union-attr]
@@ -407,11 +411,6 @@ def test_an_async_sleep_with_a_synchronous_unit_is_invalid_argument() -> None:
 # ---------------------------------------------------------------- deadlocks
 
 
-@pytest.fixture(params=["postgresql", "mariadb"])
-def server(request: pytest.FixtureRequest) -> Backend:
-    return request.getfixturevalue("pg" if request.param == "postgresql" else "mariadb")
-
-
 # ------------------------------------------------------------------ async
 
 
@@ -426,18 +425,19 @@ def async_url(backend: Backend) -> str:
 # SQLAlchemy errors in the __context__ chain.  The awaited retry_on_conflict raised it after ONE call
 # (the sync form retried); it now follows the chain through the wrapped driver error too.
 @pytest.mark.parametrize("nested", [0, 1, 2])
-def test_async_deadlock_retried_once(server: Backend, monkeypatch: pytest.MonkeyPatch, nested: int) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_async_deadlock_retried_once(backend: Backend, monkeypatch: pytest.MonkeyPatch, nested: int) -> None:
     """Promise: the async form retries a real deadlock (also inside begin_nested()), awaits each
     attempt, never calls time.sleep."""
-    setup(server)
+    setup(backend)
     slept: list[float] = []
     real_sleep = time.sleep
     monkeypatch.setattr(time, "sleep", lambda s: (slept.append(s), real_sleep(s)))
-    options = {"connect_args": pg_fast_options(server)} if server.name == "postgresql" else {}
+    options = {"connect_args": pg_fast_options(backend)} if backend.name == "postgresql" else {}
     calls: dict[str, list[int]] = {"a": [], "b": []}
 
     async def main() -> list[Any]:
-        engine = create_async_engine(async_url(server), **options)
+        engine = create_async_engine(async_url(backend), **options)
         barrier = asyncio.Barrier(2)
 
         def unit(tag: str, first: int, second: int) -> Callable[[], Any]:
@@ -480,8 +480,8 @@ def test_async_deadlock_retried_once(server: Backend, monkeypatch: pytest.Monkey
     assert sorted(results) == [1, 2], results
     assert sorted([len(calls["a"]), len(calls["b"])]) == [1, 2]
     assert slept == []
-    assert balances(server.engine) == {1: 2, 2: 2}
-    assert log_tags(server.engine) == ["a", "b"]
+    assert balances(backend.engine) == {1: 2, 2: 2}
+    assert log_tags(backend.engine) == ["a", "b"]
 
 
 def _with_held_row_async(pg: Backend, body: Callable[[Callable[[], Any], list[int]], Any]) -> None:

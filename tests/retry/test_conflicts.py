@@ -34,7 +34,7 @@ from tests._support.retry_conflicts import (
     pg_fast_options,
     setup,
 )
-from tests.conftest import Backend
+from tests.conftest import Backend, backends_with
 
 
 def run_threads(*targets: Callable[[], Any], timeout: float = 30) -> tuple[list[Any], list[BaseException]]:
@@ -110,17 +110,13 @@ def fast_pg_deadlocks(backend: Backend) -> Engine:
 # ---------------------------------------------------------------- deadlocks
 
 
-@pytest.fixture(params=["postgresql", "mariadb"])
-def server(request: pytest.FixtureRequest) -> Backend:
-    return request.getfixturevalue("pg" if request.param == "postgresql" else "mariadb")
-
-
 @pytest.mark.parametrize("nested", [0, 1, 2])
-def test_real_deadlock_is_retried_once_and_applies_once(server: Backend, nested: int) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_real_deadlock_is_retried_once_and_applies_once(backend: Backend, nested: int) -> None:
     """Promise: a deadlock (also inside one or two begin_nested() levels, where MariaDB
     raises 'SAVEPOINT does not exist' on leaving the block) is retried; one effect per unit."""
-    setup(server)
-    engine = fast_pg_deadlocks(server)
+    setup(backend)
+    engine = fast_pg_deadlocks(backend)
     barrier = threading.Barrier(2)
     calls_a: list[int] = []
     calls_b: list[int] = []
@@ -131,17 +127,18 @@ def test_real_deadlock_is_retried_once_and_applies_once(server: Backend, nested:
     assert errors == [None, None], errors
     assert sorted([len(calls_a), len(calls_b)]) == [1, 2], (calls_a, calls_b)
     assert sorted(results) == [1, 2]
-    assert balances(server.engine) == {1: 2, 2: 2}
-    assert log_tags(server.engine) == ["a", "b"]
-    if engine is not server.engine:
+    assert balances(backend.engine) == {1: 2, 2: 2}
+    assert log_tags(backend.engine) == ["a", "b"]
+    if engine is not backend.engine:
         engine.dispose()
 
 
-def test_deadlock_retries_stop_after_attempts(server: Backend) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_deadlock_retries_stop_after_attempts(backend: Backend) -> None:
     """Promise: after ``attempts`` calls the last error is raised.  attempts=1: the deadlock
     victim runs once and the deadlock comes out (as the driver's error or DeadlockDetected)."""
-    setup(server)
-    engine = fast_pg_deadlocks(server)
+    setup(backend)
+    engine = fast_pg_deadlocks(backend)
     barrier = threading.Barrier(2)
     calls_a: list[int] = []
     calls_b: list[int] = []
@@ -152,21 +149,22 @@ def test_deadlock_retries_stop_after_attempts(server: Backend) -> None:
     assert len(calls_a) == len(calls_b) == 1
     failed = [e for e in errors if e is not None]
     assert len(failed) == 1 and is_deadlock(failed[0]), errors
-    assert sorted(balances(server.engine).values()) == [1, 1]
-    assert len(log_tags(server.engine)) == 1
-    if engine is not server.engine:
+    assert sorted(balances(backend.engine).values()) == [1, 1]
+    assert len(log_tags(backend.engine)) == 1
+    if engine is not backend.engine:
         engine.dispose()
 
 
 @pytest.mark.parametrize("how", ["context", "cause"])
 @pytest.mark.parametrize("nested", [0, 1])
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
 def test_app_exception_raised_while_handling_deadlock_is_not_retried(
-    server: Backend, how: str, nested: int
+    backend: Backend, how: str, nested: int
 ) -> None:
     """Promise: an application's own exception, even one raised while handling a deadlock,
     is raised at once without a retry."""
-    setup(server)
-    engine = fast_pg_deadlocks(server)
+    setup(backend)
+    engine = fast_pg_deadlocks(backend)
     barrier = threading.Barrier(2)
     calls_a: list[int] = []
     calls_b: list[int] = []
@@ -190,19 +188,20 @@ def test_app_exception_raised_while_handling_deadlock_is_not_retried(
     # does not exist" while AppError is handled, so a database error (chained to AppError) comes out;
     # it is still not retried.
     assert isinstance(failed[0], AppError) or (
-        server.name == "mariadb" and nested and isinstance(failed[0].__context__, AppError)
+        backend.name == "mariadb" and nested and isinstance(failed[0].__context__, AppError)
     ), chain(failed[0])
     assert len(calls_a) == len(calls_b) == 1, (calls_a, calls_b)
-    assert sorted(balances(server.engine).values()) == [1, 1]
-    assert len(log_tags(server.engine)) == 1
-    if engine is not server.engine:
+    assert sorted(balances(backend.engine).values()) == [1, 1]
+    assert len(log_tags(backend.engine)) == 1
+    if engine is not backend.engine:
         engine.dispose()
 
 
-def test_deadlock_raised_while_handling_app_exception_is_retried(server: Backend) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_deadlock_raised_while_handling_app_exception_is_retried(backend: Backend) -> None:
     """A deadlock whose __context__ is an application exception is still a deadlock: retried."""
-    setup(server)
-    engine = fast_pg_deadlocks(server)
+    setup(backend)
+    engine = fast_pg_deadlocks(backend)
     barrier = threading.Barrier(2)
     calls: dict[str, list[int]] = {"a": [], "b": []}
 
@@ -222,9 +221,9 @@ def test_deadlock_raised_while_handling_app_exception_is_retried(server: Backend
     )
     assert errors == [None, None], errors
     assert sorted([len(calls["a"]), len(calls["b"])]) == [1, 2]
-    assert balances(server.engine) == {1: 2, 2: 2}
-    assert log_tags(server.engine) == ["a", "b"]
-    if engine is not server.engine:
+    assert balances(backend.engine) == {1: 2, 2: 2}
+    assert log_tags(backend.engine) == ["a", "b"]
+    if engine is not backend.engine:
         engine.dispose()
 
 

@@ -24,7 +24,7 @@ from stateguard import (
 from tests._support.async_helpers import AsyncTarget, target_from
 from tests._support.bridge_pieces import AttrDict, Record
 from tests._support.counter_workers import Bin
-from tests.conftest import Backend
+from tests.conftest import Backend, backends_with
 
 
 def _real_conflict(engine: Engine) -> None:
@@ -41,19 +41,14 @@ def target(request: pytest.FixtureRequest) -> AsyncTarget:
     return target_from(request)
 
 
-@pytest.fixture(params=["postgresql", "mariadb"])
-def server(request: pytest.FixtureRequest) -> Backend:
-    """PostgreSQL or MariaDB (the servers whose own errors a retry must recognise)."""
-    return request.getfixturevalue("pg" if request.param == "postgresql" else "mariadb")
-
-
 # --------------------------------------------------------------------------
 # retry_on_conflict: one steps generator, run or awaited
 # --------------------------------------------------------------------------
 
 
-def test_sync_unit_hit_by_the_servers_own_conflict_first_is_retried_once(server: Backend) -> None:
-    engine = server.engine
+@pytest.mark.parametrize("backend", backends_with("raise_sqlstate"), indirect=True)
+def test_sync_unit_hit_by_the_servers_own_conflict_first_is_retried_once(backend: Backend) -> None:
+    engine = backend.engine
     calls: list[int] = []
     slept: list[float] = []
 
@@ -68,8 +63,9 @@ def test_sync_unit_hit_by_the_servers_own_conflict_first_is_retried_once(server:
     assert len(calls) == 2 and len(slept) <= 1
 
 
-def test_sync_retry_caps_non_retryable_and_stale(server: Backend) -> None:
-    engine = server.engine
+@pytest.mark.parametrize("backend", backends_with("raise_sqlstate"), indirect=True)
+def test_sync_retry_caps_non_retryable_and_stale(backend: Backend) -> None:
+    engine = backend.engine
     calls: list[int] = []
 
     def always() -> None:

@@ -23,19 +23,15 @@ from tests._support.retry_conflicts import (
     nowait_unit,
     setup,
 )
-from tests.conftest import Backend
+from tests.conftest import Backend, backends_with
 
 # ---------------------------------------------------------------- deadlocks
 
 
-@pytest.fixture(params=["postgresql", "mariadb"])
-def server(request: pytest.FixtureRequest) -> Backend:
-    return request.getfixturevalue("pg" if request.param == "postgresql" else "mariadb")
-
-
-def test_lock_not_acquired_retried_up_to_attempts_and_raised(server: Backend) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_lock_not_acquired_retried_up_to_attempts_and_raised(backend: Backend) -> None:
     """Promise: LockNotAcquired is retried; after ``attempts`` calls the last error is raised."""
-    engine = setup(server)
+    engine = setup(backend)
     release = hold_row(engine)
     calls: list[int] = []
     waits: list[float] = []
@@ -49,9 +45,10 @@ def test_lock_not_acquired_retried_up_to_attempts_and_raised(server: Backend) ->
     assert balances(engine)[1] == 0 and log_tags(engine) == []
 
 
-def test_lock_not_acquired_false_is_not_retried(server: Backend) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_lock_not_acquired_false_is_not_retried(backend: Backend) -> None:
     """Promise: lock_not_acquired=False raises LockNotAcquired after one call."""
-    engine = setup(server)
+    engine = setup(backend)
     release = hold_row(engine)
     calls: list[int] = []
     try:
@@ -63,9 +60,10 @@ def test_lock_not_acquired_false_is_not_retried(server: Backend) -> None:
     assert log_tags(engine) == []
 
 
-def test_lock_not_acquired_then_free_applies_once(server: Backend) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_lock_not_acquired_then_free_applies_once(backend: Backend) -> None:
     """A lock held for the first attempts only: the retry gets it and applies exactly once."""
-    engine = setup(server)
+    engine = setup(backend)
     release = hold_row(engine)
     calls: list[int] = []
     inner = nowait_unit(engine, calls)
@@ -84,9 +82,10 @@ def test_lock_not_acquired_then_free_applies_once(server: Backend) -> None:
 
 
 @pytest.mark.cancel
-def test_lock_timeout_raw_driver_error_is_retried(server: Backend) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_lock_timeout_raw_driver_error_is_retried(backend: Backend) -> None:
     """Promise: lock timeouts are recognised by code (PostgreSQL 55P03 lock_timeout, MariaDB 1205)."""
-    engine = setup(server)
+    engine = setup(backend)
     release = hold_row(engine)
     calls: list[int] = []
 
@@ -95,7 +94,7 @@ def test_lock_timeout_raw_driver_error_is_retried(server: Backend) -> None:
         if len(calls) == 3:
             release()
         with Session(engine) as s, s.begin():
-            if server.name == "postgresql":
+            if backend.name == "postgresql":
                 s.execute(text("SET LOCAL lock_timeout = '100ms'"))
             else:
                 s.execute(text("SET SESSION innodb_lock_wait_timeout = 1"))
@@ -107,7 +106,7 @@ def test_lock_timeout_raw_driver_error_is_retried(server: Backend) -> None:
         retry_on_conflict(unit, attempts=5, backoff=0.001)
     finally:
         release()
-        if server.name == "mariadb":
+        if backend.name == "mariadb":
             with engine.connect() as conn:  # pooled connections: put the default back
                 conn.execute(text("SET SESSION innodb_lock_wait_timeout = DEFAULT"))
     assert len(calls) == 3

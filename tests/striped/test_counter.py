@@ -37,7 +37,7 @@ from stateguard import (
 from stateguard.striped import MAX_AMOUNT, SPACE, stripe_ids
 from stateguard.tables import counter_ledger, counter_stripes
 from tests._support import striped_workers as w
-from tests.conftest import Backend, _only, backends_with, capable, count_statements
+from tests.conftest import Backend, backends_with, capable, count_statements
 
 WORKERS = 8
 
@@ -381,28 +381,18 @@ def test_fast_path_statement_counts(engine: Any, backend: Backend) -> None:
         assert "FOR UPDATE SKIP LOCKED" in counted.statements[-1]
 
 
-@pytest.fixture(params=backends_with("row_locks"))
-def server(request: pytest.FixtureRequest, namespaces: Any) -> Iterator[Backend]:
-    """The backends with row locks, where a buyer can find every stripe held by others."""
-    yield from _only(request.param, namespaces)
-
-
-def test_a_buyer_finding_every_stripe_busy_waits_for_one_not_all(server: Backend) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_a_buyer_finding_every_stripe_busy_waits_for_one_not_all(backend: Backend, engine: Any) -> None:
     """Two open transactions hold the item's two stripes; a third buyer's fast path finds none
     free.  Stock is plentiful, so it waits for one stripe (a read without locks, then one guarded
     UPDATE) instead of locking every stripe in order: once the holders commit it applies, and it
     never sent the sweep (``ORDER BY stripe FOR UPDATE``).  Before, such sweeps made the next
     buyers find every stripe busy too, and on MariaDB half the purchases of a flash sale ended
     in the sweep."""
-    from stateguard import create_tables, drop_tables
-
-    eng = server.engine
-    drop_tables(eng)
-    create_tables(eng)
     c = StripedCounter("busy", stripes=2)
-    with Session(eng) as s, s.begin():
+    with Session(engine) as s, s.begin():
         c.create(s, "sku", amount=20)
-    holders = [Session(eng), Session(eng)]
+    holders = [Session(engine), Session(engine)]
     try:
         for h in holders:
             h.begin()
@@ -413,7 +403,7 @@ def test_a_buyer_finding_every_stripe_busy_waits_for_one_not_all(server: Backend
         result: list[Any] = []
 
         def buy() -> None:
-            with Session(eng) as s, s.begin():
+            with Session(engine) as s, s.begin():
                 conn = s.connection()
                 event.listen(conn, "before_cursor_execute", lambda *a: sent.append(a[2]))
                 result.append(c.decrement(s, "sku", by=1))
@@ -431,9 +421,8 @@ def test_a_buyer_finding_every_stripe_busy_waits_for_one_not_all(server: Backend
             h.close()
     assert result[0].outcome is Outcome.APPLIED
     assert not [q for q in sent if "ORDER BY" in q and "FOR UPDATE" in q and "SKIP LOCKED" not in q], sent
-    with Session(eng) as s:
+    with Session(engine) as s:
         assert c.total(s, "sku") == 17
-    drop_tables(eng)
 
 
 def _hold_stripe(session: Session, item: str, stripe: int) -> None:
@@ -484,40 +473,39 @@ def test_two_buyers_each_holding_a_stripe_take_more_than_any_stripe_without_dead
     drop_tables(eng)
 
 
-def test_a_decrement_past_the_total_is_insufficient_without_waiting_for_a_holder(server: Backend) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_a_decrement_past_the_total_is_insufficient_without_waiting_for_a_holder(
+    backend: Backend, engine: Any
+) -> None:
     """A buyer holds a stripe (an open transaction that took 1 of 10); another asks for 11.  On
     PostgreSQL a read without locks settles it: INSUFFICIENT at once, with the committed total (the
     holder's uncommitted decrement still shows its unit).  MariaDB's plain reads show an older
     snapshot, so its decrement locks every stripe: it waits for the holder, then reports 9."""
-    eng = server.engine
-    drop_tables(eng)
-    create_tables(eng)
     c = StripedCounter("short", stripes=2)
-    with Session(eng) as s, s.begin():
+    with Session(engine) as s, s.begin():
         c.create(s, "sku", amount=10)
     done = threading.Event()
     result: list[Any] = []
 
     def buy() -> None:
-        with Session(eng) as s, s.begin():
+        with Session(engine) as s, s.begin():
             result.append(c.decrement(s, "sku", by=11))
         done.set()
 
-    with Session(eng) as holder, holder.begin():
+    with Session(engine) as holder, holder.begin():
         assert c.decrement(holder, "sku", by=1).outcome is Outcome.APPLIED
         buyer = threading.Thread(target=buy)
         buyer.start()
-        if server.name == "postgresql":
+        if backend.name == "postgresql":
             assert done.wait(10), "the decrement waited for the holder"
         else:
             assert not done.wait(0.5), "MariaDB's decrement should wait for the holder's stripe"
     assert done.wait(30)
     buyer.join()
     assert result[0].outcome is Outcome.INSUFFICIENT
-    assert result[0].value == (10 if server.name == "postgresql" else 9)
-    with Session(eng) as s:
+    assert result[0].value == (10 if backend.name == "postgresql" else 9)
+    with Session(engine) as s:
         assert c.total(s, "sku") == 9
-    drop_tables(eng)
 
 
 def test_each_stripe_is_picked_about_equally(engine: Any) -> None:

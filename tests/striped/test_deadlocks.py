@@ -7,7 +7,7 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -18,8 +18,6 @@ from stateguard import (
     Outcome,
     SerializationConflict,
     StripedCounter,
-    create_tables,
-    drop_tables,
 )
 from tests._support.striped_storms import (
     Stats,
@@ -28,7 +26,7 @@ from tests._support.striped_storms import (
     run_threads,
 )
 from tests._support.striped_storms import unit as _unit
-from tests.conftest import capable
+from tests.conftest import backends_with, capable
 
 # ---------------------------------------------------------------- reserve in different orders
 
@@ -129,17 +127,6 @@ def check_item(engine: Engine, counter: StripedCounter, item: str, expected: int
     return amounts
 
 
-@pytest.fixture(params=["postgresql", "mariadb"])
-def server(request: pytest.FixtureRequest, namespaces: Any) -> Iterator[Any]:
-    from tests.conftest import _only
-
-    for b in _only(request.param, namespaces):
-        drop_tables(b.engine)
-        create_tables(b.engine)
-        yield b
-        drop_tables(b.engine)
-
-
 # ---------------------------------------------------------------- storms
 
 
@@ -206,19 +193,20 @@ def test_neighbouring_items_plentiful_stock_mixed_calls_no_deadlock(backend: Any
 # README: with plentiful stock there are no deadlocks between calls of one item or reserve() baskets
 # (items taken in sorted order); separate calls taking items in opposite orders can deadlock, as
 # with any row locks, when an item has no other free stripe (always with stripes=1).
-def test_reserve_takes_items_in_sorted_order_whatever_the_mapping_order(server: Any) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_reserve_takes_items_in_sorted_order_whatever_the_mapping_order(backend: Any, engine: Engine) -> None:
     """A transaction holding x (1 stripe) and then taking y, and a reserve of {y, x} started in
     between: the reserve waits for x holding nothing, so both apply (a reserve taking y first
     would hold it while it waits for x: a deadlock)."""
     c = StripedCounter("opp", stripes=1)
-    with Session(server.engine) as s, s.begin():
+    with Session(engine) as s, s.begin():
         c.create(s, "x", amount=1000)
         c.create(s, "y", amount=1000)
     holding_x, go = threading.Event(), threading.Event()
     ids: list[int] = []
 
     def in_order() -> Outcome:
-        with Session(server.engine) as s, s.begin():
+        with Session(engine) as s, s.begin():
             assert c.decrement(s, "x", by=1).outcome is Outcome.APPLIED
             holding_x.set()
             assert go.wait(15)
@@ -226,8 +214,8 @@ def test_reserve_takes_items_in_sorted_order_whatever_the_mapping_order(server: 
 
     def basket() -> Outcome:
         assert holding_x.wait(15)
-        with Session(server.engine) as s, s.begin():
-            ids.append(_connection_id(s, server))
+        with Session(engine) as s, s.begin():
+            ids.append(_connection_id(s, backend))
             return c.reserve(s, {"y": 1, "x": 1}, ref="opp-basket").outcome
 
     def waits_then_go(i: int) -> Outcome:
@@ -236,21 +224,24 @@ def test_reserve_takes_items_in_sorted_order_whatever_the_mapping_order(server: 
         if i == 1:
             return basket()
         deadline = time.monotonic() + 15
-        while _lock_waiters(server, ids) < 1 and time.monotonic() < deadline:
+        while _lock_waiters(backend, ids) < 1 and time.monotonic() < deadline:
             time.sleep(0.01)  # polling a condition: the reserve waits for x
-        assert _lock_waiters(server, ids) == 1, "the reserve never waited for x"
+        assert _lock_waiters(backend, ids) == 1, "the reserve never waited for x"
         go.set()
         return Outcome.APPLIED
 
     assert run_threads(3, waits_then_go) == [Outcome.APPLIED] * 3
-    assert totals(server.engine, c, ["x", "y"]) == {"x": 998, "y": 998}
+    assert totals(engine, c, ["x", "y"]) == {"x": 998, "y": 998}
 
 
-def test_reserves_of_two_one_stripe_items_in_random_orders_never_deadlock(server: Any) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_reserves_of_two_one_stripe_items_in_random_orders_never_deadlock(
+    backend: Any, engine: Engine
+) -> None:
     """12 threads reserve {x, y} (1 stripe each, plentiful stock) with the mapping in random orders,
     20 times each: no deadlock, exact totals."""
     c = StripedCounter("opp2", stripes=1)
-    with Session(server.engine) as s, s.begin():
+    with Session(engine) as s, s.begin():
         c.create(s, "x", amount=10_000)
         c.create(s, "y", amount=10_000)
     stats = Stats()
@@ -259,20 +250,21 @@ def test_reserves_of_two_one_stripe_items_in_random_orders_never_deadlock(server
         rng = random.Random(i)
         for k in range(20):
             basket = {"x": 1, "y": 2} if rng.random() < 0.5 else {"y": 2, "x": 1}
-            r = unit(server.engine, lambda s, b=basket, k=k: c.reserve(s, b, ref=f"o{i}-{k}"), stats)
+            r = unit(engine, lambda s, b=basket, k=k: c.reserve(s, b, ref=f"o{i}-{k}"), stats)
             assert r.outcome is Outcome.APPLIED
 
     run_threads(12, worker)
     assert stats.retryable["DeadlockDetected"] == 0, stats.retryable
-    assert totals(server.engine, c, ["x", "y"]) == {"x": 10_000 - 240, "y": 10_000 - 480}
+    assert totals(engine, c, ["x", "y"]) == {"x": 10_000 - 240, "y": 10_000 - 480}
 
 
-def test_separate_calls_in_opposite_orders_deadlock_as_the_readme_says(server: Any) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_separate_calls_in_opposite_orders_deadlock_as_the_readme_says(backend: Any, engine: Engine) -> None:
     """Two transactions decrementing 1-stripe items x and y in separate calls in opposite orders:
     each holds the only row the other needs, so one gets the retryable DeadlockDetected (as a
     plain UPDATE counter would) and the other applies; totals stay exact."""
     c = StripedCounter("opp3", stripes=1)
-    with Session(server.engine) as s, s.begin():
+    with Session(engine) as s, s.begin():
         c.create(s, "x", amount=1000)
         c.create(s, "y", amount=1000)
     first_done = threading.Barrier(2)
@@ -280,7 +272,7 @@ def test_separate_calls_in_opposite_orders_deadlock_as_the_readme_says(server: A
     def worker(i: int) -> str:
         order = ("x", "y") if i == 0 else ("y", "x")
         try:
-            with Session(server.engine) as s, s.begin():
+            with Session(engine) as s, s.begin():
                 c.decrement(s, order[0], by=1)
                 first_done.wait(15)
                 return c.decrement(s, order[1], by=1).outcome.name
@@ -289,7 +281,7 @@ def test_separate_calls_in_opposite_orders_deadlock_as_the_readme_says(server: A
             return type(error).__name__
 
     assert sorted(run_threads(2, worker)) == ["APPLIED", "DeadlockDetected"]
-    assert totals(server.engine, c, ["x", "y"]) == {"x": 999, "y": 999}
+    assert totals(engine, c, ["x", "y"]) == {"x": 999, "y": 999}
 
 
 def _connection_id(session: Session, backend: Any) -> int:

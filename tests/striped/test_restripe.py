@@ -8,7 +8,7 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -21,8 +21,6 @@ from stateguard import (
     SerializationConflict,
     StripedCounter,
     async_sqlite_engine,
-    create_tables,
-    drop_tables,
 )
 from stateguard.striped import stripe_ids
 from tests._support.striped_storms import (
@@ -36,18 +34,7 @@ from tests._support.striped_storms import (
     run_threads,
 )
 from tests._support.striped_storms import unit as _unit
-
-
-@pytest.fixture(params=["postgresql", "mariadb"])
-def server_engine(request: pytest.FixtureRequest, namespaces: Any) -> Any:
-    from tests.conftest import _only
-
-    for b in _only(request.param, namespaces):
-        drop_tables(b.engine)
-        create_tables(b.engine)
-        yield b
-        drop_tables(b.engine)
-
+from tests.conftest import backends_with
 
 # ---------------------------------------------------------------- restripe under fire
 
@@ -92,19 +79,19 @@ def test_restripe_concurrent_with_decrements_and_increments(backend: Any, engine
     assert len(amounts) == plan[-1], amounts
 
 
-def test_restripe_waits_for_open_holders_and_keeps_total(server_engine: Any) -> None:
-    eng = server_engine.engine
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_restripe_waits_for_open_holders_and_keeps_total(backend: Any, engine: Engine) -> None:
     counter = StripedCounter("reh", stripes=8)
-    new_item(eng, counter, "r", 80)
-    commit_holder = Holder(eng, lambda s: counter.decrement(s, "r", by=9)).start()
-    rollback_holder = Holder(eng, lambda s: counter.decrement(s, "r", by=7), commit=False).start()
+    new_item(engine, counter, "r", 80)
+    commit_holder = Holder(engine, lambda s: counter.decrement(s, "r", by=9)).start()
+    rollback_holder = Holder(engine, lambda s: counter.decrement(s, "r", by=7), commit=False).start()
     stats = Stats()
-    re = Bg(lambda: unit(eng, lambda s: counter.restripe(s, "r", stripes=3), stats))
+    re = Bg(lambda: unit(engine, lambda s: counter.restripe(s, "r", stripes=3), stats))
     time.sleep(0.5)
     commit_holder.finish()
     rollback_holder.finish()
     assert re.get().outcome is Outcome.APPLIED
-    amounts = assert_invariant(eng, counter, "r", 71)
+    amounts = assert_invariant(engine, counter, "r", 71)
     assert len(amounts) == 3 and max(amounts) - min(amounts) <= 1, amounts
 
 
@@ -138,17 +125,6 @@ def ledger(engine: Engine, counter: StripedCounter) -> list[tuple[Any, ...]]:
             {"c": counter.name},
         ).all()
     return [tuple(r) for r in rows]
-
-
-@pytest.fixture(params=["postgresql", "mariadb"])
-def server(request: pytest.FixtureRequest, namespaces: Any) -> Iterator[Any]:
-    from tests.conftest import _only
-
-    for b in _only(request.param, namespaces):
-        drop_tables(b.engine)
-        create_tables(b.engine)
-        yield b
-        drop_tables(b.engine)
 
 
 def _restripe_storm(engine: Engine, counts: list[int]) -> tuple[Stats, Stats, Counter[str]]:
@@ -192,10 +168,11 @@ def _restripe_storm(engine: Engine, counts: list[int]) -> tuple[Stats, Stats, Co
     return buyers, restripers, taken
 
 
-def test_restripe_between_nested_counts_plentiful_stock(server: Any) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_restripe_between_nested_counts_plentiful_stock(backend: Any, engine: Engine) -> None:
     """Restripes between 4 and 8 stripes (whose stripe ids are a subset of each other's) racing
     ref'd decrements and reserves: exact, and no deadlock with plentiful stock."""
-    buyers, restripers, _ = _restripe_storm(server.engine, [4, 8])
+    buyers, restripers, _ = _restripe_storm(engine, [4, 8])
     assert buyers.retryable["DeadlockDetected"] == 0, buyers.retryable
     assert restripers.retryable["DeadlockDetected"] == 0, restripers.retryable
 
@@ -208,10 +185,11 @@ def test_restripe_between_nested_counts_plentiful_stock(server: Any) -> None:
 # stripes there while holding the stripes that decrement waited for.  A restripe now queues at its
 # gate and inserts before it locks any stripe; its DELETEs go one key at a time (a DELETE ... IN
 # (...) ran as a scan and locked a neighbouring item's rows).
-def test_restripe_to_other_counts_plentiful_stock_no_deadlock(server: Any) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_restripe_to_other_counts_plentiful_stock_no_deadlock(backend: Any, engine: Engine) -> None:
     """Restripes to counts with other stripe ids (3, 8, 5, 16, 2) racing ref'd decrements and
     reserves of plentiful stock: exact, and no deadlock on either side."""
-    buyers, restripers, _ = _restripe_storm(server.engine, [3, 8, 5, 16, 2])
+    buyers, restripers, _ = _restripe_storm(engine, [3, 8, 5, 16, 2])
     assert buyers.retryable["DeadlockDetected"] == 0, buyers.retryable
     assert restripers.retryable["DeadlockDetected"] == 0, restripers.retryable
 
@@ -219,18 +197,19 @@ def test_restripe_to_other_counts_plentiful_stock_no_deadlock(server: Any) -> No
 # Restripes of one item queue at its gate (an INSERT and DELETE of a key no stripe has): on MariaDB
 # a plain INSERT's duplicate check waits for a shared lock, so when the holder committed two queued
 # restripes both got it and then each waited for the other to take the exclusive one (a deadlock).
-def test_restripes_queued_behind_an_open_restripe_all_apply(server: Any) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_restripes_queued_behind_an_open_restripe_all_apply(backend: Any, engine: Engine) -> None:
     """Three restripes (5, 16, 2) queue behind an open restripe 8 -> 3: once it commits all three
     apply in turn, with no deadlock, and the item ends with exactly the stripes its count names."""
     c = StripedCounter("queue", stripes=8)
-    with Session(server.engine) as s, s.begin():
+    with Session(engine) as s, s.begin():
         c.create(s, "q", amount=8000)
     holder_ready, go = threading.Event(), threading.Event()
     errors: list[BaseException] = []
 
     def holder() -> None:
         try:
-            with Session(server.engine) as s, s.begin():
+            with Session(engine) as s, s.begin():
                 assert c.restripe(s, "q", stripes=3).outcome is Outcome.APPLIED
                 holder_ready.set()
                 assert go.wait(30)
@@ -246,8 +225,8 @@ def test_restripes_queued_behind_an_open_restripe_all_apply(server: Any) -> None
 
     def restriper(i: int) -> None:
         try:
-            with Session(server.engine) as s, s.begin():
-                ids.append(_connection_id(s, server))
+            with Session(engine) as s, s.begin():
+                ids.append(_connection_id(s, backend))
                 outcomes[i] = c.restripe(s, "q", stripes=[5, 16, 2][i]).outcome
         except SerializationConflict as error:
             outcomes[i] = type(error).__name__
@@ -256,18 +235,18 @@ def test_restripes_queued_behind_an_open_restripe_all_apply(server: Any) -> None
     for t in queued:
         t.start()
     deadline = time.monotonic() + 15
-    while _lock_waiters(server, ids, "INSERT ") < 3 and time.monotonic() < deadline:
+    while _lock_waiters(backend, ids, "INSERT ") < 3 and time.monotonic() < deadline:
         time.sleep(0.01)  # polling a condition, not hoping for a race
-    assert _lock_waiters(server, ids, "INSERT ") == 3, ("restripes never queued at the gate", outcomes)
+    assert _lock_waiters(backend, ids, "INSERT ") == 3, ("restripes never queued at the gate", outcomes)
     go.set()
     h.join(30)
     for t in queued:
         t.join(30)
     assert not errors, errors
     assert outcomes == [Outcome.APPLIED] * 3, outcomes
-    amounts = check_item(server.engine, c, "q", 8000)
+    amounts = check_item(engine, c, "q", 8000)
     assert len(amounts) in (5, 16, 2), amounts
-    assert stored(server.engine, "queue") == [(stripe, len(amounts)) for stripe in stripe_ids(len(amounts))]
+    assert stored(engine, "queue") == [(stripe, len(amounts)) for stripe in stripe_ids(len(amounts))]
 
 
 # README: a decrement about to wait for a busy stripe takes the restripe gate shared without waiting
@@ -275,24 +254,24 @@ def test_restripes_queued_behind_an_open_restripe_all_apply(server: Any) -> None
 # restripe: it can be one that a restripe under way is inserting again, while the decrement holds a
 # lock where that restripe inserts next (a stripe the item did not have, named by an earlier
 # lookup).  Waiting for it was a deadlock (MariaDB); with the gate held, it waits for stripe 0.
-def test_decrement_waiting_on_a_stripe_a_restripe_is_inserting_again(server: Any) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_decrement_waiting_on_a_stripe_a_restripe_is_inserting_again(backend: Any, engine: Engine) -> None:
     """A decrement whose snapshot shows 16 stripes, of which only stripe 131072 holds ``by``,
     holding a lock on stripe 786432 (gone since a restripe 16 -> 3): a restripe 3 -> 16 inserts
     131072 and waits at 786432; the decrement then does not wait for 131072 but for stripe 0, and
     both apply once stripe 0's holder lets go."""
-    eng = server.engine
     c = StripedCounter("again", stripes=16)
-    with Session(eng) as s, s.begin():
+    with Session(engine) as s, s.begin():
         c.create(s, "a", amount=1600)  # 100 a stripe
         s.execute(text(f"UPDATE {STRIPES} SET amount = 1000 WHERE counter = 'again' AND stripe = 131072"))
-    late = Session(eng)
+    late = Session(engine)
     late.begin()
     assert c.total(late, "a") == 2500  # the snapshot: 16 stripes, 131072 the only one with 500
-    with Session(eng) as s, s.begin():
+    with Session(engine) as s, s.begin():
         assert c.restripe(s, "a", stripes=3).value == 2500
     one = f"SELECT amount FROM {STRIPES} WHERE counter = 'again' AND item = 'a' AND stripe = :s FOR UPDATE"
     late.execute(text(one), {"s": 786432}).all()  # the lock a stale lookup leaves
-    holder = Session(eng)
+    holder = Session(engine)
     holder.begin()
     for stripe in stripe_ids(3):
         holder.execute(text(one), {"s": stripe}).all()  # every stripe busy: no fast path
@@ -301,15 +280,15 @@ def test_decrement_waiting_on_a_stripe_a_restripe_is_inserting_again(server: Any
 
     def restriper() -> None:
         try:
-            with Session(eng) as s, s.begin():
-                ids.append(_connection_id(s, server))
+            with Session(engine) as s, s.begin():
+                ids.append(_connection_id(s, backend))
                 outcomes["restripe"] = c.restripe(s, "a", stripes=16).outcome
         except SerializationConflict as error:
             outcomes["restripe"] = type(error).__name__
 
     def buyer() -> None:
         try:
-            ids.append(_connection_id(late, server))
+            ids.append(_connection_id(late, backend))
             outcomes["decrement"] = c.decrement(late, "a", by=500).outcome
             late.commit()
         except SerializationConflict as error:
@@ -319,12 +298,12 @@ def test_decrement_waiting_on_a_stripe_a_restripe_is_inserting_again(server: Any
     threads = [threading.Thread(target=restriper, daemon=True)]
     threads[0].start()
     deadline = time.monotonic() + 15
-    while _lock_waiters(server, ids, "") < 1 and time.monotonic() < deadline:
+    while _lock_waiters(backend, ids, "") < 1 and time.monotonic() < deadline:
         time.sleep(0.01)  # polling a condition, not hoping for a race
-    assert _lock_waiters(server, ids, "") == 1, ("the restripe never waited", outcomes)
+    assert _lock_waiters(backend, ids, "") == 1, ("the restripe never waited", outcomes)
     threads.append(threading.Thread(target=buyer, daemon=True))
     threads[1].start()
-    while _lock_waiters(server, ids, "") < 2 and not outcomes and time.monotonic() < deadline:
+    while _lock_waiters(backend, ids, "") < 2 and not outcomes and time.monotonic() < deadline:
         time.sleep(0.01)
     holder.rollback()
     for t in threads:
@@ -332,7 +311,7 @@ def test_decrement_waiting_on_a_stripe_a_restripe_is_inserting_again(server: Any
     late.close()
     holder.close()
     assert outcomes == {"restripe": Outcome.APPLIED, "decrement": Outcome.APPLIED}, outcomes
-    amounts = check_item(eng, c, "a", 2000)
+    amounts = check_item(engine, c, "a", 2000)
     assert len(amounts) == 16, amounts
 
 
@@ -341,24 +320,25 @@ def test_decrement_waiting_on_a_stripe_a_restripe_is_inserting_again(server: Any
 # some ids it inserts may be taken (its INSERT fails with a duplicate key, and is left out), others
 # are missing; what it finds once it holds the stripes decides.
 @pytest.mark.parametrize(("first", "then"), [(3, 5), (3, 6), (16, 2), (2, 16)])
+@pytest.mark.parametrize("backend", backends_with("concurrent_writers"), indirect=True)
 def test_restripe_in_a_transaction_whose_snapshot_predates_another_restripe(
-    server: Any, first: int, then: int
+    backend: Any, engine: Engine, first: int, then: int
 ) -> None:
     """A transaction reads the item, another restripes it 8 -> ``first`` and commits, then the first
     restripes it to ``then``: APPLIED with the whole total, exactly the stripes ``then`` names."""
     c = StripedCounter("stale", stripes=8)
-    with Session(server.engine) as s, s.begin():
+    with Session(engine) as s, s.begin():
         c.create(s, "s", amount=1001)
-    with Session(server.engine) as late, late.begin():
+    with Session(engine) as late, late.begin():
         assert c.total(late, "s") == 1001  # the snapshot (InnoDB: this transaction's first read)
-        with Session(server.engine) as s, s.begin():
+        with Session(engine) as s, s.begin():
             assert c.restripe(s, "s", stripes=first).value == 1001
         r = c.restripe(late, "s", stripes=then)
         assert (r.outcome, r.value) == (Outcome.APPLIED, 1001)
-    amounts = check_item(server.engine, c, "s", 1001)
+    amounts = check_item(engine, c, "s", 1001)
     assert len(amounts) == then and max(amounts) - min(amounts) <= 1, amounts
-    assert stored(server.engine, "stale") == [(stripe, then) for stripe in stripe_ids(then)]
-    with Session(server.engine) as s, s.begin():
+    assert stored(engine, "stale") == [(stripe, then) for stripe in stripe_ids(then)]
+    with Session(engine) as s, s.begin():
         assert c.decrement(s, "s", by=1001).outcome is Outcome.APPLIED  # every stripe is reachable
 
 
@@ -455,18 +435,19 @@ def _lock_waiters(backend: Any, ids: list[int], statement: str = "UPDATE ") -> i
 # restripe 8 -> 3 all apply once it commits (MariaDB: a decrement whose wait ended on a stripe the
 # restripe deleted keeps that deleted row's lock; the sweep after it names only the stripes the
 # count on stripe 0 names, never the deleted ones another buyer holds).
-def test_decrements_waiting_behind_a_restripe_plentiful_stock(server: Any) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_decrements_waiting_behind_a_restripe_plentiful_stock(backend: Any, engine: Engine) -> None:
     """Four ref'd decrements of 1 unit wait behind an open restripe 8 -> 3 (8000 in stock): all
     APPLIED after it commits, no deadlock, exact total."""
     c = StripedCounter("behind", stripes=8)
-    with Session(server.engine) as s, s.begin():
+    with Session(engine) as s, s.begin():
         c.create(s, "w", amount=8000)
     holder_ready, go = threading.Event(), threading.Event()
     errors: list[BaseException] = []
 
     def restriper() -> None:
         try:
-            with Session(server.engine) as s, s.begin():
+            with Session(engine) as s, s.begin():
                 assert c.restripe(s, "w", stripes=3).outcome is Outcome.APPLIED
                 holder_ready.set()
                 assert go.wait(30)
@@ -483,8 +464,8 @@ def test_decrements_waiting_behind_a_restripe_plentiful_stock(server: Any) -> No
 
     def buyer(i: int) -> None:
         try:
-            with Session(server.engine) as s, s.begin():
-                ids.append(_connection_id(s, server))
+            with Session(engine) as s, s.begin():
+                ids.append(_connection_id(s, backend))
                 outcomes[i] = c.decrement(s, "w", by=1, ref=f"wb-{i}").outcome
         except SerializationConflict as error:
             outcomes[i] = type(error).__name__
@@ -493,13 +474,13 @@ def test_decrements_waiting_behind_a_restripe_plentiful_stock(server: Any) -> No
     for t in buyers:
         t.start()
     deadline = time.monotonic() + 15
-    while _lock_waiters(server, ids) < 4 and time.monotonic() < deadline:
+    while _lock_waiters(backend, ids) < 4 and time.monotonic() < deadline:
         time.sleep(0.01)  # polling a condition, not hoping for a race
-    assert _lock_waiters(server, ids) == 4, ("buyers never queued behind the restripe", outcomes)
+    assert _lock_waiters(backend, ids) == 4, ("buyers never queued behind the restripe", outcomes)
     go.set()
     h.join(30)
     for t in buyers:
         t.join(30)
     assert not errors, errors
     assert outcomes == [Outcome.APPLIED] * 4, outcomes
-    check_item(server.engine, c, "w", 7996)
+    check_item(engine, c, "w", 7996)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -24,8 +24,6 @@ from stateguard import (
     SerializationConflict,
     StripedCounter,
     async_sqlite_engine,
-    create_tables,
-    drop_tables,
 )
 from tests._support.striped_storms import (
     LEDGER,
@@ -36,6 +34,7 @@ from tests._support.striped_storms import (
     run_threads,
 )
 from tests._support.striped_storms import unit as _unit
+from tests.conftest import backends_with
 
 # ---------------------------------------------------------------- storms on every backend
 
@@ -170,17 +169,6 @@ def test_same_ref_from_sixteen_threads_applies_once(backend: Any, engine: Engine
     assert_invariant(engine, counter, "s", 100 - won)
 
 
-@pytest.fixture(params=["postgresql", "mariadb"])
-def server_engine(request: pytest.FixtureRequest, namespaces: Any) -> Any:
-    from tests.conftest import _only
-
-    for b in _only(request.param, namespaces):
-        drop_tables(b.engine)
-        create_tables(b.engine)
-        yield b
-        drop_tables(b.engine)
-
-
 # ---------------------------------------------------------------- async sessions
 
 
@@ -273,20 +261,18 @@ def _proc_worker(url: str, name: str, item: str, seed: int, barrier: Any) -> lis
     return out
 
 
-def test_process_storm(server_engine: Any, procs: Any) -> None:
+@pytest.mark.parametrize("backend", backends_with("concurrent_writers"), indirect=True)
+def test_process_storm(backend: Any, engine: Engine, procs: Any) -> None:
     manager, pool = procs
-    eng = server_engine.engine
     counter = StripedCounter("procs", stripes=8)
     start = 600
-    new_item(eng, counter, "p", start)
+    new_item(engine, counter, "p", start)
     barrier = manager.Barrier(4)
-    futures = [
-        pool.submit(_proc_worker, server_engine.url, server_engine.name, "p", k, barrier) for k in range(4)
-    ]
+    futures = [pool.submit(_proc_worker, backend.url, backend.name, "p", k, barrier) for k in range(4)]
     results = [x for f in futures for x in f.result(timeout=80)]
     applied = sum(by for by, o, _ in results if o == "APPLIED")
     final = start - applied
-    assert_invariant(eng, counter, "p", final)
+    assert_invariant(engine, counter, "p", final)
     for by, o, v in results:
         if o == "INSUFFICIENT":
             assert v < by and v >= final and final < by, (by, v, final)
@@ -315,17 +301,6 @@ def ledger(engine: Engine, counter: StripedCounter) -> list[tuple[Any, ...]]:
             {"c": counter.name},
         ).all()
     return [tuple(r) for r in rows]
-
-
-@pytest.fixture(params=["postgresql", "mariadb"])
-def server(request: pytest.FixtureRequest, namespaces: Any) -> Iterator[Any]:
-    from tests.conftest import _only
-
-    for b in _only(request.param, namespaces):
-        drop_tables(b.engine)
-        create_tables(b.engine)
-        yield b
-        drop_tables(b.engine)
 
 
 # ---------------------------------------------------------------- processes with other beliefs
@@ -359,22 +334,24 @@ def _belief_worker(url: str, name: str, role: str, seed: int, barrier: Any) -> t
     return taken, stats.retryable["DeadlockDetected"]
 
 
-def test_processes_with_different_stripe_beliefs_stay_exact(server: Any, procs: Any) -> None:
+@pytest.mark.parametrize("backend", backends_with("concurrent_writers"), indirect=True)
+def test_processes_with_different_stripe_beliefs_stay_exact(backend: Any, engine: Engine, procs: Any) -> None:
     """One process restripes (3, 8, 1, 5, 16, 2) while three others, each believing its own stripe
     count, decrement with refs, some bigger than any stripe: nothing lost, nothing oversold."""
     manager, pool = procs
     c = StripedCounter("belief", stripes=8)
     start = 4000
-    with Session(server.engine) as s, s.begin():
+    with Session(engine) as s, s.begin():
         c.create(s, "p", amount=start)
     barrier = manager.Barrier(4)
     roles = ["restripe", "buy", "buy", "buy"]
     futures = [
-        pool.submit(_belief_worker, server.url, server.name, role, k, barrier) for k, role in enumerate(roles)
+        pool.submit(_belief_worker, backend.url, backend.name, role, k, barrier)
+        for k, role in enumerate(roles)
     ]
     results = [f.result(timeout=80) for f in futures]
     taken = sum(t for t, _ in results)
-    check_item(server.engine, c, "p", start - taken)
-    refs = ledger(server.engine, c)
+    check_item(engine, c, "p", start - taken)
+    refs = ledger(engine, c)
     assert sum(-int(r[2]) for r in refs) == taken
     assert len({r[0] for r in refs}) == len(refs)

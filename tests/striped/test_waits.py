@@ -36,6 +36,7 @@ from tests._support.striped_storms import (
     run_threads,
     unit,
 )
+from tests.conftest import backends_with
 
 
 def lock_stripes_sql(backend_name: str) -> str:
@@ -53,17 +54,6 @@ def pg_engine(pg: Any) -> Any:
     create_tables(pg.engine)
     yield pg.engine
     drop_tables(pg.engine)
-
-
-@pytest.fixture(params=["postgresql", "mariadb"])
-def server_engine(request: pytest.FixtureRequest, namespaces: Any) -> Any:
-    from tests.conftest import _only
-
-    for b in _only(request.param, namespaces):
-        drop_tables(b.engine)
-        create_tables(b.engine)
-        yield b
-        drop_tables(b.engine)
 
 
 def test_pg_insufficient_settled_without_waiting_for_holders(pg_engine: Engine) -> None:
@@ -187,22 +177,22 @@ def test_pg_waiting_big_decrement_holds_no_free_stripe(pg_engine: Engine) -> Non
     assert not stats.retryable, stats.retryable
 
 
-def test_holder_then_big_decrement_in_same_txn_vs_waiting_big(server_engine: Any) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_holder_then_big_decrement_in_same_txn_vs_waiting_big(backend: Any, engine: Engine) -> None:
     """A holds a stripe, B waits with by > anything; A then decrements more than one stripe.
 
     On PostgreSQL B must not hold the stripe A needs while it waits: no deadlock, A APPLIED,
     B INSUFFICIENT with the true total.  MariaDB may (documented) give one of them DeadlockDetected.
     """
-    eng = server_engine.engine
     counter = StripedCounter("pair", stripes=2)
     for round_ in range(4):
         item = f"p{round_}"
-        new_item(eng, counter, item, 20)  # 10 + 10
-        a_session = Session(eng)
+        new_item(engine, counter, item, 20)  # 10 + 10
+        a_session = Session(engine)
         a_session.begin()
         try:
             assert counter.decrement(a_session, item, by=1).outcome is Outcome.APPLIED
-            b = Bg(lambda item=item: counter_dec_once(eng, counter, item, 15))
+            b = Bg(lambda item=item: counter_dec_once(engine, counter, item, 15))
             time.sleep(0.5)
             assert not b.done.is_set(), b.result
             a = Bg(lambda item=item, sa=a_session: counter.decrement(sa, item, by=12))
@@ -222,17 +212,17 @@ def test_holder_then_big_decrement_in_same_txn_vs_waiting_big(server_engine: Any
             b_res = b.get(timeout=20)
         except DeadlockDetected as error:
             b_res = error
-        if server_engine.name == "postgresql":
+        if backend.name == "postgresql":
             assert a_error is None and not isinstance(b_res, BaseException), (a_error, b_res)
         if a_error is None and ra is not None:
             assert ra.outcome is Outcome.APPLIED
             if not isinstance(b_res, BaseException):
                 assert b_res.outcome is Outcome.INSUFFICIENT and b_res.value == 7, b_res
-            assert_invariant(eng, counter, item, 7)
+            assert_invariant(engine, counter, item, 7)
         else:
             assert not isinstance(b_res, BaseException)
             assert b_res.outcome is Outcome.APPLIED
-            assert_invariant(eng, counter, item, 5)
+            assert_invariant(engine, counter, item, 5)
 
 
 def counter_dec_once(engine: Engine, counter: StripedCounter, item: str, by: int) -> Any:
@@ -317,42 +307,44 @@ def test_pg_each_holds_own_stripe_then_both_want_more_than_one(pg_engine: Engine
     assert_invariant(pg_engine, counter, "c", 20 - 1 - 12)
 
 
-def test_increment_with_every_stripe_held_waits_and_never_lands_on_the_gate(server_engine: Any) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_increment_with_every_stripe_held_waits_and_never_lands_on_the_gate(
+    backend: Any, engine: Engine
+) -> None:
     """A restriped item has a free gate row with room (stripe -1, amount 0); with every stripe
     held, an increment waits for stripe 0 rather than add to the gate, and its units count."""
-    eng = server_engine.engine
     counter = StripedCounter("gated", stripes=4)
-    new_item(eng, counter, "g", 40)
-    with Session(eng) as s, s.begin():
+    new_item(engine, counter, "g", 40)
+    with Session(engine) as s, s.begin():
         assert counter.restripe(s, "g", stripes=4).value == 40
-    holders = [Holder(eng, lambda s: counter.decrement(s, "g", by=1)).start() for _ in range(4)]
+    holders = [Holder(engine, lambda s: counter.decrement(s, "g", by=1)).start() for _ in range(4)]
     try:
-        call = Bg(lambda: unit(eng, lambda s: counter.increment(s, "g", by=5), Stats()))
+        call = Bg(lambda: unit(engine, lambda s: counter.increment(s, "g", by=5), Stats()))
         time.sleep(0.5)
         assert not call.done.is_set(), f"answered {call.result} while every stripe was held"
     finally:
         for h in holders:
             h.finish()
     assert call.get().outcome is Outcome.APPLIED
-    assert_invariant(eng, counter, "g", 41)
-    with Session(eng) as s:
+    assert_invariant(engine, counter, "g", 41)
+    with Session(engine) as s:
         gate = s.execute(text(f"SELECT amount FROM {STRIPES} WHERE counter = 'gated' AND stripe < 0")).all()
     assert [tuple(r) for r in gate] == [(0,)]
 
 
-def test_waiters_survive_restripe_that_deletes_their_stripe(server_engine: Any) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_waiters_survive_restripe_that_deletes_their_stripe(backend: Any, engine: Engine) -> None:
     """Every stripe held; a unit buyer and a big buyer wait; a restripe to one stripe waits too.
     When the holders commit, the stripe rows the buyers waited for are gone: they must still
     apply (the item has the units), never NOT_FOUND or INSUFFICIENT."""
-    eng = server_engine.engine
     counter = StripedCounter("resdel", stripes=4)
-    new_item(eng, counter, "r", 80)
-    holders = [Holder(eng, lambda s: counter.decrement(s, "r", by=1)).start() for _ in range(4)]
+    new_item(engine, counter, "r", 80)
+    holders = [Holder(engine, lambda s: counter.decrement(s, "r", by=1)).start() for _ in range(4)]
     stats = Stats()
-    small = Bg(lambda: unit(eng, lambda s: counter.decrement(s, "r", by=1), stats))
-    big = Bg(lambda: unit(eng, lambda s: counter.decrement(s, "r", by=30), stats))
+    small = Bg(lambda: unit(engine, lambda s: counter.decrement(s, "r", by=1), stats))
+    big = Bg(lambda: unit(engine, lambda s: counter.decrement(s, "r", by=30), stats))
     time.sleep(0.4)
-    re = Bg(lambda: unit(eng, lambda s: counter.restripe(s, "r", stripes=1), stats))
+    re = Bg(lambda: unit(engine, lambda s: counter.restripe(s, "r", stripes=1), stats))
     time.sleep(0.4)
     assert not small.done.is_set() and not big.done.is_set(), (small.result, big.result)
     for h in holders:
@@ -360,18 +352,18 @@ def test_waiters_survive_restripe_that_deletes_their_stripe(server_engine: Any) 
     assert small.get().outcome is Outcome.APPLIED, small.result
     assert big.get().outcome is Outcome.APPLIED, big.result
     assert re.get().outcome is Outcome.APPLIED
-    amounts = assert_invariant(eng, counter, "r", 80 - 4 - 1 - 30)
+    amounts = assert_invariant(engine, counter, "r", 80 - 4 - 1 - 30)
     assert len(amounts) == 1
     # and back to many stripes while buyers wait on the single one
-    holder = Holder(eng, lambda s: counter.decrement(s, "r", by=2)).start()
-    waiter = Bg(lambda: unit(eng, lambda s: counter.decrement(s, "r", by=5), stats))
+    holder = Holder(engine, lambda s: counter.decrement(s, "r", by=2)).start()
+    waiter = Bg(lambda: unit(engine, lambda s: counter.decrement(s, "r", by=5), stats))
     time.sleep(0.3)
-    re2 = Bg(lambda: unit(eng, lambda s: counter.restripe(s, "r", stripes=8), stats))
+    re2 = Bg(lambda: unit(engine, lambda s: counter.restripe(s, "r", stripes=8), stats))
     time.sleep(0.3)
     holder.finish()
     assert waiter.get().outcome is Outcome.APPLIED, waiter.result
     assert re2.get().outcome is Outcome.APPLIED
-    amounts = assert_invariant(eng, counter, "r", 45 - 2 - 5)
+    amounts = assert_invariant(engine, counter, "r", 45 - 2 - 5)
     assert len(amounts) == 8
 
 
@@ -389,12 +381,12 @@ def test_concurrent_create_of_one_item(backend: Any, engine: Engine) -> None:
 # ---------------------------------------------------------------- stripes already locked by the caller
 
 
-def test_caller_already_holds_stripe_rows_locked(server_engine: Any) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_caller_already_holds_stripe_rows_locked(backend: Any, engine: Engine) -> None:
     """A transaction that locked stripe rows itself (SELECT ... FOR UPDATE) then decrements."""
-    eng = server_engine.engine
     counter = StripedCounter("own", stripes=8)
-    new_item(eng, counter, "o", 80)
-    sql = text(lock_stripes_sql(server_engine.name)).bindparams(bindparam("s", expanding=True))
+    new_item(engine, counter, "o", 80)
+    sql = text(lock_stripes_sql(backend.name)).bindparams(bindparam("s", expanding=True))
 
     def own(s: Session) -> list[Any]:
         s.execute(sql, {"c": "own", "i": "o", "s": list(range(8))}).all()
@@ -404,26 +396,26 @@ def test_caller_already_holds_stripe_rows_locked(server_engine: Any) -> None:
             counter.decrement(s, "o", by=60),  # more than what is left
         ]
 
-    call = Bg(lambda: unit(eng, own, Stats()))
+    call = Bg(lambda: unit(engine, own, Stats()))
     r1, r2, r3 = call.get(timeout=20)
     assert (r1.outcome, r2.outcome, r3.outcome) == (Outcome.APPLIED, Outcome.APPLIED, Outcome.INSUFFICIENT)
     assert r3.value == 54
-    assert_invariant(eng, counter, "o", 54)
+    assert_invariant(engine, counter, "o", 54)
 
 
-def test_two_callers_each_hold_half_and_decrement_from_their_half(server_engine: Any) -> None:
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_two_callers_each_hold_half_and_decrement_from_their_half(backend: Any, engine: Engine) -> None:
     """T1 locked stripes 0-3, T2 stripes 4-7, each asks for what its own half holds.
 
     PostgreSQL promises to take from stripes nobody else holds (its own included) and never
     wait while holding: both APPLIED.  MariaDB locks every stripe: one may get DeadlockDetected.
     """
-    eng = server_engine.engine
     counter = StripedCounter("halves", stripes=8)
-    new_item(eng, counter, "h", 80)
-    sql = text(lock_stripes_sql(server_engine.name)).bindparams(bindparam("s", expanding=True))
+    new_item(engine, counter, "h", 80)
+    sql = text(lock_stripes_sql(backend.name)).bindparams(bindparam("s", expanding=True))
 
     def worker(i: int) -> Any:
-        with Session(eng) as s:
+        with Session(engine) as s:
             try:
                 with s.begin():
                     s.execute(sql, {"c": "halves", "i": "h", "s": [4 * i + k for k in range(4)]}).all()
@@ -437,12 +429,12 @@ def test_two_callers_each_hold_half_and_decrement_from_their_half(server_engine:
     elapsed = time.monotonic() - t0
     deadlocks = [r for r in results if isinstance(r, DeadlockDetected)]
     applied = [r for r in results if not isinstance(r, BaseException) and r.outcome is Outcome.APPLIED]
-    if server_engine.name == "postgresql":
+    if backend.name == "postgresql":
         assert len(applied) == 2, results
         assert elapsed < 3, f"took {elapsed:.1f}s"
     else:
         assert len(applied) + len(deadlocks) == 2, results
-    assert_invariant(eng, counter, "h", 80 - 35 * len(applied))
+    assert_invariant(engine, counter, "h", 80 - 35 * len(applied))
 
 
 def _lockable(engine: Engine, counter: StripedCounter, item: str, stripe: int) -> bool:
@@ -462,8 +454,9 @@ def _lockable(engine: Engine, counter: StripedCounter, item: str, stripe: int) -
 
 @pytest.mark.parametrize("hint", [None, 3, 8])
 @pytest.mark.parametrize("busy", [(), (0,), (1,), (3,), (0, 1), (1, 2), (0, 3), (0, 1, 2), (1, 2, 3)])
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
 def test_decrement_locks_nothing_but_the_stripe_it_takes(
-    server_engine: Any, busy: tuple[int, ...], hint: int | None
+    backend: Any, engine: Engine, busy: tuple[int, ...], hint: int | None
 ) -> None:
     """The root of a deadlock CI met with plenty of stock on MariaDB: a locking range scan in
     REPEATABLE READ also locks the record that ends it (a stripe the pick skipped past, or the
@@ -473,32 +466,31 @@ def test_decrement_locks_nothing_but_the_stripe_it_takes(
     the slow path holds its own item's stripes and none of its neighbours'.  ``hint``: the
     stripe count the process believes (MariaDB names the stripes it reads by it; a stale one
     once made the optimizer scan the item, whose locks then held its neighbours)."""
-    eng = server_engine.engine
     ids = [0, 1 << 18, 2 << 18, 3 << 18]
     for round_ in range(4):
         counter = StripedCounter(f"strays-{round_}-{hint}", stripes=4)
         for item in ("a", "b", "c"):
-            new_item(eng, counter, item, 400)
+            new_item(engine, counter, item, 400)
         striped._counts.clear()
         if hint is not None:
             striped._counts.put((counter.name, "b"), hint)
         held = [ids[k] for k in busy]
-        sql = text(lock_stripes_sql(server_engine.name)).bindparams(bindparam("s", expanding=True))
+        sql = text(lock_stripes_sql(backend.name)).bindparams(bindparam("s", expanding=True))
         lock = {"c": counter.name, "i": "b", "s": held}
-        holder = Holder(eng, lambda s, q=sql, p=lock: s.execute(q, p).all())
+        holder = Holder(engine, lambda s, q=sql, p=lock: s.execute(q, p).all())
         if held:
             holder.start()
         try:
             for by, slow in ((1, False), (1, False), (150, True)):
-                with Session(eng) as s, s.begin():
+                with Session(engine) as s, s.begin():
                     if slow and held:
                         break  # the slow path waits for the held stripes: nothing to probe here
                     r = counter.decrement(s, "b", by=by)
                     assert r.outcome is Outcome.APPLIED, r
                     for item in ("a", "c"):
-                        locked = [x for x in ids if not _lockable(eng, counter, item, x)]
+                        locked = [x for x in ids if not _lockable(engine, counter, item, x)]
                         assert not locked, f"decrement of 'b' holds stripes {locked} of {item!r}"
-                    mine = [x for x in ids if x not in held and not _lockable(eng, counter, "b", x)]
+                    mine = [x for x in ids if x not in held and not _lockable(engine, counter, "b", x)]
                     if slow:
                         assert mine == ids, mine
                     else:
