@@ -15,7 +15,6 @@ import shlex
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import create_engine, func, select, text
@@ -27,7 +26,7 @@ from sqlalchemy.pool import NullPool
 from stateguard.tables import counter_ledger
 from tests._support import workers as w
 from tests._support.models import Order
-from tests.conftest import IN_CI, Backend, _Namespaces, _only
+from tests.conftest import IN_CI, Backend, backends_with
 from tests.reliability._storm import (
     COUNTERS,
     TRANSITIONS,
@@ -125,16 +124,11 @@ def test_sigkilled_workers_roll_back_and_the_others_finish(backend: Backend, siz
 # --------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["postgresql", "mariadb"])
-def server(request: pytest.FixtureRequest, namespaces: _Namespaces) -> Iterator[Backend]:
-    """PostgreSQL, then MariaDB: the backends whose connections a server can cut."""
-    yield from _only(request.param, namespaces)
-
-
-def test_cut_connections_surface_dbapi_errors_and_retries_finish(server: Backend, sizes: Sizes) -> None:
+@pytest.mark.parametrize("backend", backends_with("tcp_server"), indirect=True)
+def test_cut_connections_surface_dbapi_errors_and_retries_finish(backend: Backend, sizes: Sizes) -> None:
     """Connections cut mid-transaction raise a DBAPI error out of stateguard or COMMIT; the workers
     reconnect and run the unit again, and every invariant holds."""
-    setup = prepare(server, sizes)
+    setup = prepare(backend, sizes)
     holds = {
         0: Hold(TRANSITIONS, setup.keys[0], "before_statement"),
         1: Hold(COUNTERS, setup.spare_refs[0], "after_effect"),
@@ -145,12 +139,12 @@ def test_cut_connections_surface_dbapi_errors_and_retries_finish(server: Backend
         for _ in holds:
             held = ctl.next_held()
             assert held.conn_id is not None
-            assert cut_connections(server, [held.conn_id]) == 1, held
+            assert cut_connections(backend, [held.conn_id]) == 1, held
             ctl.release(held.worker)
         ctl.free_targets()
         total = len(setup.keys) * 2
         everyone = lambda: cut_connections(  # noqa: E731
-            server, [c for ids in ctl.connections().values() for c in ids]
+            backend, [c for ids in ctl.connections().values() for c in ids]
         )
         cuts.extend(at_effects(setup.engine, [total // 4, total // 2, total * 3 // 4], everyone))
 
