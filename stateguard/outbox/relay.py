@@ -34,7 +34,10 @@ from ..tables import outbox
 from .events import MAX_TOPIC, OutboxEvent, Sink
 from .refusals import _Isolation, _Round
 from .statements import (
+    HOLDS,
     KEY_ORDERS,
+    LEASE,
+    LOCKS,
     SKIP_DEAD,
     STRICT,
     _begin,
@@ -43,6 +46,8 @@ from .statements import (
     _event,
     _followers_statement,
     _heads_statement,
+    _held_claim_statement,
+    _held_mark_statement,
     _mark_statement,
     _refuse_statement,
     _release_statement,
@@ -89,6 +94,13 @@ def _autocommit(dialect: Any) -> bool:
     return backend.returning and backend.row_locks
 
 
+def _holds_locks(dialect: Any) -> bool:
+    """Whether a relay can hold its claim as row locks over the publish (``hold="locks"``): the claim
+    is one statement that locks ``SKIP LOCKED`` and can return the rows (PostgreSQL)."""
+    backend = _kernel.backend(dialect)
+    return backend.returning and backend.row_locks and backend.array_params
+
+
 def _error_text(error: BaseException) -> str:
     """``"Type: message"`` as ``last_error`` keeps it: at most 500 characters, valid UTF-8."""
     text = f"{type(error).__name__}: {error}"[:MAX_ERROR]
@@ -115,6 +127,7 @@ class _RelayCore(_Isolation, Generic[E]):
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         retry_delay: timedelta = DEFAULT_RETRY_DELAY,
         key_order: str = SKIP_DEAD,
+        hold: str | None = None,
     ) -> None:
         dialect = self._dialect_of(engine)
         if not callable(getattr(sink, "publish", None)):
@@ -134,7 +147,21 @@ class _RelayCore(_Isolation, Generic[E]):
                 f"key_order must be {SKIP_DEAD!r} (a dead event lets its key's later events go) or "
                 f"{STRICT!r} (they wait until it is requeued and published), got {key_order!r}"
             )
+        if hold is None:
+            hold = LOCKS if _holds_locks(dialect) else LEASE
+        elif hold not in HOLDS:
+            raise InvalidArgument(
+                f"hold must be {LOCKS!r} (the row locks of a transaction open over the publish), "
+                f"{LEASE!r} (a committed lease) or None (locks where the database can), got {hold!r}"
+            )
+        elif hold == LOCKS and not _holds_locks(dialect):
+            raise InvalidArgument(
+                f"hold={LOCKS!r} needs PostgreSQL (one locking claim statement that returns its rows); "
+                f"{dialect.name} relays hold their claims with a lease: hold={LEASE!r} or None"
+            )
         self.sink = sink
+        #: How the relay holds a claimed batch while it publishes it: ``"locks"`` or ``"lease"``.
+        self.hold = hold
         self.batch = _kernel.check_batch(batch)
         self.lease_ms = _kernel.duration_ms(lease, "lease")
         self.max_attempts = max_attempts
@@ -153,6 +180,9 @@ class _RelayCore(_Isolation, Generic[E]):
         self._steps_engine: E = (
             engine.execution_options(isolation_level="AUTOCOMMIT") if _autocommit(dialect) else engine
         )
+        #: What a held claim's transaction begins on (hold="locks"): READ COMMITTED, whatever the
+        #: engine's own level, so the claim's locking read re-checks rows changed since its snapshot.
+        self._held_engine: E = engine.execution_options(isolation_level="READ COMMITTED")
         #: Whether run() waits on LISTEN/NOTIFY (PostgreSQL) rather than polling alone.
         self._notified = notifies(_kernel.backend(dialect))
         #: The listening connection of run(), while it runs (tests reach it to kill it).
@@ -172,6 +202,18 @@ class _RelayCore(_Isolation, Generic[E]):
 
     def _db(self, fn: Callable[..., T], /, *args: Any) -> Steps[T]:
         """``fn(conn, *args)`` in a short transaction of its own (on PostgreSQL one statement)."""
+        raise NotImplementedError
+
+    def _open(self) -> Steps[Any]:
+        """A connection of ``_held_engine`` with its transaction begun (hold="locks")."""
+        raise NotImplementedError
+
+    def _on(self, conn: Any, fn: Callable[..., T], /, *args: Any) -> Steps[T]:
+        """``fn(conn, *args)`` in the open transaction of ``conn`` (from :meth:`_open`)."""
+        raise NotImplementedError
+
+    def _end(self, conn: Any, commit: bool) -> Steps[None]:
+        """Commit (``commit``) or roll back the transaction of ``conn``, and close it."""
         raise NotImplementedError
 
     def _call_sink(self, fn: Callable[..., Any], /, *args: Any) -> Steps[Any]:
@@ -237,6 +279,62 @@ class _RelayCore(_Isolation, Generic[E]):
         )
         return [taken[i] for i in ids]
 
+    def _claim_held(self, conn: Connection) -> list[OutboxEvent]:
+        """Lock up to ``batch`` events for the transaction of ``conn`` (hold="locks"): the same choice
+        as :meth:`_claim`, nothing written."""
+        params: dict[str, Any] = {"sg_batch": self.batch, "sg_lease": self.lease_ms}
+        if self.topics is not None:
+            params["sg_topics"] = list(self.topics)
+        stmt = _held_claim_statement(
+            _kernel.backend(conn.dialect), self.topics is not None, self.key_order == STRICT
+        )
+        return [_event(r) for r in _kernel.execute(conn, stmt, params)]
+
+    def _settle_held(
+        self,
+        conn: Connection,
+        accepted: list[int],
+        counted: list[tuple[OutboxEvent, BaseException]],
+        delayed: bool,
+    ) -> list[int]:
+        """Mark ``accepted`` published and count the refusals of ``counted``, in the transaction that
+        holds their locks (hold="locks"); the ids parked dead.  What is neither is freed by the commit."""
+        backend = _kernel.backend(conn.dialect)
+        if accepted:
+            _kernel.execute(conn, _held_mark_statement(backend), {"sg_ids": accepted})
+        return self._count_refusals(conn, backend, None, counted, delayed)
+
+    def _count_refusals(
+        self,
+        conn: Connection,
+        backend: _kernel.Backend,
+        owner: str | None,
+        counted: list[tuple[OutboxEvent, BaseException]],
+        delayed: bool,
+    ) -> list[int]:
+        """Count the refusals of ``counted`` (``owner`` None: the row locks are this transaction's);
+        the ids parked dead."""
+        dead: list[int] = []
+        stmt = _refuse_statement(backend, held=owner is None)
+        for event, error in counted:
+            refusals = event._refusals + 1
+            buried = refusals >= self.max_attempts
+            delay = min(
+                self.retry_delay_ms * 2 ** min(event._refusals, 32),
+                max(MAX_RETRY_DELAY_MS, self.retry_delay_ms),
+            )
+            params = {
+                "sg_id": event.id,
+                "sg_error": _error_text(error),
+                "sg_delay": delay if delayed else None,  # now + NULL: NULL, free at once
+                "sg_dead": 1 if buried else 0,
+            }
+            if owner is not None:
+                params["sg_owner"] = owner
+            if _kernel.execute(conn, stmt, params).rowcount and buried:
+                dead.append(event.id)
+        return dead
+
     @staticmethod
     def _mark(conn: Connection, owner: str, ids: list[int]) -> int:
         backend = _begin(conn)
@@ -262,23 +360,7 @@ class _RelayCore(_Isolation, Generic[E]):
         ``delayed``: claimable again only after their retry delay) and give ``free`` back at once;
         return the ids parked dead."""
         backend = _begin(conn)
-        dead: list[int] = []
-        for event, error in counted:
-            refusals = event._refusals + 1
-            buried = refusals >= self.max_attempts
-            delay = min(
-                self.retry_delay_ms * 2 ** min(event._refusals, 32),
-                max(MAX_RETRY_DELAY_MS, self.retry_delay_ms),
-            )
-            params = {
-                "sg_id": event.id,
-                "sg_owner": owner,
-                "sg_error": _error_text(error),
-                "sg_delay": delay if delayed else None,  # now + NULL: NULL, free at once
-                "sg_dead": 1 if buried else 0,
-            }
-            if _kernel.execute(conn, _refuse_statement(backend), params).rowcount and buried:
-                dead.append(event.id)
+        dead = self._count_refusals(conn, backend, owner, counted, delayed)
         if free:
             _kernel.execute(conn, _release_statement(backend), {"sg_ids": free, "sg_owner": owner})
         return dead
@@ -309,6 +391,8 @@ class _RelayCore(_Isolation, Generic[E]):
 
     def _cycle(self) -> Steps[int]:
         """Claim, publish, mark: the one algorithm of both relays."""
+        if self.hold == LOCKS:
+            return (yield from self._held_cycle())
         owner = uuid.uuid4().hex
         try:
             events = yield from self._db(self._claim, owner)
@@ -329,6 +413,49 @@ class _RelayCore(_Isolation, Generic[E]):
         rest = [e for e in events if e.id not in taken]
         if rest:
             yield from self._give_back(owner, outcome, rest)
+        if outcome.interrupt is not None:
+            raise outcome.interrupt
+        if not accepted and outcome.error is not None:
+            raise outcome.error
+        return len(accepted)
+
+    def _held_cycle(self) -> Steps[int]:
+        """The cycle with ``hold="locks"``: claim (lock), publish, mark in one transaction.
+
+        One write per published event (the mark) instead of two (lease, then
+        mark).  Whatever ends the transaction early (the relay's process
+        dies, its connection drops, the mark fails, the session outlives its
+        lease idle) rolls it back: every event of the batch is free again at
+        once, and those the sink took are published again (at least once).
+        """
+        try:
+            conn = yield from self._open()
+        except ConfigurationError as error:
+            self._fatal = error
+            raise
+        committed = False
+        try:
+            try:
+                events = yield from self._on(conn, self._claim_held)
+            except SerializationConflict as error:
+                log.info("outbox relay: claim not made (%s), retrying on the next cycle", error)
+                return 0
+            except ConfigurationError as error:  # stateguard_outbox was dropped since
+                self._fatal = error
+                raise
+            if not events:
+                return 0
+            outcome = yield from self._isolate(events)
+            accepted = outcome.accepted
+            counted = outcome.refused if outcome.interrupt is None else []
+            ids = [e.id for e in accepted]
+            dead = yield from self._on(conn, self._settle_held, ids, counted, bool(accepted))
+            yield from self._end(conn, commit=True)
+            committed = True
+        finally:
+            if not committed:
+                yield from self._end(conn, commit=False)
+        self._report(counted, dead)
         if outcome.interrupt is not None:
             raise outcome.interrupt
         if not accepted and outcome.error is not None:
@@ -376,6 +503,10 @@ class _RelayCore(_Isolation, Generic[E]):
                 "outbox relay: giving back %d outbox events failed; they wait for the lease", len(rest)
             )
             return
+        self._report(counted, dead)
+
+    def _report(self, counted: list[tuple[OutboxEvent, BaseException]], dead: list[int]) -> None:
+        """Log the refusals counted in a round, and the events they parked dead."""
         for event, error in counted:
             log.warning(
                 "outbox relay: the sink refused event %d (topic %r, key %r): %s",
@@ -559,6 +690,26 @@ class Relay(_RelayCore[Engine]):
         with self._steps_engine.begin() as conn:
             return step(fn(conn, *args))
 
+    def _open(self) -> Steps[Connection]:
+        conn = self._held_engine.connect()
+        try:
+            conn.begin()
+        except BaseException:
+            conn.close()
+            raise
+        return step(conn)
+
+    def _on(self, conn: Connection, fn: Callable[..., T], /, *args: Any) -> Steps[T]:
+        return step(fn(conn, *args))
+
+    def _end(self, conn: Connection, commit: bool) -> Steps[None]:
+        try:
+            if commit:
+                conn.commit()
+        finally:
+            conn.close()  # rolls back what is not committed
+        return step(None)
+
     def _call_sink(self, fn: Callable[..., Any], /, *args: Any) -> Steps[Any]:
         result = fn(*args)
         if inspect.isawaitable(result):
@@ -614,6 +765,32 @@ class AsyncRelay(_RelayCore["AsyncEngine"]):
     async def _in_transaction(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
         async with self._steps_engine.begin() as conn:
             return await conn.run_sync(fn, *args)
+
+    def _open(self) -> Steps[Any]:
+        return step(self._open_async())
+
+    async def _open_async(self) -> Any:
+        conn = await self._held_engine.connect()
+        try:
+            await conn.begin()
+        except BaseException:
+            await conn.close()
+            raise
+        return conn
+
+    def _on(self, conn: Any, fn: Callable[..., T], /, *args: Any) -> Steps[T]:
+        return step(conn.run_sync(fn, *args))
+
+    def _end(self, conn: Any, commit: bool) -> Steps[None]:
+        return step(self._end_async(conn, commit))
+
+    @staticmethod
+    async def _end_async(conn: Any, commit: bool) -> None:
+        try:
+            if commit:
+                await conn.commit()
+        finally:
+            await conn.close()
 
     def _call_sink(self, fn: Callable[..., Any], /, *args: Any) -> Steps[Any]:
         return step(fn(*args))

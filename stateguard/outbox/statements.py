@@ -17,9 +17,11 @@ from sqlalchemy import (
     BigInteger,
     ColumnElement,
     Connection,
+    Text,
     any_,
     bindparam,
     case,
+    cast,
     exists,
     func,
     literal,
@@ -42,6 +44,12 @@ _EVENT_COLUMNS: Final = (_o.c.id, _o.c.topic, _o.c.key, _o.c.payload, _o.c.creat
 SKIP_DEAD: Final = "skip_dead"
 STRICT: Final = "strict"
 KEY_ORDERS: Final = (SKIP_DEAD, STRICT)
+
+#: How a relay holds the events it publishes (``Relay(hold=...)``): the row locks of one transaction
+#: open over the publish (PostgreSQL's default), or a committed lease (every other backend's).
+LOCKS: Final = "locks"
+LEASE: Final = "lease"
+HOLDS: Final = (LOCKS, LEASE)
 
 
 def _async_commit(backend: _kernel.Backend) -> bool:
@@ -143,6 +151,88 @@ def _claim_statement(backend: _kernel.Backend) -> Any:
     return _kernel.memo.get_or_build(("outbox_claim", backend), build)
 
 
+def _claimable(topics: bool, strict: bool) -> list[Any]:
+    """Free unpublished events whose key has no earlier event a relay could not take anyway (leased,
+    of a topic it does not publish, dead in strict order); of ``:sg_topics``."""
+    now = _kernel.db_now_ms()
+    earlier = _o.alias("sg_earlier")
+    before = [earlier.c.key == _o.c.key, earlier.c.published_ms.is_(None), earlier.c.id < _o.c.id]
+    if not strict:
+        before.append(earlier.c.dead_ms.is_(None))
+    untakeable = [earlier.c.claimed_until_ms > now]
+    if strict:
+        untakeable.append(earlier.c.dead_ms.is_not(None))
+    if topics:
+        untakeable.append(earlier.c.topic.not_in(bindparam("sg_topics", expanding=True)))
+    held_back = exists().where(*before, or_(*untakeable))
+    conditions = [
+        _o.c.published_ms.is_(None),
+        _o.c.dead_ms.is_(None),
+        _lease_free(),
+        or_(_o.c.key.is_(None), ~held_back),
+    ]
+    if topics:
+        conditions.append(_o.c.topic.in_(bindparam("sg_topics", expanding=True)))
+    return conditions
+
+
+def _whole_keys(heads: Any, strict: bool) -> Any:
+    """The condition on a row of the locked prefix ``heads``: keyless, or every earlier unpublished
+    event of its key (alive ones, unless ``strict``) is in ``heads`` too."""
+    outside = _o.alias("sg_outside")
+    gap = [outside.c.key == heads.c.key, outside.c.published_ms.is_(None), outside.c.id < heads.c.id]
+    if not strict:
+        gap.append(outside.c.dead_ms.is_(None))
+    gap.append(outside.c.id.not_in(select(heads.c.id).scalar_subquery()))
+    return or_(heads.c.key.is_(None), ~exists().where(*gap))
+
+
+def _prefix(columns: Any, topics: bool, strict: bool, lock: bool) -> Any:
+    """``sg_heads``: the first ``:sg_batch`` claimable events (``lock``: ``FOR UPDATE SKIP LOCKED``)."""
+    # ORDER BY (published_ms, id), all NULL: id order, and the order of ix_stateguard_outbox_pending,
+    # so the planner walks that index from the first unpublished event instead of the primary key
+    # through every published one (what it chose for ORDER BY id while its statistics were stale).
+    heads_select = (
+        select(*columns)
+        .where(*_claimable(topics, strict))
+        .order_by(_o.c.published_ms, _o.c.id)
+        .limit(bindparam("sg_batch"))
+    )
+    if lock:
+        heads_select = heads_select.with_for_update(skip_locked=True)
+    return heads_select.cte("sg_heads").prefix_with("MATERIALIZED")
+
+
+def _held_claim_statement(backend: _kernel.Backend, topics: bool, strict: bool) -> Any:
+    """The claim of a relay that holds its events' row locks over the publish (``hold="locks"``):
+    a ``SELECT`` of :func:`_claim_once_statement`'s choice that writes nothing.
+
+    The events stay locked by the relay's transaction until it marks them
+    published and commits (or rolls back: a relay that dies frees them at
+    once); another relay skips them (``SKIP LOCKED``) and, seeing them
+    unpublished, keeps their keys' later events out of its own claim.  The
+    same statement makes the rest of the transaction commit without waiting
+    for the WAL flush and ends the session of a relay that sits on its claim
+    longer than its lease (``idle_in_transaction_session_timeout``,
+    ``:sg_lease`` ms): its events are free again, as after a lease.
+    """
+
+    def build() -> Any:
+        heads = _prefix(_EVENT_COLUMNS, topics, strict, lock=True)
+        settings = []
+        if _async_commit(backend):
+            timeout = func.set_config(
+                literal("idle_in_transaction_session_timeout"),
+                cast(bindparam("sg_lease", type_=BigInteger), Text),
+                true(),
+            )
+            settings = [_no_flush(), timeout.label("sg_timeout")]
+        columns = [heads.c[c.name] for c in _EVENT_COLUMNS]
+        return select(*columns, *settings).where(_whole_keys(heads, strict)).order_by(heads.c.id)
+
+    return _kernel.memo.get_or_build(("outbox_held_claim", backend, topics, strict), build)
+
+
 def _claim_once_statement(backend: _kernel.Backend, topics: bool, strict: bool) -> Any:
     """The whole claim as one ``UPDATE ... RETURNING`` (PostgreSQL, SQLite): one round trip.
 
@@ -165,43 +255,8 @@ def _claim_once_statement(backend: _kernel.Backend, topics: bool, strict: bool) 
     """
 
     def build() -> Any:
-        now = _kernel.db_now_ms()
-        earlier = _o.alias("sg_earlier")
-        before = [earlier.c.key == _o.c.key, earlier.c.published_ms.is_(None), earlier.c.id < _o.c.id]
-        if not strict:
-            before.append(earlier.c.dead_ms.is_(None))
-        untakeable = [earlier.c.claimed_until_ms > now]
-        if strict:
-            untakeable.append(earlier.c.dead_ms.is_not(None))
-        if topics:
-            untakeable.append(earlier.c.topic.not_in(bindparam("sg_topics", expanding=True)))
-        held_back = exists().where(*before, or_(*untakeable))
-        conditions = [
-            _o.c.published_ms.is_(None),
-            _o.c.dead_ms.is_(None),
-            _lease_free(),
-            or_(_o.c.key.is_(None), ~held_back),
-        ]
-        if topics:
-            conditions.append(_o.c.topic.in_(bindparam("sg_topics", expanding=True)))
-        # ORDER BY (published_ms, id), all NULL: id order, and the order of ix_stateguard_outbox_pending,
-        # so the planner walks that index from the first unpublished event instead of the primary key
-        # through every published one (what it chose for ORDER BY id while its statistics were stale).
-        heads_select = (
-            select(_o.c.id, _o.c.key)
-            .where(*conditions)
-            .order_by(_o.c.published_ms, _o.c.id)
-            .limit(bindparam("sg_batch"))
-        )
-        if backend.row_locks:
-            heads_select = heads_select.with_for_update(skip_locked=True)
-        heads = heads_select.cte("sg_heads").prefix_with("MATERIALIZED")
-        outside = _o.alias("sg_outside")
-        gap = [outside.c.key == heads.c.key, outside.c.published_ms.is_(None), outside.c.id < heads.c.id]
-        if not strict:
-            gap.append(outside.c.dead_ms.is_(None))
-        gap.append(outside.c.id.not_in(select(heads.c.id).scalar_subquery()))
-        picked = select(heads.c.id).where(or_(heads.c.key.is_(None), ~exists().where(*gap)))
+        heads = _prefix((_o.c.id, _o.c.key), topics, strict, lock=backend.row_locks)
+        picked = select(heads.c.id).where(_whole_keys(heads, strict))
         if backend.array_params:
             # id = ANY(ARRAY(...)): the picked ids are computed once and the rows reached through the
             # primary key, whatever the planner estimates (an IN (...) join became a nested loop over
@@ -258,34 +313,49 @@ def _mark_statement(backend: _kernel.Backend) -> Any:
     return _kernel.memo.get_or_build(("outbox_mark", backend), build)
 
 
+def _held_mark_statement(backend: _kernel.Backend) -> Any:
+    """Mark the batch ``:sg_ids`` published, in the transaction whose claim holds their row locks
+    (``hold="locks"``): no owner to check, and the publish counted as the attempt the claim counts
+    in lease mode."""
+
+    def build() -> Any:
+        return (
+            update(_o)
+            .where(_ids_in(backend), _o.c.published_ms.is_(None))
+            .values(published_ms=_kernel.db_now_ms(), claimed_until_ms=None, attempts=_o.c.attempts + 1)
+        )
+
+    return _kernel.memo.get_or_build(("outbox_held_mark", backend), build)
+
+
 def _release_statement(backend: _kernel.Backend) -> Any:
     """Give the batch back unpublished: claimable again at once."""
     return _owned_update(backend, "release", lambda: {"claimed_until_ms": None})
 
 
-def _refuse_statement(backend: _kernel.Backend) -> Any:
+def _refuse_statement(backend: _kernel.Backend, held: bool = False) -> Any:
     """One refused event of the batch (``:sg_id``) back unpublished, claimable after ``:sg_delay`` ms,
-    its refusal counted and its error kept; ``:sg_dead`` 1: parked dead instead (executemany)."""
+    its refusal counted and its error kept; ``:sg_dead`` 1: parked dead instead (executemany).
+    ``held``: in the transaction that holds its row lock (``hold="locks"``), no owner to check, the
+    attempt counted here."""
 
     def build() -> Any:
         now = _kernel.db_now_ms()
         dead = bindparam("sg_dead", type_=BigInteger) == 1
-        return (
-            update(_o)
-            .where(
-                _o.c.id == bindparam("sg_id"),
-                _o.c.claimed_by == bindparam("sg_owner"),
-                _o.c.published_ms.is_(None),
-            )
-            .values(
-                refusals=_o.c.refusals + 1,
-                last_error=bindparam("sg_error"),
-                claimed_until_ms=case((dead, None), else_=now + bindparam("sg_delay", type_=BigInteger)),
-                dead_ms=case((dead, now), else_=None),
-            )
-        )
+        mine = [_o.c.id == bindparam("sg_id"), _o.c.published_ms.is_(None)]
+        if not held:
+            mine.insert(1, _o.c.claimed_by == bindparam("sg_owner"))
+        values: dict[str, Any] = {
+            "refusals": _o.c.refusals + 1,
+            "last_error": bindparam("sg_error"),
+            "claimed_until_ms": case((dead, None), else_=now + bindparam("sg_delay", type_=BigInteger)),
+            "dead_ms": case((dead, now), else_=None),
+        }
+        if held:
+            values["attempts"] = _o.c.attempts + 1
+        return update(_o).where(*mine).values(**values)
 
-    return _kernel.memo.get_or_build(("outbox_refuse", backend), build)
+    return _kernel.memo.get_or_build(("outbox_refuse", backend, held), build)
 
 
 def _requeue_statement(backend: _kernel.Backend, ids: bool, key: bool) -> Any:
