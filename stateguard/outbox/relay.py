@@ -596,6 +596,24 @@ class Relay(_RelayCore[Engine]):
     to another relay after the lease, so the sink may see it twice (at least
     once); make it comfortably longer than a batch takes to publish.
 
+    ``hold`` is how the relay holds a batch while the sink publishes it:
+
+    * ``"locks"`` (the default on PostgreSQL): the claim is a ``SELECT ...
+      FOR UPDATE SKIP LOCKED`` in a READ COMMITTED transaction that stays
+      open over the publish and commits with the mark.  Each event is
+      written once (the mark), not twice (lease, then mark); a relay that
+      dies frees its batch at once (its transaction rolls back with its
+      connection), and one whose publish outlasts ``lease`` loses its
+      session (``idle_in_transaction_session_timeout``), so its batch goes
+      to another relay as after a lease.  It costs a connection, and an open
+      transaction (holding back VACUUM), per relay for as long as a publish
+      takes.  ``attempts`` counts the publishes and refusals that committed.
+    * ``"lease"`` (MariaDB's and SQLite's only way): the claim commits a
+      lease on each event, the publish runs outside any transaction, and
+      the mark is a second write.
+
+    Both keep the same order per key and may run side by side on one table.
+
     An event the sink refuses holds back only its own key: the relay takes a
     refused batch apart and publishes the rest.  The refused event is tried
     again after ``retry_delay`` (doubling, at most a minute), its key's later
@@ -640,7 +658,8 @@ class Relay(_RelayCore[Engine]):
     :raises InvalidArgument: a sink without ``publish``, a ``batch`` that is
         not an int from 1 to 10000, a ``lease`` or ``retry_delay`` that is not
         a positive timedelta, ``max_attempts`` not an int >= 1, an unknown
-        ``key_order``, or bad ``topics``.
+        ``key_order``, or bad ``topics``, a ``hold`` that is not ``"locks"``,
+        ``"lease"`` or None, ``"locks"`` elsewhere than on PostgreSQL.
     """
 
     @staticmethod

@@ -178,13 +178,32 @@ def _claimable(topics: bool, strict: bool) -> list[Any]:
 
 def _whole_keys(heads: Any, strict: bool) -> Any:
     """The condition on a row of the locked prefix ``heads``: keyless, or every earlier unpublished
-    event of its key (alive ones, unless ``strict``) is in ``heads`` too."""
-    outside = _o.alias("sg_outside")
-    gap = [outside.c.key == heads.c.key, outside.c.published_ms.is_(None), outside.c.id < heads.c.id]
-    if not strict:
-        gap.append(outside.c.dead_ms.is_(None))
-    gap.append(outside.c.id.not_in(select(heads.c.id).scalar_subquery()))
-    return or_(heads.c.key.is_(None), ~exists().where(*gap))
+    event of its key (alive ones, unless ``strict``) is in ``heads`` too.
+
+    Checked once per key first (no such event before the key's last row in
+    ``heads``: the common case, every row of the key passes), then row by row
+    for the keys that fail it (a row before the gap still passes).
+    """
+
+    def gap(outside: Any, key: Any, below: Any) -> Any:
+        conditions = [outside.c.key == key, outside.c.published_ms.is_(None), outside.c.id < below]
+        if not strict:
+            conditions.append(outside.c.dead_ms.is_(None))
+        conditions.append(outside.c.id.not_in(select(heads.c.id).scalar_subquery()))
+        return exists().where(*conditions)
+
+    keys = (
+        select(heads.c.key, func.max(heads.c.id).label("sg_last"))
+        .where(heads.c.key.is_not(None))
+        .group_by(heads.c.key)
+        .cte("sg_keys")
+    )
+    whole = select(keys.c.key).where(~gap(_o.alias("sg_behind"), keys.c.key, keys.c.sg_last))
+    return or_(
+        heads.c.key.is_(None),
+        heads.c.key.in_(whole),
+        ~gap(_o.alias("sg_outside"), heads.c.key, heads.c.id),
+    )
 
 
 def _prefix(columns: Any, topics: bool, strict: bool, lock: bool) -> Any:

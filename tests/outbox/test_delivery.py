@@ -604,7 +604,7 @@ def test_relay_run_survives_database_connections_dying_under_it(
     thread.start()
     emitted: dict[int, Emitted] = {}
     try:
-        p.proxy.cut_after_next_request(p.mark_commit_bytes())
+        p.proxy.cut_after_next_request(p.mark_commit_bytes(relay.hold))
         for round_ in range(8):
             emitted |= emit_events(p.direct, 10, f"cuts{round_}", per_transaction=2)
             time.sleep(0.05)
