@@ -38,14 +38,6 @@ from ..conftest import Backend
 from ._events import Recorder, emit_one, event_rows, wait_for_db_clock_past
 
 
-@pytest.fixture(params=["lease", "locks"])
-def hold(request: pytest.FixtureRequest, backend: Backend) -> str:
-    """Each way a relay holds its claim (``Relay(hold=...)``); "locks" only where the backend has it."""
-    if request.param == "locks" and backend.name != "postgresql":
-        pytest.skip("hold='locks' is PostgreSQL's")
-    return str(request.param)
-
-
 def test_run_once_publishes_in_id_order_and_marks_them(backend: Backend, engine: Engine) -> None:
     """One batch takes the free events in id order, the sink gets them in that order, and they are marked."""
     ids = [emit_one(engine, "t", {"n": n}, key=f"k{n % 3}" if n % 4 else None) for n in range(12)]
