@@ -96,9 +96,11 @@ def _autocommit(dialect: Any) -> bool:
 
 def _holds_locks(dialect: Any) -> bool:
     """Whether a relay can hold its claim as row locks over the publish (``hold="locks"``): the claim
-    is one statement that locks ``SKIP LOCKED`` and can return the rows (PostgreSQL)."""
+    is one statement that locks ``SKIP LOCKED`` and returns the rows, and the server ends a session
+    idle in its transaction past the lease (``idle_in_transaction_session_timeout``, set with
+    ``set_config`` as ``synchronous_commit`` is): PostgreSQL proper, not CockroachDB."""
     backend = _kernel.backend(dialect)
-    return backend.returning and backend.row_locks and backend.array_params
+    return backend.returning and backend.row_locks and backend.array_params and backend.commit_without_flush
 
 
 def _error_text(error: BaseException) -> str:
