@@ -5,7 +5,9 @@ one cycle and one loop, written once in :class:`_RelayCore` as generators of
 steps.  A batch the sink refuses is taken apart (:meth:`_RelayCore._isolate`)
 so that one event the sink always refuses holds back only its own key; each
 refusal is counted on the event and an event refused ``max_attempts`` times
-is parked dead (:mod:`stateguard.outbox.dead`).  ``run()`` survives every
+is parked dead (:mod:`stateguard.outbox.dead`).  With ``hold="locks"``
+(PostgreSQL's default) the cycle is one transaction instead
+(:mod:`stateguard.outbox.held`).  ``run()`` survives every
 error of the sink and of the database and ends only when asked to, or when
 the relay's own setup is wrong (stateguard's table or its columns missing).
 """
@@ -32,6 +34,7 @@ from .._async import Awaited, Steps, run_steps, step
 from ..exceptions import ConfigurationError, InvalidArgument, SerializationConflict
 from ..tables import outbox
 from .events import MAX_TOPIC, OutboxEvent, Sink
+from .held import _Holding, _holds_locks
 from .refusals import _Isolation, _Round
 from .statements import (
     HOLDS,
@@ -46,8 +49,6 @@ from .statements import (
     _event,
     _followers_statement,
     _heads_statement,
-    _held_claim_statement,
-    _held_mark_statement,
     _mark_statement,
     _refuse_statement,
     _release_statement,
@@ -94,22 +95,13 @@ def _autocommit(dialect: Any) -> bool:
     return backend.returning and backend.row_locks
 
 
-def _holds_locks(dialect: Any) -> bool:
-    """Whether a relay can hold its claim as row locks over the publish (``hold="locks"``): the claim
-    is one statement that locks ``SKIP LOCKED`` and returns the rows, and the server ends a session
-    idle in its transaction past the lease (``idle_in_transaction_session_timeout``, set with
-    ``set_config`` as ``synchronous_commit`` is): PostgreSQL proper, not CockroachDB."""
-    backend = _kernel.backend(dialect)
-    return backend.returning and backend.row_locks and backend.array_params and backend.commit_without_flush
-
-
 def _error_text(error: BaseException) -> str:
     """``"Type: message"`` as ``last_error`` keeps it: at most 500 characters, valid UTF-8."""
     text = f"{type(error).__name__}: {error}"[:MAX_ERROR]
     return text.encode("utf-8", "replace").decode("utf-8")
 
 
-class _RelayCore(_Isolation, Generic[E]):
+class _RelayCore(_Isolation, _Holding, Generic[E]):
     """What :class:`Relay` and :class:`AsyncRelay` share: the options, the cycle and the loop, written once.
 
     The cycle and the loop are generators of steps (``stateguard._async.Steps``):
@@ -206,18 +198,6 @@ class _RelayCore(_Isolation, Generic[E]):
         """``fn(conn, *args)`` in a short transaction of its own (on PostgreSQL one statement)."""
         raise NotImplementedError
 
-    def _open(self) -> Steps[Any]:
-        """A connection of ``_held_engine`` with its transaction begun (hold="locks")."""
-        raise NotImplementedError
-
-    def _on(self, conn: Any, fn: Callable[..., T], /, *args: Any) -> Steps[T]:
-        """``fn(conn, *args)`` in the open transaction of ``conn`` (from :meth:`_open`)."""
-        raise NotImplementedError
-
-    def _end(self, conn: Any, commit: bool) -> Steps[None]:
-        """Commit (``commit``) or roll back the transaction of ``conn``, and close it."""
-        raise NotImplementedError
-
     def _call_sink(self, fn: Callable[..., Any], /, *args: Any) -> Steps[Any]:
         """``fn(*args)``, a method of the sink (``publish``, ``probe``): its result, awaited if need be."""
         raise NotImplementedError
@@ -280,31 +260,6 @@ class _RelayCore(_Isolation, Generic[E]):
             conn, _claim_statement(backend), {"sg_ids": ids, "sg_owner": owner, "sg_lease": self.lease_ms}
         )
         return [taken[i] for i in ids]
-
-    def _claim_held(self, conn: Connection) -> list[OutboxEvent]:
-        """Lock up to ``batch`` events for the transaction of ``conn`` (hold="locks"): the same choice
-        as :meth:`_claim`, nothing written."""
-        params: dict[str, Any] = {"sg_batch": self.batch, "sg_lease": self.lease_ms}
-        if self.topics is not None:
-            params["sg_topics"] = list(self.topics)
-        stmt = _held_claim_statement(
-            _kernel.backend(conn.dialect), self.topics is not None, self.key_order == STRICT
-        )
-        return [_event(r) for r in _kernel.execute(conn, stmt, params)]
-
-    def _settle_held(
-        self,
-        conn: Connection,
-        accepted: list[int],
-        counted: list[tuple[OutboxEvent, BaseException]],
-        delayed: bool,
-    ) -> list[int]:
-        """Mark ``accepted`` published and count the refusals of ``counted``, in the transaction that
-        holds their locks (hold="locks"); the ids parked dead.  What is neither is freed by the commit."""
-        backend = _kernel.backend(conn.dialect)
-        if accepted:
-            _kernel.execute(conn, _held_mark_statement(backend), {"sg_ids": accepted})
-        return self._count_refusals(conn, backend, None, counted, delayed)
 
     def _count_refusals(
         self,
@@ -415,49 +370,6 @@ class _RelayCore(_Isolation, Generic[E]):
         rest = [e for e in events if e.id not in taken]
         if rest:
             yield from self._give_back(owner, outcome, rest)
-        if outcome.interrupt is not None:
-            raise outcome.interrupt
-        if not accepted and outcome.error is not None:
-            raise outcome.error
-        return len(accepted)
-
-    def _held_cycle(self) -> Steps[int]:
-        """The cycle with ``hold="locks"``: claim (lock), publish, mark in one transaction.
-
-        One write per published event (the mark) instead of two (lease, then
-        mark).  Whatever ends the transaction early (the relay's process
-        dies, its connection drops, the mark fails, the session outlives its
-        lease idle) rolls it back: every event of the batch is free again at
-        once, and those the sink took are published again (at least once).
-        """
-        try:
-            conn = yield from self._open()
-        except ConfigurationError as error:
-            self._fatal = error
-            raise
-        committed = False
-        try:
-            try:
-                events = yield from self._on(conn, self._claim_held)
-            except SerializationConflict as error:
-                log.info("outbox relay: claim not made (%s), retrying on the next cycle", error)
-                return 0
-            except ConfigurationError as error:  # stateguard_outbox was dropped since
-                self._fatal = error
-                raise
-            if not events:
-                return 0
-            outcome = yield from self._isolate(events)
-            accepted = outcome.accepted
-            counted = outcome.refused if outcome.interrupt is None else []
-            ids = [e.id for e in accepted]
-            dead = yield from self._on(conn, self._settle_held, ids, counted, bool(accepted))
-            yield from self._end(conn, commit=True)
-            committed = True
-        finally:
-            if not committed:
-                yield from self._end(conn, commit=False)
-        self._report(counted, dead)
         if outcome.interrupt is not None:
             raise outcome.interrupt
         if not accepted and outcome.error is not None:
