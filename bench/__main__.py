@@ -44,8 +44,8 @@ SIZES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "bulk": ({"n": 10000}, {"n": 50}),
     "scale": ({"sizes": [1000, 100_000, 1_000_000], "calls": 300}, {"sizes": [100, 1000], "calls": 10}),
     "relay": (
-        {"events": 20_000, "rounds": 4, "batches": [100, 500]},
-        {"events": 200, "rounds": 1, "batches": [100, 500]},
+        {"events": 20_000, "rounds": 4, "batches": [100, 500], "holds": [None]},
+        {"events": 200, "rounds": 1, "batches": [100, 500], "holds": [None]},
     ),
     "events": ({"n": 1000}, {"n": 10}),
     "latency": ({"rate": 1000, "seconds": 10, "producers": 2}, {"rate": 100, "seconds": 1, "producers": 2}),

@@ -100,6 +100,30 @@ def _baseline(engine: Engine, client: Any, stream: str, batch: int) -> Callable[
     return once
 
 
+def _server_cpu(engine: Engine) -> float | None:
+    """CPU seconds the PostgreSQL backends of the engine's database have used so far, read from
+    ``/proc`` (a server on this machine); None elsewhere.  Unlike wall time, it does not grow when
+    other processes share the machine."""
+    if engine.dialect.name != "postgresql":
+        return None
+    with engine.connect() as conn:
+        pids = (
+            conn.exec_driver_sql("SELECT pid FROM pg_stat_activity WHERE datname = current_database()")
+            .scalars()
+            .all()
+        )
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
 def _check_stream(client: Any, stream: str, expected: int) -> None:
     """Every event once, and each key's events in id order (one relay at a time here)."""
     entries = client.xrange(stream)
@@ -116,8 +140,11 @@ def _check_stream(client: Any, stream: str, expected: int) -> None:
         last[key] = event_id
 
 
-def relay_scenario(url: str, events: int, rounds: int, batches: list[int]) -> Table:
-    """Relay vs hand-written loop, ``events`` per variant in ``rounds`` turns, at each batch size."""
+def relay_scenario(
+    url: str, events: int, rounds: int, batches: list[int], holds: list[str | None] | None = None
+) -> Table:
+    """Relay vs hand-written loop, ``events`` per variant in ``rounds`` turns, at each batch size;
+    ``holds``: a Relay per ``hold=`` option (None: the relay's default, the one variant by default)."""
     import redis
 
     client = redis.Redis.from_url(REDIS_URL)
@@ -131,14 +158,18 @@ def relay_scenario(url: str, events: int, rounds: int, batches: list[int]) -> Ta
         try:
             create_tables(engine)
             variants: dict[str, Callable[[], int]] = {}
+            kinds = [
+                "stateguard Relay" + ("" if hold is None else f" hold={hold}") for hold in holds or [None]
+            ]
             for batch in batches:
-                for kind in ("stateguard Relay", "hand-written loop"):
+                for kind in (*kinds, "hand-written loop"):
                     name = f"{kind}, batch {batch}"
                     stream = f"sg-bench-relay-{run_id}-{len(streams)}"
                     streams.append(stream)
-                    if kind == "stateguard Relay":
-                        relay = Relay(engine, RedisStreamSink(client, stream=stream), batch=batch)
-                        variants[name] = relay.run_once
+                    if kind.startswith("stateguard Relay"):
+                        hold = kind.partition("hold=")[2] or None
+                        sink = RedisStreamSink(client, stream=stream)
+                        variants[name] = Relay(engine, sink, batch=batch, hold=hold).run_once
                     else:
                         variants[name] = _baseline(engine, client, stream, batch)
             stream_of = dict(zip(variants, streams, strict=True))
@@ -147,6 +178,7 @@ def relay_scenario(url: str, events: int, rounds: int, batches: list[int]) -> Ta
             rates: dict[str, list[float]] = {name: [] for name in variants}
             stmts = {name: 0 for name in variants}
             cycles = {name: 0 for name in variants}
+            server: dict[str, float | None] = {name: 0.0 for name in variants}
             emit_s = 0.0
             rnd = random.Random(events)
             first = 0
@@ -159,6 +191,7 @@ def relay_scenario(url: str, events: int, rounds: int, batches: list[int]) -> Ta
                     first += per_round
                     once = variants[name]
                     done = 0
+                    s0 = _server_cpu(base)
                     with counting(base) as box:
                         c0, t0 = time.process_time(), time.perf_counter()
                         while True:
@@ -169,6 +202,9 @@ def relay_scenario(url: str, events: int, rounds: int, batches: list[int]) -> Ta
                             done += got
                         took = time.perf_counter() - t0
                         cpu[name] += time.process_time() - c0
+                    s1 = _server_cpu(base)
+                    spent = server[name]
+                    server[name] = None if spent is None or s0 is None or s1 is None else spent + s1 - s0
                     stmts[name] += box[0]
                     wall[name] += took
                     rates[name].append(done / took)
@@ -200,6 +236,9 @@ def relay_scenario(url: str, events: int, rounds: int, batches: list[int]) -> Ta
                 "events_per_s": round(rate),
                 "median_round_per_s": round(median(rates[name])),
                 "client_cpu_us_per_event": round(cpu[name] / total * 1e6, 1),
+                "server_cpu_us_per_event": (
+                    "" if (spent := server[name]) is None else round(spent / total * 1e6, 1)
+                ),
                 "stmts_per_batch": round(stmts[name] / max(1, cycles[name] - rounds), 2),
                 "x_baseline": round(rate / base_rate, 3),
             }
@@ -217,6 +256,9 @@ def relay_scenario(url: str, events: int, rounds: int, batches: list[int]) -> Ta
         "the hand-written loop holds its transaction open while it XADDs and does not keep per-key order "
         "across several relays; stateguard's Relay claims, publishes outside a transaction, then marks",
         "every stream checked: each event exactly once, each key's events in id order",
+        "server_cpu_us_per_event: CPU time of the database's PostgreSQL backends (from /proc: a server on "
+        "this machine) over the events; with the client's, a cost that other load on the machine does not "
+        "inflate as it does events_per_s",
     ]
     return table
 

@@ -25,6 +25,7 @@ keys, a bound on latency, delivery exactly once.  Modules: :mod:`.events`,
 
 from __future__ import annotations
 
+from .async_relay import AsyncRelay
 from .dead import purge_published, requeue_dead
 from .events import MAX_DEPTH as MAX_DEPTH
 from .events import MAX_TOPIC as MAX_TOPIC
@@ -32,7 +33,7 @@ from .events import CallableSink, OutboxEvent, Sink, emit
 from .events import payload_text as payload_text
 from .relay import DEFAULT_MAX_ATTEMPTS as DEFAULT_MAX_ATTEMPTS
 from .relay import MAX_BATCH as MAX_BATCH
-from .relay import AsyncRelay, Relay
+from .relay import Relay
 from .statements import KEY_ORDERS as KEY_ORDERS
 from .statements import SKIP_DEAD as SKIP_DEAD
 from .statements import STRICT as STRICT

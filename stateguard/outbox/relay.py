@@ -5,14 +5,15 @@ one cycle and one loop, written once in :class:`_RelayCore` as generators of
 steps.  A batch the sink refuses is taken apart (:meth:`_RelayCore._isolate`)
 so that one event the sink always refuses holds back only its own key; each
 refusal is counted on the event and an event refused ``max_attempts`` times
-is parked dead (:mod:`stateguard.outbox.dead`).  ``run()`` survives every
+is parked dead (:mod:`stateguard.outbox.dead`).  With ``hold="locks"``
+(PostgreSQL's default) the cycle is one transaction instead
+(:mod:`stateguard.outbox.held`).  ``run()`` survives every
 error of the sink and of the database and ends only when asked to, or when
 the relay's own setup is wrong (stateguard's table or its columns missing).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import inspect
 import logging
@@ -27,14 +28,18 @@ from sqlalchemy import Connection, Dialect, Engine
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import inspect as sa_inspect
 
-from .. import _kernel
-from .._async import Awaited, Steps, run_steps, step
+from .. import _compat, _kernel
+from .._async import Steps, run_steps, step
 from ..exceptions import ConfigurationError, InvalidArgument, SerializationConflict
 from ..tables import outbox
 from .events import MAX_TOPIC, OutboxEvent, Sink
+from .held import _Holding, _holds_locks
 from .refusals import _Isolation, _Round
 from .statements import (
+    HOLDS,
     KEY_ORDERS,
+    LEASE,
+    LOCKS,
     SKIP_DEAD,
     STRICT,
     _begin,
@@ -95,7 +100,7 @@ def _error_text(error: BaseException) -> str:
     return text.encode("utf-8", "replace").decode("utf-8")
 
 
-class _RelayCore(_Isolation, Generic[E]):
+class _RelayCore(_Isolation, _Holding, Generic[E]):
     """What :class:`Relay` and :class:`AsyncRelay` share: the options, the cycle and the loop, written once.
 
     The cycle and the loop are generators of steps (``stateguard._async.Steps``):
@@ -115,6 +120,7 @@ class _RelayCore(_Isolation, Generic[E]):
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         retry_delay: timedelta = DEFAULT_RETRY_DELAY,
         key_order: str = SKIP_DEAD,
+        hold: str | None = None,
     ) -> None:
         dialect = self._dialect_of(engine)
         if not callable(getattr(sink, "publish", None)):
@@ -134,7 +140,22 @@ class _RelayCore(_Isolation, Generic[E]):
                 f"key_order must be {SKIP_DEAD!r} (a dead event lets its key's later events go) or "
                 f"{STRICT!r} (they wait until it is requeued and published), got {key_order!r}"
             )
+        if hold is None:
+            hold = LOCKS if _holds_locks(dialect) else LEASE
+        elif hold not in HOLDS:
+            raise InvalidArgument(
+                f"hold must be {LOCKS!r} (the row locks of a transaction open over the publish), "
+                f"{LEASE!r} (a committed lease) or None (locks where the database can), got {hold!r}"
+            )
+        elif hold == LOCKS and not _holds_locks(dialect):
+            raise InvalidArgument(
+                f"hold={LOCKS!r} needs PostgreSQL (one locking claim statement that returns its rows); "
+                f"{_kernel.backend(dialect).name} relays hold their claims with a lease: "
+                f"hold={LEASE!r} or None"
+            )
         self.sink = sink
+        #: How the relay holds a claimed batch while it publishes it: ``"locks"`` or ``"lease"``.
+        self.hold = hold
         self.batch = _kernel.check_batch(batch)
         self.lease_ms = _kernel.duration_ms(lease, "lease")
         self.max_attempts = max_attempts
@@ -153,6 +174,9 @@ class _RelayCore(_Isolation, Generic[E]):
         self._steps_engine: E = (
             engine.execution_options(isolation_level="AUTOCOMMIT") if _autocommit(dialect) else engine
         )
+        #: What a held claim's transaction begins on (hold="locks"): READ COMMITTED, whatever the
+        #: engine's own level, so the claim's locking read re-checks rows changed since its snapshot.
+        self._held_engine: E = engine.execution_options(isolation_level="READ COMMITTED")
         #: Whether run() waits on LISTEN/NOTIFY (PostgreSQL) rather than polling alone.
         self._notified = notifies(_kernel.backend(dialect))
         #: The listening connection of run(), while it runs (tests reach it to kill it).
@@ -237,6 +261,37 @@ class _RelayCore(_Isolation, Generic[E]):
         )
         return [taken[i] for i in ids]
 
+    def _count_refusals(
+        self,
+        conn: Connection,
+        backend: _kernel.Backend,
+        owner: str | None,
+        counted: list[tuple[OutboxEvent, BaseException]],
+        delayed: bool,
+    ) -> list[int]:
+        """Count the refusals of ``counted`` (``owner`` None: the row locks are this transaction's);
+        the ids parked dead."""
+        dead: list[int] = []
+        stmt = _refuse_statement(backend, held=owner is None)
+        for event, error in counted:
+            refusals = event._refusals + 1
+            buried = refusals >= self.max_attempts
+            delay = min(
+                self.retry_delay_ms * 2 ** min(event._refusals, 32),
+                max(MAX_RETRY_DELAY_MS, self.retry_delay_ms),
+            )
+            params = {
+                "sg_id": event.id,
+                "sg_error": _error_text(error),
+                "sg_delay": delay if delayed else None,  # now + NULL: NULL, free at once
+                "sg_dead": 1 if buried else 0,
+            }
+            if owner is not None:
+                params["sg_owner"] = owner
+            if _kernel.execute(conn, stmt, params).rowcount and buried:
+                dead.append(event.id)
+        return dead
+
     @staticmethod
     def _mark(conn: Connection, owner: str, ids: list[int]) -> int:
         backend = _begin(conn)
@@ -262,23 +317,7 @@ class _RelayCore(_Isolation, Generic[E]):
         ``delayed``: claimable again only after their retry delay) and give ``free`` back at once;
         return the ids parked dead."""
         backend = _begin(conn)
-        dead: list[int] = []
-        for event, error in counted:
-            refusals = event._refusals + 1
-            buried = refusals >= self.max_attempts
-            delay = min(
-                self.retry_delay_ms * 2 ** min(event._refusals, 32),
-                max(MAX_RETRY_DELAY_MS, self.retry_delay_ms),
-            )
-            params = {
-                "sg_id": event.id,
-                "sg_owner": owner,
-                "sg_error": _error_text(error),
-                "sg_delay": delay if delayed else None,  # now + NULL: NULL, free at once
-                "sg_dead": 1 if buried else 0,
-            }
-            if _kernel.execute(conn, _refuse_statement(backend), params).rowcount and buried:
-                dead.append(event.id)
+        dead = self._count_refusals(conn, backend, owner, counted, delayed)
         if free:
             _kernel.execute(conn, _release_statement(backend), {"sg_ids": free, "sg_owner": owner})
         return dead
@@ -309,6 +348,8 @@ class _RelayCore(_Isolation, Generic[E]):
 
     def _cycle(self) -> Steps[int]:
         """Claim, publish, mark: the one algorithm of both relays."""
+        if self.hold == LOCKS:
+            return (yield from self._held_cycle())
         owner = uuid.uuid4().hex
         try:
             events = yield from self._db(self._claim, owner)
@@ -376,6 +417,10 @@ class _RelayCore(_Isolation, Generic[E]):
                 "outbox relay: giving back %d outbox events failed; they wait for the lease", len(rest)
             )
             return
+        self._report(counted, dead)
+
+    def _report(self, counted: list[tuple[OutboxEvent, BaseException]], dead: list[int]) -> None:
+        """Log the refusals counted in a round, and the events they parked dead."""
         for event, error in counted:
             log.warning(
                 "outbox relay: the sink refused event %d (topic %r, key %r): %s",
@@ -465,6 +510,24 @@ class Relay(_RelayCore[Engine]):
     to another relay after the lease, so the sink may see it twice (at least
     once); make it comfortably longer than a batch takes to publish.
 
+    ``hold`` is how the relay holds a batch while the sink publishes it:
+
+    * ``"locks"`` (the default on PostgreSQL): the claim is a ``SELECT ...
+      FOR UPDATE SKIP LOCKED`` in a READ COMMITTED transaction that stays
+      open over the publish and commits with the mark.  Each event is
+      written once (the mark), not twice (lease, then mark); a relay that
+      dies frees its batch at once (its transaction rolls back with its
+      connection), and one whose publish outlasts ``lease`` loses its
+      session (``idle_in_transaction_session_timeout``), so its batch goes
+      to another relay as after a lease.  It costs a connection, and an open
+      transaction (holding back VACUUM), per relay for as long as a publish
+      takes.  ``attempts`` counts the publishes and refusals that committed.
+    * ``"lease"`` (MariaDB's and SQLite's only way): the claim commits a
+      lease on each event, the publish runs outside any transaction, and
+      the mark is a second write.
+
+    Both keep the same order per key and may run side by side on one table.
+
     An event the sink refuses holds back only its own key: the relay takes a
     refused batch apart and publishes the rest.  The refused event is tried
     again after ``retry_delay`` (doubling, at most a minute), its key's later
@@ -509,7 +572,8 @@ class Relay(_RelayCore[Engine]):
     :raises InvalidArgument: a sink without ``publish``, a ``batch`` that is
         not an int from 1 to 10000, a ``lease`` or ``retry_delay`` that is not
         a positive timedelta, ``max_attempts`` not an int >= 1, an unknown
-        ``key_order``, or bad ``topics``.
+        ``key_order``, or bad ``topics``, a ``hold`` that is not ``"locks"``,
+        ``"lease"`` or None, ``"locks"`` elsewhere than on PostgreSQL.
     """
 
     @staticmethod
@@ -559,6 +623,26 @@ class Relay(_RelayCore[Engine]):
         with _commit_conflicts(), self._steps_engine.begin() as conn:
             return step(fn(conn, *args))
 
+    def _open(self) -> Steps[Connection]:
+        conn = self._held_engine.connect()
+        try:
+            conn.begin()
+        except BaseException:
+            conn.close()
+            raise
+        return step(conn)
+
+    def _on(self, conn: Connection, fn: Callable[..., T], /, *args: Any) -> Steps[T]:
+        return step(fn(conn, *args))
+
+    def _end(self, conn: Connection, commit: bool) -> Steps[None]:
+        try:
+            if commit:
+                conn.commit()
+        finally:
+            conn.close()  # rolls back what is not committed
+        return step(None)
+
     def _call_sink(self, fn: Callable[..., Any], /, *args: Any) -> Steps[Any]:
         result = fn(*args)
         if inspect.isawaitable(result):
@@ -597,54 +681,9 @@ def _commit_conflicts() -> Iterator[None]:
         raise mapped from error
 
 
-class AsyncRelay(_RelayCore["AsyncEngine"]):
-    """:class:`Relay` on an :class:`~sqlalchemy.ext.asyncio.AsyncEngine`: the same cycle, awaited.
+#: Names this module defined before AsyncRelay got a module of its own, and where they live now.
+_MOVED: Final = {"AsyncRelay": "stateguard.outbox.async_relay"}
 
-    ::
 
-        relay = AsyncRelay(async_engine, CallableSink(send_batch))
-        await relay.run_once()
-        await relay.run(stop)     # stop: an asyncio.Event
-
-    The sink's ``publish`` may be a coroutine function (a ``redis.asyncio``
-    client's :class:`~stateguard.RedisStreamSink`); a synchronous one
-    runs in the event loop's thread.  ``run()`` keeps :meth:`Relay.run`'s
-    promise; a cancellation ends it (after the batch in hand is given back).
-    """
-
-    @staticmethod
-    def _dialect_of(engine: Any) -> Dialect:
-        if type(engine).__name__ != "AsyncEngine" or not hasattr(engine, "sync_engine"):
-            raise InvalidArgument(f"AsyncRelay needs an AsyncEngine, got {type(engine).__name__}")
-        dialect: Dialect = engine.sync_engine.dialect
-        return dialect
-
-    async def run_once(self) -> int:
-        """Claim one batch, publish what the sink takes, mark it published; see :meth:`Relay.run_once`."""
-        return await Awaited(self._cycle())
-
-    async def run(self, stop_event: asyncio.Event | None = None, *, idle_sleep: float = 1.0) -> None:
-        """Run batches until ``stop_event`` is set (forever without one); see :meth:`Relay.run`."""
-        await Awaited(self._serve(stop_event if stop_event is not None else asyncio.Event(), idle_sleep))
-
-    def _db(self, fn: Callable[..., T], /, *args: Any) -> Steps[T]:
-        return step(self._in_transaction(fn, args))
-
-    async def _in_transaction(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
-        with _commit_conflicts():
-            async with self._steps_engine.begin() as conn:
-                return await conn.run_sync(fn, *args)
-
-    def _call_sink(self, fn: Callable[..., Any], /, *args: Any) -> Steps[Any]:
-        return step(fn(*args))
-
-    def _idle(self, stop: asyncio.Event, seconds: float) -> Steps[None]:
-        return step(self._wait(stop, seconds))
-
-    def _make_listener(self) -> AsyncListener:
-        return AsyncListener(self.engine)
-
-    @staticmethod
-    async def _wait(stop: asyncio.Event, seconds: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), seconds)
+def __getattr__(name: str) -> Any:
+    return _compat.moved(__name__, name, _MOVED)

@@ -14,15 +14,18 @@ from typing import Any, Final, TypeAlias
 
 from sqlalchemy import (
     ARRAY,
+    CTE,
     BigInteger,
     ColumnElement,
     Connection,
     Label,
     Select,
+    Text,
     Update,
     any_,
     bindparam,
     case,
+    cast,
     exists,
     func,
     literal,
@@ -33,6 +36,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.sql.dml import ReturningUpdate
+from sqlalchemy.sql.selectable import Exists
 
 from .. import _kernel
 from ..tables import outbox
@@ -55,6 +59,12 @@ SKIP_DEAD: Final = "skip_dead"
 STRICT: Final = "strict"
 KEY_ORDERS: Final = (SKIP_DEAD, STRICT)
 
+#: How a relay holds the events it publishes (``Relay(hold=...)``): the row locks of one transaction
+#: open over the publish (PostgreSQL's default), or a committed lease (every other backend's).
+LOCKS: Final = "locks"
+LEASE: Final = "lease"
+HOLDS: Final = (LOCKS, LEASE)
+
 
 def _async_commit(backend: _kernel.Backend) -> bool:
     """Whether the relay's own writes commit without waiting for the WAL flush: PostgreSQL proper
@@ -73,7 +83,9 @@ def _async_commit(backend: _kernel.Backend) -> bool:
 def _no_flush() -> Label[Any]:
     """``set_config('synchronous_commit', 'off', true)``: this statement's transaction commits without
     waiting for its WAL to reach the disk (see :func:`_async_commit`)."""
-    return func.set_config(literal("synchronous_commit"), literal("off"), true()).label("sg_no_flush")
+    # A scalar subquery: an InitPlan, run once for the statement, not once per row returned.
+    setting = func.set_config(literal("synchronous_commit"), literal("off"), true())
+    return select(setting).scalar_subquery().label("sg_no_flush")
 
 
 def _lease_free() -> ColumnElement[bool]:
@@ -160,6 +172,107 @@ def _claim_statement(backend: _kernel.Backend) -> Update:
     return _kernel.memo.get_or_build(("outbox_claim", backend), build)
 
 
+def _claimable(topics: bool, strict: bool) -> list[ColumnElement[bool]]:
+    """Free unpublished events whose key has no earlier event a relay could not take anyway (leased,
+    of a topic it does not publish, dead in strict order); of ``:sg_topics``."""
+    now = _kernel.db_now_ms()
+    earlier = outbox.alias("sg_earlier")
+    before = [earlier.c.key == outbox.c.key, earlier.c.published_ms.is_(None), earlier.c.id < outbox.c.id]
+    if not strict:
+        before.append(earlier.c.dead_ms.is_(None))
+    untakeable = [earlier.c.claimed_until_ms > now]
+    if strict:
+        untakeable.append(earlier.c.dead_ms.is_not(None))
+    if topics:
+        untakeable.append(earlier.c.topic.not_in(bindparam("sg_topics", expanding=True)))
+    held_back = exists().where(*before, or_(*untakeable))
+    conditions = [
+        outbox.c.published_ms.is_(None),
+        outbox.c.dead_ms.is_(None),
+        _lease_free(),
+        or_(outbox.c.key.is_(None), ~held_back),
+    ]
+    if topics:
+        conditions.append(outbox.c.topic.in_(bindparam("sg_topics", expanding=True)))
+    return conditions
+
+
+def _whole_keys(heads: CTE, strict: bool) -> ColumnElement[bool]:
+    """The condition on a row of the locked prefix ``heads``: keyless, or every earlier unpublished
+    event of its key (alive ones, unless ``strict``) is in ``heads`` too.
+
+    Checked once per key first (no such event before the key's last row in
+    ``heads``: the common case, every row of the key passes), then row by row
+    for the keys that fail it (a row before the gap still passes).
+    """
+
+    def gap(outside: Any, key: Any, below: Any) -> Exists:
+        conditions = [outside.c.key == key, outside.c.published_ms.is_(None), outside.c.id < below]
+        if not strict:
+            conditions.append(outside.c.dead_ms.is_(None))
+        conditions.append(outside.c.id.not_in(select(heads.c.id).scalar_subquery()))
+        return exists().where(*conditions)
+
+    keys = (
+        select(heads.c.key, func.max(heads.c.id).label("sg_last"))
+        .where(heads.c.key.is_not(None))
+        .group_by(heads.c.key)
+        .cte("sg_keys")
+    )
+    whole = select(keys.c.key).where(~gap(outbox.alias("sg_behind"), keys.c.key, keys.c.sg_last))
+    return or_(
+        heads.c.key.is_(None),
+        heads.c.key.in_(whole),
+        ~gap(outbox.alias("sg_outside"), heads.c.key, heads.c.id),
+    )
+
+
+def _prefix(columns: Any, topics: bool, strict: bool, lock: bool) -> CTE:
+    """``sg_heads``: the first ``:sg_batch`` claimable events (``lock``: ``FOR UPDATE SKIP LOCKED``)."""
+    # ORDER BY (published_ms, id), all NULL: id order, and the order of ix_stateguard_outbox_pending,
+    # so the planner walks that index from the first unpublished event instead of the primary key
+    # through every published one (what it chose for ORDER BY id while its statistics were stale).
+    heads_select = (
+        select(*columns)
+        .where(*_claimable(topics, strict))
+        .order_by(outbox.c.published_ms, outbox.c.id)
+        .limit(bindparam("sg_batch"))
+    )
+    if lock:
+        heads_select = heads_select.with_for_update(skip_locked=True)
+    return heads_select.cte("sg_heads").prefix_with("MATERIALIZED")
+
+
+def _held_claim_statement(backend: _kernel.Backend, topics: bool, strict: bool) -> Select[*tuple[Any, ...]]:
+    """The claim of a relay that holds its events' row locks over the publish (``hold="locks"``):
+    a ``SELECT`` of :func:`_claim_once_statement`'s choice that writes nothing.
+
+    The events stay locked by the relay's transaction until it marks them
+    published and commits (or rolls back: a relay that dies frees them at
+    once); another relay skips them (``SKIP LOCKED``) and, seeing them
+    unpublished, keeps their keys' later events out of its own claim.  The
+    same statement makes the rest of the transaction commit without waiting
+    for the WAL flush and ends the session of a relay that sits on its claim
+    longer than its lease (``idle_in_transaction_session_timeout``,
+    ``:sg_lease`` ms): its events are free again, as after a lease.
+    """
+
+    def build() -> Select[*tuple[Any, ...]]:
+        heads = _prefix(_EVENT_COLUMNS, topics, strict, lock=True)
+        settings = []
+        if _async_commit(backend):
+            timeout = func.set_config(
+                literal("idle_in_transaction_session_timeout"),
+                cast(bindparam("sg_lease", type_=BigInteger), Text),
+                true(),
+            )
+            settings = [_no_flush(), select(timeout).scalar_subquery().label("sg_timeout")]
+        columns = [heads.c[c.name] for c in _EVENT_COLUMNS]
+        return select(*columns, *settings).where(_whole_keys(heads, strict)).order_by(heads.c.id)
+
+    return _kernel.memo.get_or_build(("outbox_held_claim", backend, topics, strict), build)
+
+
 def _claim_once_statement(
     backend: _kernel.Backend, topics: bool, strict: bool
 ) -> ReturningUpdate[*tuple[Any, ...]]:
@@ -184,43 +297,8 @@ def _claim_once_statement(
     """
 
     def build() -> ReturningUpdate[*tuple[Any, ...]]:
-        now = _kernel.db_now_ms()
-        earlier = outbox.alias("sg_earlier")
-        before = [earlier.c.key == outbox.c.key, earlier.c.published_ms.is_(None), earlier.c.id < outbox.c.id]
-        if not strict:
-            before.append(earlier.c.dead_ms.is_(None))
-        untakeable = [earlier.c.claimed_until_ms > now]
-        if strict:
-            untakeable.append(earlier.c.dead_ms.is_not(None))
-        if topics:
-            untakeable.append(earlier.c.topic.not_in(bindparam("sg_topics", expanding=True)))
-        held_back = exists().where(*before, or_(*untakeable))
-        conditions = [
-            outbox.c.published_ms.is_(None),
-            outbox.c.dead_ms.is_(None),
-            _lease_free(),
-            or_(outbox.c.key.is_(None), ~held_back),
-        ]
-        if topics:
-            conditions.append(outbox.c.topic.in_(bindparam("sg_topics", expanding=True)))
-        # ORDER BY (published_ms, id), all NULL: id order, and the order of ix_stateguard_outbox_pending,
-        # so the planner walks that index from the first unpublished event instead of the primary key
-        # through every published one (what it chose for ORDER BY id while its statistics were stale).
-        heads_select = (
-            select(outbox.c.id, outbox.c.key)
-            .where(*conditions)
-            .order_by(outbox.c.published_ms, outbox.c.id)
-            .limit(bindparam("sg_batch"))
-        )
-        if backend.row_locks:
-            heads_select = heads_select.with_for_update(skip_locked=True)
-        heads = heads_select.cte("sg_heads").prefix_with("MATERIALIZED")
-        outside = outbox.alias("sg_outside")
-        gap = [outside.c.key == heads.c.key, outside.c.published_ms.is_(None), outside.c.id < heads.c.id]
-        if not strict:
-            gap.append(outside.c.dead_ms.is_(None))
-        gap.append(outside.c.id.not_in(select(heads.c.id).scalar_subquery()))
-        picked = select(heads.c.id).where(or_(heads.c.key.is_(None), ~exists().where(*gap)))
+        heads = _prefix((outbox.c.id, outbox.c.key), topics, strict, lock=backend.row_locks)
+        picked = select(heads.c.id).where(_whole_keys(heads, strict))
         if backend.array_params:
             # id = ANY(ARRAY(...)): the picked ids are computed once and the rows reached through the
             # primary key, whatever the planner estimates (an IN (...) join became a nested loop over
@@ -285,34 +363,49 @@ def _mark_statement(backend: _kernel.Backend) -> Update | ReturningUpdate[Any]:
     return _kernel.memo.get_or_build(("outbox_mark", backend), build)
 
 
+def _held_mark_statement(backend: _kernel.Backend) -> Update:
+    """Mark the batch ``:sg_ids`` published, in the transaction whose claim holds their row locks
+    (``hold="locks"``): no owner to check, and the publish counted as the attempt the claim counts
+    in lease mode."""
+
+    def build() -> Update:
+        return (
+            update(outbox)
+            .where(_ids_in(backend), outbox.c.published_ms.is_(None))
+            .values(published_ms=_kernel.db_now_ms(), claimed_until_ms=None, attempts=outbox.c.attempts + 1)
+        )
+
+    return _kernel.memo.get_or_build(("outbox_held_mark", backend), build)
+
+
 def _release_statement(backend: _kernel.Backend) -> Update:
     """Give the batch back unpublished: claimable again at once."""
     return _owned_update(backend, "release", lambda: {"claimed_until_ms": None})
 
 
-def _refuse_statement(backend: _kernel.Backend) -> Update:
+def _refuse_statement(backend: _kernel.Backend, held: bool = False) -> Update:
     """One refused event of the batch (``:sg_id``) back unpublished, claimable after ``:sg_delay`` ms,
-    its refusal counted and its error kept; ``:sg_dead`` 1: parked dead instead (executemany)."""
+    its refusal counted and its error kept; ``:sg_dead`` 1: parked dead instead (executemany).
+    ``held``: in the transaction that holds its row lock (``hold="locks"``), no owner to check, the
+    attempt counted here."""
 
     def build() -> Update:
         now = _kernel.db_now_ms()
         dead = bindparam("sg_dead", type_=BigInteger) == 1
-        return (
-            update(outbox)
-            .where(
-                outbox.c.id == bindparam("sg_id"),
-                outbox.c.claimed_by == bindparam("sg_owner"),
-                outbox.c.published_ms.is_(None),
-            )
-            .values(
-                refusals=outbox.c.refusals + 1,
-                last_error=bindparam("sg_error"),
-                claimed_until_ms=case((dead, None), else_=now + bindparam("sg_delay", type_=BigInteger)),
-                dead_ms=case((dead, now), else_=None),
-            )
-        )
+        mine = [outbox.c.id == bindparam("sg_id"), outbox.c.published_ms.is_(None)]
+        if not held:
+            mine.insert(1, outbox.c.claimed_by == bindparam("sg_owner"))
+        values: dict[str, Any] = {
+            "refusals": outbox.c.refusals + 1,
+            "last_error": bindparam("sg_error"),
+            "claimed_until_ms": case((dead, None), else_=now + bindparam("sg_delay", type_=BigInteger)),
+            "dead_ms": case((dead, now), else_=None),
+        }
+        if held:
+            values["attempts"] = outbox.c.attempts + 1
+        return update(outbox).where(*mine).values(**values)
 
-    return _kernel.memo.get_or_build(("outbox_refuse", backend), build)
+    return _kernel.memo.get_or_build(("outbox_refuse", backend, held), build)
 
 
 def _requeue_statement(backend: _kernel.Backend, ids: bool, key: bool) -> Update:
@@ -352,8 +445,12 @@ def _begin(conn: Connection) -> _kernel.Backend:
     return backend
 
 
+#: ``json.loads`` without its per-call checks: the stored payload is always a str.
+_decode: Final = json.JSONDecoder().decode
+
+
 def _event(row: Any) -> OutboxEvent:
-    stored = row.payload
-    return OutboxEvent(
-        int(row.id), row.topic, row.key, json.loads(stored), int(row.created_ms), stored, int(row.refusals)
-    )
+    # By position (a Row's attributes are looked up by name, several times slower): the first
+    # columns of every claim's rows are _EVENT_COLUMNS, in that order.
+    event_id, topic, key, stored, created_ms, refusals = row[:6]
+    return OutboxEvent(int(event_id), topic, key, _decode(stored), int(created_ms), stored, int(refusals))

@@ -43,11 +43,21 @@ def pending(engine: Any) -> int:
 
 
 def relay_until_done(
-    engine: Any, barrier: Any, seen: Any, relay_name: str, batch: int, jitter_s: float
+    engine: Any,
+    barrier: Any,
+    seen: Any,
+    relay_name: str,
+    batch: int,
+    jitter_s: float,
+    hold: str | None = None,
 ) -> int:
     """Wait at the barrier, then run batches until no event is left unpublished; return its count."""
     relay = Relay(
-        engine, recording_sink(seen, relay_name, jitter_s), batch=batch, lease=timedelta(seconds=60)
+        engine,
+        recording_sink(seen, relay_name, jitter_s),
+        batch=batch,
+        lease=timedelta(seconds=60),
+        hold=hold,
     )
     barrier.wait()
     total = 0
@@ -63,17 +73,26 @@ def relay_until_done(
 
 
 def relay_in_process(
-    name: str, url: str, barrier: Any, seen: Any, relay_name: str, batch: int, jitter_s: float
+    name: str,
+    url: str,
+    barrier: Any,
+    seen: Any,
+    relay_name: str,
+    batch: int,
+    jitter_s: float,
+    hold: str | None = None,
 ) -> int:
     """:func:`relay_until_done` in a spawned process, with its own engine."""
     engine = make_engine(name, url)
     try:
-        return relay_until_done(engine, barrier, seen, relay_name, batch, jitter_s)
+        return relay_until_done(engine, barrier, seen, relay_name, batch, jitter_s, hold)
     finally:
         engine.dispose()
 
 
-def publish_then_hang(name: str, url: str, lease_s: float, seen: Any, published: Any) -> None:
+def publish_then_hang(
+    name: str, url: str, lease_s: float, seen: Any, published: Any, hold: str | None = None
+) -> None:
     """Claim and publish one batch, then hang before marking it (the test SIGKILLs this process)."""
     engine = make_engine(name, url)
 
@@ -82,4 +101,4 @@ def publish_then_hang(name: str, url: str, lease_s: float, seen: Any, published:
         published.set()
         time.sleep(600)
 
-    Relay(engine, CallableSink(publish), lease=timedelta(seconds=lease_s)).run_once()
+    Relay(engine, CallableSink(publish), lease=timedelta(seconds=lease_s), hold=hold).run_once()

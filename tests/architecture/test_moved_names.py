@@ -24,6 +24,7 @@ from tests.conftest import Backend
         ("stateguard.tokens", "AsyncRedisTokens"),
         ("stateguard.idempotency", "consume_once"),
         ("stateguard.redis", "RedisStreamSink"),
+        ("stateguard.outbox.relay", "AsyncRelay"),
     ],
 )
 def test_a_moved_name_still_imports_from_its_old_module_with_a_warning(module: str, name: str) -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from tests._support.async_helpers import ASYNC_TARGETS, AsyncTarget, target_from
 from tests._support.redis_server import RedisServer
+from tests.conftest import Backend
 
 
 @pytest.fixture(scope="module")
@@ -22,3 +23,11 @@ def private_redis() -> Iterator[RedisServer]:
 def target(request: pytest.FixtureRequest) -> AsyncTarget:
     """Each async driver, on the namespace of its backend."""
     return target_from(request)
+
+
+@pytest.fixture(params=["lease", "locks"])
+def hold(request: pytest.FixtureRequest, backend: Backend) -> str:
+    """Each way a relay holds its claim (``Relay(hold=...)``); "locks" only where the backend has it."""
+    if request.param == "locks" and backend.name != "postgresql":
+        pytest.skip("hold='locks' is PostgreSQL's")
+    return str(request.param)

@@ -25,7 +25,7 @@ def _rounds(relay: Relay, n: int) -> None:
 
 
 def test_a_refused_event_holds_back_only_its_key_until_it_is_parked_dead(
-    backend: Backend, engine: Engine
+    backend: Backend, engine: Engine, hold: str
 ) -> None:
     """While refused its key's next event waits; after max_attempts refusals it is dead and the next goes."""
     from stateguard.tooling.inspection import inspect_database
@@ -33,7 +33,7 @@ def test_a_refused_event_holds_back_only_its_key_until_it_is_parked_dead(
     poison = emit_one(engine, "t", {"n": 0}, key="bad")
     after = emit_one(engine, "t", {"n": 1}, key="bad")
     sink = Refusing({poison})
-    relay = Relay(engine, sink, max_attempts=3, retry_delay=timedelta(milliseconds=1))
+    relay = Relay(engine, sink, max_attempts=3, retry_delay=timedelta(milliseconds=1), hold=hold)
     for _ in range(200):
         if event_row(engine, poison).dead_ms is not None:
             break
@@ -52,13 +52,15 @@ def test_a_refused_event_holds_back_only_its_key_until_it_is_parked_dead(
     assert any("dead" in s for s in report.stuck)
 
 
-def test_requeue_publishes_a_dead_event_once_the_sink_accepts_it(backend: Backend, engine: Engine) -> None:
+def test_requeue_publishes_a_dead_event_once_the_sink_accepts_it(
+    backend: Backend, engine: Engine, hold: str
+) -> None:
     """requeue_dead() makes a dead event claimable again and it is published once; live ones are untouched."""
     from stateguard import requeue_dead
 
     poison = emit_one(engine, "t", {"n": 0}, key="bad")
     sink = Refusing({poison})
-    relay = Relay(engine, sink, max_attempts=2, retry_delay=timedelta(milliseconds=1))
+    relay = Relay(engine, sink, max_attempts=2, retry_delay=timedelta(milliseconds=1), hold=hold)
     for _ in range(200):
         _rounds(relay, 1)
         if event_row(engine, poison).dead_ms is not None:
@@ -76,14 +78,14 @@ def test_requeue_publishes_a_dead_event_once_the_sink_accepts_it(backend: Backen
     assert sink.taken == [poison]
 
 
-def test_stateguard_outbox_requeue_requeues_dead_events(backend: Backend, engine: Engine) -> None:
+def test_stateguard_outbox_requeue_requeues_dead_events(backend: Backend, engine: Engine, hold: str) -> None:
     """`stateguard outbox requeue --db URL` gives every dead event back and says how many."""
     import io
 
     from stateguard.tooling.cli import main
 
     poison = emit_one(engine, "t", {"n": 0}, key=None)
-    relay = Relay(engine, Refusing({poison}), max_attempts=1)
+    relay = Relay(engine, Refusing({poison}), max_attempts=1, hold=hold)
     _rounds(relay, 1)
     assert event_row(engine, poison).dead_ms is not None
     out, err = io.StringIO(), io.StringIO()
@@ -95,7 +97,9 @@ def test_stateguard_outbox_requeue_requeues_dead_events(backend: Backend, engine
     assert event_row(engine, poison).dead_ms is None
 
 
-def test_strict_key_order_holds_a_dead_events_later_events(backend: Backend, engine: Engine) -> None:
+def test_strict_key_order_holds_a_dead_events_later_events(
+    backend: Backend, engine: Engine, hold: str
+) -> None:
     """key_order="strict": a dead event's later events wait until it is requeued and published first."""
     from stateguard import requeue_dead
 
@@ -103,7 +107,7 @@ def test_strict_key_order_holds_a_dead_events_later_events(backend: Backend, eng
     after = emit_one(engine, "t", {"n": 1}, key="bad")
     other = emit_one(engine, "t", {"n": 2}, key="good")
     sink = Refusing({poison})
-    relay = Relay(engine, sink, max_attempts=1, key_order="strict")
+    relay = Relay(engine, sink, max_attempts=1, key_order="strict", hold=hold)
     _rounds(relay, 3)
     assert event_row(engine, poison).dead_ms is not None
     assert sink.taken == [other]
@@ -114,15 +118,15 @@ def test_strict_key_order_holds_a_dead_events_later_events(backend: Backend, eng
 
 
 def test_purge_published_deletes_only_old_published_events_in_batches(
-    backend: Backend, engine: Engine
+    backend: Backend, engine: Engine, hold: str
 ) -> None:
     """Published events older than the retention go, in batches; unpublished and recent ones stay."""
     old = [emit_one(engine, "t", {"n": n}) for n in range(3)]
-    assert Relay(engine, Recorder()).run_once() == 3
+    assert Relay(engine, Recorder(), hold=hold).run_once() == 3
     with engine.begin() as conn:
         conn.execute(update(outbox).values(published_ms=outbox.c.published_ms - 3_600_000))
     recent = emit_one(engine, "t", {})
-    assert Relay(engine, Recorder()).run_once() == 1
+    assert Relay(engine, Recorder(), hold=hold).run_once() == 1
     unpublished = emit_one(engine, "t", {})
     assert purge_published(engine, older_than=timedelta(minutes=30), batch=2) == 2
     assert purge_published(engine, older_than=timedelta(minutes=30), batch=2) == 1

@@ -443,10 +443,13 @@ class Proxied:
     def commit_bytes(self) -> bytes:
         return COMMIT[self.name]
 
-    def mark_commit_bytes(self) -> bytes:
-        """The request whose reply is the mark's commit: on PostgreSQL the relay runs the mark in
-        autocommit (the UPDATE is its own commit), on MariaDB a COMMIT follows it."""
-        return MARK_BYTES if self.name == "postgresql" else COMMIT["mariadb"]
+    def mark_commit_bytes(self, hold: str) -> bytes:
+        """The request whose reply is the mark's commit: on PostgreSQL with a lease the relay runs
+        the mark in autocommit (the UPDATE is its own commit); holding locks, and on MariaDB, a
+        COMMIT follows it."""
+        if self.name != "postgresql":
+            return COMMIT["mariadb"]
+        return MARK_BYTES if hold == "lease" else COMMIT["postgresql"]
 
     def claim_commit_bytes(self) -> bytes:
         """Likewise for the claim: PostgreSQL's one-statement claim, MariaDB's COMMIT after it."""
@@ -476,16 +479,20 @@ def proxied(backend: Backend) -> Iterator[Proxied]:
 
 
 @pytest.mark.lost_reply
+@pytest.mark.parametrize("hold", ["lease", "locks"])
 @pytest.mark.parametrize("then", ["same-relay", "other-relay"])
 @pytest.mark.parametrize("fault", ["mark-reply-lost", "mark-connection-lost"])
 @pytest.mark.parametrize("backend", backends_with("tcp_server"), indirect=True)
 def test_lost_mark_leaves_nothing_unpublished_and_applies_each_event_once(
-    proxied: Proxied, redis_client: Any, stream: str, fault: str, then: str
+    proxied: Proxied, redis_client: Any, stream: str, fault: str, then: str, hold: str
 ) -> None:
     """The batch was XADDed, then the mark's commit reply was lost (it applied) or the connection
-    died before the mark was sent (it did not): the relay's later cycles, or another relay's after
-    the 1 s lease, leave everything published, and a consume_once consumer applies each event once."""
+    died before the mark was sent (it did not): the relay's later cycles, or another relay's (after
+    the 1 s lease; at once when the relay held row locks, rolled back with its connection), leave
+    everything published, and a consume_once consumer applies each event once."""
     p = proxied
+    if hold == "locks" and p.name != "postgresql":
+        pytest.skip("hold='locks' is PostgreSQL's")
     emitted = emit_events(p.direct, 6, "mark", per_transaction=2)
     armed = threading.Event()
 
@@ -494,20 +501,20 @@ def test_lost_mark_leaves_nothing_unpublished_and_applies_each_event_once(
             return
         armed.set()
         if fault == "mark-reply-lost":
-            p.proxy.cut_after_next_request(p.mark_commit_bytes())
+            p.proxy.cut_after_next_request(p.mark_commit_bytes(hold))
         else:
             assert p.proxy.cut_all() >= 1  # the relay's pooled connection dies before the mark
 
     sink = RecordingSink(RedisStreamSink(redis_client, stream=stream), after_publish=fault_after_xadd)
     lease = timedelta(seconds=1)
-    relay = Relay(p.relay_engine, sink, lease=lease)
+    relay = Relay(p.relay_engine, sink, lease=lease, hold=hold)
     started = time.monotonic()
     with pytest.raises(DBAPIError):
         relay.run_once()
     assert sink.accepted == set(emitted)
     if then == "other-relay":
-        other = Relay(p.direct, sink, lease=lease)
-        if fault == "mark-connection-lost" and time.monotonic() - started < 0.5:
+        other = Relay(p.direct, sink, lease=lease, hold=hold)
+        if fault == "mark-connection-lost" and hold == "lease" and time.monotonic() - started < 0.5:
             assert other.run_once() == 0  # the dead relay's lease still holds the batch
         relay = other
     assert ids_in(entries_of(redis_client, stream)) == Counter(dict.fromkeys(emitted, 1))
@@ -527,10 +534,12 @@ def test_lost_mark_leaves_nothing_unpublished_and_applies_each_event_once(
     counts = ids_in(entries)
     assert set(counts) == set(emitted)
     if fault == "mark-connection-lost":
-        # The lease ended and the batch was published again: at least once, seen as duplicates.
+        # The lease ended (or the locks went with the connection) and the batch was published
+        # again: at least once, seen as duplicates.
         assert all(counts[i] >= 2 for i in emitted)
         rows = outbox_rows(p.direct)
-        assert all(rows[i].attempts >= 2 for i in emitted)
+        # A lease counts each claim; held locks count the publish their transaction committed.
+        assert all(rows[i].attempts >= (2 if hold == "lease" else 1) for i in emitted)
     assert_exactly_once_effects(p.direct, entries, emitted)
 
 
@@ -544,7 +553,7 @@ def test_lost_claim_reply_leaves_the_events_to_a_later_cycle_after_the_lease(
     p = proxied
     emitted = emit_events(p.direct, 5, "claim", per_transaction=5)
     sink = RecordingSink(RedisStreamSink(redis_client, stream=stream))
-    relay = Relay(p.relay_engine, sink, lease=timedelta(seconds=1))
+    relay = Relay(p.relay_engine, sink, lease=timedelta(seconds=1), hold="lease")
     p.proxy.cut_after_next_request(p.claim_commit_bytes())
     with pytest.raises(DBAPIError):
         relay.run_once()
@@ -591,7 +600,7 @@ def test_relay_run_survives_database_connections_dying_under_it(
     thread.start()
     emitted: dict[int, Emitted] = {}
     try:
-        p.proxy.cut_after_next_request(p.mark_commit_bytes())
+        p.proxy.cut_after_next_request(p.mark_commit_bytes(relay.hold))
         for round_ in range(8):
             emitted |= emit_events(p.direct, 10, f"cuts{round_}", per_transaction=2)
             time.sleep(0.05)
@@ -653,7 +662,7 @@ def test_sink_error_whose_release_is_lost_is_published_again_never_marked_early(
             return result
 
     sink = RecordingSink(FlakySink())  # type: ignore[arg-type]
-    relay = Relay(p.relay_engine, sink, lease=timedelta(seconds=1))
+    relay = Relay(p.relay_engine, sink, lease=timedelta(seconds=1), hold="lease")
     with pytest.raises(Unacknowledged):
         relay.run_once()
     refusing[0] = False

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import Engine, func, select
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
@@ -49,26 +50,29 @@ def test_run_once_publishes_in_id_order_and_marks_them(backend: Backend, engine:
 
 
 def test_a_failing_sink_leaves_the_batch_unpublished_and_free_at_once(
-    backend: Backend, engine: Engine
+    backend: Backend, engine: Engine, hold: str
 ) -> None:
-    """A sink that raises: nothing is marked, the claim is released, the next run publishes it all."""
+    """A sink that raises: nothing is marked, the claim is released (the locks with the rollback),
+    the next run publishes it all."""
     ids = [emit_one(engine, "t", {"n": n}, key="k") for n in range(3)]
 
     def broken(events: Any) -> None:
         raise ConnectionError("broker down")
 
     with pytest.raises(ConnectionError):
-        Relay(engine, CallableSink(broken)).run_once()
+        Relay(engine, CallableSink(broken), hold=hold).run_once()
     rows = event_rows(engine)
-    assert all(r.published_ms is None and r.claimed_until_ms is None and r.attempts == 1 for r in rows)
+    # A lease counts the claim as an attempt; held locks count only what their transaction settled.
+    tried = 1 if hold == "lease" else 0
+    assert all(r.published_ms is None and r.claimed_until_ms is None and r.attempts == tried for r in rows)
     sink = Recorder()
-    assert Relay(engine, sink).run_once() == 3
+    assert Relay(engine, sink, hold=hold).run_once() == 3
     assert sink.ids == ids
-    assert all(r.attempts == 2 and r.published_ms is not None for r in event_rows(engine))
+    assert all(r.attempts == tried + 1 and r.published_ms is not None for r in event_rows(engine))
 
 
 def test_a_key_is_held_back_while_its_earlier_event_is_claimed_elsewhere(
-    backend: Backend, engine: Engine
+    backend: Backend, engine: Engine, hold: str
 ) -> None:
     """While relay A publishes k's first event, relay B takes other keys but none of k's later events."""
     k1 = emit_one(engine, "t", {"n": 1}, key="k")
@@ -82,12 +86,12 @@ def test_a_key_is_held_back_while_its_earlier_event_is_claimed_elsewhere(
         entered.set()
         assert leave.wait(60)
 
-    relay_a = Relay(engine, CallableSink(slow), batch=1)
+    relay_a = Relay(engine, CallableSink(slow), batch=1, hold=hold)
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(relay_a.run_once)
         assert entered.wait(60)
         sink_b = Recorder()
-        relay_b = Relay(engine, sink_b)
+        relay_b = Relay(engine, sink_b, hold=hold)
         assert relay_b.run_once() == 1 and sink_b.ids == [j1]
         assert relay_b.run_once() == 0, "k's second event must wait for the first to be marked"
         leave.set()
@@ -108,8 +112,8 @@ def test_a_relay_that_outlived_its_lease_cannot_mark_the_new_claim(backend: Back
 
         return CallableSink(publish)
 
-    relay_a = Relay(engine, blocking(entered_a, leave_a), lease=timedelta(milliseconds=300))
-    relay_b = Relay(engine, blocking(entered_b, leave_b), lease=timedelta(seconds=60))
+    relay_a = Relay(engine, blocking(entered_a, leave_a), lease=timedelta(milliseconds=300), hold="lease")
+    relay_b = Relay(engine, blocking(entered_b, leave_b), lease=timedelta(seconds=60), hold="lease")
     with ThreadPoolExecutor(2) as pool:
         future_a = pool.submit(relay_a.run_once)
         assert entered_a.wait(60)
@@ -126,14 +130,50 @@ def test_a_relay_that_outlived_its_lease_cannot_mark_the_new_claim(backend: Back
     assert [r.id for r in event_rows(engine) if r.published_ms is not None] == ids
 
 
-def test_topics_limit_a_relay_and_a_key_waits_for_its_other_topic(backend: Backend, engine: Engine) -> None:
+def test_a_relay_holding_locks_longer_than_its_lease_loses_them_and_cannot_mark(
+    backend: Backend, engine: Engine
+) -> None:
+    """hold="locks": A's publish outlasts its 300 ms lease, the server ends A's idle transaction, B
+    claims and publishes the batch in order; A's mark fails and marks nothing."""
+    if backend.name != "postgresql":
+        pytest.skip("hold='locks' is PostgreSQL's")
+    ids = [emit_one(engine, "t", {"n": n}, key="k") for n in range(3)]
+    entered_a, leave_a = threading.Event(), threading.Event()
+
+    def publish(events: Any) -> None:
+        entered_a.set()
+        assert leave_a.wait(60)
+
+    relay_a = Relay(engine, CallableSink(publish), lease=timedelta(milliseconds=300), hold="locks")
+    sink_b = Recorder()
+    relay_b = Relay(engine, sink_b, hold="locks")
+    with ThreadPoolExecutor(1) as pool:
+        future_a = pool.submit(relay_a.run_once)
+        assert entered_a.wait(60)
+        assert relay_b.run_once() == 0, "A's locks hold the batch while its lease lasts"
+        deadline = time.monotonic() + 30
+        while relay_b.run_once() == 0:
+            assert time.monotonic() < deadline, "A's transaction outlived its lease"
+            time.sleep(0.05)
+        assert sink_b.ids == ids
+        leave_a.set()
+        with pytest.raises(DBAPIError):
+            future_a.result(60)
+    rows = event_rows(engine)
+    assert all(r.published_ms is not None and r.attempts == 1 for r in rows)
+
+
+def test_topics_limit_a_relay_and_a_key_waits_for_its_other_topic(
+    backend: Backend, engine: Engine, hold: str
+) -> None:
     """A relay for topic A skips topic B, and a key's later A event waits until its B event is published."""
     a1 = emit_one(engine, "A", {}, key="k")
     b1 = emit_one(engine, "B", {}, key="k")
     a2 = emit_one(engine, "A", {}, key="k")
     a3 = emit_one(engine, "A", {}, key="other")
     only_a, only_b = Recorder(), Recorder()
-    relay_a, relay_b = Relay(engine, only_a, topics=["A"]), Relay(engine, only_b, topics=["B"])
+    relay_a = Relay(engine, only_a, topics=["A"], hold=hold)
+    relay_b = Relay(engine, only_b, topics=["B"], hold=hold)
     assert relay_a.run_once() == 2 and only_a.ids == [a1, a3]
     assert relay_a.run_once() == 0
     assert relay_b.run_once() == 1 and only_b.ids == [b1]
@@ -159,7 +199,15 @@ def test_run_stops_when_the_event_is_set(backend: Backend, engine: Engine) -> No
 
 def test_bad_relay_options_are_invalid_argument(backend: Backend, engine: Engine) -> None:
     """A sink without publish, a zero batch, a non-timedelta lease or a str topics are refused."""
-    for kwargs in [{"batch": 0}, {"batch": 10_001}, {"lease": 30}, {"topics": "A"}, {"topics": []}]:
+    bad: list[dict[str, Any]] = [
+        {"batch": 0},
+        {"batch": 10_001},
+        {"lease": 30},
+        {"topics": "A"},
+        {"topics": []},
+    ]
+    bad += [{"hold": "rows"}, *([{"hold": "locks"}] if backend.name != "postgresql" else [])]
+    for kwargs in bad:
         with pytest.raises(InvalidArgument):
             Relay(engine, Recorder(), **kwargs)
     with pytest.raises(InvalidArgument):
@@ -180,21 +228,38 @@ def _check_order(batches: list[list[tuple[str, int, str | None, int]]], ids: lis
         assert in_time == sorted(in_time), f"key {key}: published out of id order"
 
 
+@pytest.mark.parametrize("holds", [["lease"], ["locks"], ["lease", "locks"]], ids=["lease", "locks", "mixed"])
 def test_four_processes_and_four_threads_share_the_work_once_each_and_in_key_order(
-    backend: Backend, engine: Engine, procs: tuple[Any, ProcessPoolExecutor]
+    backend: Backend, engine: Engine, procs: tuple[Any, ProcessPoolExecutor], holds: list[str]
 ) -> None:
-    """8 relays released by one barrier publish 400 events once each, each key's events in id order."""
+    """8 relays released by one barrier publish 400 events once each, each key's events in id order
+    (holding leases, row locks, or half of them each)."""
+    if "locks" in holds and backend.name != "postgresql":
+        pytest.skip("hold='locks' is PostgreSQL's")
     manager, pool = procs
     with Session(engine) as session, session.begin():
         ids = [emit(session, "t", {"n": n}, key=None if n % 10 == 0 else f"key-{n % 13}") for n in range(400)]
     seen, barrier = manager.list(), manager.Barrier(8, timeout=120)
     futures = [
-        pool.submit(w.relay_in_process, backend.name, backend.url, barrier, seen, f"p{i}", 7, 0.004)
+        pool.submit(
+            w.relay_in_process,
+            backend.name,
+            backend.url,
+            barrier,
+            seen,
+            f"p{i}",
+            7,
+            0.004,
+            holds[i % len(holds)],
+        )
         for i in range(4)
     ]
     with ThreadPoolExecutor(4) as threads:
         local = [
-            threads.submit(w.relay_until_done, engine, barrier, seen, f"t{i}", 7, 0.004) for i in range(4)
+            threads.submit(
+                w.relay_until_done, engine, barrier, seen, f"t{i}", 7, 0.004, holds[i % len(holds)]
+            )
+            for i in range(4)
         ]
         counts = [f.result(timeout=300) for f in [*futures, *local]]
     assert sum(counts) == 400
@@ -205,15 +270,18 @@ def test_four_processes_and_four_threads_share_the_work_once_each_and_in_key_ord
 
 @pytest.mark.restart
 def test_a_relay_killed_after_publishing_is_republished_by_another_after_its_lease(
-    backend: Backend, engine: Engine, procs: tuple[Any, ProcessPoolExecutor]
+    backend: Backend, engine: Engine, procs: tuple[Any, ProcessPoolExecutor], hold: str
 ) -> None:
-    """SIGKILL between publish and mark: the events stay claimed for the lease, then another relay
-    publishes them again (at least once), in id order."""
+    """SIGKILL between publish and mark: the events stay claimed for the lease (held locks: until the
+    server sees the connection close), then another relay publishes them again (at least once), in
+    id order."""
     manager, _ = procs
     ids = [emit_one(engine, "t", {"n": n}, key=f"k{n % 2}") for n in range(6)]
     seen, published = manager.list(), manager.Event()
     ctx = multiprocessing.get_context("spawn")
-    doomed = ctx.Process(target=w.publish_then_hang, args=(backend.name, backend.url, 3.0, seen, published))
+    doomed = ctx.Process(
+        target=w.publish_then_hang, args=(backend.name, backend.url, 3.0, seen, published, hold)
+    )
     doomed.start()
     try:
         assert published.wait(60), "the doomed relay never published"
@@ -222,16 +290,24 @@ def test_a_relay_killed_after_publishing_is_republished_by_another_after_its_lea
         doomed.join(30)
     assert doomed.exitcode == -signal.SIGKILL
     rows = event_rows(engine)
-    assert all(r.published_ms is None and r.claimed_by is not None for r in rows)
-
     survivor = Recorder()
-    relay = Relay(engine, survivor)
-    assert relay.run_once() == 0, "the dead relay's lease still holds its events"
-    wait_for_db_clock_past(engine, max(r.claimed_until_ms for r in rows))
-    assert relay.run_once() == 6
+    relay = Relay(engine, survivor, hold=hold)
+    if hold == "lease":
+        assert all(r.published_ms is None and r.claimed_by is not None for r in rows)
+        assert relay.run_once() == 0, "the dead relay's lease still holds its events"
+        wait_for_db_clock_past(engine, max(r.claimed_until_ms for r in rows))
+        assert relay.run_once() == 6
+    else:
+        # Nothing was written: the dead relay's transaction rolls back when its connection closes.
+        assert all(r.published_ms is None and r.claimed_by is None for r in rows)
+        deadline = time.monotonic() + 30
+        while not relay.run_once():
+            assert time.monotonic() < deadline, "the dead relay's locks outlived its connection"
+            time.sleep(0.05)
     assert [event_id for _, event_id, _, _ in next(iter(seen))] == ids
     assert survivor.ids == ids
-    assert all(r.published_ms is not None and r.attempts == 2 for r in event_rows(engine))
+    tries = 2 if hold == "lease" else 1
+    assert all(r.published_ms is not None and r.attempts == tries for r in event_rows(engine))
 
 
 def test_async_emit_and_async_relay(target: AsyncTarget) -> None:
@@ -332,5 +408,7 @@ def test_an_expired_claim_is_taken_over_whatever_the_application_clock(engine: E
     with Session(engine) as s, s.begin():
         first = emit(s, "t", {"n": 1}, key="k")
     seen: list[tuple[str, int]] = []
-    Relay(engine, _nested_relay(engine, 0.6, seen), lease=timedelta(milliseconds=300)).run_once()
+    Relay(
+        engine, _nested_relay(engine, 0.6, seen), lease=timedelta(milliseconds=300), hold="lease"
+    ).run_once()
     assert seen == [("A", first), ("B", first)]
