@@ -7,6 +7,8 @@ HTML comment directly above it says otherwise::
     <!-- docs-test: continues "model" -->       run after "model" (and what it continues), in its namespace
     <!-- docs-test: needs postgresql, redis --> DATABASE_URL / REDIS_URL point at the test servers
     <!-- docs-test: needs zookeeper -->          ZOOKEEPER_HOSTS: a private ZooKeeper started for the block
+    <!-- docs-test: needs postgresql-standby --> DATABASE_URL: the primary of a private pair whose
+                                                standby is synchronous, started for the block
     <!-- docs-test: needs rabbitmq, nats -->     RABBITMQ_URL / NATS_URL point at the test brokers
     <!-- docs-test: module myapp.models -->     ``import myapp.models`` gets the tests' models
     <!-- docs-test: skip (why) -->              cannot run here (say why)
@@ -48,7 +50,7 @@ _FENCE = re.compile(r"^```python\s*$")
 _DIRECTIVE = re.compile(r"^<!--\s*docs-test:\s*(?P<body>.*?)\s*-->\s*$")
 # A python block spelled as a MyST directive would escape the harness: pages use ```python.
 _UNTESTED_FENCE = re.compile(r"^\s*(```+|:::+)\s*\{(code-block|code|sourcecode)\}\s+(python|py|pycon)\b")
-_SERVERS = ("postgresql", "mariadb", "redis", "zookeeper", "rabbitmq", "nats")
+_SERVERS = ("postgresql", "mariadb", "redis", "zookeeper", "rabbitmq", "nats", "postgresql-standby")
 #: Pages whose blocks cannot run here, however well written (none today).
 MAX_SKIPS = 3
 
@@ -216,6 +218,13 @@ def servers_for(needs: set[str], monkeypatch: pytest.MonkeyPatch) -> Iterator[No
         for server in ("postgresql", "mariadb"):
             if server in needs:
                 monkeypatch.setenv("DATABASE_URL", stack.enter_context(_private_database(server)))
+        if "postgresql-standby" in needs:
+            from tests._support.pg_cluster import PgReplicaPair
+
+            pair = stack.enter_context(PgReplicaPair())
+            pair.set_synchronous(True)
+            assert pair.primary is not None
+            monkeypatch.setenv("DATABASE_URL", pair.primary.url)
         if "zookeeper" in needs:
             from tests._support.zookeeper_server import ZooKeeperServer
 
