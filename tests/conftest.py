@@ -123,9 +123,25 @@ def backends_with(*capabilities: str) -> list[str]:
     return [name for name in BACKENDS if all(capable(name, c) for c in capabilities)]
 
 
+#: Backends a relay can hold its claim on with row locks (``Relay(hold="locks")``).
+LOCK_HOLDING = frozenset({"postgresql"})
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``@pytest.mark.requires(*capabilities)``: skip, at collection, the ``backend`` params that
-    lack one of them (with the missing capabilities as the reason)."""
+    lack one of them (with the missing capabilities as the reason).  A ``hold="locks"`` variant
+    (the relay tests' ``hold`` parameter) of a backend without that mode is deselected: the
+    combination does not exist, so it is neither run nor reported as skipped."""
+    absent = [
+        item
+        for item in items
+        if (params := getattr(getattr(item, "callspec", None), "params", {})).get("hold") == "locks"
+        and params.get("backend", "postgresql") not in LOCK_HOLDING
+    ]
+    if absent:
+        config.hook.pytest_deselected(items=absent)
+        gone = set(map(id, absent))
+        items[:] = [item for item in items if id(item) not in gone]
     for item in items:
         markers = list(item.iter_markers("requires"))
         if not markers:

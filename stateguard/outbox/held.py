@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 from sqlalchemy import Connection
 
@@ -36,6 +36,10 @@ def _holds_locks(dialect: Any) -> bool:
     ``set_config`` as ``synchronous_commit`` is): PostgreSQL proper, not CockroachDB."""
     backend = _kernel.backend(dialect)
     return backend.returning and backend.row_locks and backend.array_params and backend.commit_without_flush
+
+
+#: The largest ``idle_in_transaction_session_timeout`` PostgreSQL accepts (milliseconds, an int).
+MAX_IDLE_TIMEOUT_MS: Final = 2**31 - 1
 
 
 class _Holding:
@@ -78,7 +82,10 @@ class _Holding:
     def _claim_held(self, conn: Connection) -> list[OutboxEvent]:
         """Lock up to ``batch`` events for the transaction of ``conn`` (hold="locks"): the same choice
         as :meth:`_claim`, nothing written."""
-        params: dict[str, Any] = {"sg_batch": self.batch, "sg_lease": self.lease_ms}
+        # The session's idle timeout stands in for the lease; PostgreSQL takes at most INT_MAX ms
+        # (about 24.8 days): a longer lease waits that long.
+        idle_ms = min(self.lease_ms, MAX_IDLE_TIMEOUT_MS)
+        params: dict[str, Any] = {"sg_batch": self.batch, "sg_lease": idle_ms}
         if self.topics is not None:
             params["sg_topics"] = list(self.topics)
         stmt = _held_claim_statement(

@@ -132,8 +132,9 @@ def test_keyboard_interrupt_mid_publish_propagates_and_frees_the_batch(
 
 
 @pytest.mark.cancel
-def test_keyboard_interrupt_mid_claim_claims_nothing(backend: Backend, engine: Engine) -> None:
-    """A KeyboardInterrupt inside the claim's transaction rolls it back: no event stays leased."""
+@pytest.mark.parametrize("hold", ["lease", "locks"])
+def test_keyboard_interrupt_mid_claim_claims_nothing(backend: Backend, engine: Engine, hold: str) -> None:
+    """A KeyboardInterrupt inside the claim's transaction rolls it back: no event stays claimed."""
     _emit(engine, 2)
 
     class Interrupted(Relay):
@@ -141,10 +142,15 @@ def test_keyboard_interrupt_mid_claim_claims_nothing(backend: Backend, engine: E
             super()._claim(conn, owner)  # the claim's statement(s) ran in this transaction
             raise KeyboardInterrupt
 
+        def _claim_held(self, conn: Any) -> Any:
+            super()._claim_held(conn)  # the rows are locked by this transaction
+            raise KeyboardInterrupt
+
     with pytest.raises(KeyboardInterrupt):
-        Interrupted(engine, CallableSink(lambda events: None)).run_once()
-    # PostgreSQL's claim is one autocommitted statement (a writable CTE): the lease stays.
-    if not capable(backend, "writable_cte"):
+        Interrupted(engine, CallableSink(lambda events: None), hold=hold).run_once()
+    # PostgreSQL's lease claim is one autocommitted statement (a writable CTE): the lease stays.
+    # Held by row locks, the claim dies with its transaction: the events are free at once.
+    if hold == "locks" or not capable(backend, "writable_cte"):
         assert _free_and_unpublished(engine)
     assert all(r.published_ms is None for r in _rows(engine))
 
