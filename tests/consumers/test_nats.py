@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -20,7 +19,7 @@ from stateguard.outbox.sinks import NATSSink
 
 from .._support.brokers import NATS_URL, Stream, nats_stream
 from .._support.nats_server import NATSServer
-from ._drive import publish_nats_bytes
+from ._drive import publish_nats_bytes, run_until
 from ._effects import applied, committed_ids, emit_events, record
 
 LEASE = timedelta(seconds=30)
@@ -45,31 +44,6 @@ def consumer(db: Engine, js: Stream, handler: Any = record, **kw: Any) -> NATSCo
     kw.setdefault("retry_delay", timedelta(milliseconds=50))
     kw.setdefault("dead_letter_subject", js.dead_subject)
     return NATSConsumer(db, handler, NATS_URL, stream=js.name, durable="billing", **kw)
-
-
-def run_until(c: NATSConsumer, done: Callable[[], bool], timeout: float = 10) -> None:
-    """Run the consumer in a thread until ``done()`` holds (or the timeout), then stop it."""
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def work() -> None:
-        try:
-            c.run(stop)
-        except BaseException as error:
-            errors.append(error)
-
-    thread = threading.Thread(target=work)
-    thread.start()
-    try:
-        deadline = time.monotonic() + timeout
-        while not done() and time.monotonic() < deadline and thread.is_alive():
-            time.sleep(0.02)
-    finally:
-        stop.set()
-        thread.join(10)
-    assert not thread.is_alive()
-    if errors:
-        raise errors[0]
 
 
 def test_relayed_events_are_applied_once_and_acknowledged(db: Engine, js: Stream) -> None:

@@ -19,6 +19,7 @@ from stateguard.outbox.sinks import RabbitMQSink
 
 from .._support.brokers import RABBITMQ_PORT, RABBITMQ_URL, Queue, via
 from .._support.faultproxy import FaultProxy
+from ._drive import run_until
 from ._effects import applied, committed_ids, emit_events, record
 
 
@@ -29,21 +30,6 @@ def publish(
 
     properties = pika.BasicProperties(message_id=message_id, type="t", headers=headers or {"key": "k"})
     mq.channel.basic_publish(mq.exchange, "t", body, properties)
-
-
-def run_until(c: RabbitMQConsumer, done: Callable[[], bool], timeout: float = 10) -> None:
-    """Run the consumer in a thread until ``done()`` holds (or the timeout), then stop it."""
-    stop = threading.Event()
-    thread = threading.Thread(target=c.run, args=(stop,))
-    thread.start()
-    try:
-        deadline = time.monotonic() + timeout
-        while not done() and time.monotonic() < deadline:
-            time.sleep(0.02)
-    finally:
-        stop.set()
-        thread.join(10)
-    assert not thread.is_alive()
 
 
 def consumer(db: Engine, mq: Queue, handler: Any = record, **kw: Any) -> RabbitMQConsumer:
