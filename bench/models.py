@@ -6,12 +6,14 @@ tables it needs and drops them again when it is done.
 
 from __future__ import annotations
 
+import multiprocessing
 import sqlite3
 import statistics
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
+from multiprocessing.context import BaseContext
 from typing import Any
 
 from sqlalchemy import CheckConstraint, Engine, Integer, String, create_engine, event, text
@@ -140,6 +142,25 @@ class Table:
     title: str
     rows: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+
+
+#: The modules every bench worker process needs, imported once by the fork server.
+_PRELOAD = ["sqlalchemy", "stateguard", "bench.scenarios", "bench.striped", "bench.locks", "bench.relay"]
+
+
+def worker_processes() -> BaseContext:
+    """The multiprocessing context the scenarios start their worker processes with.
+
+    A fork server, not fork: the benchmark's own process holds pooled
+    connections and threads that a forked child must not share.  The server
+    starts once per run with the bench's modules imported, so each worker is a
+    fork of a clean process (milliseconds) instead of a fresh interpreter that
+    imports SQLAlchemy and stateguard again (about half a second of CPU each);
+    what is timed starts at the workers' barrier either way.
+    """
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 def make_engine(url: str, **kw: Any) -> Engine:

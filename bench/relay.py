@@ -37,7 +37,7 @@ from stateguard.outbox.sinks.redis_streams import RedisStreamSink
 from stateguard.tables import outbox
 
 from .idempotency import _namespaces
-from .models import STATES, TRANSITIONS, Table, counting, median, pct
+from .models import STATES, TRANSITIONS, Table, counting, median, pct, worker_processes
 
 REDIS_URL = os.environ.get("STATEGUARD_REDIS_URL", "redis://127.0.0.1:6379/0")
 TARGET = 5000.0
@@ -390,7 +390,6 @@ def _relay_process(
 def latency_scenario(url: str, rate: int, seconds: float, producers: int) -> Table:
     """Events emitted one per transaction at ``rate``/s by ``producers`` threads; a relay process with
     the default settings publishes them to a Redis stream; a consumer XREADs it: commit-to-consumer time."""
-    import multiprocessing
     import threading
 
     import redis
@@ -408,7 +407,7 @@ def latency_scenario(url: str, rate: int, seconds: float, producers: int) -> Tab
         if dialect == "sqlite":
             stem = str(base.url.database).rsplit(".", 1)[0]
             attach = [(schemas[0], f"{stem}-sglat0.db")]
-        ctx = multiprocessing.get_context("spawn")
+        ctx = worker_processes()
         stop, ready = ctx.Event(), ctx.Event()
         relay = ctx.Process(target=_relay_process, args=(url, schemas[0], attach, stream, stop, ready))
         relay.start()

@@ -4,7 +4,6 @@ on the same database, and returns a :class:`~bench.models.Table`."""
 from __future__ import annotations
 
 import gc
-import multiprocessing
 import random
 import threading
 import time
@@ -33,6 +32,7 @@ from .models import (
     pct,
     reset,
     scale_model,
+    worker_processes,
 )
 
 
@@ -326,8 +326,7 @@ def _run_workers(
         for t in threads:
             t.join()
     else:
-        # spawn, not fork: the parent holds pooled connections and threads.
-        ctx = multiprocessing.get_context("spawn")
+        ctx = worker_processes()
         pbarrier = ctx.Barrier(len(args))
         queue = ctx.Queue()
         procs = [ctx.Process(target=_job_in_process, args=(url, job, a, pbarrier, queue)) for a in args]

@@ -262,7 +262,17 @@ def test_an_expired_worker_id_is_taken_whatever_the_clocks_say(
     dead = Snowflake(engine, lease=lease, heartbeat=False, _clock=dead_clock)
     last = dead.next_id()
     _outlive(lease)  # the generator dies without close(): its lease runs out
-    taker = Snowflake(engine, lease=lease, heartbeat=False, _clock=taker_clock, _sleep=taker_clock.sleep)
+    # When the dead holder's clock ran hours ahead, the taker must wait hours of its own clock
+    # before its ids pass the dead one's.  It naps at most 50 ms between looks at the clock, so a
+    # virtual sleep of exactly what is asked takes 200,000 naps and renews its lease every 7 of them
+    # (20 s of COMMITs); a sleep may return late, and this one oversleeps to 30 s of virtual time.
+    taker = Snowflake(
+        engine,
+        lease=lease,
+        heartbeat=False,
+        _clock=taker_clock,
+        _sleep=lambda seconds: taker_clock.sleep(max(seconds, 30.0)),
+    )
     generators.append(taker)
     assert taker.worker_id == dead.worker_id == 0
     assert taker.next_id() > last
