@@ -11,7 +11,6 @@ every backend.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import uuid
 from collections.abc import Iterator
@@ -22,6 +21,8 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, MetaData, create_engine, event, text
 from sqlalchemy.engine import make_url
+
+from tests._support.processes import worker_context
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -350,8 +351,8 @@ def engine(backend: Backend, request: pytest.FixtureRequest) -> Iterator[Engine]
 
 @pytest.fixture(scope="module")
 def procs() -> Iterator[tuple[Any, ProcessPoolExecutor]]:
-    """Four spawned worker processes and a manager for barriers, events and lists, shared by the module."""
-    ctx = multiprocessing.get_context("spawn")
+    """Four separate worker processes and a manager for barriers, events and lists, shared by the module."""
+    ctx = worker_context()
     with ctx.Manager() as manager, ProcessPoolExecutor(4, mp_context=ctx) as pool:
         yield manager, pool
 

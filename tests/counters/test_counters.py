@@ -12,7 +12,6 @@ and reservations and releases interleave without deadlocks.
 
 from __future__ import annotations
 
-import multiprocessing
 import random
 import threading
 from collections import Counter
@@ -39,6 +38,7 @@ from stateguard import (
 from stateguard.tables import counter_ledger
 from tests._support import counter_workers as w
 from tests._support.counter_workers import Bin, CounterBase, Wallet
+from tests._support.processes import worker_context
 from tests.conftest import Backend, count_statements
 
 pytestmark = pytest.mark.tables(CounterBase.metadata)
@@ -426,7 +426,7 @@ def test_hot_row_is_never_negative_while_buyers_storm_it(engine: Any, backend: B
 
 
 def _processes(fn: Callable[..., Any], args: list[tuple[Any, ...]]) -> list[Any]:
-    ctx = multiprocessing.get_context("spawn")
+    ctx = worker_context()
     with ctx.Manager() as manager:
         barrier = manager.Barrier(len(args))
         with ProcessPoolExecutor(len(args), mp_context=ctx) as pool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import threading
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -25,6 +24,7 @@ from stateguard import (
 from stateguard.tables import counter_ledger
 from tests._support import stock_workers as w
 from tests._support.models import Order
+from tests._support.processes import worker_context
 from tests._support.stock_workers import Stock, StockBase
 from tests.conftest import Backend, count_statements
 
@@ -165,8 +165,8 @@ BARRIER = "<barrier>"
 
 
 def _processes(fn: Any, args: list[tuple[Any, ...]]) -> list[Any]:
-    """Run ``fn`` in spawned processes; the BARRIER placeholder becomes a shared barrier."""
-    ctx = multiprocessing.get_context("spawn")
+    """Run ``fn`` in separate processes; the BARRIER placeholder becomes a shared barrier."""
+    ctx = worker_context()
     with ctx.Manager() as manager:
         barrier = manager.Barrier(len(args))
         with ProcessPoolExecutor(len(args), mp_context=ctx) as pool:

@@ -1,5 +1,5 @@
 """Idempotency keys under real concurrency, on every SQL backend: same-key storms over threads and
-spawned processes, a SIGKILLed worker taken over after its lease, the stale-worker scenario that
+separate processes, a SIGKILLed worker taken over after its lease, the stale-worker scenario that
 breaks AWS Lambda Powertools, several takers of one expired lease, and purging under load.
 
 Executions are counted twice, never assumed: a shared side-effect list (what an outside system
@@ -9,7 +9,6 @@ would see) and the committed rows of a business table.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import signal
 import threading
@@ -34,6 +33,7 @@ from stateguard import (
 )
 from stateguard.tables import idempotency_keys
 from tests._support import idem_workers as w
+from tests._support.processes import worker_context
 from tests.conftest import Backend, capable
 
 MINUTE = timedelta(minutes=1)
@@ -148,7 +148,7 @@ def test_a_sigkilled_worker_is_taken_over_by_exactly_one_retry_after_its_lease(
     """A SIGKILLed claim blocks retries until its lease ends; then one of 8 racing retries takes over."""
     manager, _ = procs
     key, ran, working = _key(), manager.list(), manager.Event()
-    ctx = multiprocessing.get_context("spawn")
+    ctx = worker_context()
     # A 3 s lease: the two early retries below must fit inside it also on a loaded machine.
     crasher = ctx.Process(target=w.crash_mid_work, args=(backend.name, backend.url, key, 3.0, ran, working))
     crasher.start()

@@ -1,6 +1,6 @@
 """Request ids (stateguard.ids): UUIDv7 and leased Snowflake ids on every backend.
 
-The races are real: several spawned processes (tests/_support/id_workers.py) start
+The races are real: several separate processes (tests/_support/id_workers.py) start
 behind a barrier, and where the interesting moment is a single statement
 (every process inserting the same worker row, every taker claiming the same
 expired lease) an engine event holds each process just before sending it,
@@ -11,7 +11,6 @@ generator's sleeps then move the injected clock instead of sleeping.
 from __future__ import annotations
 
 import itertools
-import multiprocessing
 import os
 import pickle
 import threading
@@ -41,6 +40,7 @@ from stateguard import ids as ids_module
 from stateguard.tables import worker_leases
 from tests._support import id_workers as w
 from tests._support.id_workers import VirtualClock
+from tests._support.processes import worker_context
 from tests.conftest import Backend, count_statements
 
 LEASE = timedelta(seconds=2)
@@ -56,8 +56,8 @@ def _now_ms() -> int:
 
 @pytest.fixture(scope="module")
 def procs() -> Iterator[tuple[Any, ProcessPoolExecutor]]:
-    """PROCS spawned worker processes, all started up front, and a manager for barriers and events."""
-    ctx = multiprocessing.get_context("spawn")
+    """PROCS separate worker processes, all started up front, and a manager for barriers and events."""
+    ctx = worker_context()
     with ctx.Manager() as manager, ProcessPoolExecutor(PROCS, mp_context=ctx) as pool:
         barrier = manager.Barrier(PROCS, timeout=WAIT)
         pids = [f.result(timeout=2 * WAIT) for f in [pool.submit(w.ready, barrier) for _ in range(PROCS)]]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import subprocess
 import sys
 import threading
@@ -34,6 +33,7 @@ from stateguard.locks import advisory_key, mysql_lock_name
 from tests._support import lock_workers as w
 from tests._support.lock_workers import Job, JobTake, LockBase, Payout, Tally
 from tests._support.models import Base, Shipment
+from tests._support.processes import worker_context
 from tests.conftest import REDIS_URL, Backend, backends_with, capable, count_statements
 
 # --------------------------------------------------------------------------
@@ -57,8 +57,8 @@ def redis_prefix(redis_client: Any) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def procs() -> Iterator[tuple[Any, ProcessPoolExecutor]]:
-    """Eight spawned worker processes and a manager for barriers/events, shared by the module."""
-    ctx = multiprocessing.get_context("spawn")
+    """Eight separate worker processes and a manager for barriers/events, shared by the module."""
+    ctx = worker_context()
     with ctx.Manager() as manager, ProcessPoolExecutor(8, mp_context=ctx) as pool:
         yield manager, pool
 

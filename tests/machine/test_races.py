@@ -2,14 +2,13 @@
 fire at the same rows; the database must pick exactly one winner per row (or per version)
 and every side effect, written in the winner's own transaction, must exist exactly once.
 
-Threads share the test's engine (a pool of 32 connections); processes are started
-with the ``spawn`` method (a ``fork`` of this multi-threaded interpreter is unsafe and
-warns) and build their own engine from ``backend.url``.
+Threads share the test's engine (a pool of 32 connections); processes fork from
+the clean fork server of tests/_support/processes.py (a ``fork`` of this multi-threaded
+interpreter is unsafe and warns) and build their own engine from ``backend.url``.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import queue as queue_mod
 import random
 import threading
@@ -26,6 +25,7 @@ from stateguard import Outcome, Result, SerializationConflict, retry_on_conflict
 from stateguard._kernel import classify_db_error
 from tests._support import workers as w
 from tests._support.models import ORDER_TRANSITIONS, Base, Order
+from tests._support.processes import worker_context
 from tests.conftest import Backend, capable
 
 N_ROWS = 20
@@ -81,8 +81,8 @@ def _run_threads(n: int, work: Callable[[str, threading.Barrier, int], w.Report]
 
 
 def _run_processes(backend: Backend, n: int, kind: str, args: Sequence[tuple[Any, ...]]) -> list[w.Report]:
-    """Start ``n`` spawned processes (own engines) behind one barrier; collect their reports."""
-    ctx = multiprocessing.get_context("spawn")
+    """Start ``n`` separate processes (own engines) behind one barrier; collect their reports."""
+    ctx = worker_context()
     barrier = ctx.Barrier(n)
     results = ctx.Queue()
     procs = [

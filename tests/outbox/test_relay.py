@@ -4,7 +4,6 @@ per key, relays sharing the work without waiting on each other, leases judged on
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import os
 import signal
 import threading
@@ -33,6 +32,7 @@ from stateguard import (
 from stateguard.tables import outbox
 from tests._support import outbox_workers as w
 from tests._support.async_helpers import AsyncTarget
+from tests._support.processes import worker_context
 
 from ..conftest import Backend
 from ._events import Recorder, emit_one, event_rows, wait_for_db_clock_past
@@ -278,7 +278,7 @@ def test_a_relay_killed_after_publishing_is_republished_by_another_after_its_lea
     manager, _ = procs
     ids = [emit_one(engine, "t", {"n": n}, key=f"k{n % 2}") for n in range(6)]
     seen, published = manager.list(), manager.Event()
-    ctx = multiprocessing.get_context("spawn")
+    ctx = worker_context()
     doomed = ctx.Process(
         target=w.publish_then_hang, args=(backend.name, backend.url, 3.0, seen, published, hold)
     )

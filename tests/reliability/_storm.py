@@ -1,6 +1,6 @@
-"""Multi-process storms for the reliability suite (importable by spawned children).
+"""Multi-process storms for the reliability suite (importable by the worker processes).
 
-A storm is ``workers`` spawned processes, each with its own engine, released
+A storm is ``workers`` separate processes, each with its own engine, released
 together by one barrier (the parent is a party too, so it knows when the storm
 has started and can inject faults into it).  Every worker does *all* the work
 of the storm, so any survivor finishes it: every order's triggers (pay,
@@ -32,7 +32,6 @@ connections of the whole storm at once, or SIGKILL any worker at any moment.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import queue as queue_mod
 import random
@@ -55,6 +54,7 @@ from stateguard.tables import counter_ledger
 from tests._support import workers as w
 from tests._support.counter_workers import Bin
 from tests._support.models import Order
+from tests._support.processes import worker_context
 
 T = TypeVar("T")
 
@@ -185,7 +185,7 @@ class Spec:
 
 @dataclass
 class Channels:
-    """How the parent and the workers talk (passed to each process when it is spawned).
+    """How the parent and the workers talk (passed to each process when it starts).
 
     Every queue and event belongs to one worker (``worker -> Queue``): a process
     SIGKILLed while its feeder thread writes to a queue dies holding that
@@ -731,13 +731,13 @@ def run_storm(
     during: Callable[[Control], None] | None = None,
     timeout: float = STORM_TIMEOUT,
 ) -> Storm:
-    """Start one spawned process per spec, release them together, run ``during`` meanwhile, collect.
+    """Start one separate process per spec, release them together, run ``during`` meanwhile, collect.
 
     Workers that ``during`` killed report nothing; every other worker must
     report and exit 0.  Nothing here can hang: every wait has a deadline, and
     a worker still alive at the end (or when ``during`` fails) is killed.
     """
-    ctx = multiprocessing.get_context("spawn")
+    ctx = worker_context()
     channels = Channels(
         barrier=ctx.Barrier(len(specs) + 1),
         results={s.worker: ctx.Queue() for s in specs},

@@ -1,4 +1,4 @@
-"""Faults injected into real servers while 8 spawned processes storm the same rows.
+"""Faults injected into real servers while 8 separate processes storm the same rows.
 
 SIGKILLed workers (at a chosen point of a transaction, and at a random moment), connections cut
 from the server side (``pg_terminate_backend``, MariaDB ``KILL CONNECTION``) and a PostgreSQL
@@ -26,6 +26,7 @@ from sqlalchemy.pool import NullPool
 from stateguard.tables import counter_ledger
 from tests._support import workers as w
 from tests._support.models import Order
+from tests._support.processes import worker_context
 from tests.conftest import IN_CI, Backend, backends_with
 from tests.reliability._storm import (
     COUNTERS,
@@ -255,7 +256,6 @@ def test_postgresql_restart_mid_striped_storm_sells_each_ref_once(pg: Backend) -
         pytest.skip(
             f"restarts the PostgreSQL server under everyone using it: set CI=true or {ALLOW_RESTART_ENV}=1"
         )
-    import multiprocessing
     from collections import Counter
     from concurrent.futures import ProcessPoolExecutor
 
@@ -283,7 +283,7 @@ def test_postgresql_restart_mid_striped_storm_sells_each_ref_once(pg: Backend) -
         except sa_exc.DBAPIError:
             return 0
 
-    ctx = multiprocessing.get_context("spawn")
+    ctx = worker_context()
     try:
         with ctx.Manager() as manager, ProcessPoolExecutor(8, mp_context=ctx) as pool:
             barrier = manager.Barrier(8)
@@ -339,7 +339,6 @@ def test_postgresql_restart_mid_idempotency_storm_runs_each_key_once(pg: Backend
         pytest.skip(
             f"restarts the PostgreSQL server under everyone using it: set CI=true or {ALLOW_RESTART_ENV}=1"
         )
-    import multiprocessing
     from collections import Counter
     from concurrent.futures import ProcessPoolExecutor
 
@@ -361,7 +360,7 @@ def test_postgresql_restart_mid_idempotency_storm_runs_each_key_once(pg: Backend
         except sa_exc.DBAPIError:
             return 0
 
-    ctx = multiprocessing.get_context("spawn")
+    ctx = worker_context()
     try:
         with ctx.Manager() as manager, ProcessPoolExecutor(8, mp_context=ctx) as pool:
             barrier = manager.Barrier(8)

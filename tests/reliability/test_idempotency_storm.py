@@ -1,9 +1,8 @@
-"""8 spawned processes send every one of 60 idempotency keys, each in its own random order, all at once:
+"""8 separate processes send every one of 60 idempotency keys, each in its own random order, all at once:
 no key's body runs twice, every caller gets the executing worker's response."""
 
 from __future__ import annotations
 
-import multiprocessing
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 
@@ -11,6 +10,7 @@ from sqlalchemy import select
 
 from stateguard import create_tables, drop_tables
 from tests._support.idem_workers import metadata, payments
+from tests._support.processes import worker_context
 from tests.conftest import Backend
 from tests.reliability import _idem_storm
 
@@ -24,7 +24,7 @@ def test_idempotency_key_storm_executes_each_key_once(backend: Backend) -> None:
     drop_tables(engine)
     create_tables(engine)
     keys = [f"storm-{i:03d}" for i in range(KEYS)]
-    ctx = multiprocessing.get_context("spawn")
+    ctx = worker_context()
     try:
         with ctx.Manager() as manager, ProcessPoolExecutor(PROCESSES, mp_context=ctx) as pool:
             barrier = manager.Barrier(PROCESSES)

@@ -2,7 +2,7 @@
 
 Requests with retries (each sent twice by each of 2 handlers, twins at the same instant) go through
 ``idempotent()`` to a transition on a model with ``events=True``; its event commits with it; 2 relays
-(spawned processes) publish the outbox into a Redis stream; 3 consumers (spawned processes) read it
+(separate processes) publish the outbox into a Redis stream; 3 consumers (separate processes) read it
 in a consumer group and apply each event's effect with ``consume_once`` and an effect row in the same
 transaction.  A handler is SIGKILLed after its COMMIT (its retries are replayed), a relay after its
 XADD and before marking (its batch is published again after the lease), a consumer before its COMMIT
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing
 import os
 import queue as queue_mod
 import signal
@@ -29,6 +28,7 @@ from sqlalchemy.orm import Session
 
 from stateguard import create_tables, drop_tables
 from stateguard.tables import consumed_messages, outbox
+from tests._support.processes import worker_context
 from tests.conftest import REDIS_URL, Backend
 from tests.reliability import _pipeline_workers as pw
 from tests.reliability._storm import Sizes
@@ -40,7 +40,7 @@ DEADLINE_S = 90.0
 
 
 class _Proc:
-    """A spawned worker with its own queues and events (never shared with another worker)."""
+    """A worker process with its own queues and events (never shared with another worker)."""
 
     def __init__(self, ctx: Any, target: Callable[..., None], spec: pw.Spec, *args: Any) -> None:
         self.spec = spec
@@ -114,7 +114,7 @@ def test_pipeline_applies_every_effect_exactly_once_through_sigkills(
         s.add_all([pw.PipeOrder(id=i, status="new") for i in orders])
     stream = f"sg-test-pipeline-{uuid.uuid4().hex}"
     redis_client.xgroup_create(stream, pw.GROUP, id="0", mkstream=True)
-    ctx = multiprocessing.get_context("spawn")
+    ctx = worker_context()
     procs: list[_Proc] = []
 
     def spawn(target: Callable[..., None], worker: str, *args: Any, hold: bool = False) -> _Proc:

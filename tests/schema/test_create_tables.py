@@ -14,6 +14,7 @@ from sqlalchemy import create_engine, inspect, make_url, text
 
 from stateguard.tables import metadata
 from tests import conftest
+from tests._support.processes import worker_context
 from tests.conftest import BACKENDS, unavailable
 from tests.schema import _race
 
@@ -67,10 +68,9 @@ def fresh(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[tuple[str, 
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[tuple[Any, ProcessPoolExecutor]]:
-    """Spawned worker processes and a manager whose barrier threads and processes share."""
-    import multiprocessing
+    """Separate worker processes and a manager whose barrier threads and processes share."""
 
-    ctx = multiprocessing.get_context("spawn")
+    ctx = worker_context()
     with ctx.Manager() as manager, ProcessPoolExecutor(PROCESSES, mp_context=ctx) as executor:
         yield manager, executor
 

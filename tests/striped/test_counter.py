@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import multiprocessing
 import random
 import threading
 import uuid
@@ -37,6 +36,7 @@ from stateguard import (
 from stateguard.striped import MAX_AMOUNT, SPACE, stripe_ids
 from stateguard.tables import counter_ledger, counter_stripes
 from tests._support import striped_workers as w
+from tests._support.processes import worker_context
 from tests.conftest import Backend, backends_with, capable, count_statements
 
 WORKERS = 8
@@ -44,8 +44,8 @@ WORKERS = 8
 
 @pytest.fixture(scope="module")
 def pool8() -> Iterator[tuple[Any, ProcessPoolExecutor]]:
-    """Eight spawned worker processes and a manager for barriers, shared by the module."""
-    ctx = multiprocessing.get_context("spawn")
+    """Eight separate worker processes and a manager for barriers, shared by the module."""
+    ctx = worker_context()
     with ctx.Manager() as manager, ProcessPoolExecutor(WORKERS, mp_context=ctx) as pool:
         yield manager, pool
 

@@ -10,7 +10,6 @@ backend.
 
 from __future__ import annotations
 
-import multiprocessing
 import threading
 import time
 import uuid
@@ -25,6 +24,7 @@ from sqlalchemy.orm import Session
 
 from stateguard import InvalidArgument, LockLost, LockNotAcquired, ZooKeeperLock
 from tests._support.faultproxy import FaultProxy
+from tests._support.processes import worker_context
 from tests._support.zk_workers import (
     ZkBase,
     ZkLog,
@@ -54,14 +54,6 @@ def db(backend: Backend) -> Iterator[Engine]:
     with Session(engine) as s, s.begin():
         s.add(ZkPayout(id=1, holder=None))
     yield engine
-
-
-def worker_context() -> Any:
-    """A forkserver that has imported the workers' modules once: each worker forks from it ready to run
-    (8 spawned interpreters importing SQLAlchemy and kazoo cost more than the storm itself)."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["tests._support.zk_workers"])
-    return ctx
 
 
 def expire_session(client: Any, hosts: str) -> None:
