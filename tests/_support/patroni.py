@@ -15,11 +15,12 @@ container, so nothing stops a primary whose Patroni died.
 
 Processes are stopped by pid: each Patroni runs in a session of its own (its pid is its process
 group), and Patroni starts its postmaster in a session of its own (``setsid()``), so the process
-group of the postmaster's pid (read from ``postmaster.pid``) holds every backend and nothing else.  :meth:`PatroniPair.kill_node` ends both
-like a crashed machine; :meth:`PatroniPair.kill_patroni` ends only Patroni and leaves a writable
-primary behind.  :meth:`PatroniPair.repair` remakes a dead or deposed node as a fresh replica
-(its data directory removed, Patroni started again: it clones the leader with pg_basebackup),
-which is faster here than a rewind or a ``reinit`` of a diverged timeline.
+group of the postmaster's pid (read from ``postmaster.pid``) holds every backend and nothing else.
+:meth:`PatroniPair.kill_node` ends both like a crashed machine; :meth:`PatroniPair.kill_patroni`
+ends only Patroni and leaves a writable primary behind.  :meth:`PatroniPair.repair` remakes a dead
+or deposed node as a fresh replica (its data directory removed, Patroni started again: it clones
+the leader with pg_basebackup), which is faster here than a rewind or a ``reinit`` of a diverged
+timeline.
 """
 
 from __future__ import annotations
@@ -79,9 +80,7 @@ def available() -> str | None:
             f"{VENV}/bin/pip install 'patroni[zookeeper,psycopg3]' 'psycopg[binary]')"
         )
     try:
-        done = subprocess.run(
-            [str(PATRONI), "--version"], capture_output=True, timeout=60, **as_postgres()
-        )
+        done = subprocess.run([str(PATRONI), "--version"], capture_output=True, timeout=60, **as_postgres())
     except (OSError, subprocess.SubprocessError) as exc:
         return f"{PATRONI} cannot run as {USER}: {exc}"
     if done.returncode != 0:
@@ -153,7 +152,9 @@ class PatroniNode(PgNode):
         """Call this node's Patroni REST API: (HTTP status, decoded JSON or text); (0, error) when down."""
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(
-            f"http://127.0.0.1:{self.rest_port}{path}", data=data, method=method,
+            f"http://127.0.0.1:{self.rest_port}{path}",
+            data=data,
+            method=method,
             headers={"Content-Type": "application/json"},
         )
         try:
@@ -295,7 +296,9 @@ class PatroniPair:
         )
         out.close()
 
-    def _wait(self, check: Any, what: str, node: PatroniNode | None = None, timeout: float | None = None) -> float:
+    def _wait(
+        self, check: Any, what: str, node: PatroniNode | None = None, timeout: float | None = None
+    ) -> float:
         """Poll ``check()`` until true; the seconds it took.  RuntimeError with the logs on time-out."""
         started = time.monotonic()
         deadline = started + (timeout or self.startup_timeout)
@@ -350,9 +353,22 @@ class PatroniPair:
         role = "sync_standby" if self.synchronous else "replica"
 
         def streaming() -> bool:
-            return self.replication(primary) == ("streaming", want) and self._member_role(standby.name) == role
+            return (
+                self.replication(primary) == ("streaming", want) and self._member_role(standby.name) == role
+            )
 
         self._wait(streaming, f"{standby.name} streaming ({want}) from {primary.name}", standby, timeout)
+
+    def wait_replayed(self, timeout: float = 30.0) -> None:
+        """Wait until the standby has replayed everything the primary has written so far."""
+        assert self.primary is not None and self.standby is not None
+        standby = self.standby
+        target = self.primary.scalar("SELECT pg_current_wal_lsn()::text")
+
+        def replayed() -> bool:
+            return standby.scalar("SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn", target) is True
+
+        self._wait(replayed, f"{standby.name} replaying up to {target}", standby, timeout)
 
     @property
     def healthy(self) -> bool:
@@ -416,7 +432,12 @@ class PatroniPair:
             alive = [n for n in self.nodes if n.patroni_running and n.running]
             if not alive:
                 raise RuntimeError("no Patroni node is left to repair the pair from")
-            self._wait(lambda: self.leader() in alive and self.leader().writable(), "a leader")  # type: ignore[union-attr]
+
+            def led() -> bool:
+                found = self.leader()
+                return found in alive and found is not None and found.writable()
+
+            self._wait(led, "a leader")
             leader = self.leader()
         assert leader is not None
         self.primary, self.standby = leader, self.other(leader)
