@@ -176,9 +176,18 @@ class Timed:
 
 
 def timed_storm(
-    engine: Engine, tokens: list[str], *, writers: int, stop: threading.Event, errors: list[BaseException]
+    engine: Engine,
+    tokens: list[str],
+    *,
+    writers: int,
+    stop: threading.Event,
+    errors: list[BaseException],
+    pause: float = 0.03,
 ) -> tuple[Timed, Callable[[], None]]:
     """Start ``writers`` threads running units until ``stop`` is set; returns (record, join).
+
+    Each writer waits ``pause`` seconds between its units, so the tokens last however long the
+    storm runs on a fast machine and the reruns that count the losses stay few.
 
     A writer whose unit fails to connect or loses its connection counts it in doubt and goes on
     (the primary it reached may be gone; the next unit connects anew); a unit whose commit the
@@ -212,6 +221,7 @@ def timed_storm(
                 return
             with lock:
                 timed.acknowledged.append((n, began, time.monotonic()))
+            time.sleep(pause)
 
     threads = [threading.Thread(target=write, daemon=True) for _ in range(writers)]
     for t in threads:
