@@ -416,6 +416,15 @@ class PatroniPair:
         self.primary.patroni.wait(timeout=30)
         return killed
 
+    def restart_patroni(self, node: PatroniNode) -> None:
+        """Start ``node``'s Patroni again (after :meth:`kill_patroni`), as a service manager would."""
+        assert not node.patroni_running, f"Patroni {node.name} is running"
+        self._launch(node)
+
+    def wait_demoted(self, node: PatroniNode, timeout: float = 60.0) -> float:
+        """Seconds until ``node``'s PostgreSQL no longer takes writes (stopped or in recovery)."""
+        return self._wait(lambda: not node.writable(), f"{node.name} to stop taking writes", timeout=timeout)
+
     def wait_promoted(self, timeout: float = 60.0) -> PatroniNode:
         """Wait until the standby is a writable primary; it becomes :attr:`primary` (the old one is dead)."""
         assert self.standby is not None
