@@ -135,7 +135,8 @@ class PatroniNode(PgNode):
         """The postmaster Patroni started (first line of ``postmaster.pid``), when it runs."""
         with contextlib.suppress(OSError, ValueError, IndexError):
             pid = int((self.datadir / "postmaster.pid").read_text().splitlines()[0])
-            if _alive(pid):
+            # A stale file's pid may since belong to another process: only ours runs on this datadir.
+            if _alive(pid) and str(self.datadir).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
                 return pid
         return None
 
