@@ -79,11 +79,31 @@ def _segment_creator(shmid: str) -> int | None:
     return None
 
 
-def _as_postgres() -> dict[str, Any]:
+def postmaster_segment(datadir: Path) -> str | None:
+    """The System V shared memory id in ``postmaster.pid`` (a SIGKILLed server leaves it behind)."""
+    with contextlib.suppress(OSError, IndexError):
+        # postmaster.pid's 7th line: the shared memory key and id.
+        return (datadir / "postmaster.pid").read_text().splitlines()[6].split()[1]
+    return None
+
+
+def release_segment(shm: str | None, creator: int | None) -> None:
+    """Remove segment ``shm`` if the postmaster ``creator`` made it (never another server's)."""
+    if shm is not None and creator is not None and _segment_creator(shm) == creator:
+        subprocess.run(["ipcrm", "-m", shm], capture_output=True, timeout=10)
+
+
+def as_postgres() -> dict[str, Any]:
     """Popen arguments that run a program as the postgres user when we are root."""
     if os.geteuid() != 0:
         return {}
     return {"user": USER, "group": USER, "extra_groups": []}
+
+
+def own(path: Path) -> None:
+    """Give ``path`` to the postgres user when we are root (the servers write there)."""
+    if os.geteuid() == 0:
+        shutil.chown(path, USER, USER)
 
 
 @dataclass
@@ -190,28 +210,24 @@ class PgReplicaPair:
         self._made += 1
         node = PgNode(f"{prefix}{self._made}", _free_port(), self.base / f"{prefix}{self._made}")
         node.root.mkdir()
-        self._own(node.root)
+        own(node.root)
         return node
 
-    def _own(self, path: Path) -> None:
-        if os.geteuid() == 0:
-            shutil.chown(path, USER, USER)
-
     def _run(self, args: list[str], timeout: float = 60.0) -> None:
-        done = subprocess.run(args, capture_output=True, timeout=timeout, **_as_postgres())
+        done = subprocess.run(args, capture_output=True, timeout=timeout, **as_postgres())
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(args)} failed ({done.returncode}): {done.stderr.decode()[-1500:]}")
 
     def _launch(self, node: PgNode) -> None:
         out = open(node.log, "ab")  # noqa: SIM115 - handed to the process
-        self._own(node.log)
+        own(node.log)
         # A session of its own: the postmaster's pid is its process group, which kill_primary() ends.
         node.process = subprocess.Popen(
             [str(BIN / "postgres"), "-D", str(node.datadir), "-c", f"port={node.port}"],
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            **_as_postgres(),
+            **as_postgres(),
         )
         out.close()
 
@@ -393,14 +409,10 @@ class PgReplicaPair:
 
     def _forget(self, node: PgNode) -> None:
         """Kill a node by its pid, free its System V segment, remove its directory."""
-        shm: str | None = None
-        with contextlib.suppress(OSError, IndexError):
-            # postmaster.pid's 7th line: the shared memory key and id a SIGKILLed server leaves behind.
-            shm = (node.datadir / "postmaster.pid").read_text().splitlines()[6].split()[1]
+        shm = postmaster_segment(node.datadir)
         pid = node.process.pid if node.process is not None else None
         self._kill(node)
-        if shm is not None and pid is not None and _segment_creator(shm) == pid:
-            subprocess.run(["ipcrm", "-m", shm], capture_output=True, timeout=10)
+        release_segment(shm, pid)
         shutil.rmtree(node.root, ignore_errors=True)
 
     def stop(self) -> None:

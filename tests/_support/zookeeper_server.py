@@ -99,12 +99,21 @@ class ZooKeeperServer:
     :param port: the client port (a free one when ``None``); it stays the same across restarts.
     :param peers: for an ensemble, ``server.N=host:peer:election`` lines shared by all members.
     :param myid: this member's id in ``peers``.
+    :param max_session_ms: the longest session a client may negotiate (a longer ask is cut to it).
     """
 
     host = "127.0.0.1"
 
-    def __init__(self, port: int | None = None, *, peers: list[str] | None = None, myid: int = 0) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        *,
+        peers: list[str] | None = None,
+        myid: int = 0,
+        max_session_ms: int = 30000,
+    ) -> None:
         self.command = zookeeper_command()
+        self.max_session_ms = max_session_ms
         self.port = port or free_port()
         self.peers = list(peers or [])
         self.myid = myid
@@ -128,7 +137,7 @@ class ZooKeeperServer:
             f"clientPort={self.port}",
             f"clientPortAddress={self.host}",
             "minSessionTimeout=400",
-            "maxSessionTimeout=30000",
+            f"maxSessionTimeout={self.max_session_ms}",
             "4lw.commands.whitelist=srvr,ruok",
             "admin.enableServer=false",
             "maxClientCnxns=0",

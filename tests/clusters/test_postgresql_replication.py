@@ -14,7 +14,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -35,18 +34,26 @@ from stateguard import (
     decrement,
     emit,
     idempotent,
-    issue_token,
     set_durability,
     version_column,
 )
 
 from .._support import pg_cluster
+from .._support.failover_units import (
+    LEASE,
+    TOKEN_SCOPE,
+    Measured,
+    count_losses,
+    issue_tokens,
+    multi_host_url,
+    routing_engine,
+    server_port,
+    storm,
+    unit,
+)
 from ..conftest import count_statements, unavailable
 
 pytestmark = pytest.mark.failover
-
-TOKEN_SCOPE = "pay"
-LEASE = timedelta(seconds=30)
 
 
 class Base(DeclarativeBase):
@@ -115,138 +122,7 @@ def pair(cluster: pg_cluster.PgReplicaPair) -> pg_cluster.PgReplicaPair:
 def routing_url(pair: pg_cluster.PgReplicaPair) -> str:
     """The libpq multi-host URL: the standby listed first, so reaching the primary proves the routing."""
     assert pair.primary is not None and pair.standby is not None
-    hosts = "&".join(f"host=127.0.0.1:{node.port}" for node in (pair.standby, pair.primary))
-    return f"postgresql+psycopg://postgres@/{pg_cluster.DATABASE}?{hosts}&target_session_attrs=read-write"
-
-
-def routing_engine(url: str, *, remote_apply: bool = False, local: bool = False) -> Engine:
-    """An engine that connects to whichever listed host accepts writes."""
-    connect_args: dict[str, Any] = {"connect_timeout": 3}
-    if remote_apply:
-        # The application asks for it: COMMIT returns once the synchronous standby has applied it.
-        connect_args["options"] = "-c synchronous_commit=remote_apply"
-    if local:
-        # Only durable calls wait for the standby: every other COMMIT is acknowledged by the primary.
-        connect_args["options"] = "-c synchronous_commit=local"
-    return create_engine(url, pool_size=8, max_overflow=2, pool_pre_ping=True, connect_args=connect_args)
-
-
-def server_port(engine: Engine) -> int:
-    with engine.connect() as conn:
-        port: int = conn.execute(text("SELECT inet_server_port()")).scalar_one()
-        assert conn.execute(text("SELECT pg_is_in_recovery()")).scalar_one() is False
-        return port
-
-
-def issue_tokens(engine: Engine, n: int) -> list[str]:
-    with Session(engine) as s, s.begin():
-        return [issue_token(s, scope=TOKEN_SCOPE, ttl=timedelta(hours=1)) for _ in range(n)]
-
-
-def unit(engine: Engine, n: int, token: str) -> None:
-    """One acknowledged unit: an idempotency key completed, a message consumed once, a token consumed."""
-    with Session(engine) as s:
-        with idempotent(s, scope="charges", key=f"k{n}", lease=LEASE) as call:
-            assert not call.replayed, f"unit {n} was replayed on its first run"
-            assert consume_once(s, "billing", f"m{n}").applied
-            assert consume_token(s, token, scope=TOKEN_SCOPE).outcome is Outcome.APPLIED
-            call.complete({"n": n})
-        s.commit()
-
-
-def rerun(engine: Engine, n: int, token: str) -> tuple[bool, Outcome, Outcome]:
-    """Unit ``n`` again: (replayed, consume_once outcome, consume_token outcome); committed."""
-    with Session(engine) as s:
-        with idempotent(s, scope="charges", key=f"k{n}", lease=LEASE) as call:
-            replayed = call.replayed
-            if not replayed:
-                call.complete({"n": n})
-        message = consume_once(s, "billing", f"m{n}").outcome
-        consumed = consume_token(s, token, scope=TOKEN_SCOPE).outcome
-        s.commit()
-    return replayed, message, consumed
-
-
-@dataclass
-class Measured:
-    """What a failover did to the acknowledged units."""
-
-    acknowledged: list[int] = field(default_factory=list)
-    in_doubt: int = 0
-    lost: int = 0
-    tokens_twice: int = 0
-    messages_twice: int = 0
-    blocks_twice: int = 0
-
-    def line(self, scenario: str) -> str:
-        return (
-            f"pg-replication | {scenario} | acknowledged {len(self.acknowledged)} | lost {self.lost} | "
-            f"tokens consumed twice {self.tokens_twice} | messages twice {self.messages_twice} | "
-            f"idempotent blocks twice {self.blocks_twice} | in doubt {self.in_doubt}"
-        )
-
-
-def storm(engine: Engine, tokens: list[str], *, writers: int, kill_after: int, kill: Any) -> Measured:
-    """``writers`` threads run units until ``kill()`` (called after ``kill_after`` acks) ends the primary."""
-    measured = Measured()
-    lock = threading.Lock()
-    killed = threading.Event()
-    numbers = iter(range(len(tokens)))
-    barrier = threading.Barrier(writers + 1)
-    errors: list[BaseException] = []
-
-    def write() -> None:
-        barrier.wait()
-        while True:
-            with lock:
-                n = next(numbers, None)
-            if n is None:
-                return
-            try:
-                unit(engine, n, tokens[n])
-            except (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.PendingRollbackError) as exc:
-                if not killed.is_set():
-                    errors.append(exc)
-                with lock:
-                    measured.in_doubt += 1  # the primary died before or while it answered
-                return
-            except BaseException as exc:  # reported by the test
-                errors.append(exc)
-                return
-            with lock:
-                measured.acknowledged.append(n)
-
-    threads = [threading.Thread(target=write) for _ in range(writers)]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    deadline = time.monotonic() + 60
-    while len(measured.acknowledged) < kill_after and time.monotonic() < deadline and not errors:
-        time.sleep(0.005)
-    killed.set()
-    kill()
-    for t in threads:
-        t.join(timeout=60)
-    assert errors == [], errors
-    assert len(measured.acknowledged) >= kill_after, "the writers ran out of units before the kill"
-    return measured
-
-
-def count_losses(engine: Engine, tokens: list[str], measured: Measured) -> Measured:
-    """Rerun every acknowledged unit on the new primary; each one survived whole or was lost whole."""
-    for n in measured.acknowledged:
-        replayed, message, consumed = rerun(engine, n, tokens[n])
-        kept = (True, Outcome.REPEATED, Outcome.REPEATED)
-        gone = (False, Outcome.APPLIED, Outcome.APPLIED)
-        assert (replayed, message, consumed) in (kept, gone), (
-            f"unit {n} survived in part: {message, consumed}"
-        )
-        if (replayed, message, consumed) == gone:
-            measured.lost += 1
-            measured.tokens_twice += 1
-            measured.messages_twice += 1
-            measured.blocks_twice += 1
-    return measured
+    return multi_host_url([pair.standby.port, pair.primary.port], pg_cluster.DATABASE)
 
 
 def test_a_read_write_multi_host_url_reaches_the_primary_before_and_after_a_promotion(
