@@ -36,7 +36,7 @@ from typing import ClassVar, Self
 
 from tests.conftest import IN_CI
 
-__all__ = ["PrivateServer", "free_port", "installed_or_skip", "stop_by_pid"]
+__all__ = ["PrivateServer", "Started", "free_port", "installed_or_skip", "stop_by_pid"]
 
 
 def installed_or_skip(path: str | None, message: str, *, needed_by: str) -> str:
@@ -93,7 +93,31 @@ def stop_by_pid(process: subprocess.Popen[bytes] | None, sig: int = signal.SIGKI
         process.wait(timeout=20)
 
 
-class PrivateServer:
+class Started:
+    """A context that calls :meth:`start` on entering and :meth:`stop` on leaving, and also when the
+    start failed half-way (what did start is stopped): one server, or a group of them."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+class PrivateServer(Started):
     """One server process on 127.0.0.1:``port``, in its own process group and temporary directory.
 
     A subclass gives its :attr:`name`, its :meth:`command` and :meth:`serving`.
@@ -186,16 +210,3 @@ class PrivateServer:
         self.kill(self.stop_signal)
         if self._own_dir:
             shutil.rmtree(self.directory, ignore_errors=True)
-
-    def __enter__(self) -> Self:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()

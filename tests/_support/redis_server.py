@@ -25,10 +25,9 @@ import socket
 import subprocess
 import time
 from collections.abc import Sequence
-from types import TracebackType
 from typing import Any
 
-from .private_server import PrivateServer, free_port, installed_or_skip, stop_by_pid
+from .private_server import PrivateServer, Started, free_port, installed_or_skip, stop_by_pid
 
 __all__ = ["LocalCluster", "RedisServer", "free_port", "redis_server_binary", "stop_by_pid"]
 
@@ -122,7 +121,7 @@ def redis_cli_binary() -> str:
     )
 
 
-class LocalCluster:
+class LocalCluster(Started):
     """A Redis Cluster on 127.0.0.1: ``masters`` masters with ``replicas`` replicas each, on private ports.
 
     ::
@@ -326,16 +325,3 @@ class LocalCluster:
         """Stop every node by its pid and remove their directories."""
         for server in self.servers:
             server.stop()
-
-    def __enter__(self) -> LocalCluster:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()

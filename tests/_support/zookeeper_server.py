@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from tests._support.private_server import PrivateServer, free_port, installed_or_skip
+from tests._support.private_server import PrivateServer, Started, free_port, installed_or_skip
 
 __all__ = ["Gate", "ZooKeeperEnsemble", "ZooKeeperServer", "zookeeper_available", "zookeeper_command"]
 
@@ -150,7 +150,7 @@ class ZooKeeperServer(PrivateServer):
         super().start(timeout)
 
 
-class ZooKeeperEnsemble:
+class ZooKeeperEnsemble(Started):
     """``size`` ZooKeeper servers on localhost forming one quorum."""
 
     def __init__(self, size: int = 3) -> None:
@@ -184,19 +184,6 @@ class ZooKeeperEnsemble:
     def stop(self) -> None:
         for server in self.servers:
             server.stop()
-
-    def __enter__(self) -> ZooKeeperEnsemble:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
 
 class Gate:

@@ -34,6 +34,13 @@ def consumer(db: Engine, js: Stream, handler: Any = record, **kw: Any) -> NATSCo
     return NATSConsumer(db, handler, NATS_URL, stream=js.name, durable="billing", **kw)
 
 
+def broker(db: Engine, js: Stream) -> _behaviours.Broker:
+    """The database and the test's stream, for the behaviours every consumer shares."""
+    return _behaviours.Broker(
+        db, lambda message_id: publish(js, message_id), lambda handler: consumer(db, js, handler)
+    )
+
+
 def test_relayed_events_are_applied_once_and_acknowledged(db: Engine, js: Stream) -> None:
     """Every event a relay published is applied once; the message carries id, topic, key and payload."""
     emit_events(db, 10, topic=js.topic())
@@ -54,9 +61,7 @@ def test_relayed_events_are_applied_once_and_acknowledged(db: Engine, js: Stream
 
 def test_a_message_committed_before_a_crash_is_acked_without_the_handler(db: Engine, js: Stream) -> None:
     """Committed, then died before its ack: the redelivery is REPEATED and acked, the handler not run."""
-    _behaviours.repeat_is_acked_without_the_handler(
-        db, lambda message_id: publish(js, message_id), lambda handler: consumer(db, js, handler)
-    )
+    _behaviours.repeat_is_acked_without_the_handler(broker(db, js))
 
 
 def test_a_failing_message_is_redelivered_then_applied(db: Engine, js: Stream) -> None:
@@ -95,18 +100,14 @@ def test_a_poison_message_is_copied_to_the_dead_letter_subject_and_terminated(db
 
 def test_a_message_without_an_id_is_dead_lettered(db: Engine, js: Stream) -> None:
     """A message with no Nats-Msg-Id cannot be deduplicated: dead-lettered at once."""
-    _behaviours.message_without_an_id_is_dead_lettered(
-        lambda message_id: publish(js, message_id), lambda handler: consumer(db, js, handler)
-    )
+    _behaviours.message_without_an_id_is_dead_lettered(broker(db, js))
     assert len(js.messages(js.dead_name)) == 1
 
 
 def test_stop_finishes_the_message_in_hand(db: Engine, js: Stream) -> None:
     """stop() during a handler: it commits and is acked, run() returns; the rest is delivered to the next
     run."""
-    _behaviours.stop_finishes_the_message_in_hand(
-        db, lambda message_id: publish(js, message_id), lambda handler: consumer(db, js, handler), 3
-    )
+    _behaviours.stop_finishes_the_message_in_hand(broker(db, js), 3)
     rest = consumer(db, js)
     run_until(rest, lambda: rest.handled == 2)
     assert applied(db) == {"0": 1, "1": 1, "2": 1}
@@ -144,12 +145,7 @@ def test_messages_whose_ids_cannot_be_recorded_are_dead_lettered_at_once(
     for bad in HOSTILE_IDS:
         publish_nats_bytes(js, b"Nats-Msg-Id: " + bad)
     _behaviours.hostile_ids_are_dead_lettered_at_once(
-        db,
-        lambda message_id: publish(js, message_id),
-        lambda handler: consumer(db, js, handler),
-        caplog,
-        hostile=len(HOSTILE_IDS),
-        logged="terminated",
+        broker(db, js), caplog, hostile=len(HOSTILE_IDS), logged="terminated"
     )
     dead = js.messages(js.dead_name)
     assert len(dead) == len(HOSTILE_IDS)

@@ -30,6 +30,13 @@ def consumer(db: Engine, mq: Queue, handler: Any = record, **kw: Any) -> RabbitM
     return RabbitMQConsumer(db, handler, RABBITMQ_URL, queue=mq.queue, consumer="billing", **kw)
 
 
+def broker(db: Engine, mq: Queue) -> _behaviours.Broker:
+    """The database and the test's queue, for the behaviours every consumer shares."""
+    return _behaviours.Broker(
+        db, lambda message_id: publish(mq, message_id), lambda handler: consumer(db, mq, handler)
+    )
+
+
 def test_relayed_events_are_applied_once_and_acknowledged(db: Engine, mq: Queue) -> None:
     """Every event a relay published (each batch twice) is applied once; the queue is empty."""
     emit_events(db, 10)
@@ -62,9 +69,7 @@ def test_the_message_carries_the_event(db: Engine, mq: Queue) -> None:
 def test_a_message_committed_before_a_crash_is_acked_without_the_handler(db: Engine, mq: Queue) -> None:
     """A consumer that committed and died before basic.ack: the redelivery is REPEATED, acked, handler not
     run."""
-    _behaviours.repeat_is_acked_without_the_handler(
-        db, lambda message_id: publish(mq, message_id), lambda handler: consumer(db, mq, handler)
-    )
+    _behaviours.repeat_is_acked_without_the_handler(broker(db, mq))
     assert mq.count() == 0
 
 
@@ -132,17 +137,13 @@ def test_a_message_delivered_too_often_is_dead_lettered_without_running(db: Engi
 
 def test_a_message_without_message_id_is_dead_lettered(db: Engine, mq: Queue) -> None:
     """A message with no message_id cannot be deduplicated: rejected to the dead letters at once."""
-    _behaviours.message_without_an_id_is_dead_lettered(
-        lambda message_id: publish(mq, message_id), lambda handler: consumer(db, mq, handler)
-    )
+    _behaviours.message_without_an_id_is_dead_lettered(broker(db, mq))
     assert len(mq.drain(mq.dead_queue)) == 1
 
 
 def test_stop_finishes_the_message_in_hand(db: Engine, mq: Queue) -> None:
     """stop() during a handler: it commits and is acked, run() returns, the others stay in the queue."""
-    _behaviours.stop_finishes_the_message_in_hand(
-        db, lambda message_id: publish(mq, message_id), lambda handler: consumer(db, mq, handler), 4
-    )
+    _behaviours.stop_finishes_the_message_in_hand(broker(db, mq), 4)
     assert mq.count() == 3
 
 
@@ -171,12 +172,7 @@ def test_messages_whose_ids_cannot_be_recorded_are_dead_lettered_at_once(
     for bad in HOSTILE_IDS:
         publish(mq, bad)
     _behaviours.hostile_ids_are_dead_lettered_at_once(
-        db,
-        lambda message_id: publish(mq, message_id),
-        lambda handler: consumer(db, mq, handler),
-        caplog,
-        hostile=len(HOSTILE_IDS),
-        logged="dead-letter exchange",
+        broker(db, mq), caplog, hostile=len(HOSTILE_IDS), logged="dead-letter exchange"
     )
     dead = mq.drain(mq.dead_queue)
     assert len(dead) == len(HOSTILE_IDS) and mq.count() == 0
