@@ -128,15 +128,22 @@ def backends_with(*capabilities: str) -> list[str]:
 LOCK_HOLDING = frozenset({"postgresql"})
 
 
+def _holds_locks(params: dict[str, Any]) -> bool:
+    """Whether a test's parameters make a relay hold its claim as row locks (``hold="locks"``)."""
+    holds = params.get("holds", ())
+    return params.get("hold") == "locks" or (isinstance(holds, list | tuple) and "locks" in holds)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``@pytest.mark.requires(*capabilities)``: skip, at collection, the ``backend`` params that
     lack one of them (with the missing capabilities as the reason).  A ``hold="locks"`` variant
-    (the relay tests' ``hold`` parameter) of a backend without that mode is deselected: the
-    combination does not exist, so it is neither run nor reported as skipped."""
+    (the relay tests' ``hold`` parameter, or a ``holds`` list naming ``"locks"``) of a backend
+    without that mode is deselected: the combination does not exist, so it is neither run nor
+    reported as skipped."""
     absent = [
         item
         for item in items
-        if (params := getattr(getattr(item, "callspec", None), "params", {})).get("hold") == "locks"
+        if _holds_locks(params := getattr(getattr(item, "callspec", None), "params", {}))
         and params.get("backend", "postgresql") not in LOCK_HOLDING
     ]
     if absent:

@@ -28,33 +28,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from datetime import timedelta
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, ClassVar, TypeAlias, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from ..exceptions import ConfigurationError, LeaseLost
-from ..idempotency.options import DEFAULT_LEASE, DEFAULT_TTL
-from .core import (
-    KeyedRequest,
-    anonymous_refused,
-    missing_key,
-    request_scope,
-    too_large,
-)
-from .keys import KEY_HEADER, BadKey, parse_key
+from .core import Admitted, KeyedRequest, MiddlewareCore, admit, too_large
 from .options import (
     REFUSED_BEFORE_EXECUTION,
-    Options,
     RouteOptions,
-    RoutesFn,
-    ScopeFn,
     Settings,
     default_store_status,
 )
-from .principal import Anonymous, PrincipalFn, principal, scope_from_principal
+from .principal import principal, scope_from_principal
 from .request import HttpRequest
 from .responses import CREDENTIAL_HEADERS
 
@@ -225,7 +214,7 @@ class _Heartbeat:
         await asyncio.shield(self._task)
 
 
-class IdempotencyMiddleware:
+class IdempotencyMiddleware(MiddlewareCore[ASGIApp, Callable[[], Session] | Callable[[], AsyncSession]]):
     """Make POST and PATCH requests with an ``Idempotency-Key`` header run once and replay after.
 
     :param app: the wrapped ASGI app (Starlette's ``add_middleware`` passes it).
@@ -285,48 +274,8 @@ class IdempotencyMiddleware:
     the alembic revisions).
     """
 
-    def __init__(
-        self,
-        app: ASGIApp,
-        *,
-        session_factory: Callable[[], Session] | Callable[[], AsyncSession],
-        scope: str | ScopeFn | None = None,
-        principal: PrincipalFn | None = None,
-        session_cookies: Iterable[str] = (),
-        anonymous: Anonymous = "refuse",
-        required_paths: Iterable[str] = (),
-        methods: Iterable[str] = ("POST", "PATCH"),
-        lease: timedelta = DEFAULT_LEASE,
-        ttl: timedelta = DEFAULT_TTL,
-        max_body: int = 1024 * 1024,
-        routes: Mapping[str, RouteOptions | Mapping[str, Any]] | RoutesFn | None = None,
-        store_status: Callable[[int], bool] = default_store_status,
-        heartbeat_every: timedelta | None = None,
-        documentation: str | None = None,
-    ) -> None:
-        self.options = Options(
-            where="IdempotencyMiddleware",
-            session_factory=session_factory,
-            allow_async=True,
-            scope=scope,
-            principal=principal,
-            session_cookies=session_cookies,
-            anonymous=anonymous,
-            required_paths=required_paths,
-            methods=methods,
-            lease=lease,
-            ttl=ttl,
-            max_body=max_body,
-            routes=routes,
-            store_status=store_status,
-            heartbeat_every=heartbeat_every,
-            documentation=documentation,
-        )
-        self.app = app
-        self.session_factory = session_factory
-        self.required_paths = self.options.required_paths
-        self.store_status = store_status
-        self.documentation = documentation
+    where: ClassVar[str] = "IdempotencyMiddleware"
+    allow_async: ClassVar[bool] = True
 
     def _settings_for(self, scope: Scope) -> Settings | None:
         """The effective settings for a request, or ``None`` when its route is disabled."""
@@ -341,21 +290,12 @@ class IdempotencyMiddleware:
             await self.app(scope, receive, send)
             return
         request = _request(scope)
-        values = request.header(KEY_HEADER)
-        if not values:
-            if settings.required:
-                await _send_response(send, *missing_key(self.options, request))
-                return
+        admitted = admit(self.options, settings, request, log)
+        if admitted is None:
             await self.app(scope, receive, send)
             return
-        try:
-            key = parse_key(values)
-        except BadKey as error:
-            await _send_response(send, *self.options.problem(400, "Invalid Idempotency-Key", str(error)))
-            return
-        key_scope = request_scope(self.options, settings, request, log)
-        if key_scope is None:
-            await _send_response(send, *anonymous_refused(self.options, request))
+        if not isinstance(admitted, Admitted):
+            await _send_response(send, *admitted)
             return
         try:
             body = await _read_body(receive, settings.max_body)
@@ -365,6 +305,7 @@ class IdempotencyMiddleware:
         if body is None:
             return  # the client went away before sending its body
         is_async = self.options.session_kind == "async"
+        key, key_scope = admitted.key, admitted.scope
         keyed = KeyedRequest(
             self.options, settings, request, key, body, log, scope=key_scope, heartbeat_thread=not is_async
         )

@@ -19,8 +19,10 @@ import base64
 import logging
 import math
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, ClassVar, Generic, TypeVar
 
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
@@ -35,6 +37,7 @@ from ..exceptions import (
 )
 from ..idempotency import IdempotentCall
 from ..idempotency.api import idempotent_with
+from ..idempotency.options import DEFAULT_LEASE, DEFAULT_TTL
 from .fingerprint import request_fingerprint as request_fingerprint
 from .keys import KEY_HEADER as KEY_HEADER
 from .keys import BadKey as BadKey
@@ -47,7 +50,7 @@ from .options import ScopeFn as ScopeFn
 from .options import Settings as Settings
 from .options import check_scope
 from .options import default_store_status as default_store_status
-from .principal import app_principal
+from .principal import Anonymous, PrincipalFn, app_principal
 from .principal import principal as principal
 from .principal import scope_from_principal as scope_from_principal
 from .request import HttpRequest
@@ -68,6 +71,98 @@ __all__ = [
 
 #: Tries of the write that records a response (the first, and two after a conflict or lost connection).
 FINISH_ATTEMPTS = 3
+
+_App = TypeVar("_App")
+_Factory = TypeVar("_Factory")
+
+
+class MiddlewareCore(Generic[_App, _Factory]):
+    """What both faces are built from: the wrapped app, the session factory and the checked :class:`Options`.
+
+    A face names itself in ``where`` (the name its option errors carry) and
+    says with ``allow_async`` whether ``session_factory`` may make
+    AsyncSessions; the options are documented on
+    :class:`~stateguard.http.asgi.IdempotencyMiddleware`.
+
+    :raises InvalidArgument: a wrong option, when built.
+    """
+
+    where: ClassVar[str]
+    allow_async: ClassVar[bool]
+
+    def __init__(
+        self,
+        app: _App,
+        *,
+        session_factory: _Factory,
+        scope: str | ScopeFn | None = None,
+        principal: PrincipalFn | None = None,
+        session_cookies: Iterable[str] = (),
+        anonymous: Anonymous = "refuse",
+        required_paths: Iterable[str] = (),
+        methods: Iterable[str] = ("POST", "PATCH"),
+        lease: timedelta = DEFAULT_LEASE,
+        ttl: timedelta = DEFAULT_TTL,
+        max_body: int = 1024 * 1024,
+        routes: Mapping[str, RouteOptions | Mapping[str, Any]] | RoutesFn | None = None,
+        store_status: Callable[[int], bool] = default_store_status,
+        heartbeat_every: timedelta | None = None,
+        documentation: str | None = None,
+    ) -> None:
+        self.options = Options(
+            where=self.where,
+            session_factory=session_factory,
+            allow_async=self.allow_async,
+            scope=scope,
+            principal=principal,
+            session_cookies=session_cookies,
+            anonymous=anonymous,
+            required_paths=required_paths,
+            methods=methods,
+            lease=lease,
+            ttl=ttl,
+            max_body=max_body,
+            routes=routes,
+            store_status=store_status,
+            heartbeat_every=heartbeat_every,
+            documentation=documentation,
+        )
+        self.app = app
+        self.session_factory = session_factory
+        self.required_paths = self.options.required_paths
+        self.store_status = store_status
+        self.documentation = documentation
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A keyed request that may be claimed: its parsed key and its idempotency scope."""
+
+    key: str
+    scope: str
+
+
+def admit(
+    options: Options, settings: Settings, request: HttpRequest, log: logging.Logger
+) -> Admitted | Response | None:
+    """What a face does with a request whose route and method honour the header, before reading its body.
+
+    ``None``: it carries no key and none is required, so the app runs as
+    without the middleware.  A :data:`Response`: the answer to send instead
+    of running it (a missing or malformed key, an anonymous client refused,
+    see :func:`request_scope`).  Otherwise :class:`Admitted`.
+    """
+    values = request.header(KEY_HEADER)
+    if not values:
+        return missing_key(options, request) if settings.required else None
+    try:
+        key = parse_key(values)
+    except BadKey as error:
+        return options.problem(400, "Invalid Idempotency-Key", str(error))
+    key_scope = request_scope(options, settings, request, log)
+    if key_scope is None:
+        return anonymous_refused(options, request)
+    return Admitted(key, key_scope)
 
 
 def request_scope(

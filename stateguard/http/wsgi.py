@@ -23,25 +23,15 @@ from __future__ import annotations
 
 import io
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from datetime import timedelta
+from collections.abc import Callable, Iterable, Iterator
 from http import HTTPStatus
-from typing import Any, TypeAlias
+from typing import Any, ClassVar, TypeAlias
 
 from sqlalchemy.orm import Session
 
 from ..exceptions import ConfigurationError
-from ..idempotency.options import DEFAULT_LEASE, DEFAULT_TTL
-from .core import (
-    KeyedRequest,
-    anonymous_refused,
-    missing_key,
-    request_scope,
-    too_large,
-)
-from .keys import KEY_HEADER, BadKey, parse_key
-from .options import Options, RouteOptions, RoutesFn, ScopeFn, default_store_status
-from .principal import Anonymous, PrincipalFn, principal, scope_from_principal
+from .core import Admitted, KeyedRequest, MiddlewareCore, admit, too_large
+from .principal import principal, scope_from_principal
 from .request import HttpRequest
 from .responses import Response
 
@@ -135,7 +125,7 @@ def _read_body(environ: Environ, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
-class WSGIIdempotencyMiddleware:
+class WSGIIdempotencyMiddleware(MiddlewareCore[WSGIApp, Callable[[], Session]]):
     """Make POST and PATCH requests with an ``Idempotency-Key`` header run once and replay after (WSGI).
 
     The options are :class:`~stateguard.http.asgi.IdempotencyMiddleware`'s;
@@ -156,45 +146,8 @@ class WSGIIdempotencyMiddleware:
     :raises InvalidArgument: a wrong option, when built.
     """
 
-    def __init__(
-        self,
-        app: WSGIApp,
-        *,
-        session_factory: Callable[[], Session],
-        scope: str | ScopeFn | None = None,
-        principal: PrincipalFn | None = None,
-        session_cookies: Iterable[str] = (),
-        anonymous: Anonymous = "refuse",
-        required_paths: Iterable[str] = (),
-        methods: Iterable[str] = ("POST", "PATCH"),
-        lease: timedelta = DEFAULT_LEASE,
-        ttl: timedelta = DEFAULT_TTL,
-        max_body: int = 1024 * 1024,
-        routes: Mapping[str, RouteOptions | Mapping[str, Any]] | RoutesFn | None = None,
-        store_status: Callable[[int], bool] = default_store_status,
-        heartbeat_every: timedelta | None = None,
-        documentation: str | None = None,
-    ) -> None:
-        self.options = Options(
-            where="WSGIIdempotencyMiddleware",
-            session_factory=session_factory,
-            allow_async=False,
-            scope=scope,
-            principal=principal,
-            session_cookies=session_cookies,
-            anonymous=anonymous,
-            required_paths=required_paths,
-            methods=methods,
-            lease=lease,
-            ttl=ttl,
-            max_body=max_body,
-            routes=routes,
-            store_status=store_status,
-            heartbeat_every=heartbeat_every,
-            documentation=documentation,
-        )
-        self.app = app
-        self.session_factory = session_factory
+    where: ClassVar[str] = "WSGIIdempotencyMiddleware"
+    allow_async: ClassVar[bool] = False
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
         settings = self.options.settings_for(str(environ.get("PATH_INFO", "")), environ)
@@ -202,18 +155,11 @@ class WSGIIdempotencyMiddleware:
         if settings is None or method not in settings.methods:
             return self.app(environ, start_response)
         request = _request(environ)
-        values = request.header(KEY_HEADER)
-        if not values:
-            if settings.required:
-                return _answer(start_response, missing_key(self.options, request))
+        admitted = admit(self.options, settings, request, log)
+        if admitted is None:
             return self.app(environ, start_response)
-        try:
-            key = parse_key(values)
-        except BadKey as error:
-            return _answer(start_response, self.options.problem(400, "Invalid Idempotency-Key", str(error)))
-        key_scope = request_scope(self.options, settings, request, log)
-        if key_scope is None:
-            return _answer(start_response, anonymous_refused(self.options, request))
+        if not isinstance(admitted, Admitted):
+            return _answer(start_response, admitted)
         try:
             body = _read_body(environ, settings.max_body)
         except _TooLarge:
@@ -223,7 +169,7 @@ class WSGIIdempotencyMiddleware:
             return _answer(start_response, self.options.problem(400, "Incomplete request body", short))
         environ["wsgi.input"] = io.BytesIO(body)
         environ["CONTENT_LENGTH"] = str(len(body))
-        keyed = KeyedRequest(self.options, settings, request, key, body, log, scope=key_scope)
+        keyed = KeyedRequest(self.options, settings, request, admitted.key, body, log, scope=admitted.scope)
         session = self.session_factory()
         if not isinstance(session, Session):
             raise ConfigurationError(f"session_factory() returned {session!r}, not a Session")

@@ -48,6 +48,17 @@ def idempotent_with(
     """
     _kernel.check_text(scope, "scope", MAX_SCOPE)
     _kernel.check_text(key, "idempotency key", MAX_KEY)
+    return _claimed(session, options, scope, key, fingerprint)
+
+
+def _claimed(
+    session: SessionT, options: IdempotencyOptions, scope: str, key: str, fingerprint: Any
+) -> DualContext[IdempotentCall[SessionT]]:
+    """What :func:`idempotent` and :func:`idempotent_with` return once their arguments are checked:
+    the context of one :class:`Claim` of ``(scope, key)`` on ``session``.
+
+    :raises NotSupported: ``heartbeat_every`` with an AsyncSession.
+    """
     if isinstance(session, AsyncSession):
         if options.heartbeat_every is not None:
             raise NotSupported(
@@ -119,17 +130,7 @@ def idempotent(
     _kernel.check_text(scope, "scope", MAX_SCOPE)
     _kernel.check_text(key, "idempotency key", MAX_KEY)
     options = options_of(lease, ttl, mode, serializer, heartbeat_every, non_retryable)
-    if isinstance(session, AsyncSession):
-        if options.heartbeat_every is not None:
-            raise NotSupported(
-                "heartbeat_every runs a thread, which cannot use an AsyncSession's connections; "
-                "await call.heartbeat() from your own task instead"
-            )
-        sync_session = session.sync_session
-    else:
-        session = sync_session = as_session(session, "idempotent()")
-    claim = Claim(sync_session, session, scope, key, options, fingerprint_of(fingerprint))
-    return DualContext(session, lambda _sync: claim, name="idempotent()")
+    return _claimed(session, options, scope, key, fingerprint)
 
 
 def idempotent_function(

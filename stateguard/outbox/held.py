@@ -19,7 +19,7 @@ from sqlalchemy import Connection
 
 from .. import _kernel
 from .._async import Steps
-from ..exceptions import ConfigurationError, SerializationConflict
+from ..exceptions import ConfigurationError
 from .events import OutboxEvent
 from .refusals import _Round
 from .statements import STRICT, _event, _held_claim_statement, _held_mark_statement
@@ -61,6 +61,12 @@ class _Holding:
 
     def _end(self, conn: Any, commit: bool) -> Steps[None]:
         """Commit (``commit``) or roll back the transaction of ``conn``, and close it."""
+        raise NotImplementedError
+
+    def _claimed(
+        self, run: Callable[..., Steps[list[OutboxEvent]]], /, *args: Any
+    ) -> Steps[list[OutboxEvent]]:
+        """The events ``run(*args)`` returns, none when it lost a race (the relay core's claim handling)."""
         raise NotImplementedError
 
     def _isolate(self, events: list[OutboxEvent]) -> Steps[_Round]:
@@ -123,14 +129,7 @@ class _Holding:
             raise
         committed = False
         try:
-            try:
-                events = yield from self._on(conn, self._claim_held)
-            except SerializationConflict as error:
-                log.info("outbox relay: claim not made (%s), retrying on the next cycle", error)
-                return 0
-            except ConfigurationError as error:  # stateguard_outbox was dropped since
-                self._fatal = error
-                raise
+            events = yield from self._claimed(self._on, conn, self._claim_held)
             if not events:
                 return 0
             outcome = yield from self._isolate(events)
@@ -144,8 +143,4 @@ class _Holding:
             if not committed:
                 yield from self._end(conn, commit=False)
         self._report(counted, dead)
-        if outcome.interrupt is not None:
-            raise outcome.interrupt
-        if not accepted and outcome.error is not None:
-            raise outcome.error
-        return len(accepted)
+        return outcome.published()

@@ -67,6 +67,15 @@ class _Round:
     #: An error that ends the round at once (KeyboardInterrupt, a cancellation, the relay's own mistake).
     interrupt: BaseException | None = None
 
+    def published(self) -> int:
+        """How many events the sink took, once the round is settled; raises :attr:`interrupt`, or
+        :attr:`error` when the sink took nothing."""
+        if self.interrupt is not None:
+            raise self.interrupt
+        if not self.accepted and self.error is not None:
+            raise self.error
+        return len(self.accepted)
+
 
 @dataclass
 class _Suspect:

@@ -351,15 +351,7 @@ class _RelayCore(_Isolation, _Holding, Generic[E]):
         if self.hold == LOCKS:
             return (yield from self._held_cycle())
         owner = uuid.uuid4().hex
-        try:
-            events = yield from self._db(self._claim, owner)
-        except SerializationConflict as error:
-            # The claim's transaction rolled back: nothing was claimed, the next cycle tries again.
-            log.info("outbox relay: claim not made (%s), retrying on the next cycle", error)
-            return 0
-        except ConfigurationError as error:  # stateguard_outbox was dropped since
-            self._fatal = error
-            raise
+        events = yield from self._claimed(self._db, self._claim, owner)
         if not events:
             return 0
         outcome = yield from self._isolate(events)
@@ -370,11 +362,28 @@ class _RelayCore(_Isolation, _Holding, Generic[E]):
         rest = [e for e in events if e.id not in taken]
         if rest:
             yield from self._give_back(owner, outcome, rest)
-        if outcome.interrupt is not None:
-            raise outcome.interrupt
-        if not accepted and outcome.error is not None:
-            raise outcome.error
-        return len(accepted)
+        return outcome.published()
+
+    def _claimed(
+        self, run: Callable[..., Steps[list[OutboxEvent]]], /, *args: Any
+    ) -> Steps[list[OutboxEvent]]:
+        """The events ``run(*args)`` (either hold's claim) returns; none when it lost a race.
+
+        ``run`` is called here, not by the caller: a synchronous relay's ``_db``
+        runs its statement when called, not when iterated.
+
+        A conflict rolled the claim's transaction back: nothing was claimed, the
+        next cycle tries again.  A :class:`ConfigurationError` (stateguard_outbox
+        was dropped since) ends the relay.
+        """
+        try:
+            return (yield from run(*args))
+        except SerializationConflict as error:
+            log.info("outbox relay: claim not made (%s), retrying on the next cycle", error)
+            return []
+        except ConfigurationError as error:
+            self._fatal = error
+            raise
 
     def _mark_accepted(self, owner: str, accepted: list[OutboxEvent]) -> Steps[None]:
         ids = [e.id for e in accepted]

@@ -27,9 +27,14 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+from collections.abc import Iterator
 from types import TracebackType
+from typing import Any
 
-__all__ = ["COMMIT", "FaultProxy"]
+from sqlalchemy import URL, Engine, create_engine
+from sqlalchemy.engine import make_url
+
+__all__ = ["COMMIT", "FaultProxy", "commit_of", "proxied_engine", "through"]
 
 #: What a COMMIT looks like on the wire, per server, for ``cut_after_next_request``: a plain
 #: ``b"COMMIT"`` would also match MariaDB's ``SET AUTOCOMMIT = 0`` sent by every new PyMySQL
@@ -254,3 +259,35 @@ class FaultProxy:
         with self._lock:
             self._links.discard(link)
         link.close()
+
+
+def through(url: str | URL, proxy: FaultProxy) -> URL:
+    """``url`` with its host and port replaced by the proxy's (plain TCP for PostgreSQL: the proxy
+    forwards bytes, a TLS handshake through it would work but hide the COMMIT)."""
+    u = make_url(url).set(host=proxy.host, port=proxy.port)
+    if u.get_backend_name() == "postgresql":
+        u = u.update_query_dict({"sslmode": "disable"})
+    return u
+
+
+def commit_of(engine: Engine) -> bytes:
+    """What a COMMIT of this engine looks like on the wire (:data:`COMMIT` of its server)."""
+    return COMMIT["postgresql" if engine.dialect.name == "postgresql" else "mariadb"]
+
+
+@contextlib.contextmanager
+def proxied_engine(url: str, **engine_kw: Any) -> Iterator[tuple[Engine, FaultProxy]]:
+    """A :class:`FaultProxy` in front of the database server of ``url`` and an engine reaching the
+    server through it (``create_engine(..., **engine_kw)``, disposed at the end)::
+
+        with proxied_engine(backend.url) as (engine, proxy):
+            proxy.cut_after_next_request(commit_of(engine))
+    """
+    target = make_url(url)
+    default = 5432 if target.get_backend_name() == "postgresql" else 3306
+    with FaultProxy(target.host or "127.0.0.1", target.port or default) as proxy:
+        engine = create_engine(through(target, proxy), **engine_kw)
+        try:
+            yield engine, proxy
+        finally:
+            engine.dispose()

@@ -9,83 +9,53 @@ mid-stream starts its own::
         server.start()                            # the same port and store: streams, consumers and
                                                   # unacknowledged messages survive
 
-The process is stopped by its pid, never by name; its store directory is removed at the end.
+The process is stopped by its pid, never by name (:class:`~tests._support.private_server.PrivateServer`);
+its store directory is removed at the end.
 """
 
 from __future__ import annotations
 
 import shutil
 import socket
-import subprocess
-import tempfile
-import time
-from types import TracebackType
 
-from tests.conftest import IN_CI
-
-from .redis_server import free_port, stop_by_pid
+from .private_server import PrivateServer, installed_or_skip
 
 NATS_SERVER = "/usr/sbin/nats-server"
 
 
 def nats_server_binary() -> str:
     """The path of ``nats-server``; skip the test loudly (fail in CI) when it is not installed."""
-    import pytest
-
-    path = shutil.which("nats-server") or (NATS_SERVER if shutil.which(NATS_SERVER) else None)
-    if path is None:
-        message = "nats-server is not installed"
-        if IN_CI:
-            pytest.fail(f"{message}; in CI the private-NATS tests must run", pytrace=False)
-        pytest.skip(f"!!! SKIPPED: {message}; install it to run these tests")
-    return path
+    return installed_or_skip(
+        shutil.which("nats-server") or (NATS_SERVER if shutil.which(NATS_SERVER) else None),
+        "nats-server is not installed",
+        needed_by="the private-NATS tests",
+    )
 
 
-class NATSServer:
-    """One ``nats-server -js`` on 127.0.0.1:``port`` with a file store that survives :meth:`kill`."""
+class NATSServer(PrivateServer):
+    """One ``nats-server -js`` on 127.0.0.1:``port``; its file store (its directory) survives :meth:`kill`."""
 
-    host = "127.0.0.1"
+    name = "nats-server"
 
     def __init__(self) -> None:
         self.binary = nats_server_binary()
-        self.port = free_port()
-        self.store = tempfile.mkdtemp(prefix="sg-nats-")
-        self.process: subprocess.Popen[bytes] | None = None
+        super().__init__()
 
     @property
     def url(self) -> str:
         return f"nats://{self.host}:{self.port}"
 
+    def command(self) -> list[str]:
+        return [self.binary, "-a", self.host, "-p", str(self.port), "-js", "-sd", self.directory]
+
+    def serving(self) -> bool:
+        """Whether the server greets a connection with its ``INFO`` line."""
+        try:
+            with socket.create_connection((self.host, self.port), timeout=1) as sock:
+                return sock.makefile("rb").readline().startswith(b"INFO ")
+        except OSError:
+            return False
+
     def start(self, timeout: float = 15.0) -> None:
         """Start the server on its port and store; return once it accepts connections."""
-        assert self.process is None or self.process.poll() is not None, "already running"
-        self.process = subprocess.Popen(
-            [self.binary, "-a", self.host, "-p", str(self.port), "-js", "-sd", self.store],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                with socket.create_connection((self.host, self.port), timeout=1) as sock:
-                    if sock.makefile("rb").readline().startswith(b"INFO "):
-                        return
-            except OSError:
-                pass
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"nats-server on port {self.port} did not start")
-            time.sleep(0.05)
-
-    def kill(self) -> None:
-        """SIGKILL the server (by its pid) and reap it."""
-        stop_by_pid(self.process)
-
-    def __enter__(self) -> NATSServer:
-        self.start()
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.kill()
-        shutil.rmtree(self.store, ignore_errors=True)
+        super().start(timeout)

@@ -19,77 +19,29 @@ or skips the test loudly (fails under ``CI=true``, like every missing server).
 from __future__ import annotations
 
 import contextlib
-import random
 import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
-from types import TracebackType
 from typing import Any
 
-from tests.conftest import IN_CI
+from .private_server import PrivateServer, Started, free_port, installed_or_skip, stop_by_pid
 
 __all__ = ["LocalCluster", "RedisServer", "free_port", "redis_server_binary", "stop_by_pid"]
 
 
 def redis_server_binary() -> str:
     """The path of ``redis-server``; skip the test loudly (fail in CI) when it is not installed."""
-    import pytest
-
-    path = shutil.which("redis-server")
-    if path is None:
-        message = "redis-server is not installed (Debian package redis-server)"
-        if IN_CI:
-            pytest.fail(f"{message}; in CI the private-Redis tests must run", pytrace=False)
-        pytest.skip(f"!!! SKIPPED: {message}; install it to run these tests")
-    return path
+    return installed_or_skip(
+        shutil.which("redis-server"),
+        "redis-server is not installed (Debian package redis-server)",
+        needed_by="the private-Redis tests",
+    )
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-def free_port(*, cluster: bool = False) -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now.
-
-    ``cluster``: also the cluster bus port (``port + 10000``) is free, and the
-    port is at most 55535 (redis-server refuses a higher one in cluster mode).
-    """
-    if not cluster:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            port: int = sock.getsockname()[1]
-            return port
-    for _ in range(200):
-        port = random.randint(20000, 55535)
-        if _bindable(port) and _bindable(port + 10000):
-            return port
-    raise RuntimeError("no free port pair (port, port + 10000) for a cluster node")
-
-
-def stop_by_pid(process: subprocess.Popen[bytes] | None, sig: int = signal.SIGKILL) -> None:
-    """Send ``sig`` to a server process the tests started and reap it (SIGKILL after 20 s)."""
-    if process is None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        process.send_signal(sig)
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(timeout=20)
-
-
-class RedisServer:
+class RedisServer(PrivateServer):
     """One ``redis-server`` process on 127.0.0.1:``port`` without persistence.
 
     :param port: the port (a free one when ``None``); it stays the same across restarts.
@@ -98,17 +50,16 @@ class RedisServer:
         when ``None``).
     """
 
-    host = "127.0.0.1"
+    name = "redis-server"
+    #: Nothing is saved either way.
+    stop_signal = signal.SIGTERM
 
     def __init__(
         self, port: int | None = None, *, args: Sequence[str] = (), directory: str | None = None
     ) -> None:
         self.binary = redis_server_binary()
-        self.port = port or free_port(cluster="--cluster-enabled" in args)
+        super().__init__(port or free_port(cluster="--cluster-enabled" in args), directory=directory)
         self.args = list(args)
-        self._own_dir = directory is None
-        self.directory = directory or tempfile.mkdtemp(prefix=f"sg-redis-{self.port}-")
-        self.process: subprocess.Popen[bytes] | None = None
         self.restarts = 0
 
     @property
@@ -116,38 +67,24 @@ class RedisServer:
         """``redis://127.0.0.1:<port>/0``."""
         return f"redis://{self.host}:{self.port}/0"
 
+    def command(self) -> list[str]:
+        return [
+            self.binary,
+            "--port", str(self.port),
+            "--bind", self.host,
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", self.directory,
+            "--daemonize", "no",
+            *self.args,
+        ]  # fmt: skip
+
+    def serving(self) -> bool:
+        return self.ping()
+
     def start(self, timeout: float = 20.0) -> None:
         """Start the server and wait until it answers PING."""
-        if self.process is not None:
-            raise RuntimeError(f"redis-server on port {self.port} is already running")
-        log = Path(self.directory, "redis.log")
-        self.process = subprocess.Popen(
-            [
-                self.binary,
-                "--port", str(self.port),
-                "--bind", self.host,
-                "--save", "",
-                "--appendonly", "no",
-                "--dir", self.directory,
-                "--logfile", str(log),
-                "--daemonize", "no",
-                *self.args,
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                text = log.read_text(errors="replace") if log.exists() else ""
-                self.process = None
-                raise RuntimeError(f"redis-server on port {self.port} exited at start:\n{text[-2000:]}")
-            if self.ping():
-                return
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"redis-server on port {self.port} did not answer PING within {timeout}s")
+        super().start(timeout)
 
     def ping(self) -> bool:
         """Whether the server answers ``PING`` with ``+PONG`` right now (raw socket, no client)."""
@@ -157,11 +94,6 @@ class RedisServer:
                 return sock.recv(64).startswith(b"+PONG")
         except OSError:
             return False
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Stop the process by its pid (SIGKILL: a crash; nothing is saved either way)."""
-        process, self.process = self.process, None
-        stop_by_pid(process, sig)
 
     def pause(self) -> None:
         """SIGSTOP the process by its pid: a server that stalls (a replica falling behind its master)."""
@@ -176,44 +108,20 @@ class RedisServer:
 
     def restart(self) -> None:
         """Crash the server (SIGKILL) and start it again on the same port, empty."""
-        self.kill()
-        self.start()
+        super().restart()
         self.restarts += 1
-
-    def stop(self) -> None:
-        """Stop the server (SIGTERM by pid) and remove its temporary directory."""
-        self.kill(signal.SIGTERM)
-        if self._own_dir:
-            shutil.rmtree(self.directory, ignore_errors=True)
-
-    def __enter__(self) -> RedisServer:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
 
 def redis_cli_binary() -> str:
     """The path of ``redis-cli``; skip loudly (fail in CI) when it is not installed."""
-    import pytest
-
-    path = shutil.which("redis-cli")
-    if path is None:
-        message = "redis-cli is not installed (Debian package redis-tools)"
-        if IN_CI:
-            pytest.fail(f"{message}; in CI the Redis Cluster tests must run", pytrace=False)
-        pytest.skip(f"!!! SKIPPED: {message}; install it to run these tests")
-    return path
+    return installed_or_skip(
+        shutil.which("redis-cli"),
+        "redis-cli is not installed (Debian package redis-tools)",
+        needed_by="the Redis Cluster tests",
+    )
 
 
-class LocalCluster:
+class LocalCluster(Started):
     """A Redis Cluster on 127.0.0.1: ``masters`` masters with ``replicas`` replicas each, on private ports.
 
     ::
@@ -417,16 +325,3 @@ class LocalCluster:
         """Stop every node by its pid and remove their directories."""
         for server in self.servers:
             server.stop()
-
-    def __enter__(self) -> LocalCluster:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()

@@ -21,17 +21,13 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import socket
-import subprocess
-import tempfile
 import threading
 import time
 from pathlib import Path
 from types import TracebackType
 
-from tests._support.redis_server import free_port, stop_by_pid
-from tests.conftest import IN_CI
+from tests._support.private_server import PrivateServer, Started, free_port, installed_or_skip
 
 __all__ = ["Gate", "ZooKeeperEnsemble", "ZooKeeperServer", "zookeeper_available", "zookeeper_command"]
 
@@ -55,16 +51,15 @@ def zookeeper_available() -> bool:
 
 def zookeeper_command() -> list[str]:
     """``java ... QuorumPeerMain`` without the config path; skip loudly (fail in CI) when not installed."""
-    import pytest
-
     java = shutil.which("java")
     jar = _jar()
-    if java is None or jar is None:
-        missing = "java" if java is None else "the ZooKeeper server jar (/usr/share/java/zookeeper.jar)"
-        message = f"{missing} is not installed (Debian package zookeeperd)"
-        if IN_CI:
-            pytest.fail(f"{message}; in CI the ZooKeeper tests must run", pytrace=False)
-        pytest.skip(f"!!! SKIPPED: {message}; install it to run these tests")
+    missing = "java" if java is None else "the ZooKeeper server jar (/usr/share/java/zookeeper.jar)"
+    installed_or_skip(
+        None if java is None or jar is None else jar,
+        f"{missing} is not installed (Debian package zookeeperd)",
+        needed_by="the ZooKeeper tests",
+    )
+    assert java is not None and jar is not None
     return [
         java,
         "-Xmx128m",
@@ -93,7 +88,7 @@ def four_letter(host: str, port: int, word: str, timeout: float = 1.0) -> str:
         return ""
 
 
-class ZooKeeperServer:
+class ZooKeeperServer(PrivateServer):
     """One ZooKeeper server process (standalone, or member ``myid`` of an ensemble).
 
     :param port: the client port (a free one when ``None``); it stays the same across restarts.
@@ -102,7 +97,7 @@ class ZooKeeperServer:
     :param max_session_ms: the longest session a client may negotiate (a longer ask is cut to it).
     """
 
-    host = "127.0.0.1"
+    name = "zookeeper"
 
     def __init__(
         self,
@@ -112,13 +107,11 @@ class ZooKeeperServer:
         myid: int = 0,
         max_session_ms: int = 30000,
     ) -> None:
-        self.command = zookeeper_command()
+        self.zk_command = zookeeper_command()
         self.max_session_ms = max_session_ms
-        self.port = port or free_port()
+        super().__init__(port)
         self.peers = list(peers or [])
         self.myid = myid
-        self.directory = tempfile.mkdtemp(prefix=f"sg-zk-{self.port}-")
-        self.process: subprocess.Popen[bytes] | None = None
         self._write_config()
 
     @property
@@ -147,6 +140,9 @@ class ZooKeeperServer:
             lines += self.peers
         Path(self.directory, "zoo.cfg").write_text("\n".join(lines) + "\n")
 
+    def command(self) -> list[str]:
+        return [*self.zk_command, str(Path(self.directory, "zoo.cfg"))]
+
     def mode(self) -> str | None:
         """``leader``, ``follower`` or ``standalone`` while serving; ``None`` when down or not serving."""
         for line in four_letter(self.host, self.port, "srvr").splitlines():
@@ -154,79 +150,16 @@ class ZooKeeperServer:
                 return line.split(":", 1)[1].strip()
         return None
 
-    def launch(self) -> None:
-        """Start the JVM without waiting for it to serve (an ensemble member waits for its quorum)."""
-        if self.process is not None:
-            raise RuntimeError(f"ZooKeeper on port {self.port} is already running")
-        log = open(Path(self.directory, "server.log"), "ab")  # noqa: SIM115 (handed to the child)
-        try:
-            self.process = subprocess.Popen(
-                [*self.command, str(Path(self.directory, "zoo.cfg"))],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=self.directory,
-            )
-        finally:
-            log.close()
-
-    def wait_serving(self, timeout: float = 60.0) -> None:
-        """Wait until the server answers ``srvr`` with a mode (it has a quorum)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is not None:
-                self.process = None
-                raise RuntimeError(f"ZooKeeper on port {self.port} exited at start:\n{self.log_tail()}")
-            if self.mode() is not None:
-                return
-            time.sleep(0.1)
-        raise RuntimeError(
-            f"ZooKeeper on port {self.port} is not serving after {timeout}s:\n{self.log_tail()}"
-        )
-
-    def log_tail(self) -> str:
-        path = Path(self.directory, "server.log")
-        return path.read_text(errors="replace")[-2000:] if path.exists() else ""
+    def serving(self) -> bool:
+        """Whether the server answers ``srvr`` with a mode (it has a quorum)."""
+        return self.mode() is not None
 
     def start(self, timeout: float = 60.0) -> None:
         """Start the server and wait until it serves."""
-        self.launch()
-        try:
-            self.wait_serving(timeout)
-        except BaseException:
-            self.kill()
-            raise
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Stop the process by its pid (SIGKILL: a crash).  The data directory stays."""
-        process, self.process = self.process, None
-        stop_by_pid(process, sig)
-
-    def restart(self) -> None:
-        """Crash the server (SIGKILL) and start it again on the same port with the same data."""
-        self.kill()
-        self.start()
-
-    def stop(self) -> None:
-        """Stop the server by its pid and remove its data directory."""
-        self.kill()
-        shutil.rmtree(self.directory, ignore_errors=True)
-
-    def __enter__(self) -> ZooKeeperServer:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
+        super().start(timeout)
 
 
-class ZooKeeperEnsemble:
+class ZooKeeperEnsemble(Started):
     """``size`` ZooKeeper servers on localhost forming one quorum."""
 
     def __init__(self, size: int = 3) -> None:
@@ -260,19 +193,6 @@ class ZooKeeperEnsemble:
     def stop(self) -> None:
         for server in self.servers:
             server.stop()
-
-    def __enter__(self) -> ZooKeeperEnsemble:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
 
 class Gate:

@@ -17,8 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, create_engine
-from sqlalchemy.engine import make_url
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from stateguard import CallableSink, Relay, create_tables, drop_tables
@@ -26,7 +25,7 @@ from stateguard.consumers import Message, NATSConsumer, RabbitMQConsumer
 from stateguard.outbox.sinks import NATSSink, RabbitMQSink
 
 from .._support.brokers import NATS_URL, RABBITMQ_URL, Queue, Stream
-from .._support.faultproxy import COMMIT, FaultProxy
+from .._support.faultproxy import FaultProxy, commit_of, proxied_engine
 from ..conftest import Backend, backends_with
 from ._drive import publish_amqp, publish_nats, run_until
 from ._effects import applied, committed_ids, emit_events, metadata, record
@@ -49,22 +48,8 @@ def direct(backend: Backend) -> Iterator[Engine]:
 @pytest.fixture
 def proxied(backend: Backend, direct: Engine) -> Iterator[tuple[Engine, FaultProxy]]:
     """An engine reaching the server through a FaultProxy, and the proxy."""
-    url = make_url(backend.url)
-    default = 5432 if backend.name == "postgresql" else 3306
-    with FaultProxy(url.host or "127.0.0.1", url.port or default) as proxy:
-        through = url.set(host=proxy.host, port=proxy.port)
-        if backend.name == "postgresql":
-            through = through.update_query_dict({"sslmode": "disable"})
-        engine = create_engine(through)
-        try:
-            yield engine, proxy
-        finally:
-            engine.dispose()
-
-
-def commit_request(engine: Engine) -> bytes:
-    """What the proxy watches for: this engine's COMMIT on the wire."""
-    return COMMIT["postgresql" if engine.dialect.name == "postgresql" else "mariadb"]
+    with proxied_engine(backend.url) as made:
+        yield made
 
 
 def rabbit(engine: Engine, mq: Queue, handler: Any = record, **kw: Any) -> RabbitMQConsumer:
@@ -144,7 +129,7 @@ def cutting_handler(engine: Engine, proxy: FaultProxy, calls: list[str], *, cut:
         record(session, message)
         if len(calls) == 1:
             if cut == "reply":
-                proxy.cut_after_next_request(commit_request(engine))
+                proxy.cut_after_next_request(commit_of(engine))
             else:
                 session.flush()
                 assert proxy.cut_all() >= 1

@@ -13,30 +13,18 @@ import pytest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from stateguard import ConfigurationError, InvalidArgument, Relay, consume_once
+from stateguard import ConfigurationError, InvalidArgument, Relay
 from stateguard.consumers import Message, NATSConsumer
 from stateguard.outbox.sinks import NATSSink
 
 from .._support.brokers import NATS_URL, Stream, nats_stream
 from .._support.nats_server import NATSServer
+from . import _behaviours
+from ._drive import publish_nats as publish
 from ._drive import publish_nats_bytes, run_until
 from ._effects import applied, committed_ids, emit_events, record
 
 LEASE = timedelta(seconds=30)
-
-
-def publish(js: Stream, msg_id: str | None, body: bytes = b"{}", url: str = NATS_URL) -> None:
-    async def send() -> None:
-        import nats
-
-        client = await nats.connect(url)
-        try:
-            headers = {"Outbox-Key": "k%2F1"} | ({"Nats-Msg-Id": msg_id} if msg_id is not None else {})
-            await client.jetstream().publish(js.topic(), body, headers=headers)
-        finally:
-            await client.close()
-
-    asyncio.run(send())
 
 
 def consumer(db: Engine, js: Stream, handler: Any = record, **kw: Any) -> NATSConsumer:
@@ -44,6 +32,13 @@ def consumer(db: Engine, js: Stream, handler: Any = record, **kw: Any) -> NATSCo
     kw.setdefault("retry_delay", timedelta(milliseconds=50))
     kw.setdefault("dead_letter_subject", js.dead_subject)
     return NATSConsumer(db, handler, NATS_URL, stream=js.name, durable="billing", **kw)
+
+
+def broker(db: Engine, js: Stream) -> _behaviours.Broker:
+    """The database and the test's stream, for the behaviours every consumer shares."""
+    return _behaviours.Broker(
+        db, lambda message_id: publish(js, message_id), lambda handler: consumer(db, js, handler)
+    )
 
 
 def test_relayed_events_are_applied_once_and_acknowledged(db: Engine, js: Stream) -> None:
@@ -66,13 +61,7 @@ def test_relayed_events_are_applied_once_and_acknowledged(db: Engine, js: Stream
 
 def test_a_message_committed_before_a_crash_is_acked_without_the_handler(db: Engine, js: Stream) -> None:
     """Committed, then died before its ack: the redelivery is REPEATED and acked, the handler not run."""
-    publish(js, "41")
-    with Session(db) as session, session.begin():
-        consume_once(session, "billing", "41")
-    calls: list[Message] = []
-    c = consumer(db, js, lambda s, m: calls.append(m))
-    run_until(c, lambda: c.handled == 1)
-    assert calls == []
+    _behaviours.repeat_is_acked_without_the_handler(broker(db, js))
 
 
 def test_a_failing_message_is_redelivered_then_applied(db: Engine, js: Stream) -> None:
@@ -111,34 +100,14 @@ def test_a_poison_message_is_copied_to_the_dead_letter_subject_and_terminated(db
 
 def test_a_message_without_an_id_is_dead_lettered(db: Engine, js: Stream) -> None:
     """A message with no Nats-Msg-Id cannot be deduplicated: dead-lettered at once."""
-    publish(js, None)
-    c = consumer(db, js)
-    run_until(c, lambda: c.dead_lettered == 1)
+    _behaviours.message_without_an_id_is_dead_lettered(broker(db, js))
     assert len(js.messages(js.dead_name)) == 1
 
 
 def test_stop_finishes_the_message_in_hand(db: Engine, js: Stream) -> None:
     """stop() during a handler: it commits and is acked, run() returns; the rest is delivered to the next
     run."""
-    for i in range(3):
-        publish(js, str(i))
-    inside, release = threading.Event(), threading.Event()
-
-    def slow(session: Session, message: Message) -> None:
-        record(session, message)
-        inside.set()
-        release.wait(5)
-
-    c = consumer(db, js, slow)
-    stop = threading.Event()
-    thread = threading.Thread(target=c.run, args=(stop,))
-    thread.start()
-    assert inside.wait(5)
-    stop.set()
-    release.set()
-    thread.join(10)
-    assert not thread.is_alive()
-    assert applied(db) == {"0": 1} and c.handled == 1
+    _behaviours.stop_finishes_the_message_in_hand(broker(db, js), 3)
     rest = consumer(db, js)
     run_until(rest, lambda: rest.handled == 2)
     assert applied(db) == {"0": 1, "1": 1, "2": 1}
@@ -175,24 +144,13 @@ def test_messages_whose_ids_cannot_be_recorded_are_dead_lettered_at_once(
     logged, the handler never run, never redelivered; the consumer goes on with the good message after."""
     for bad in HOSTILE_IDS:
         publish_nats_bytes(js, b"Nats-Msg-Id: " + bad)
-    publish(js, "ok")
-    calls: list[str] = []
-
-    def handler(session: Session, message: Message) -> None:
-        calls.append(message.id)
-        record(session, message)
-
-    c = consumer(db, js, handler)
-    with caplog.at_level("ERROR", logger="stateguard.consumers"):
-        run_until(c, lambda: c.dead_lettered == len(HOSTILE_IDS) and c.handled == 1)
-    assert calls == ["ok"] and applied(db) == {"ok": 1}
+    _behaviours.hostile_ids_are_dead_lettered_at_once(
+        broker(db, js), caplog, hostile=len(HOSTILE_IDS), logged="terminated"
+    )
     dead = js.messages(js.dead_name)
     assert len(dead) == len(HOSTILE_IDS)
     assert {letter.headers["Stateguard-Deliveries"] for letter in dead} == {"1"}  # never retried
-    reasons = [r.getMessage() for r in caplog.records if "terminated" in r.getMessage()]
-    assert len(reasons) == len(HOSTILE_IDS), reasons
-    assert all("cannot be recorded" in r or "not UTF-8" in r for r in reasons), reasons
-    again = consumer(db, js, handler)
+    again = consumer(db, js)
     run_until(again, lambda: False, timeout=0.5)
     assert again.handled == again.dead_lettered == 0  # terminated: none comes back
 

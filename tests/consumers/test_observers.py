@@ -17,8 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from opentelemetry.context import Context
-from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import TracerProvider
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
@@ -28,38 +27,13 @@ from stateguard.consumers import Message, NATSConsumer, RabbitMQConsumer
 from stateguard.otel import instrument
 
 from .._support.brokers import NATS_URL, RABBITMQ_URL, Queue, Stream
+from .._support.failing_observers import FailingProcessor, ObserverBug, QuietHandler
 from ._drive import publish_amqp, publish_nats, run_until
 from ._effects import applied, record
 
 pytestmark = pytest.mark.failing_observer
 
 OBSERVERS = ["listener", "span_start", "span_end", "event_log_filter", "consumer_log_filter"]
-
-
-class ObserverBug(RuntimeError):
-    """What every broken observer raises."""
-
-
-class FailingProcessor(SpanProcessor):
-    """A span processor that raises when a span starts, or when it ends."""
-
-    def __init__(self, phase: str) -> None:
-        self.phase = phase
-
-    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
-        if self.phase == "start":
-            raise ObserverBug(f"span processor on_start: {span.name}")
-
-    def on_end(self, span: ReadableSpan) -> None:
-        if self.phase == "end":
-            raise ObserverBug(f"span processor on_end: {span.name}")
-
-
-class QuietHandler(logging.Handler):
-    """A handler that keeps nothing (its filters still run)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        pass
 
 
 def fail_on_event(event: GuardEvent) -> None:

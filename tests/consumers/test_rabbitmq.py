@@ -13,28 +13,28 @@ import pytest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from stateguard import CallableSink, InvalidArgument, Relay, consume_once
+from stateguard import CallableSink, InvalidArgument, Relay
 from stateguard.consumers import Message, RabbitMQConsumer
 from stateguard.outbox.sinks import RabbitMQSink
 
 from .._support.brokers import RABBITMQ_PORT, RABBITMQ_URL, Queue, via
 from .._support.faultproxy import FaultProxy
+from . import _behaviours
+from ._drive import publish_amqp as publish
 from ._drive import run_until
 from ._effects import applied, committed_ids, emit_events, record
-
-
-def publish(
-    mq: Queue, message_id: str | None, body: bytes = b"{}", headers: dict[str, Any] | None = None
-) -> None:
-    import pika
-
-    properties = pika.BasicProperties(message_id=message_id, type="t", headers=headers or {"key": "k"})
-    mq.channel.basic_publish(mq.exchange, "t", body, properties)
 
 
 def consumer(db: Engine, mq: Queue, handler: Any = record, **kw: Any) -> RabbitMQConsumer:
     kw.setdefault("poll", 0.05)
     return RabbitMQConsumer(db, handler, RABBITMQ_URL, queue=mq.queue, consumer="billing", **kw)
+
+
+def broker(db: Engine, mq: Queue) -> _behaviours.Broker:
+    """The database and the test's queue, for the behaviours every consumer shares."""
+    return _behaviours.Broker(
+        db, lambda message_id: publish(mq, message_id), lambda handler: consumer(db, mq, handler)
+    )
 
 
 def test_relayed_events_are_applied_once_and_acknowledged(db: Engine, mq: Queue) -> None:
@@ -69,13 +69,8 @@ def test_the_message_carries_the_event(db: Engine, mq: Queue) -> None:
 def test_a_message_committed_before_a_crash_is_acked_without_the_handler(db: Engine, mq: Queue) -> None:
     """A consumer that committed and died before basic.ack: the redelivery is REPEATED, acked, handler not
     run."""
-    publish(mq, "41")
-    with Session(db) as session, session.begin():
-        consume_once(session, "billing", "41")
-    calls: list[Message] = []
-    c = consumer(db, mq, lambda s, m: calls.append(m))
-    run_until(c, lambda: c.handled == 1)
-    assert calls == [] and mq.count() == 0
+    _behaviours.repeat_is_acked_without_the_handler(broker(db, mq))
+    assert mq.count() == 0
 
 
 def test_a_consumer_gone_before_its_ack_has_the_message_redelivered(db: Engine, mq: Queue) -> None:
@@ -142,33 +137,13 @@ def test_a_message_delivered_too_often_is_dead_lettered_without_running(db: Engi
 
 def test_a_message_without_message_id_is_dead_lettered(db: Engine, mq: Queue) -> None:
     """A message with no message_id cannot be deduplicated: rejected to the dead letters at once."""
-    publish(mq, None)
-    c = consumer(db, mq)
-    run_until(c, lambda: c.dead_lettered == 1)
+    _behaviours.message_without_an_id_is_dead_lettered(broker(db, mq))
     assert len(mq.drain(mq.dead_queue)) == 1
 
 
 def test_stop_finishes_the_message_in_hand(db: Engine, mq: Queue) -> None:
     """stop() during a handler: it commits and is acked, run() returns, the others stay in the queue."""
-    for i in range(4):
-        publish(mq, str(i))
-    inside, release = threading.Event(), threading.Event()
-
-    def slow(session: Session, message: Message) -> None:
-        record(session, message)
-        inside.set()
-        release.wait(5)
-
-    c = consumer(db, mq, slow)
-    stop = threading.Event()
-    thread = threading.Thread(target=c.run, args=(stop,))
-    thread.start()
-    assert inside.wait(5)
-    stop.set()
-    release.set()
-    thread.join(10)
-    assert not thread.is_alive()
-    assert applied(db) == {"0": 1}
+    _behaviours.stop_finishes_the_message_in_hand(broker(db, mq), 4)
     assert mq.count() == 3
 
 
@@ -196,25 +171,14 @@ def test_messages_whose_ids_cannot_be_recorded_are_dead_lettered_at_once(
     logged, the handler never run, never requeued; the consumer goes on with the good message after."""
     for bad in HOSTILE_IDS:
         publish(mq, bad)
-    publish(mq, "ok")
-    calls: list[str] = []
-
-    def handler(session: Session, message: Message) -> None:
-        calls.append(message.id)
-        record(session, message)
-
-    c = consumer(db, mq, handler)
-    with caplog.at_level("ERROR", logger="stateguard.consumers"):
-        run_until(c, lambda: c.dead_lettered == len(HOSTILE_IDS) and c.handled == 1)
-    assert calls == ["ok"] and applied(db) == {"ok": 1}
+    _behaviours.hostile_ids_are_dead_lettered_at_once(
+        broker(db, mq), caplog, hostile=len(HOSTILE_IDS), logged="dead-letter exchange"
+    )
     dead = mq.drain(mq.dead_queue)
     assert len(dead) == len(HOSTILE_IDS) and mq.count() == 0
     for letter in dead:
         assert "x-stateguard-deliveries" not in (letter.properties.headers or {})  # never retried
         assert letter.properties.headers["x-death"][0]["count"] == 1
-    reasons = [r.getMessage() for r in caplog.records if "dead-letter exchange" in r.getMessage()]
-    assert len(reasons) == len(HOSTILE_IDS), reasons
-    assert all("cannot be recorded" in r or "not UTF-8" in r for r in reasons), reasons
 
 
 # -- the consumer's connection lost mid-consume ------------------------------------------------------

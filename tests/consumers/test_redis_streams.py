@@ -3,7 +3,6 @@ recovered at start, other workers' stuck entries claimed, poison entries dead-le
 
 from __future__ import annotations
 
-import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -15,6 +14,7 @@ from sqlalchemy.orm import Session
 from stateguard import CallableSink, InvalidArgument, RedisStreamSink, Relay, consume_once
 from stateguard.consumers import Message, RedisStreamConsumer
 
+from . import _behaviours
 from ._effects import applied, committed_ids, emit_events, record
 
 GROUP = "billing"
@@ -190,24 +190,12 @@ def test_stop_finishes_the_entry_in_hand_and_leaves_the_rest_pending(
 ) -> None:
     """stop() during a handler: that entry commits and is acked, run() returns, the rest stay pending."""
     client, name = stream
-    for i in range(5):
-        client.xadd(name, {"id": str(i), "topic": "t", "key": "k", "payload": "{}"})
-    inside, release = threading.Event(), threading.Event()
 
-    def slow(session: Session, message: Message) -> None:
-        record(session, message)
-        inside.set()
-        release.wait(5)
+    def publish(entry_id: str) -> None:
+        client.xadd(name, {"id": entry_id, "topic": "t", "key": "k", "payload": "{}"})
 
-    c = consumer(db, stream, slow)
-    thread = threading.Thread(target=c.run)
-    thread.start()
-    assert inside.wait(5)
-    c.stop()
-    release.set()
-    thread.join(5)
-    assert not thread.is_alive()
-    assert applied(db) == {"0": 1}
+    on_stream = _behaviours.Broker(db, publish, lambda handler: consumer(db, stream, handler))
+    _behaviours.stop_finishes_the_message_in_hand(on_stream, 5)
     info = client.xpending(name, GROUP)
     assert info["pending"] == 4  # read in the same batch, not started: this worker's next start takes them
     drain(consumer(db, stream))

@@ -20,7 +20,7 @@ from starlette.testclient import TestClient
 
 from stateguard.asgi import IdempotencyMiddleware
 from stateguard.tables import metadata as stateguard_metadata
-from tests._support.faultproxy import FaultProxy
+from tests._support.faultproxy import FaultProxy, through
 from tests._support.raw_asgi import (
     World,
     _Base,
@@ -96,13 +96,6 @@ def test_database_down_is_a_typed_503_problem(dialect: str) -> None:
     assert answer.json()["title"] == "Idempotency store unavailable"
 
 
-def _proxied_url(backend: Backend, proxy: FaultProxy) -> str:
-    url = make_url(backend.url).set(host=proxy.host, port=proxy.port)
-    if backend.name == "postgresql":
-        url = url.update_query_dict({"sslmode": "disable"})
-    return url.render_as_string(hide_password=False)
-
-
 @pytest.mark.restart
 @pytest.mark.lost_reply
 @pytest.mark.parametrize("backend", backends_with("tcp_server"), indirect=True)
@@ -114,7 +107,7 @@ def test_database_lost_after_the_app_ran_is_not_a_double_execution_within_the_le
     backend.create(stateguard_metadata, _Base.metadata)
     direct = World(sessionmaker(backend.engine))
     proxy = FaultProxy("127.0.0.1", make_url(backend.url).port or 0)
-    proxied: Engine = create_engine(_proxied_url(backend, proxy), pool_pre_ping=False)
+    proxied: Engine = create_engine(through(backend.url, proxy), pool_pre_ping=False)
     current: list[Engine] = [proxied]
 
     def factory() -> Session:

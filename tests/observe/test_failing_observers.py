@@ -24,7 +24,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.metrics import ExemplarFilter, MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.util.types import Attributes
@@ -64,13 +64,10 @@ from stateguard.otel import instrument
 from stateguard.tables import metadata as stateguard_metadata
 from stateguard.tables import outbox
 from tests._support.async_helpers import Tables, async_target
+from tests._support.failing_observers import FailingProcessor, ObserverBug, QuietHandler
 from tests.conftest import REDIS_URL, Backend
 
 pytestmark = pytest.mark.failing_observer
-
-
-class ObserverBug(RuntimeError):
-    """What every broken observer raises."""
 
 
 class Base(DeclarativeBase):
@@ -101,21 +98,6 @@ class Invoice(Base):
 OBSERVERS = ["listener", "span_start", "span_end", "metric", "log_filter"]
 
 
-class FailingProcessor(SpanProcessor):
-    """A span processor that raises when a span starts, or when it ends."""
-
-    def __init__(self, phase: str) -> None:
-        self.phase = phase
-
-    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
-        if self.phase == "start":
-            raise ObserverBug(f"span processor on_start: {span.name}")
-
-    def on_end(self, span: ReadableSpan) -> None:
-        if self.phase == "end":
-            raise ObserverBug(f"span processor on_end: {span.name}")
-
-
 class FailingExemplarFilter(ExemplarFilter):
     """An exemplar filter that raises: every measurement the SDK takes raises with it."""
 
@@ -123,13 +105,6 @@ class FailingExemplarFilter(ExemplarFilter):
         self, value: float, time_unix_nano: int, attributes: Attributes, context: Context
     ) -> bool:
         raise ObserverBug("metric recording")
-
-
-class QuietHandler(logging.Handler):
-    """A handler that keeps nothing (its filters still run)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        pass
 
 
 def fail_on_debug(record: logging.LogRecord) -> bool:

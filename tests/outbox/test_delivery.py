@@ -33,14 +33,13 @@ import pytest
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from sqlalchemy import BigInteger, Engine, String, create_engine, select, text
-from sqlalchemy.engine import make_url
+from sqlalchemy import BigInteger, Engine, String, select, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from stateguard import OutboxEvent, RedisStreamSink, Relay, consume_once, create_tables, drop_tables, emit
 from stateguard.tables import outbox
-from tests._support.faultproxy import COMMIT, FaultProxy
+from tests._support.faultproxy import COMMIT, FaultProxy, proxied_engine
 from tests._support.redis_server import RedisServer
 from tests.conftest import REDIS_URL, Backend, backends_with
 
@@ -461,20 +460,10 @@ def proxied(backend: Backend) -> Iterator[Proxied]:
     direct = backend.create(FaultBase.metadata)
     drop_tables(direct)
     create_tables(direct)
-    url = make_url(backend.url)
-    with FaultProxy(
-        url.host or "127.0.0.1", url.port or (5432 if backend.name == "postgresql" else 3306)
-    ) as proxy:
-        through = url.set(host=proxy.host, port=proxy.port)
-        if backend.name == "postgresql":
-            through = through.update_query_dict({"sslmode": "disable"})
-        engine = create_engine(through)
-        try:
-            with engine.connect() as conn:  # first connect (dialect initialisation) before any cut
-                conn.execute(text("SELECT 1"))
-            yield Proxied(direct, engine, proxy, backend.name)
-        finally:
-            engine.dispose()
+    with proxied_engine(backend.url) as (engine, proxy):
+        with engine.connect() as conn:  # first connect (dialect initialisation) before any cut
+            conn.execute(text("SELECT 1"))
+        yield Proxied(direct, engine, proxy, backend.name)
     drop_tables(direct)
 
 

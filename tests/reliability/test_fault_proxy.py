@@ -11,20 +11,11 @@ from urllib.parse import urlsplit
 
 import pytest
 from sqlalchemy import create_engine, exc, text
-from sqlalchemy.engine import URL, make_url
 
-from tests._support.faultproxy import COMMIT, FaultProxy
+from tests._support.faultproxy import COMMIT, FaultProxy, through
 from tests.conftest import MYSQL_URL, PG_URL, REDIS_URL, unavailable
 
 redis = pytest.importorskip("redis")
-
-
-def proxied_url(url: str, proxy: FaultProxy) -> URL:
-    """``url`` with its host and port replaced by the proxy's (plain TCP for PostgreSQL)."""
-    u = make_url(url).set(host=proxy.host, port=proxy.port)
-    if u.get_backend_name() == "postgresql":
-        u = u.update_query_dict({"sslmode": "disable"})
-    return u
 
 
 def _target(url: str, default_port: int) -> tuple[str, int]:
@@ -128,7 +119,7 @@ def test_sql_cut_commit_ran_on_server(server: str) -> None:
         unavailable(server, error)
     try:
         with FaultProxy(*_target(url, port)) as proxy:
-            engine = create_engine(proxied_url(url, proxy))
+            engine = create_engine(through(url, proxy))
             try:
                 with engine.begin() as conn:
                     conn.execute(text(f"INSERT INTO {table} VALUES (1)"))

@@ -16,8 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, create_engine, func, select
-from sqlalchemy.engine import make_url
+from sqlalchemy import Engine, func, select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
@@ -38,7 +37,7 @@ from stateguard import (
     release,
     reserve,
 )
-from tests._support.faultproxy import COMMIT, FaultProxy
+from tests._support.faultproxy import FaultProxy, commit_of, proxied_engine
 from tests._support.models import Base, Invoice, Message
 from tests._support.stock_workers import Stock, StockBase
 from tests.conftest import Backend, backends_with
@@ -56,24 +55,14 @@ def proxied(backend: Backend) -> Iterator[tuple[Engine, FaultProxy]]:
     direct = backend.create(Base.metadata, StockBase.metadata)
     drop_tables(direct)
     create_tables(direct)
-    url = make_url(backend.url)
-    with FaultProxy(
-        url.host or "127.0.0.1", url.port or (5432 if backend.name == "postgresql" else 3306)
-    ) as proxy:
-        through = url.set(host=proxy.host, port=proxy.port)
-        if backend.name == "postgresql":
-            through = through.update_query_dict({"sslmode": "disable"})
-        engine = create_engine(through)
-        try:
-            yield engine, proxy
-        finally:
-            engine.dispose()
+    with proxied_engine(backend.url) as made:
+        yield made
     drop_tables(direct)
 
 
 def arm_commit_cut(engine: Engine, proxy: FaultProxy) -> None:
     """Make the proxy lose the reply to the next COMMIT this engine's server receives."""
-    proxy.cut_after_next_request(COMMIT["postgresql" if engine.dialect.name == "postgresql" else "mariadb"])
+    proxy.cut_after_next_request(commit_of(engine))
 
 
 def lose_commit_reply(engine: Engine, proxy: FaultProxy, work: Callable[[Session], Result]) -> Result:

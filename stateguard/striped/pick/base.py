@@ -12,6 +12,7 @@ inherits the steps they share.  One instance exists per
 from __future__ import annotations
 
 import abc
+import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Final
 
@@ -23,8 +24,16 @@ from ... import _kernel
 from ...exceptions import DeadlockDetected
 from ...result import Outcome
 from ...tables import counter_stripes
-from ..limits import ids_of
-from ..statements import by_stripe, item_params, stripe_0, stripe_values, sweep_named
+from ..limits import MAX_AMOUNT, SPACE, ids_of
+from ..statements import (
+    by_stripe,
+    item_params,
+    pick_and_change,
+    stripe_0,
+    stripe_values,
+    sweep_every,
+    sweep_named,
+)
 
 #: What a decrement came to: ``(APPLIED, None | total left)``, ``(INSUFFICIENT, total)`` or
 #: ``(NOT_FOUND, None)``.
@@ -209,3 +218,25 @@ class Pick(abc.ABC):
         for stripe, take in takes.items():
             _kernel.execute(conn, self.take_exactly, item_params(counter, item, sg_by=take, sg_stripe=stripe))
         return True
+
+
+class OneStatementPick(Pick):
+    """The families whose pick is one statement that finds a free stripe and changes it, and whose
+    sweep reads every stripe of the item: PostgreSQL (``locks``: ``SKIP LOCKED`` and ``FOR UPDATE``)
+    and SQLite (no row locks: its one writer holds the whole database)."""
+
+    def __init__(self, backend: _kernel.Backend, *, locks: bool) -> None:
+        super().__init__(backend)
+        self.take_any = pick_and_change(skip_locked=locks, sign=-1)
+        self.add_any = pick_and_change(skip_locked=locks, sign=1)
+        self.every_sweep = sweep_every(locks=locks)
+
+    def fast(self, conn: Connection, counter: str, item: str, by: int, sign: int) -> bool:
+        params = item_params(
+            counter, item, sg_by=by, sg_room=MAX_AMOUNT - by, sg_start=random.randrange(SPACE)
+        )
+        stmt = self.take_any if sign < 0 else self.add_any
+        return _kernel.execute(conn, stmt, params).first() is not None
+
+    def sweep_once(self, conn: Connection, counter: str, item: str) -> Rows:
+        return _kernel.execute(conn, self.every_sweep, item_params(counter, item)).all()

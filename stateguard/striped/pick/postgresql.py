@@ -22,9 +22,9 @@ from ... import _kernel
 from ...exceptions import DeadlockDetected
 from ...result import Outcome
 from ...tables import counter_stripes
-from ..limits import GATE, MAX_AMOUNT, SPACE
-from ..statements import HINTS, ITEM_STRIPES, SAME_ITEM, item_params, pick_and_change, sweep_every
-from .base import Pick, Rows, Taken
+from ..limits import GATE
+from ..statements import HINTS, ITEM_STRIPES, SAME_ITEM, item_params
+from .base import OneStatementPick, Taken
 
 #: Rounds of a decrement no free stripe took (read, then wait for one stripe or take from the
 #: free ones) before the ordered sweep.
@@ -60,27 +60,14 @@ def lock_one_statement() -> Select[Any]:
     return select(counter_stripes.c.stripe).where(*SAME_ITEM, one).with_for_update()
 
 
-class PostgreSQLPick(Pick):
+class PostgreSQLPick(OneStatementPick):
     """The pick of PostgreSQL's SQL: ``FOR UPDATE SKIP LOCKED`` inside the UPDATE."""
 
     def __init__(self, backend: _kernel.Backend) -> None:
-        super().__init__(backend)
-        self.take_any = pick_and_change(skip_locked=True, sign=-1)
-        self.add_any = pick_and_change(skip_locked=True, sign=1)
-        self.every_sweep = sweep_every(locks=True)
+        super().__init__(backend, locks=True)
         self.gate = gate_statement()
         self.free = free_statement()
         self.lock_one = lock_one_statement()
-
-    def fast(self, conn: Connection, counter: str, item: str, by: int, sign: int) -> bool:
-        params = item_params(
-            counter, item, sg_by=by, sg_room=MAX_AMOUNT - by, sg_start=random.randrange(SPACE)
-        )
-        stmt = self.take_any if sign < 0 else self.add_any
-        return _kernel.execute(conn, stmt, params).first() is not None
-
-    def sweep_once(self, conn: Connection, counter: str, item: str) -> Rows:
-        return _kernel.execute(conn, self.every_sweep, item_params(counter, item)).all()
 
     def hold_gate(self, conn: Connection, params: Mapping[str, Any]) -> None:
         _kernel.execute(conn, self.gate, params)

@@ -17,31 +17,18 @@ from sqlalchemy import Connection
 
 from ... import _kernel
 from ..limits import MAX_AMOUNT, SPACE
-from ..statements import item_params, pick_and_change, pick_one, sweep_every, sweep_named
-from .base import Pick, Rows, Taken
+from ..statements import item_params, pick_one, sweep_named
+from .base import OneStatementPick, Taken
 
 
-class SQLitePick(Pick):
+class SQLitePick(OneStatementPick):
     """The pick of SQLite: the one-statement pick without row locks."""
 
     has_gate: ClassVar[bool] = False
 
     def __init__(self, backend: _kernel.Backend) -> None:
-        super().__init__(backend)
+        super().__init__(backend, locks=False)
         self.named_sweep = sweep_named(locks=False)
-        self.every_sweep = sweep_every(locks=False)
-        self.take_any = pick_and_change(skip_locked=False, sign=-1)
-        self.add_any = pick_and_change(skip_locked=False, sign=1)
-
-    def fast(self, conn: Connection, counter: str, item: str, by: int, sign: int) -> bool:
-        params = item_params(
-            counter, item, sg_by=by, sg_room=MAX_AMOUNT - by, sg_start=random.randrange(SPACE)
-        )
-        stmt = self.take_any if sign < 0 else self.add_any
-        return _kernel.execute(conn, stmt, params).first() is not None
-
-    def sweep_once(self, conn: Connection, counter: str, item: str) -> Rows:
-        return _kernel.execute(conn, self.every_sweep, item_params(counter, item)).all()
 
     def hold_gate(self, conn: Connection, params: Mapping[str, Any]) -> None:
         # A read-then-write holds the write lock from the read on: the gate of every restripe.
