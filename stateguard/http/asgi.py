@@ -214,7 +214,7 @@ class _Heartbeat:
         await asyncio.shield(self._task)
 
 
-class IdempotencyMiddleware(MiddlewareCore[ASGIApp, Callable[[], Session] | Callable[[], AsyncSession]]):
+class IdempotencyMiddleware(MiddlewareCore["ASGIApp", "Callable[[], Session] | Callable[[], AsyncSession]"]):
     """Make POST and PATCH requests with an ``Idempotency-Key`` header run once and replay after.
 
     :param app: the wrapped ASGI app (Starlette's ``add_middleware`` passes it).

@@ -16,13 +16,15 @@ hand these steps a session (in a worker thread, through
 from __future__ import annotations
 
 import base64
+import inspect
 import logging
 import math
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar, get_args, get_origin
 
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
@@ -76,6 +78,17 @@ _App = TypeVar("_App")
 _Factory = TypeVar("_Factory")
 
 
+def _evaluated(annotation: Any, names: dict[str, Any]) -> Any:
+    """A forward reference's type, evaluated in ``names``; anything else as it is."""
+    source = getattr(annotation, "__forward_arg__", None)
+    if source is None:
+        return annotation
+    try:
+        return eval(source, names)  # a string of the package's own source, as get_type_hints() does
+    except NameError:  # a name imported for type checking only: shown as written
+        return source
+
+
 class MiddlewareCore(Generic[_App, _Factory]):
     """What both faces are built from: the wrapped app, the session factory and the checked :class:`Options`.
 
@@ -89,6 +102,21 @@ class MiddlewareCore(Generic[_App, _Factory]):
 
     where: ClassVar[str]
     allow_async: ClassVar[bool]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # A face's runtime signature (help(), the docs, IDEs) names its own app and factory types,
+        # not this class's type variables.  A face spells them as strings in its base
+        # (``MiddlewareCore["ASGIApp", ...]``, names its module imports for type checking only),
+        # evaluated here in that module as typing.get_type_hints() would.
+        super().__init_subclass__(**kwargs)
+        for base in getattr(cls, "__orig_bases__", ()):
+            if get_origin(base) is MiddlewareCore:
+                names = vars(sys.modules[cls.__module__])
+                app_type, factory_type = (_evaluated(t, names) for t in get_args(base))
+                init = inspect.signature(MiddlewareCore.__init__)
+                app, factory, *rest = list(init.parameters.values())[1:]
+                app, factory = app.replace(annotation=app_type), factory.replace(annotation=factory_type)
+                cls.__signature__ = init.replace(parameters=[app, factory, *rest])  # type: ignore[attr-defined]
 
     def __init__(
         self,

@@ -125,7 +125,7 @@ def _read_body(environ: Environ, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
-class WSGIIdempotencyMiddleware(MiddlewareCore[WSGIApp, Callable[[], Session]]):
+class WSGIIdempotencyMiddleware(MiddlewareCore["WSGIApp", "Callable[[], Session]"]):
     """Make POST and PATCH requests with an ``Idempotency-Key`` header run once and replay after (WSGI).
 
     The options are :class:`~stateguard.http.asgi.IdempotencyMiddleware`'s;

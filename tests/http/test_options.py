@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -95,3 +97,21 @@ def test_other_wrong_options_are_refused_when_built(options: dict[str, Any], mes
     for make, app in faces:
         with pytest.raises(InvalidArgument, match=message):
             make(app, session_factory=sessionmaker(ENGINE), **options)
+
+
+def test_each_face_signature_names_its_own_app_and_factory_types() -> None:
+    """help() and the docs show a face's real parameters: its app and factory types, no type variable."""
+    from sqlalchemy.ext.asyncio import AsyncSession
+    from sqlalchemy.orm import Session
+
+    from stateguard.http.asgi import ASGIApp
+    from stateguard.http.wsgi import WSGIApp, WSGIIdempotencyMiddleware
+
+    asgi, wsgi = inspect.signature(IdempotencyMiddleware), inspect.signature(WSGIIdempotencyMiddleware)
+    assert asgi.parameters["app"].annotation == ASGIApp
+    assert asgi.parameters["session_factory"].annotation == Callable[[], Session] | Callable[[], AsyncSession]
+    assert wsgi.parameters["app"].annotation == WSGIApp
+    assert wsgi.parameters["session_factory"].annotation == Callable[[], Session]
+    assert list(asgi.parameters) == list(wsgi.parameters)
+    assert "lease" in asgi.parameters and "self" not in asgi.parameters
+    assert "_App" not in str(asgi) + str(wsgi) and "_Factory" not in str(asgi) + str(wsgi)
