@@ -46,6 +46,7 @@ from stateguard.tooling.inspection import describe_server
 from .._support import galera
 from .._support.faultproxy import COMMIT, FaultProxy
 from ..conftest import MYSQL_URL, unavailable
+from ._started import started
 
 T = TypeVar("T")
 LEASE = datetime.timedelta(seconds=3)
@@ -107,18 +108,7 @@ class Effect(Base):
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[galera.GaleraCluster]:
     """A fresh 3-node cluster for this module (about 20 s to start), stopped by pid afterwards."""
-    why = galera.available()
-    if why is not None:
-        unavailable("a Galera cluster", RuntimeError(why))
-    c = galera.GaleraCluster(3)
-    try:
-        c.start()
-    except Exception as exc:  # pragma: no cover - reported as skip (laptop) or failure (CI)
-        unavailable("a Galera cluster", exc)
-    try:
-        yield c
-    finally:
-        c.stop()
+    yield from started("a Galera cluster", galera.available, lambda: galera.GaleraCluster(3))
 
 
 @pytest.fixture

@@ -51,7 +51,7 @@ from .._support.failover_units import (
 )
 from .._support.pg_cluster import DATABASE
 from .._support.zk_workers import ZkBase, ZkPayout, client_for, fenced_write
-from ..conftest import unavailable
+from ._started import started
 
 pytestmark = pytest.mark.failover
 
@@ -66,18 +66,7 @@ LOCK_PATH = "/sg-fence/payout"
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[patroni.PatroniPair]:
     """The Patroni pair for this module (a few seconds to start), stopped by pid afterwards."""
-    why = patroni.available()
-    if why is not None:
-        unavailable("a Patroni pair on ZooKeeper", RuntimeError(why))
-    pair = patroni.PatroniPair()
-    try:
-        pair.start()
-    except Exception as exc:  # pragma: no cover - reported as skip (laptop) or failure (CI)
-        unavailable("a Patroni pair on ZooKeeper", exc)
-    try:
-        yield pair
-    finally:
-        pair.stop()
+    yield from started("a Patroni pair on ZooKeeper", patroni.available, patroni.PatroniPair)
 
 
 @pytest.fixture

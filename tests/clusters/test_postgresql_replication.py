@@ -51,7 +51,8 @@ from .._support.failover_units import (
     storm,
     unit,
 )
-from ..conftest import count_statements, unavailable
+from ..conftest import count_statements
+from ._started import started
 
 pytestmark = pytest.mark.failover
 
@@ -86,18 +87,7 @@ class Stock(Base):
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[pg_cluster.PgReplicaPair]:
     """A primary and its standby for this module (a few seconds to start), stopped by pid afterwards."""
-    why = pg_cluster.available()
-    if why is not None:
-        unavailable("a PostgreSQL primary with a standby", RuntimeError(why))
-    pair = pg_cluster.PgReplicaPair()
-    try:
-        pair.start()
-    except Exception as exc:  # pragma: no cover - reported as skip (laptop) or failure (CI)
-        unavailable("a PostgreSQL primary with a standby", exc)
-    try:
-        yield pair
-    finally:
-        pair.stop()
+    yield from started("a PostgreSQL primary with a standby", pg_cluster.available, pg_cluster.PgReplicaPair)
 
 
 @pytest.fixture
