@@ -12,14 +12,21 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session
 
 import stateguard
-from stateguard import ConfigurationError, ReplicationTimeout, consume_token, create_tables, emit, set_durability
+from stateguard import (
+    ConfigurationError,
+    ReplicationTimeout,
+    consume_token,
+    create_tables,
+    emit,
+    set_durability,
+)
 
 from .._support import pg_cluster
 from .._support.failover_units import TOKEN_SCOPE, issue_tokens
@@ -135,9 +142,10 @@ def test_a_durable_call_in_an_autocommit_session_is_refused_and_writes_nothing(
 
 
 @pytest.mark.cancel
-@pytest.mark.parametrize("mode", [None, "create_savepoint", "rollback_only"])
+@pytest.mark.parametrize("mode", ["conditional_savepoint", "create_savepoint", "rollback_only"])
 def test_a_session_joined_into_an_outside_transaction_never_passes_a_durable_call_off_as_confirmed(
-    pair: pg_cluster.PgReplicaPair, mode: str | None
+    pair: pg_cluster.PgReplicaPair,
+    mode: Literal["conditional_savepoint", "create_savepoint", "rollback_only"],
 ) -> None:
     """Session(bind=connection) inside the application's connection.begin(): the session never COMMITs.
 
@@ -155,8 +163,7 @@ def test_a_session_joined_into_an_outside_transaction_never_passes_a_durable_cal
         token = one_token_then_stop_standby(pair, engine)
         with engine.connect() as conn:
             transaction = conn.begin()
-            joined = {} if mode is None else {"join_transaction_mode": mode}
-            with Session(bind=conn, **joined) as s:
+            with Session(bind=conn, join_transaction_mode=mode) as s:
                 with pytest.raises(ConfigurationError, match="does not commit"):
                     consume_token(s, token, scope=TOKEN_SCOPE).on_commit(ran.append, "payout")
                 s.commit()
@@ -183,6 +190,34 @@ def test_a_session_joined_into_an_outside_transaction_never_passes_a_durable_cal
         engine.dispose()
 
 
+@pytest.mark.cancel
+def test_a_session_bound_to_a_connection_it_commits_itself_raises_replication_timeout(
+    pair: pg_cluster.PgReplicaPair,
+) -> None:
+    """Session(bind=connection) that sends the COMMIT (no outside transaction, or control_fully): raised."""
+    assert pair.primary is not None
+    engine = local_engine(pair)
+    set_durability(engine, "replicated", timeout=TIMEOUT)
+    try:
+        [first, second] = issue_tokens(engine, 2)
+        pair.wait_replayed()
+        pair.stop_standby()
+        with engine.connect() as conn:
+            with Session(bind=conn) as s:  # the session begins the connection's transaction
+                assert consume_token(s, first, scope=TOKEN_SCOPE).applied
+                with pytest.raises(ReplicationTimeout):
+                    s.commit()
+            conn.begin()
+            with Session(bind=conn, join_transaction_mode="control_fully") as s:
+                assert consume_token(s, second, scope=TOKEN_SCOPE).applied
+                with pytest.raises(ReplicationTimeout):
+                    s.commit()
+        assert pair.primary.scalar(TOKENS_CONSUMED) == 2
+    finally:
+        set_durability(engine, None)
+        engine.dispose()
+
+
 @pytest.mark.rollback
 def test_a_durable_call_rolled_back_with_its_savepoint_leaves_a_plain_commit_alone(
     pair: pg_cluster.PgReplicaPair,
@@ -200,7 +235,9 @@ def test_a_durable_call_rolled_back_with_its_savepoint_leaves_a_plain_commit_alo
     set_durability(engine, None, timeout=TIMEOUT)
     outcome: dict[str, Any] = {}
     try:
-        token = one_token_then_stop_standby(pair, local_engine(pair))
+        plain = local_engine(pair)
+        token = one_token_then_stop_standby(pair, plain)
+        plain.dispose()
 
         def commit_alone() -> None:
             try:
@@ -223,6 +260,35 @@ def test_a_durable_call_rolled_back_with_its_savepoint_leaves_a_plain_commit_alo
         writer.join(30)
         assert outcome == {"committed": True}, outcome
         assert pair.primary.scalar(TOKENS_CONSUMED) == 0
+    finally:
+        set_durability(engine, None)
+        engine.dispose()
+
+
+@pytest.mark.rollback
+def test_a_released_savepoint_keeps_its_durable_call_when_a_later_one_is_rolled_back(
+    pair: pg_cluster.PgReplicaPair,
+) -> None:
+    """Released savepoint's durable call stays; a sibling's rolled back is dropped; the commit raises."""
+    assert pair.primary is not None
+    engine = local_engine(pair)
+    set_durability(engine, None, timeout=TIMEOUT)
+    try:
+        [kept, undone] = issue_tokens(engine, 2)
+        pair.wait_replayed()
+        pair.stop_standby()
+        with Session(engine) as s:
+            with s.begin_nested():
+                r = consume_token(s, kept, scope=TOKEN_SCOPE, durability="replicated")
+            savepoint = s.begin_nested()
+            assert consume_token(s, undone, scope=TOKEN_SCOPE, durability="replicated").applied
+            savepoint.rollback()
+            # The released savepoint's set_config holds for the transaction.
+            assert s.execute(text("SHOW synchronous_commit")).scalar_one() == "remote_apply"
+            with pytest.raises(ReplicationTimeout) as raised:
+                s.commit()
+            assert raised.value.value == (r,)
+        assert pair.primary.scalar(TOKENS_CONSUMED) == 1
     finally:
         set_durability(engine, None)
         engine.dispose()
