@@ -180,7 +180,8 @@ def _check_committed_by(session: Session, conn: Connection, driver: Any) -> None
     """ConfigurationError unless the session's commit sends the COMMIT of ``conn``'s transaction.
 
     Only that COMMIT is watched (its timer, its WARNING).  In AUTOCOMMIT each statement commits
-    itself at once, before any ``remote_apply`` COMMIT; a session joined into a transaction the
+    itself at once, before any ``remote_apply`` COMMIT; a two-phase session ends with COMMIT
+    PREPARED, after PREPARE TRANSACTION dropped the setting; a session joined into a transaction the
     application began on its own Connection (``Session(bind=connection)``, every
     ``join_transaction_mode`` but ``"control_fully"`` of a root transaction) leaves the COMMIT to
     the application, where no session event sees it.
@@ -190,6 +191,14 @@ def _check_committed_by(session: Session, conn: Connection, driver: Any) -> None
             "durability='replicated' needs a transaction that the session commits, and this "
             "connection is in AUTOCOMMIT (isolation_level='AUTOCOMMIT'): each statement commits "
             "itself without waiting for the standby; run the call in a transaction, or call with "
+            "durability='local'; nothing was written by this call"
+        )
+    if session.twophase:
+        raise ConfigurationError(
+            "durability='replicated' needs a session that commits with COMMIT, and this one is "
+            "two-phase (twophase=True): its PREPARE TRANSACTION waits for the standby with no "
+            "timeout, and COMMIT PREPARED runs after the transaction's remote_apply setting is "
+            "gone, so the commit would not be confirmed; use a one-phase session, or call with "
             "durability='local'; nothing was written by this call"
         )
     root = session.get_transaction()

@@ -191,6 +191,31 @@ def test_a_session_joined_into_an_outside_transaction_never_passes_a_durable_cal
 
 
 @pytest.mark.cancel
+def test_a_durable_call_in_a_two_phase_session_is_refused_and_writes_nothing(
+    pair: pg_cluster.PgReplicaPair,
+) -> None:
+    """Session(twophase=True): PREPARE TRANSACTION, then COMMIT PREPARED without remote_apply.
+
+    PREPARE TRANSACTION waits for the standby but no timer bounds it (the timer starts on COMMIT),
+    and the setting of the transaction is gone once it is prepared, so COMMIT PREPARED commits as
+    the session is configured (here locally): the call refuses before writing.
+    """
+    assert pair.primary is not None
+    engine = local_engine(pair)
+    set_durability(engine, "replicated", timeout=TIMEOUT)
+    try:
+        token = one_token_then_stop_standby(pair, engine)
+        with Session(engine, twophase=True) as s:
+            with pytest.raises(ConfigurationError, match="two-phase"):
+                consume_token(s, token, scope=TOKEN_SCOPE)
+            s.rollback()
+        assert pair.primary.scalar(TOKENS_CONSUMED) == 0
+    finally:
+        set_durability(engine, None)
+        engine.dispose()
+
+
+@pytest.mark.cancel
 def test_a_session_bound_to_a_connection_it_commits_itself_raises_replication_timeout(
     pair: pg_cluster.PgReplicaPair,
 ) -> None:
