@@ -9,13 +9,14 @@ commit: never answer as if the standby had confirmed the write.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any, Literal
 
 import pytest
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.orm import Session
 
 import stateguard
@@ -315,5 +316,49 @@ def test_a_released_savepoint_keeps_its_durable_call_when_a_later_one_is_rolled_
             assert raised.value.value == (r,)
         assert pair.primary.scalar(TOKENS_CONSUMED) == 1
     finally:
+        set_durability(engine, None)
+        engine.dispose()
+
+
+class _FailingSink(logging.Handler):
+    """A log handler whose sink is down: ``emit`` raises (the standard handlers would swallow it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        raise RuntimeError("the log sink is down")
+
+
+@pytest.mark.failing_observer
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_failing_notice_handler_and_log_sink_of_the_application_do_not_hide_a_cancelled_wait(
+    pair: pg_cluster.PgReplicaPair,
+) -> None:
+    """The application's notice handler (added first) raises, and so does the log handler psycopg reports to.
+
+    psycopg calls the notice handlers in order and logs a failing one with ``logger.exception``;
+    a log handler that raises there ends the loop (the exception is "ignored" in libpq's notice
+    receiver), so the handlers after it never see the WARNING.  stateguard's must still see it.
+    """
+    assert pair.primary is not None
+    engine = local_engine(pair)
+
+    @event.listens_for(engine, "connect")
+    def add_failing_handler(dbapi_connection: Any, record: Any) -> None:
+        def failing(diagnostic: Any) -> None:
+            raise ValueError("the application's notice handler fails")
+
+        dbapi_connection.add_notice_handler(failing)
+
+    set_durability(engine, "replicated", timeout=TIMEOUT)
+    psycopg_log = logging.getLogger("psycopg")
+    sink = _FailingSink()
+    try:
+        token = one_token_then_stop_standby(pair, engine)
+        psycopg_log.addHandler(sink)
+        with Session(engine) as s:
+            assert consume_token(s, token, scope=TOKEN_SCOPE).applied
+            with pytest.raises(ReplicationTimeout, match="already committed locally"):
+                s.commit()
+    finally:
+        psycopg_log.removeHandler(sink)
         set_durability(engine, None)
         engine.dispose()
