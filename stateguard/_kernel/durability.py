@@ -267,7 +267,15 @@ class CommitWatch:
                 if message.startswith(_CANCELLED_WAIT):
                     found._cancelled = (message, diagnostic.message_detail or "")
 
-        driver_connection.add_notice_handler(on_notice)
+        # First in line: psycopg calls the handlers in order and logs one that raises, and a log
+        # handler that raises in turn ends the loop, so a handler after the application's may
+        # never see the WARNING.  ``_notice_handlers`` is psycopg's list (add_notice_handler
+        # appends to it); without it, appended like any handler.
+        handlers = getattr(driver_connection, "_notice_handlers", None)
+        if isinstance(handlers, list):
+            handlers.insert(0, on_notice)
+        else:  # pragma: no cover - a psycopg without the list
+            driver_connection.add_notice_handler(on_notice)
 
     def note(self, value: _T) -> _T:
         """Keep ``value`` (what a durable call returns) for the error of an unconfirmed commit."""
