@@ -6,9 +6,14 @@ remote_apply``: PostgreSQL answers COMMIT only once a synchronous standby has
 applied it, so an acknowledged write survives a failover to that standby.  The
 first durable call of a transaction sends one statement, ``SELECT
 set_config('synchronous_commit', 'remote_apply', true),
-current_setting('synchronous_standby_names')``, before its own write; an empty
-``synchronous_standby_names`` (no synchronous standby, so nothing would wait)
-is a :class:`~stateguard.ConfigurationError` and the call writes nothing.
+current_setting('synchronous_standby_names')`` (and, where the session's
+``client_min_messages`` is ``error``, lowers it to ``warning`` for the
+transaction, so that the WARNING below reaches the client), before its own
+write; an empty ``synchronous_standby_names`` (no synchronous standby, so
+nothing would wait) is a :class:`~stateguard.ConfigurationError` and the call
+writes nothing.  So is a connection in AUTOCOMMIT, or a session that does not
+send its connection's COMMIT (joined into a transaction the application
+began): the COMMIT that waits would not be the session's to watch.
 
 PostgreSQL ends the wait for the standby early when the COMMIT is cancelled
 (``pg_cancel_backend``, a client's cancel request, the ``timeout`` enforced
@@ -67,9 +72,14 @@ class _Setting:
 DURABLE: Final[dict[int, _Setting]] = {}
 _finalizers: Final[dict[int, weakref.finalize[Any, Any]]] = {}
 
+#: The third column lets the cancelled-wait WARNING through for this transaction when the session's
+#: ``client_min_messages`` is ``error`` (set on a role, a database or the URL): PostgreSQL sends
+#: the client no WARNING then, and a cancelled wait would look like a confirmed COMMIT.
 _REPLICATED_SQL: Final = text(
     "SELECT set_config('synchronous_commit', 'remote_apply', true), "
-    "current_setting('synchronous_standby_names')"
+    "current_setting('synchronous_standby_names'), "
+    "CASE WHEN current_setting('client_min_messages') = 'error' "
+    "THEN set_config('client_min_messages', 'warning', true) END"
 )
 #: The start of PostgreSQL's WARNING when the wait of a COMMIT for its standby was cancelled
 #: (src/backend/replication/syncrep.c: "... due to user request" or "... due to administrator
@@ -136,7 +146,8 @@ def durable(session: Session, conn: Connection, durability: str | None) -> Commi
     :raises InvalidArgument: an unknown level; nothing was sent.
     :raises NotSupported: ``"replicated"`` on SQLite, MariaDB/MySQL or another driver.
     :raises ConfigurationError: ``"replicated"`` on a server with no synchronous standby
-        (empty ``synchronous_standby_names``); the call wrote nothing.
+        (empty ``synchronous_standby_names``), on a connection in AUTOCOMMIT, or in a session
+        that does not commit its connection's transaction; the call wrote nothing.
     """
     setting = DURABLE.get(id(conn.dialect)) if DURABLE else None
     if durability is None:
@@ -148,6 +159,7 @@ def durable(session: Session, conn: Connection, durability: str | None) -> Commi
         raise InvalidArgument(f"durability must be 'replicated', 'local' or None, got {durability!r}")
     _check_supported(conn.dialect)
     record = conn.connection
+    _check_committed_by(session, conn, record.driver_connection)
     watch: CommitWatch | None = record.info.get(_WATCH)
     if watch is None:
         watch = record.info[_WATCH] = CommitWatch(record.driver_connection)
@@ -162,6 +174,45 @@ def durable(session: Session, conn: Connection, durability: str | None) -> Commi
             )
         watch.arm(session, conn, setting.timeout if setting is not None else None)
     return watch
+
+
+def _check_committed_by(session: Session, conn: Connection, driver: Any) -> None:
+    """ConfigurationError unless the session's commit sends the COMMIT of ``conn``'s transaction.
+
+    Only that COMMIT is watched (its timer, its WARNING).  In AUTOCOMMIT each statement commits
+    itself at once, before any ``remote_apply`` COMMIT; a two-phase session ends with COMMIT
+    PREPARED, after PREPARE TRANSACTION dropped the setting; a session joined into a transaction the
+    application began on its own Connection (``Session(bind=connection)``, every
+    ``join_transaction_mode`` but ``"control_fully"`` of a root transaction) leaves the COMMIT to
+    the application, where no session event sees it.
+    """
+    if getattr(driver, "autocommit", False):
+        raise ConfigurationError(
+            "durability='replicated' needs a transaction that the session commits, and this "
+            "connection is in AUTOCOMMIT (isolation_level='AUTOCOMMIT'): each statement commits "
+            "itself without waiting for the standby; run the call in a transaction, or call with "
+            "durability='local'; nothing was written by this call"
+        )
+    if session.twophase:
+        raise ConfigurationError(
+            "durability='replicated' needs a session that commits with COMMIT, and this one is "
+            "two-phase (twophase=True): its PREPARE TRANSACTION waits for the standby with no "
+            "timeout, and COMMIT PREPARED runs after the transaction's remote_apply setting is "
+            "gone, so the commit would not be confirmed; use a one-phase session, or call with "
+            "durability='local'; nothing was written by this call"
+        )
+    root = session.get_transaction()
+    # SQLAlchemy's own bookkeeping: (connection, transaction, should_commit, autoclose) per bind.
+    joined = getattr(root, "_connections", {}).get(conn) if root is not None else None
+    if joined is not None and not (joined[2] and joined[1] is conn.get_transaction()):
+        raise ConfigurationError(
+            "durability='replicated' needs a session that commits its connection's transaction, "
+            "and this session does not commit it (it joined a transaction begun on the Connection "
+            "it is bound to): the COMMIT that would wait for the standby is the application's, "
+            "which stateguard cannot watch; give the session an Engine, or "
+            "join_transaction_mode='control_fully', or call with durability='local'; nothing was "
+            "written by this call"
+        )
 
 
 class CommitWatch:
@@ -179,8 +230,9 @@ class CommitWatch:
         "_driver",
         "_listened",
         "_lock",
-        "_owner",
+        "_owners",
         "_root",
+        "_session",
         "_timeout",
         "_timer",
         "armed",
@@ -191,16 +243,20 @@ class CommitWatch:
         self._driver = weakref.ref(driver_connection)
         self._lock = threading.Lock()
         self.armed = False
-        self._owner: SessionTransaction | None = None
+        #: The transactions whose ``set_config`` is in effect (a released savepoint's passes to
+        #: its parent, a rolled-back one's is undone): none left, the transaction asks for nothing.
+        self._owners: list[SessionTransaction] = []
         self._root: SessionTransaction | None = None
+        self._session: weakref.ref[Session] | None = None
         self._listened: Connection | None = None
         self._timeout: float | None = None
         self._timer: threading.Timer | None = None
         self._committing = False
         #: ``(message, detail)`` of the WARNING, once PostgreSQL said the wait was cancelled.
         self._cancelled: tuple[str, str] | None = None
-        #: What the durable calls of the transaction returned, in order.
-        self.results: list[Any] = []
+        #: What the durable calls of the transaction returned, in order, each with the session
+        #: transaction it was made in (a savepoint rolled back since drops it).
+        self.results: list[tuple[SessionTransaction | None, Any]] = []
         watcher = weakref.ref(self)
 
         def on_notice(diagnostic: Any) -> None:
@@ -211,12 +267,36 @@ class CommitWatch:
                 if message.startswith(_CANCELLED_WAIT):
                     found._cancelled = (message, diagnostic.message_detail or "")
 
-        driver_connection.add_notice_handler(on_notice)
+        # First in line: psycopg calls the handlers in order and logs one that raises, and a log
+        # handler that raises in turn ends the loop, so a handler after the application's may
+        # never see the WARNING.  ``_notice_handlers`` is psycopg's list (add_notice_handler
+        # appends to it); without it, appended like any handler.
+        handlers = getattr(driver_connection, "_notice_handlers", None)
+        if isinstance(handlers, list):
+            handlers.insert(0, on_notice)
+        else:  # pragma: no cover - a psycopg without the list
+            driver_connection.add_notice_handler(on_notice)
 
     def note(self, value: _T) -> _T:
         """Keep ``value`` (what a durable call returns) for the error of an unconfirmed commit."""
-        self.results.append(value)
+        session = self._session() if self._session is not None else None
+        owner = (session.get_nested_transaction() or session.get_transaction()) if session else None
+        self.results.append((owner, value))
         return value
+
+    def released(self, savepoint: SessionTransaction) -> None:
+        """``savepoint`` was released: what it holds (its ``set_config``, its results) is its parent's."""
+        parent = savepoint.parent
+        self._owners = [parent if o is savepoint and parent is not None else o for o in self._owners]
+        self.results = [(parent if o is savepoint else o, v) for o, v in self.results]
+
+    def ended(self, savepoint: SessionTransaction) -> None:
+        """``savepoint`` ended (after :meth:`released` if it was): drop what its rollback undid."""
+        self._owners = [o for o in self._owners if not _within(o, savepoint)]
+        self.results = [(o, v) for o, v in self.results if not _within(o, savepoint)]
+        if not self._owners:
+            # The rollback undid every set_config: the COMMIT is a plain one again.
+            self.armed = False
 
     def set_for(self, session: Session) -> bool:
         """Whether ``remote_apply`` is set already in the session's current transaction.
@@ -228,12 +308,7 @@ class CommitWatch:
         if not self.armed:
             return False
         current = session.get_nested_transaction() or session.get_transaction()
-        owner = self._owner
-        while current is not None:
-            if current is owner:
-                return True
-            current = current.parent
-        return False
+        return any(_within(current, owner) for owner in self._owners)
 
     def arm(self, session: Session, conn: Connection, timeout: float | None) -> None:
         """``remote_apply`` was just set: watch this transaction's COMMIT."""
@@ -246,9 +321,13 @@ class CommitWatch:
             self.results = []
             self._timeout = None
             self._listened = None
+            self._owners = []
             self._root = root
         self.armed = True
-        self._owner = session.get_nested_transaction() or root
+        self._session = weakref.ref(session)
+        owner = session.get_nested_transaction() or root
+        if owner is not None:  # a durable call always runs in a transaction
+            self._owners.append(owner)
         if timeout is not None:
             self._timeout = timeout if self._timeout is None else min(timeout, self._timeout)
         watch_commit(session, self)
@@ -261,7 +340,8 @@ class CommitWatch:
 
     def _start(self, conn: Connection) -> None:
         timeout = self._timeout
-        if timeout is None:  # pragma: no cover - listened to only with a timeout
+        if timeout is None or not self.armed:
+            # Listened to only with a timeout; not armed: a savepoint rollback undid the durable calls.
             return
         with self._lock:
             self._committing = True
@@ -296,14 +376,16 @@ class CommitWatch:
     def finish(self, committed: bool) -> ReplicationTimeout | None:
         """The root transaction ended: disarm, and the error of a commit the standby did not confirm."""
         self.stop()
-        cancelled, results = self._cancelled, self.results
+        cancelled, results, armed = self._cancelled, self.results, self.armed
         self.armed = False
-        self._owner = self._root = None
+        self._owners = []
+        self._root = None
+        self._session = None
         self._listened = None
         self._timeout = None
         self._cancelled = None
         self.results = []
-        if not committed or cancelled is None:
+        if not committed or cancelled is None or not armed:
             return None
         message, detail = cancelled
         return ReplicationTimeout(
@@ -311,7 +393,16 @@ class CommitWatch:
             f"confirmed it (the server said: {message}; {detail}): a failover now can lose it. It is "
             f"not undone: check the standby (pg_stat_replication), then act on .value, or retry the "
             f"same calls (idempotent ones answer REPEATED) once the standby is back",
-            value=tuple(results),
+            value=tuple(value for _, value in results),
             acknowledged=0,
             wanted=1,
         )
+
+
+def _within(transaction: SessionTransaction | None, ancestor: SessionTransaction) -> bool:
+    """Whether ``transaction`` is ``ancestor`` or one of its savepoints."""
+    while transaction is not None:
+        if transaction is ancestor:
+            return True
+        transaction = transaction.parent
+    return False

@@ -148,7 +148,11 @@ def _after_commit(session: Session) -> None:
     # The committing transaction has not been closed yet, so it is still the
     # session's current (nested) transaction.
     watches: list[Any] | None = session.__dict__.get(_WATCHES)
-    if watches and session.get_nested_transaction() is None:
+    released = session.get_nested_transaction()
+    if watches and released is not None:
+        for watch in watches:
+            watch.released(released)
+    elif watches:
         # The root's COMMIT returned: no cancel request may go out any more.
         for watch in watches:
             watch.stop()
@@ -165,7 +169,10 @@ def _after_commit(session: Session) -> None:
 
 def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
     unconfirmed: ReplicationTimeout | None = None
-    if transaction.parent is None:
+    if transaction.parent is not None:
+        for watch in session.__dict__.get(_WATCHES) or ():
+            watch.ended(transaction)
+    else:
         watches: list[Any] | None = session.__dict__.get(_WATCHES)
         if watches:
             session.__dict__[_WATCHES] = []
