@@ -48,12 +48,12 @@ def set_durability(
 
         stateguard.set_durability(engine, "replicated", timeout=timedelta(seconds=5))
 
-    :raises InvalidArgument: an unknown level, or a timeout that is not a positive timedelta.
     A durable call refuses with :class:`~stateguard.ConfigurationError`, writing nothing, where
     the COMMIT that would wait is not the session's to watch: a connection in AUTOCOMMIT, a
     two-phase session (``twophase=True``), or a session joined into a transaction the
     application began on its Connection (any ``join_transaction_mode`` but ``"control_fully"``).
 
+    :raises InvalidArgument: an unknown level, or a timeout that is not a positive timedelta.
     :raises NotSupported: ``"replicated"`` where no COMMIT can be confirmed by a standby: SQLite,
         MariaDB/MySQL, CockroachDB, or PostgreSQL through a driver other than psycopg (only
         psycopg hands stateguard the server's WARNING about a cancelled wait).
