@@ -488,6 +488,50 @@ def test_a_cancelled_wait_of_a_durable_call_raises_replication_timeout_and_the_r
         engine.dispose()
 
 
+@pytest.mark.lost_reply
+def test_a_connection_terminated_during_the_wait_is_a_lost_reply_and_the_retry_answers_repeated(
+    pair: pg_cluster.PgReplicaPair,
+) -> None:
+    """pg_terminate_backend of a durable COMMIT waiting for the stopped standby: the primary keeps the
+    write, the client gets OperationalError (not a success, not ReplicationTimeout: the reply is
+    lost with the connection), and the same calls sent again answer REPEATED."""
+    pair.set_synchronous(True)
+    assert pair.primary is not None and pair.standby is not None
+    primary = pair.primary
+    engine = routing_engine(routing_url(pair))
+    outcome: dict[str, Any] = {}
+
+    def commit_alone() -> None:
+        try:
+            with Session(engine) as s:
+                outcome["consume"] = consume_once(s, "billing", "m-terminated").outcome
+                emit(s, "terminated", {"m": 1}, durability="replicated")
+                s.commit()
+                outcome["committed"] = True
+        except BaseException as exc:  # asserted by the test
+            outcome["error"] = exc
+
+    try:
+        pair.stop_standby()
+        writer = threading.Thread(target=commit_alone)
+        writer.start()
+        waiting = wait_for_sync_wait(primary)
+        assert waiting is not None, f"no COMMIT waited for the standby: {outcome}"
+        assert primary.scalar("SELECT pg_terminate_backend(%s)", waiting) is True
+        writer.join(timeout=20)
+        assert not writer.is_alive()
+        assert "committed" not in outcome, "a commit the standby never confirmed passed for durable"
+        error = outcome["error"]
+        assert isinstance(error, sa_exc.OperationalError), repr(error)
+        assert primary.scalar(CONSUMED, "m-terminated") == 1
+        assert primary.scalar(EVENTS, "terminated") == 1
+        pair.start_standby()
+        with Session(engine) as s, s.begin():
+            assert consume_once(s, "billing", "m-terminated").outcome is Outcome.REPEATED
+    finally:
+        engine.dispose()
+
+
 @pytest.mark.cancel
 def test_a_separate_mode_completion_the_standby_did_not_confirm_raises_and_the_call_stays_completed(
     pair: pg_cluster.PgReplicaPair,
