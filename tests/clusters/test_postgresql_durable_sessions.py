@@ -31,7 +31,7 @@ from stateguard import (
 
 from .._support import pg_cluster
 from .._support.failover_units import TOKEN_SCOPE, issue_tokens
-from ..conftest import unavailable
+from ._started import started
 
 TIMEOUT = timedelta(seconds=1)
 TOKENS_CONSUMED = "SELECT count(*) FROM stateguard_tokens WHERE consumed_ms IS NOT NULL"
@@ -40,18 +40,7 @@ TOKENS_CONSUMED = "SELECT count(*) FROM stateguard_tokens WHERE consumed_ms IS N
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[pg_cluster.PgReplicaPair]:
     """A primary and its synchronous standby for this module, stopped by pid afterwards."""
-    why = pg_cluster.available()
-    if why is not None:
-        unavailable("a PostgreSQL primary with a standby", RuntimeError(why))
-    pair = pg_cluster.PgReplicaPair()
-    try:
-        pair.start()
-    except Exception as exc:  # pragma: no cover - reported as skip (laptop) or failure (CI)
-        unavailable("a PostgreSQL primary with a standby", exc)
-    try:
-        yield pair
-    finally:
-        pair.stop()
+    yield from started("a PostgreSQL primary with a standby", pg_cluster.available, pg_cluster.PgReplicaPair)
 
 
 @pytest.fixture
