@@ -58,7 +58,7 @@ def idempotent_with(
     else:
         session = sync_session = as_session(session, "idempotent()")
     claim = Claim(sync_session, session, scope, key, options, fingerprint_of(fingerprint))
-    return DualContext(session, lambda _sync: claim, name="idempotent()")
+    return DualContext.checked(session, sync_session, lambda _sync: claim, "idempotent()")
 
 
 def idempotent(
@@ -129,7 +129,7 @@ def idempotent(
     else:
         session = sync_session = as_session(session, "idempotent()")
     claim = Claim(sync_session, session, scope, key, options, fingerprint_of(fingerprint))
-    return DualContext(session, lambda _sync: claim, name="idempotent()")
+    return DualContext.checked(session, sync_session, lambda _sync: claim, "idempotent()")
 
 
 def idempotent_function(
