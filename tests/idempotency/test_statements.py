@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from sqlalchemy import (
@@ -424,7 +424,7 @@ def test_a_completion_that_checks_first_still_opens_no_savepoint(
     ``max_allowed_packet``) sends what it asks outside the block's savepoint: a block that sends
     nothing still gets no SAVEPOINT, and the replay returns the stored response."""
     response = {"text": "x" * 20_000} if how == "large_response" else {"ok": 1}
-    durability = "local" if how == "durability_local" else None
+    durability: Literal["local"] | None = "local" if how == "durability_local" else None
     with Session(engine) as session, session.begin():
         with (
             _statements_of(session.connection()) as seen,
