@@ -180,6 +180,24 @@ class DualContext(Generic[T]):
         self._name = name
         self._cm: AbstractContextManager[T] | None = None
 
+    @classmethod
+    def checked(
+        cls,
+        session: Any,
+        sync_session: Session,
+        factory: Callable[[Session], AbstractContextManager[T]],
+        name: str,
+    ) -> DualContext[T]:
+        """The same for a caller that has already told the two kinds apart: ``session`` is an
+        AsyncSession whose ``sync_session`` is ``sync_session``, or is ``sync_session`` itself."""
+        self = cls.__new__(cls)
+        self._async = None if session is sync_session else session
+        self._session = sync_session
+        self._factory = factory
+        self._name = name
+        self._cm = None
+        return self
+
     def __enter__(self) -> T:
         if self._async is not None:
             raise InvalidArgument(f"{self._name} got an AsyncSession: use `async with`, not `with`")

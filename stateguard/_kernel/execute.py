@@ -340,7 +340,7 @@ class InsertOnce:
     existing row in the same statement where the database allows it.
     """
 
-    __slots__ = ("_statements", "read", "returning", "table", "values", "where")
+    __slots__ = ("_reads", "_statements", "read", "returning", "table", "values", "where")
 
     def __init__(
         self,
@@ -357,6 +357,7 @@ class InsertOnce:
         self.read = tuple(read)
         self.where = where
         self._statements: dict[str, Any] = {}
+        self._reads: dict[str, StatementLambdaElement] = {}
 
     def _read_statement(self, backend: Backend) -> StatementLambdaElement:
         """PostgreSQL: the INSERT in a CTE, and the existing row when it inserted nothing, in one statement.
@@ -370,8 +371,7 @@ class InsertOnce:
         loader per column at every execution (psycopg builds a Column object each, and a json
         loader costs more than a text one), and SQLAlchemy builds a Row per row fetched.
         """
-        name = f"{backend.name}:read"
-        stmt = self._statements.get(name)
+        stmt = self._reads.get(backend.name)
         if stmt is None:
             if self.where is None or not self.read:
                 raise TypeError("InsertOnce.insert_or_read needs read= and where=")
@@ -397,7 +397,7 @@ class InsertOnce:
                 ~select(literal_column("1")).select_from(inserted).exists()
             )
             # Frozen: run on every claim, and its cache key is costly to compute (a CTE and a subquery).
-            stmt = self._statements[name] = frozen(claim)
+            stmt = self._reads[backend.name] = frozen(claim)
         return stmt
 
     def insert_or_read(
@@ -418,7 +418,17 @@ class InsertOnce:
         backend = backend_of(conn.dialect)
         if not backend.dml_cte:
             return self(conn, params) is not None, None
-        row: Any = execute(conn, self._read_statement(backend), params).first()
+        stmt = self._reads.get(backend.name)
+        if stmt is None:
+            stmt = self._read_statement(backend)
+        # execute() written out: this runs on every idempotency claim.
+        try:
+            row: Any = conn.execute(stmt, params).first()
+        except sa_exc.DBAPIError as error:
+            mapped = mapped_error(error)
+            if mapped is None:
+                raise
+            raise mapped from error
         if row is None:
             return True, None
         record = row[0]

@@ -69,7 +69,7 @@ def _claimed(
     else:
         session = sync_session = as_session(session, "idempotent()")
     claim = Claim(sync_session, session, scope, key, options, fingerprint_of(fingerprint))
-    return DualContext(session, lambda _sync: claim, name="idempotent()")
+    return DualContext.checked(session, sync_session, lambda _sync: claim, "idempotent()")
 
 
 def idempotent(

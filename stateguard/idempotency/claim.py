@@ -46,6 +46,8 @@ from .options import IdempotencyOptions
 from .serialization import exception_text, load
 from .statements import (
     CLAIM,
+    COMPLETE,
+    COMPLETE_FRESH,
     COMPLETED,
     FAIL,
     FAILED,
@@ -107,23 +109,27 @@ class Claim(Generic[S]):
             "sg_lease": options.lease_ms,
             "sg_ttl": options.ttl_ms,
         }
-        self.call: IdempotentCall[S] | None = None
-        #: Same transaction: the savepoint of the block (sent before its first statement).
-        self._block_savepoint: _kernel.DeferredSavepoint | None = None
-        #: Same transaction: this call inserted the record (outside the savepoint).
-        self.fresh = False
-        self._conn: Connection | None = None
-        #: Same transaction: where the session runs statements on the keys table.
-        self._binds: dict[str, Any] = {}
-        self._engine: Engine | None = None
-        self._stop: threading.Event | None = None
-        self._beater: threading.Thread | None = None
-        #: Separate mode with heartbeat_every: the background heartbeat's own connection.
-        self._beat_conn: Connection | None = None
-        #: Set before the write that ends the claim (complete, fail, release) is sent: a
-        #: heartbeat that then finds no claim of ours in progress lost nothing.  No lock:
-        #: with an AsyncSession both run on the event loop's thread.
-        self._finishing = False
+        # Everything else starts at its class-level default (below): a claim is built on every
+        # call, and most of its parts only exist on the slow paths (heartbeat, separate mode).
+
+    #: The call handed out on entering.
+    call: IdempotentCall[S] | None = None
+    #: Same transaction: the savepoint of the block (sent before its first statement).
+    _block_savepoint: _kernel.DeferredSavepoint | None = None
+    #: Same transaction: this call inserted the record (outside the savepoint).
+    fresh: bool = False
+    _conn: Connection | None = None
+    #: Same transaction: where the session runs statements on the keys table.
+    _binds: dict[str, Any] | None = None
+    _engine: Engine | None = None
+    _stop: threading.Event | None = None
+    _beater: threading.Thread | None = None
+    #: Separate mode with heartbeat_every: the background heartbeat's own connection.
+    _beat_conn: Connection | None = None
+    #: Set before the write that ends the claim (complete, fail, release) is sent: a
+    #: heartbeat that then finds no claim of ours in progress lost nothing.  No lock:
+    #: with an AsyncSession both run on the event loop's thread.
+    _finishing: bool = False
 
     def _emit(self, kind: str, attempt: int | None) -> None:
         emit(kind, self.scope, self.key, attempt, self.options.mode)
@@ -163,22 +169,22 @@ class Claim(Generic[S]):
         # savepoint (a takeover or reclaim, which opens it before its UPDATE).
         # A replay wrote nothing and its block only returns the response: no savepoint.
         session = self.session
-        self._binds = {"bind": _kernel.own_bind(session, idempotency_keys)}
-        conn = self._conn = session.connection(bind_arguments=self._binds)
+        binds = self._binds = {"bind": _kernel.own_bind(session, idempotency_keys)}
+        conn = self._conn = session.connection(bind_arguments=binds)
         try:
             call = self._claim(conn)
         except BaseException:
             self._drop_savepoint()
             raise
         if self._block_savepoint is None and call._state == "open":
-            self._block_savepoint = _kernel.DeferredSavepoint(session, conn, self._binds)
+            self._block_savepoint = _kernel.DeferredSavepoint(session, conn, binds)
         return call
 
     def _savepoint_now(self) -> None:
         """Same transaction: open the block's savepoint before an UPDATE of an existing record."""
         if self.options.mode == "same_transaction" and self._block_savepoint is None:
             conn = self._open(self._conn)
-            self._block_savepoint = _kernel.DeferredSavepoint(self.session, conn, self._binds)
+            self._block_savepoint = _kernel.DeferredSavepoint(self.session, conn, self._open(self._binds))
             self._block_savepoint.open()
 
     def _drop_savepoint(self) -> None:
@@ -333,6 +339,41 @@ class Claim(Generic[S]):
         return call
 
     # -- writes of an open call ---------------------------------------------
+
+    def complete_same(
+        self, call: IdempotentCall[S], text: str, durability: str | None, response: Any
+    ) -> None:
+        """Same transaction: store ``text`` as the response (:meth:`write` for a completion, written out).
+
+        The completion is what every owned call ends with: no merging of extra
+        parameters, no mode dispatch, the UPDATE run by the block's savepoint
+        without opening it.
+        """
+        savepoint = self._open(self._block_savepoint)
+        params = self._base_params.copy()
+        params["sg_text"] = text
+        stmt = COMPLETE_FRESH if self.fresh else COMPLETE
+        self._finishing = True
+        try:
+            conn = self._open(self._conn)
+            if durability is not None or _kernel.DURABLE or _kernel.needs_size_check(conn, text):
+                # What write() does: anything these send is stateguard's, outside the block's savepoint.
+                with savepoint.paused():
+                    if _kernel.needs_size_check(conn, text):
+                        self._check_size(conn, text)
+                    watch = _kernel.durable(self.session, conn, durability)
+                    matched = _kernel.execute(conn, stmt, params).rowcount
+                    if watch is not None and matched == 1:
+                        watch.note(response)
+            else:
+                matched = savepoint.execute_paused(stmt, params).rowcount
+        except BaseException:
+            self._finishing = False  # nothing ended: the call is still open and may be finished again
+            raise
+        if matched != 1:
+            self._lost(call)
+        call._state = "completed"
+        emit("completed", self.scope, self.key, call.attempt, self.options.mode)
 
     def write(
         self,

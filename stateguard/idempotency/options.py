@@ -133,6 +133,10 @@ def _policy(lease: Any, ttl: Any, mode: Any, heartbeat_every: Any, non_retryable
 _checked_policy: Final = functools.lru_cache(maxsize=64)(_policy)
 
 
+#: The options of a call that passes none.
+_DEFAULTS: Final = _policy(DEFAULT_LEASE, DEFAULT_TTL, DEFAULT_MODE, None, ())
+
+
 def options_of(
     lease: Any,
     ttl: Any,
@@ -145,10 +149,21 @@ def options_of(
 
     :raises InvalidArgument: an option is wrong or contradicts another (nothing is written).
     """
-    try:
-        options = _checked_policy(lease, ttl, mode, heartbeat_every, non_retryable)
-    except TypeError:  # an unhashable argument: checked without the memo (and most likely refused)
-        options = _policy(lease, ttl, mode, heartbeat_every, non_retryable)
+    if (
+        lease is DEFAULT_LEASE
+        and ttl is DEFAULT_TTL
+        and mode == DEFAULT_MODE
+        and heartbeat_every is None
+        and type(non_retryable) is tuple
+        and not non_retryable
+    ):
+        # Every option left at its default (the most frequent call): no hashing of two timedeltas.
+        options = _DEFAULTS
+    else:
+        try:
+            options = _checked_policy(lease, ttl, mode, heartbeat_every, non_retryable)
+        except TypeError:  # an unhashable argument: checked without the memo (and most likely refused)
+            options = _policy(lease, ttl, mode, heartbeat_every, non_retryable)
     if serializer is None:
         return options
     # The caller's own serializer object, never an equal one memoised from another call.

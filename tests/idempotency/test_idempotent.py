@@ -618,3 +618,20 @@ def test_consume_once_and_purge_validate_their_input(engine: Engine) -> None:
     for batch in (0, -1, 1.5, True):
         with pytest.raises(InvalidArgument):
             purge_expired(engine, batch=batch)  # type: ignore[arg-type]
+
+
+def test_options_left_at_their_defaults_are_the_checked_defaults() -> None:
+    """A call that passes no option gets the same options as one that spells the defaults out
+    (equal but not identical timedeltas); any other value is still checked."""
+    from stateguard.idempotency.options import DEFAULT_LEASE, DEFAULT_TTL, IdempotencyOptions, options_of
+
+    defaults = IdempotencyOptions()
+    implicit = options_of(DEFAULT_LEASE, DEFAULT_TTL, "same_transaction", None, None, ())
+    spelled = options_of(timedelta(seconds=60), timedelta(hours=24), "same_transaction", None, None, ())
+    assert implicit == spelled == defaults
+    assert (implicit.lease_ms, implicit.ttl_ms, implicit.heartbeat_seconds) == (60_000, 86_400_000, None)
+    assert options_of(DEFAULT_LEASE, DEFAULT_TTL, "separate", None, None, ()).mode == "separate"
+    with pytest.raises(InvalidArgument):
+        options_of(DEFAULT_LEASE, DEFAULT_TTL, "same_transaction", None, None, [ValueError])
+    with pytest.raises(InvalidArgument):
+        options_of(DEFAULT_LEASE, DEFAULT_TTL, "same-transaction", None, None, ())

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from sqlalchemy import (
@@ -414,3 +414,24 @@ def test_a_fresh_claim_keeps_its_expiry_when_completed_in_the_same_transaction(e
             call.complete({"ok": True})
     taken = _record(engine, "taken")
     assert taken.expires_ms == taken.updated_ms + 2 * 3_600_000, taken
+
+
+@pytest.mark.parametrize("how", ["durability_local", "large_response"])
+def test_a_completion_that_checks_first_still_opens_no_savepoint(
+    backend: Backend, engine: Engine, how: str
+) -> None:
+    """A completion that asks about durability or checks a large response's size (MariaDB's
+    ``max_allowed_packet``) sends what it asks outside the block's savepoint: a block that sends
+    nothing still gets no SAVEPOINT, and the replay returns the stored response."""
+    response = {"text": "x" * 20_000} if how == "large_response" else {"ok": 1}
+    durability: Literal["local"] | None = "local" if how == "durability_local" else None
+    with Session(engine) as session, session.begin():
+        with (
+            _statements_of(session.connection()) as seen,
+            idempotent(session, scope="s", key=how) as call,
+        ):
+            call.complete(response, durability=durability)
+        verbs = _verbs(seen)
+    assert "SAVEPOINT" not in verbs and verbs[0] == _claim_verb(backend) and verbs[-1] == "UPDATE", verbs
+    replayed, again, _ = _call(engine, how)
+    assert replayed and again == response
