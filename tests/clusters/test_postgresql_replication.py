@@ -448,64 +448,30 @@ def test_a_durable_commit_past_its_timeout_with_the_standby_down_raises_replicat
 
 
 @pytest.mark.cancel
-def test_a_cancelled_wait_of_a_durable_call_raises_replication_timeout_and_the_row_is_on_the_primary(
-    pair: pg_cluster.PgReplicaPair,
-) -> None:
-    """No timeout: COMMIT waits for the stopped standby; pg_cancel_backend ends it; commit raises."""
-    pair.set_synchronous(True)
-    assert pair.primary is not None and pair.standby is not None
-    primary = pair.primary
-    engine = routing_engine(routing_url(pair))
-    outcome: dict[str, Any] = {}
-
-    def commit_alone() -> None:
-        try:
-            with Session(engine) as s:
-                outcome["consume"] = consume_once(s, "billing", "m-durable").outcome
-                outcome["event"] = emit(s, "charged", {"m": 1}, durability="replicated")
-                s.commit()
-                outcome["committed"] = True
-        except BaseException as exc:  # asserted by the test
-            outcome["error"] = exc
-
-    try:
-        pair.stop_standby()
-        writer = threading.Thread(target=commit_alone)
-        writer.start()
-        waiting = wait_for_sync_wait(primary)
-        assert waiting is not None, f"no COMMIT waited for the standby: {outcome}"
-        assert primary.scalar("SELECT pg_cancel_backend(%s)", waiting) is True
-        writer.join(timeout=20)
-        assert not writer.is_alive()
-        assert "committed" not in outcome, "a commit the standby never confirmed passed for durable"
-        error = outcome["error"]
-        assert isinstance(error, ReplicationTimeout), repr(error)
-        assert "due to user request" in str(error) and "already committed locally" in str(error)
-        assert error.value == (outcome["event"],)
-        assert primary.scalar(CONSUMED, "m-durable") == 1
-        assert primary.scalar(EVENTS, "charged") == 1
-    finally:
-        engine.dispose()
-
-
 @pytest.mark.lost_reply
-def test_a_connection_terminated_during_the_wait_is_a_lost_reply_and_the_retry_answers_repeated(
-    pair: pg_cluster.PgReplicaPair,
+@pytest.mark.parametrize("ended_by", ["pg_cancel_backend", "pg_terminate_backend"])
+def test_a_durable_commit_whose_wait_is_ended_is_never_passed_off_as_confirmed(
+    pair: pg_cluster.PgReplicaPair, ended_by: str
 ) -> None:
-    """pg_terminate_backend of a durable COMMIT waiting for the stopped standby: the primary keeps the
-    write, the client gets OperationalError (not a success, not ReplicationTimeout: the reply is
-    lost with the connection), and the same calls sent again answer REPEATED."""
+    """No timeout: COMMIT waits for the stopped standby until another session ends the wait.
+
+    pg_cancel_backend: the primary keeps the write and the commit raises ReplicationTimeout.
+    pg_terminate_backend: the primary keeps the write, and the connection closes with the reply:
+    the commit raises OperationalError, a lost reply.  Either way the same calls sent again (the
+    standby back) answer REPEATED.
+    """
     pair.set_synchronous(True)
     assert pair.primary is not None and pair.standby is not None
     primary = pair.primary
     engine = routing_engine(routing_url(pair))
+    message_id, topic = f"m-{ended_by}", f"charged-{ended_by}"
     outcome: dict[str, Any] = {}
 
     def commit_alone() -> None:
         try:
             with Session(engine) as s:
-                outcome["consume"] = consume_once(s, "billing", "m-terminated").outcome
-                emit(s, "terminated", {"m": 1}, durability="replicated")
+                outcome["consume"] = consume_once(s, "billing", message_id).outcome
+                outcome["event"] = emit(s, topic, {"m": 1}, durability="replicated")
                 s.commit()
                 outcome["committed"] = True
         except BaseException as exc:  # asserted by the test
@@ -517,17 +483,22 @@ def test_a_connection_terminated_during_the_wait_is_a_lost_reply_and_the_retry_a
         writer.start()
         waiting = wait_for_sync_wait(primary)
         assert waiting is not None, f"no COMMIT waited for the standby: {outcome}"
-        assert primary.scalar("SELECT pg_terminate_backend(%s)", waiting) is True
+        assert primary.scalar(f"SELECT {ended_by}(%s)", waiting) is True
         writer.join(timeout=20)
         assert not writer.is_alive()
         assert "committed" not in outcome, "a commit the standby never confirmed passed for durable"
         error = outcome["error"]
-        assert isinstance(error, sa_exc.OperationalError), repr(error)
-        assert primary.scalar(CONSUMED, "m-terminated") == 1
-        assert primary.scalar(EVENTS, "terminated") == 1
+        if ended_by == "pg_cancel_backend":
+            assert isinstance(error, ReplicationTimeout), repr(error)
+            assert "due to user request" in str(error) and "already committed locally" in str(error)
+            assert error.value == (outcome["event"],)
+        else:
+            assert isinstance(error, sa_exc.OperationalError), repr(error)
+        assert primary.scalar(CONSUMED, message_id) == 1
+        assert primary.scalar(EVENTS, topic) == 1
         pair.start_standby()
         with Session(engine) as s, s.begin():
-            assert consume_once(s, "billing", "m-terminated").outcome is Outcome.REPEATED
+            assert consume_once(s, "billing", message_id).outcome is Outcome.REPEATED
     finally:
         engine.dispose()
 
