@@ -225,8 +225,9 @@ class TransactionAborted(StateguardError):
 class LockNotAcquired(StateguardError):
     """A lock could not be taken: NOWAIT found it held, or the timeout passed.
 
-    On PostgreSQL the transaction is aborted by the failed statement: roll it
-    back (``retry_on_conflict`` retries the whole unit of work).
+    After a lock timeout on PostgreSQL the transaction is aborted by the
+    failed statement: roll it back (``retry_on_conflict`` retries the whole
+    unit of work).  ``row_lock(nowait=True)`` leaves it usable everywhere.
     """
 
     retryable = True

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Final
 
-from sqlalchemy import Connection, Engine, Select, event, select, text, tuple_
+from sqlalchemy import ColumnElement, Connection, Engine, Select, event, inspect, select, text, tuple_
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
@@ -78,8 +78,11 @@ def row_lock(
     out).  ``skip_locked=True`` leaves out rows other transactions hold
     (the job-queue pattern; a single target then returns ``None``);
     ``nowait=True`` raises :class:`~stateguard.LockNotAcquired` at once
-    instead of waiting (on PostgreSQL the transaction is then aborted: roll
-    back, ``retry_on_conflict`` retries).  ``of`` (PostgreSQL, MySQL 8) is
+    instead of waiting, and the transaction stays usable (on PostgreSQL,
+    where NOWAIT's own error would abort it, the rows are locked with SKIP
+    LOCKED and a row left out that exists is the held one; rows of a list
+    that were free stay locked until the transaction ends); a missing row
+    is ``None`` (left out of a list), as without it.  ``of`` (PostgreSQL, MySQL 8) is
     passed to :meth:`~sqlalchemy.sql.expression.Select.with_for_update`, to
     restrict the lock to some tables of a joined load.
 
@@ -104,12 +107,18 @@ def row_lock(
     session.flush()
     conn = _kernel.connection_for(session, info, keys)
     _check_row_lock_support(conn, nowait=nowait, skip_locked=skip_locked, of=of)
-    if not _kernel.backend(conn.dialect).row_locks:
+    backend = _kernel.backend(conn.dialect)
+    if not backend.row_locks:
         nowait = skip_locked = False  # SQLite: the whole database is already ours
         of = None
+    # Where a failed statement aborts the transaction (PostgreSQL), NOWAIT's error would leave the
+    # caller's transaction unusable; SKIP LOCKED takes the same locks without waiting and without
+    # an error, and a row it left out that exists is the held one: LockNotAcquired, the
+    # transaction still usable (as InnoDB leaves it after its NOWAIT error).
+    looks = nowait and backend.errors_abort_transaction
     base: Select[Any] = (
         select(model)
-        .with_for_update(nowait=nowait, skip_locked=skip_locked, of=of)
+        .with_for_update(nowait=nowait and not looks, skip_locked=skip_locked or looks, of=of)
         .execution_options(populate_existing=True)
     )
 
@@ -118,6 +127,8 @@ def row_lock(
 
     if not many:
         found = one(keys[0])
+        if looks and not found:
+            _refuse_if_held(session, info, keys, found)
         return found[0] if found else None
     if not keys:
         return []
@@ -125,11 +136,39 @@ def row_lock(
         # Test hook: lock row by row in the caller's order, the way naive
         # code does; opposite-order callers can then deadlock.
         return [row for key in keys for row in one(key)]
-    cols = info.pk_columns
-    where = cols[0].in_([k[0] for k in keys]) if len(cols) == 1 else tuple_(*cols).in_(keys)
     # PostgreSQL sorts before its LockRows step and InnoDB locks rows as it
     # walks the primary key, so the rows are locked in this order.
-    return _run(session, base.where(where).order_by(*cols))
+    locked = _run(session, base.where(_keys_in(info, keys)).order_by(*info.pk_columns))
+    if looks and len(locked) < len(keys):
+        _refuse_if_held(session, info, keys, locked)
+    return locked
+
+
+def _keys_in(info: _kernel.ModelInfo, keys: list[tuple[Any, ...]]) -> ColumnElement[bool]:
+    """``pk IN (keys)`` (a row-value IN for a composite key)."""
+    cols = info.pk_columns
+    return cols[0].in_([k[0] for k in keys]) if len(cols) == 1 else tuple_(*cols).in_(keys)
+
+
+def _refuse_if_held(
+    session: Session, info: _kernel.ModelInfo, keys: list[tuple[Any, ...]], locked: list[Any]
+) -> None:
+    """LockNotAcquired if a row of ``keys`` exists that the SKIP LOCKED read did not lock.
+
+    A plain read, which waits for no lock; its keys and the locked instances' identities both
+    come from the database, so they compare exactly.  A row that is not there is simply missing
+    (left out of the result, as without ``nowait``).
+    """
+    existing = session.execute(select(*info.pk_columns).where(_keys_in(info, keys))).all()
+    got = {inspect(row).identity for row in locked}
+    held = [tuple(row) for row in existing if tuple(row) not in got]
+    if held:
+        raise LockNotAcquired(
+            f"row_lock(nowait=True): {info.model.__name__} {_kernel.public_key(held[0])!r} is locked "
+            f"by another transaction; this transaction is still usable (rows of the call that were "
+            f"free stay locked until it ends): roll back and retry later, or go on without that "
+            f"row (retry_on_conflict() retries the unit of work)"
+        )
 
 
 def _run(session: Session, stmt: Select[Any]) -> list[Any]:

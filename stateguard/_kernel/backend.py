@@ -121,6 +121,10 @@ class Backend:
     #: per engine (:func:`is_galera`): there a node applies the others' writes late, and
     #: stateguard makes its connections wait for them (``wsrep_sync_wait``).
     may_be_galera: bool
+    #: A statement that fails inside a transaction aborts it: every later statement is refused
+    #: until ROLLBACK (PostgreSQL).  A refusal that must leave the transaction usable is asked
+    #: without an error there (``row_lock(nowait=True)`` locks with SKIP LOCKED and then looks).
+    errors_abort_transaction: bool
 
     @classmethod
     def for_postgresql(cls, name: str, *, returning: bool = True) -> Backend:
@@ -149,6 +153,7 @@ class Backend:
             dml_cte=True,
             driver_begins_lazily=False,
             loose_integers=False,
+            errors_abort_transaction=True,
             **_NOT_INNODB,
         )
 
@@ -180,6 +185,7 @@ class Backend:
             column_charsets=True,
             loose_integers=False,
             may_be_galera=True,
+            errors_abort_transaction=False,
         )
 
     @classmethod
@@ -200,6 +206,7 @@ class Backend:
             synchronous_standbys=False,
             dml_cte=False,
             loose_integers=True,
+            errors_abort_transaction=False,
             **_NOT_INNODB,
         )
 

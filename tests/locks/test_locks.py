@@ -24,6 +24,7 @@ from stateguard import (
     LockNotAcquired,
     NotSupported,
     RedisLock,
+    _kernel,
     advisory_lock,
     retry_on_conflict,
     row_lock,
@@ -236,12 +237,17 @@ def test_row_lock_with_composite_keys(backend: Backend, engine: Engine) -> None:
     ("option", "clause"), [("nowait", "FOR UPDATE NOWAIT"), ("skip_locked", "FOR UPDATE SKIP LOCKED")]
 )
 @pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
-def test_row_lock_options_reach_the_sql(engine: Engine, option: str, clause: str) -> None:
-    """nowait and skip_locked become NOWAIT / SKIP LOCKED in the statement."""
+def test_row_lock_options_reach_the_sql(backend: Backend, engine: Engine, option: str, clause: str) -> None:
+    """nowait and skip_locked become NOWAIT / SKIP LOCKED in the statement; where a failed statement
+    aborts the transaction (PostgreSQL), nowait locks with SKIP LOCKED instead (and looks after)."""
     _tallies(engine, [1])
+    if option == "nowait" and _kernel.backend(engine.dialect).errors_abort_transaction:
+        clause = "FOR UPDATE SKIP LOCKED"
     with Session(engine) as s, s.begin():
+        row_lock(s, Tally, 1)  # the engine's first call (a MariaDB engine asks once about Galera)
         with count_statements(engine) as stmts:
             row_lock(s, Tally, 1, **{option: True})
+        assert len(stmts.statements) == 1, stmts.statements  # a free row: one statement
         assert " ".join(stmts.statements[-1].split()).endswith(clause)
 
 
@@ -283,6 +289,33 @@ def test_nowait_on_a_held_row_fails_at_once(backend: Backend, engine: Engine) ->
                 s.rollback()
     finally:
         holder.close()
+
+
+@pytest.mark.parametrize("backend", backends_with("row_locks"), indirect=True)
+def test_nowait_refused_leaves_the_transaction_usable_and_missing_rows_missing(engine: Engine) -> None:
+    """After LockNotAcquired from nowait the transaction goes on (on PostgreSQL too, where NOWAIT's
+    own error would have aborted it): its other locks and writes stay; a missing row is None, not
+    LockNotAcquired; a list with a held row is refused, one with a missing row returns the others."""
+    _tallies(engine, [1, 2, 3, 4])
+    holder, _ = _hold(engine, [1])
+    try:
+        with Session(engine) as s, s.begin():
+            free = row_lock(s, Tally, 2, nowait=True)
+            free.value = 7
+            with pytest.raises(LockNotAcquired, match="another transaction") as caught:
+                row_lock(s, Tally, 1, nowait=True)
+            assert caught.value.retryable is True
+            with pytest.raises(LockNotAcquired):
+                row_lock(s, Tally, [3, 1], nowait=True)
+            assert row_lock(s, Tally, 99, nowait=True) is None
+            assert [t.id for t in row_lock(s, Tally, [4, 99, 3], nowait=True)] == [3, 4]
+            s.flush()  # the transaction still takes statements
+        with Session(engine) as check:
+            assert check.get(Tally, 2).value == 7  # committed with the transaction
+    finally:
+        holder.close()
+    with Session(engine) as s, s.begin():  # the rows the refused calls locked were freed with it
+        assert [t.id for t in row_lock(s, Tally, [1, 2, 3, 4], nowait=True)] == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("backend", backends_with("skip_locked"), indirect=True)
