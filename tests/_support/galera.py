@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .private_server import Started
+
 PROVIDER = "/usr/lib/galera/libgalera_smm.so"
 MARIADBD = "/usr/sbin/mariadbd"
 INSTALL_DB = "/usr/bin/mariadb-install-db"
@@ -72,20 +74,13 @@ class Node:
 
 
 @dataclass
-class GaleraCluster:
+class GaleraCluster(Started):
     """``with GaleraCluster(3) as cluster:`` starts the nodes; ``cluster.urls`` for engines."""
 
     size: int = 3
     startup_timeout: float = 90.0
     nodes: list[Node] = field(default_factory=list)
     base: Path | None = None
-
-    def __enter__(self) -> GaleraCluster:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     @property
     def urls(self) -> list[str]:

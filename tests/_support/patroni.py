@@ -41,6 +41,7 @@ from typing import Any
 
 from . import pg_cluster
 from .pg_cluster import BIN, DATABASE, USER, PgNode, as_postgres, own
+from .private_server import Started
 from .redis_server import free_port
 from .zookeeper_server import ZooKeeperServer, zookeeper_available
 
@@ -187,7 +188,7 @@ class PatroniNode(PgNode):
         return "\n".join(parts) or "(no log)"
 
 
-class PatroniPair:
+class PatroniPair(Started):
     """``with PatroniPair() as pair:`` two Patroni-run PostgreSQL nodes on a private ZooKeeper.
 
     :attr:`primary` and :attr:`standby` are the nodes as the tests last saw them (re-read with
@@ -202,13 +203,6 @@ class PatroniPair:
         self.primary: PatroniNode | None = None
         self.standby: PatroniNode | None = None
         self.synchronous = False
-
-    def __enter__(self) -> PatroniPair:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     # -- set-up ------------------------------------------------------------------------------
 

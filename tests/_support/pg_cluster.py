@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .private_server import Started
+
 BIN = Path("/usr/lib/postgresql/15/bin")
 USER = "postgres"
 DATABASE = "test"
@@ -151,7 +153,7 @@ class PgNode:
 
 
 @dataclass
-class PgReplicaPair:
+class PgReplicaPair(Started):
     """``with PgReplicaPair() as pair:`` a primary and its streaming standby on private ports."""
 
     startup_timeout: float = 60.0
@@ -160,13 +162,6 @@ class PgReplicaPair:
     base: Path | None = None
     _made: int = 0
     _dead: list[PgNode] = field(default_factory=list)
-
-    def __enter__(self) -> PgReplicaPair:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     # -- set-up ------------------------------------------------------------------------------
 
