@@ -39,7 +39,10 @@ SIZES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"stock": 250, "buyers": 8, "per_buyer": 50, "rounds": 3},
         {"stock": 10, "buyers": 3, "per_buyer": 5, "rounds": 1},
     ),
-    "idempotency": ({"sizes": [1000, 1_000_000], "calls": 2000}, {"sizes": [1000, 10_000], "calls": 10}),
+    "idempotency": (
+        {"sizes": [1000, 1_000_000], "calls": 2000, "breakdown": False},
+        {"sizes": [1000, 10_000], "calls": 10, "breakdown": False},
+    ),
     "load": ({"n": 5000, "repeat": 25}, {"n": 100, "repeat": 2}),
     "bulk": ({"n": 10000}, {"n": 50}),
     "scale": ({"sizes": [1000, 100_000, 1_000_000], "calls": 300}, {"sizes": [100, 1000], "calls": 10}),

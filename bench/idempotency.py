@@ -11,6 +11,8 @@ all completed, with the fingerprint the replays send.
 
 from __future__ import annotations
 
+import functools
+import os
 import random
 import time
 import uuid
@@ -22,8 +24,10 @@ from typing import Any
 from sqlalchemy import Engine, bindparam, event, func, insert, select, text, update
 from sqlalchemy.orm import Session
 
-from stateguard import idempotent
+from stateguard import _kernel, idempotent
+from stateguard._kernel.json import dumps_json
 from stateguard.idempotency import fingerprint_of
+from stateguard.idempotency.statements import CLAIM, COMPLETE_FRESH
 from stateguard.tables import idempotency_keys
 
 from .models import Table, make_engine, median, pct
@@ -40,6 +44,10 @@ REPLAY = "replay"
 FIRST_SEPARATE = "first call, mode='separate'"
 REPLAY_SEPARATE = "replay, mode='separate'"
 VARIANTS = [BASELINE, FLOOR, FLOOR2, FIRST, REPLAY, FIRST_SEPARATE, REPLAY_SEPARATE]
+#: ``--set breakdown=true``: where a first call's time goes, between the floor and stateguard.
+BY_HAND = "stateguard's two statements, hand-written"
+BY_HAND_SAVEPOINT = "the same, with the block's savepoint"
+BREAKDOWN = [BY_HAND, BY_HAND_SAVEPOINT]
 
 #: Rows per INSERT ... SELECT (and per transaction) while pre-filling.
 FILL_BATCH = 250_000
@@ -300,6 +308,30 @@ def _calls(engine: Engine) -> dict[str, Callable[[str], None]]:
             conn.execute(_CLAIM_ROW, params)
             conn.execute(_COMPLETE_ROW, {**params, "b_scope": SCOPE})
 
+    backend = _kernel.backend(engine.dialect)
+    claim = CLAIM._read_statement(backend) if backend.dml_cte else CLAIM.statement(backend)
+
+    def by_hand(key: str, savepoint: bool = False) -> None:
+        # What a first call sends, written on a Session with nothing of the call's Python around
+        # it but what any implementation computes (the request's hash, the response's text, an
+        # owner); ``savepoint``: and the block's begin_nested(), closed without a SAVEPOINT sent.
+        params = {
+            "sg_scope": SCOPE,
+            "sg_key": key,
+            "sg_fp": fingerprint_of(BODY),
+            "sg_owner": os.urandom(16).hex(),
+            "sg_lease": 60_000,
+            "sg_ttl": 86_400_000,
+        }
+        with Session(engine) as s, s.begin():
+            conn = s.connection()
+            conn.execute(claim, params)
+            nested = s.begin_nested() if savepoint else None
+            params["sg_text"] = dumps_json(RESPONSE)
+            conn.execute(COMPLETE_FRESH, params)
+            if nested is not None:
+                nested.close()
+
     def first(key: str) -> None:
         with (
             Session(engine) as s,
@@ -344,6 +376,8 @@ def _calls(engine: Engine) -> dict[str, Callable[[str], None]]:
         REPLAY: replay,
         FIRST_SEPARATE: first_separate,
         REPLAY_SEPARATE: replay_separate,
+        BY_HAND: by_hand,
+        BY_HAND_SAVEPOINT: functools.partial(by_hand, savepoint=True),
     }
 
 
@@ -356,8 +390,10 @@ def _verb(statement: str) -> str:
     return words[0].upper()
 
 
-def idempotency_keys_scenario(url: str, sizes: list[int], calls: int) -> Table:
-    """First calls and replays vs a primary-key SELECT, on tables of ``sizes`` pre-filled keys."""
+def idempotency_keys_scenario(url: str, sizes: list[int], calls: int, breakdown: bool = False) -> Table:
+    """First calls and replays vs a primary-key SELECT, on tables of ``sizes`` pre-filled keys;
+    ``breakdown``: also stateguard's statements written by hand, without and with the savepoint."""
+    variants = VARIANTS + BREAKDOWN if breakdown else VARIANTS
     rnd = random.Random(calls)
     total = WARMUP + calls
     wall: dict[tuple[int, str], list[float]] = {}
@@ -389,8 +425,8 @@ def idempotency_keys_scenario(url: str, sizes: list[int], calls: int) -> Table:
 
         keys: dict[tuple[int, str], list[str]] = {}
         for size in sizes:
-            for variant in VARIANTS:
-                fresh = variant in (FLOOR, FLOOR2, FIRST, FIRST_SEPARATE)
+            for variant in variants:
+                fresh = variant in (FLOOR, FLOOR2, FIRST, FIRST_SEPARATE, *BREAKDOWN)
                 keys[size, variant] = [str(uuid.uuid4()) for _ in range(total)] if fresh else existing(size)
                 wall[size, variant], cpu[size, variant] = [], []
                 stmts[size, variant] = 0
@@ -401,7 +437,7 @@ def idempotency_keys_scenario(url: str, sizes: list[int], calls: int) -> Table:
 
         event.listen(engine, "before_cursor_execute", listen)
         try:
-            pairs = [(size, variant) for size in sizes for variant in VARIANTS]
+            pairs = [(size, variant) for size in sizes for variant in variants]
             for i in range(total):
                 # Interleaved in a fresh random order per round, as in scenario 1:
                 # drift hits every variant and both sizes alike.
@@ -425,13 +461,14 @@ def idempotency_keys_scenario(url: str, sizes: list[int], calls: int) -> Table:
         for size in sizes:
             with engines[size].connect() as conn:
                 final[size] = int(conn.scalar(select(func.count()).select_from(_t)) or 0)
-    return _table(dialect, sizes, calls, wall, cpu, stmts, shapes, fill_s, final, footprint)
+    return _table(dialect, sizes, calls, variants, wall, cpu, stmts, shapes, fill_s, final, footprint)
 
 
 def _table(
     dialect: str,
     sizes: list[int],
     calls: int,
+    variants: list[str],
     wall: dict[tuple[int, str], list[float]],
     cpu: dict[tuple[int, str], list[float]],
     stmts: dict[tuple[int, str], int],
@@ -447,7 +484,7 @@ def _table(
     )
     smallest, largest = sizes[0], sizes[-1]
     for size in sizes:
-        for variant in VARIANTS:
+        for variant in variants:
             m = med[size, variant]
             table.rows.append(
                 {
@@ -482,7 +519,7 @@ def _table(
         "each call in its own Session",
         "statements counted by SQLAlchemy's before_cursor_execute (BEGIN/COMMIT are not statements "
         "unless the driver is sent one); one call of each: "
-        + "; ".join(f"{v}: {' '.join(shapes.get(v, []))}" for v in VARIANTS),
+        + "; ".join(f"{v}: {' '.join(shapes.get(v, []))}" for v in variants),
         "x_select, x_insert, x_insert_update: median over the PK SELECT's, the Core INSERT's, the "
         "Core INSERT + UPDATE's median at the same size; "
         "x_smallest: median over the same variant's at the smallest size",

@@ -55,7 +55,6 @@ def row_lock(
     nowait: bool = False,
     skip_locked: bool = False,
     of: Any = None,
-    _ordered: bool = True,
 ) -> Any:
     """Lock rows with ``SELECT ... FOR UPDATE`` and return them, fresh from the database.
 
@@ -132,10 +131,6 @@ def row_lock(
         return found[0] if found else None
     if not keys:
         return []
-    if not _ordered:
-        # Test hook: lock row by row in the caller's order, the way naive
-        # code does; opposite-order callers can then deadlock.
-        return [row for key in keys for row in one(key)]
     # PostgreSQL sorts before its LockRows step and InnoDB locks rows as it
     # walks the primary key, so the rows are locked in this order.
     locked = _run(session, base.where(_keys_in(info, keys)).order_by(*info.pk_columns))

@@ -300,14 +300,7 @@ def run_guarded(
     ``SET v = LAST_INSERT_ID(expr)`` hands the new value back in the OK
     packet) ``values`` is ``(lastrowid,)``.
     """
-    # execute() written out: one Python call less on every guarded write.
-    try:
-        result = conn.execute(stmt, params)
-    except sa_exc.DBAPIError as error:
-        mapped = mapped_error(error)
-        if mapped is None:
-            raise
-        raise mapped from error
+    result = execute(conn, stmt, params)
     if returning:
         row = result.first()
         return row is not None, row
@@ -418,17 +411,8 @@ class InsertOnce:
         backend = backend_of(conn.dialect)
         if not backend.dml_cte:
             return self(conn, params) is not None, None
-        stmt = self._reads.get(backend.name)
-        if stmt is None:
-            stmt = self._read_statement(backend)
-        # execute() written out: this runs on every idempotency claim.
-        try:
-            row: Any = conn.execute(stmt, params).first()
-        except sa_exc.DBAPIError as error:
-            mapped = mapped_error(error)
-            if mapped is None:
-                raise
-            raise mapped from error
+        stmt = self._read_statement(backend)
+        row: Any = execute(conn, stmt, params).first()
         if row is None:
             return True, None
         record = row[0]

@@ -20,7 +20,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import instance_state, set_committed_value
 
-from .execute import ensure_real_transaction, mapped_error
+from .execute import ensure_real_transaction, execute
 from .listeners import HOOKED, hook_dialect
 from .models import ModelInfo
 
@@ -309,12 +309,7 @@ class DeferredSavepoint:
         (one call instead of four, for the statement that completes an idempotent block)."""
         self._paused = True
         try:
-            return self._conn.execute(stmt, params)
-        except sa_exc.DBAPIError as error:
-            mapped = mapped_error(error)
-            if mapped is None:
-                raise
-            raise mapped from error
+            return execute(self._conn, stmt, params)
         finally:
             self._paused = False
 

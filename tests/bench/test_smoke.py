@@ -138,6 +138,22 @@ def test_set_replaces_a_size_of_the_scenarios_run(sqlite: Backend, tmp_path: Pat
             main([*argv, "--set", bad])
 
 
+def test_idempotency_breakdown_adds_stateguards_statements_written_by_hand(backend: Backend) -> None:
+    """`--set breakdown=true`: two more variants, stateguard's own two statements sent by hand without
+    and with the block's savepoint, each a first call (the same statements as stateguard's)."""
+    from bench.idempotency import BREAKDOWN, FIRST, idempotency_keys_scenario
+
+    table = idempotency_keys_scenario(backend.url, [1000], 3, breakdown=True)
+    rows = {r["variant"]: r for r in table.rows}
+    assert set(BREAKDOWN) <= set(rows)
+    shapes = next(n for n in table.notes if n.startswith("statements counted"))
+    first = shapes.split(f"{FIRST}: ", 1)[1].split(";", 1)[0]
+    for variant in BREAKDOWN:
+        assert rows[variant]["stmts_per_call"] == rows[FIRST]["stmts_per_call"]
+        assert f"{variant}: {first}" in shapes
+    assert not set(BREAKDOWN) & {r["variant"] for r in idempotency_keys_scenario(backend.url, [1000], 1).rows}
+
+
 def test_report_writes_png_charts(sqlite: Backend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`bench report --plots DIR` draws one real PNG per table and links it; without matplotlib, no charts."""
     from PIL import Image

@@ -1,9 +1,14 @@
-"""One way for a cluster suite to bring its cluster up once per module and down by pid after."""
+"""What the cluster suites share: bringing a cluster up once per module and down by pid after, and
+fresh tables on its primary for each test."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from typing import Protocol, TypeVar
+
+from sqlalchemy import MetaData, create_engine
+
+import stateguard
 
 from ..conftest import unavailable
 
@@ -37,3 +42,16 @@ def started(what: str, why_not: Callable[[], str | None], make: Callable[[], C])
         yield cluster
     finally:
         cluster.stop()
+
+
+def fresh_tables(url: str, *metadata: MetaData) -> None:
+    """Drop and create the tables of ``metadata`` and stateguard's own on the database at ``url``."""
+    made = create_engine(url)
+    try:
+        for tables in metadata:
+            tables.drop_all(made)
+            tables.create_all(made)
+        stateguard.drop_tables(made)
+        stateguard.create_tables(made)
+    finally:
+        made.dispose()

@@ -23,16 +23,14 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Engine
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
-import stateguard
 from stateguard import (
     ConfigurationError,
     ReplicationTimeout,
     ZooKeeperLock,
-    create_tables,
     emit,
     guarded_update,
     set_durability,
@@ -51,7 +49,7 @@ from .._support.failover_units import (
 )
 from .._support.pg_cluster import DATABASE
 from .._support.zk_workers import ZkBase, ZkPayout, client_for, fenced_write
-from ._started import started
+from ._started import fresh_tables, started
 
 pytestmark = pytest.mark.failover
 
@@ -75,14 +73,7 @@ def pair(cluster: patroni.PatroniPair) -> patroni.PatroniPair:
     if not cluster.healthy:
         cluster.repair()
     assert cluster.primary is not None
-    made = create_engine(cluster.primary.url)
-    try:
-        ZkBase.metadata.drop_all(made)
-        ZkBase.metadata.create_all(made)
-        stateguard.drop_tables(made)
-        create_tables(made)
-    finally:
-        made.dispose()
+    fresh_tables(cluster.primary.url, ZkBase.metadata)
     cluster.wait_replayed()
     return cluster
 

@@ -19,19 +19,17 @@ import pytest
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.orm import Session
 
-import stateguard
 from stateguard import (
     ConfigurationError,
     ReplicationTimeout,
     consume_token,
-    create_tables,
     emit,
     set_durability,
 )
 
 from .._support import pg_cluster
 from .._support.failover_units import TOKEN_SCOPE, issue_tokens
-from ._started import started
+from ._started import fresh_tables, started
 
 TIMEOUT = timedelta(seconds=1)
 TOKENS_CONSUMED = "SELECT count(*) FROM stateguard_tokens WHERE consumed_ms IS NOT NULL"
@@ -50,12 +48,7 @@ def pair(cluster: pg_cluster.PgReplicaPair) -> Iterator[pg_cluster.PgReplicaPair
         cluster.start_standby()
     cluster.set_synchronous(True)
     assert cluster.primary is not None
-    made = create_engine(cluster.primary.url)
-    try:
-        stateguard.drop_tables(made)
-        create_tables(made)
-    finally:
-        made.dispose()
+    fresh_tables(cluster.primary.url)
     cluster.wait_replayed()
     yield cluster
     if cluster.standby is not None and not cluster.standby.running:

@@ -18,11 +18,10 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, String, create_engine, text
+from sqlalchemy import Engine, String, text
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-import stateguard
 from stateguard import (
     ConfigurationError,
     Outcome,
@@ -30,7 +29,6 @@ from stateguard import (
     StateMachine,
     consume_once,
     consume_token,
-    create_tables,
     decrement,
     emit,
     idempotent,
@@ -52,7 +50,7 @@ from .._support.failover_units import (
     unit,
 )
 from ..conftest import count_statements
-from ._started import started
+from ._started import fresh_tables, started
 
 pytestmark = pytest.mark.failover
 
@@ -97,14 +95,7 @@ def pair(cluster: pg_cluster.PgReplicaPair) -> pg_cluster.PgReplicaPair:
         cluster.repair()
     cluster.set_synchronous(False)
     assert cluster.primary is not None
-    made = create_engine(cluster.primary.url)
-    try:
-        Base.metadata.drop_all(made)
-        Base.metadata.create_all(made)
-        stateguard.drop_tables(made)
-        create_tables(made)
-    finally:
-        made.dispose()
+    fresh_tables(cluster.primary.url, Base.metadata)
     cluster.wait_replayed()
     return cluster
 

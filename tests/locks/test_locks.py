@@ -380,7 +380,10 @@ def _opposite_order_storm(server: Backend, engine: Engine, *, ordered: bool) -> 
                 if server.name == "postgresql":
                     # PostgreSQL looks for deadlocks only after this wait (default 1s).
                     s.execute(text("SET LOCAL deadlock_timeout = '50ms'"))
-                for tally in row_lock(s, Tally, order, _ordered=ordered):
+                # ordered: one row_lock of the whole list (it locks in primary-key order); not:
+                # one row_lock per row in the caller's order, the way naive code locks.
+                tallies = row_lock(s, Tally, order) if ordered else [row_lock(s, Tally, k) for k in order]
+                for tally in tallies:
                     tally.value += 1
                 time.sleep(0.002)
         except DeadlockDetected as error:
