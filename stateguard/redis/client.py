@@ -165,7 +165,7 @@ def _one_connection(
         # redis.asyncio's cluster client has no per-node Redis client to open a
         # pipeline on: the node's own execute_pipeline (what its ClusterPipeline
         # uses) sends the commands on one of its connections.  Not public API:
-        # tests/test_redis_failover.py exercises it with every redis-py upgrade.
+        # tests/redis/test_failover.py exercises it with every redis-py upgrade.
         from redis.asyncio.cluster import PipelineCommand
 
         yield from step(client.initialize())
