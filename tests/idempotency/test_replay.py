@@ -99,9 +99,7 @@ def test_request_failed_carries_the_stored_error(eng: Engine) -> None:
         with (
             pytest.raises(Boom),
             Session(eng) as s,
-            idempotent(
-                s, scope="f", key=f"k{i}", fingerprint=msg, mode="separate", non_retryable=(Boom,)
-            ),
+            idempotent(s, scope="f", key=f"k{i}", fingerprint=msg, mode="separate", non_retryable=(Boom,)),
         ):
             raise Boom(msg)
         for _ in range(2):

@@ -362,7 +362,9 @@ def bounced_events(pg: Backend, bounced: Engine) -> Engine:
 
 def _unpublished(engine: Engine) -> int:
     with engine.connect() as conn:
-        return int(conn.scalar(select(func.count()).select_from(outbox).where(outbox.c.published_ms.is_(None))) or 0)
+        return int(
+            conn.scalar(select(func.count()).select_from(outbox).where(outbox.c.published_ms.is_(None))) or 0
+        )
 
 
 def _outbox_rows(engine: Engine) -> list[Any]:
