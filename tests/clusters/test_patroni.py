@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from sqlalchemy import Engine
@@ -39,6 +41,7 @@ from stateguard import (
 from .._support import patroni
 from .._support.failover_units import (
     Measured,
+    Timed,
     count_losses,
     issue_tokens,
     multi_host_url,
@@ -163,21 +166,41 @@ def test_an_asynchronous_patroni_failover_mid_storm_is_measured_and_the_url_reac
 # -- no watchdog: the primary's Patroni dies, its PostgreSQL does not --------------------------------
 
 
-def test_without_a_watchdog_a_primary_whose_patroni_died_stays_writable_and_fences_decide_per_server(
-    pair: patroni.PatroniPair,
-) -> None:
-    """Kill only Patroni on the primary (async): two writable primaries; what is lost; what a fence refuses.
+@dataclass
+class SplitBrain:
+    """Only the primary's Patroni killed mid-storm: the deposed primary (``old``) still writable beside
+    the promoted standby (``new``); A held the ZooKeeper lock before, B holds it after (larger fence)."""
 
-    The old primary's PostgreSQL goes on, writable; Patroni promotes the standby once the dead
-    Patroni's ZooKeeper session ends.  A client whose URL lists the old primary first keeps
-    writing there: every unit begun after the promotion is acknowledged and lost.  A fence from
-    ZooKeeperLock refuses the deposed holder's write (STALE) on each server that has seen the new
-    holder's larger fence, and only there.
-    """
-    pair.set_synchronous(False)
+    old: patroni.PatroniNode
+    new: patroni.PatroniNode
+    on_old: Engine
+    on_new: Engine
+    tokens: list[str]
+    timed: Timed
+    join: Callable[[], None]
+    errors: list[BaseException]
+    fence_a: int
+    fence_b: int
+    killed: float
+    promoted: float
+
+    def measured(self) -> Measured:
+        """What the writers saw acknowledged, counted against the new primary (after ``join()``)."""
+        timed = self.timed
+        measured = Measured(acknowledged=[n for n, _, _ in timed.acknowledged], in_doubt=timed.in_doubt)
+        count_losses(self.on_new, self.tokens, measured)
+        return measured
+
+
+@contextmanager
+def patroni_killed_mid_storm(
+    pair: patroni.PatroniPair, writers_engine: Engine, *, durability: Literal["replicated"] | None = None
+) -> Iterator[SplitBrain]:
+    """3 writers on ``writers_engine`` (``durability`` for them, 1 s); A's fenced write on the
+    primary; then only its Patroni SIGKILLed, the promotion awaited, A's lock ended and B's taken.
+    Everything stopped, closed and disposed afterwards."""
     assert pair.primary is not None and pair.standby is not None
     old, new = pair.primary, pair.standby
-    writers_engine = routing_engine(routing_url(pair, deposed_first=True))
     on_old, on_new = node_engine(old), node_engine(new)
     assert pair.zookeeper is not None
     zk_a, zk_b = client_for(pair.zookeeper.hosts), client_for(pair.zookeeper.hosts)
@@ -190,18 +213,52 @@ def test_without_a_watchdog_a_primary_whose_patroni_died_stays_writable_and_fenc
         fence_a = ZooKeeperLock(zk_a, LOCK_PATH, identifier="A").acquire(timeout=10)
         assert fenced_write(on_old, "A", fence_a) == "APPLIED"
         pair.wait_replayed()
+        if durability is not None:
+            set_durability(writers_engine, durability, timeout=timedelta(seconds=1))
+            set_durability(on_old, None, timeout=timedelta(seconds=1))
 
         timed, join = timed_storm(writers_engine, tokens, writers=3, stop=stop, errors=errors)
         time.sleep(0.5)
         killed = pair.kill_patroni()
         pair.wait_promoted(timeout=FAILOVER_WITHIN)
         promoted = time.monotonic()
-        assert old.writable(), "the deposed primary stopped taking writes: something fenced it off"
-
         # A's lock ends (its session closed, as when it expires); B takes it: a larger fence.
         zk_a.stop()
         fence_b = ZooKeeperLock(zk_b, LOCK_PATH, identifier="B").acquire(timeout=10)
         assert fence_b > fence_a
+        yield SplitBrain(
+            old, new, on_old, on_new, tokens, timed, join, errors, fence_a, fence_b, killed, promoted
+        )
+    finally:
+        stop.set()
+        if join is not None:
+            join()
+        for zk in (zk_a, zk_b):
+            zk.stop()
+            zk.close()
+        for engine in (writers_engine, on_old, on_new):
+            set_durability(engine, None)
+            engine.dispose()
+
+
+def test_without_a_watchdog_a_primary_whose_patroni_died_stays_writable_and_fences_decide_per_server(
+    pair: patroni.PatroniPair,
+) -> None:
+    """Async standby, only the primary's Patroni SIGKILLed, no watchdog, 3 writers on a URL that lists
+    the primary first.
+
+    The old primary's PostgreSQL goes on, writable; Patroni promotes the standby once the dead
+    Patroni's ZooKeeper session ends.  A client whose URL lists the old primary first keeps
+    writing there: every unit begun after the promotion is acknowledged and lost.  A fence from
+    ZooKeeperLock refuses the deposed holder's write (STALE) on each server that has seen the new
+    holder's larger fence, and only there.
+    """
+    pair.set_synchronous(False)
+    writers_engine = routing_engine(routing_url(pair, deposed_first=True))
+    with patroni_killed_mid_storm(pair, writers_engine) as split:
+        old, on_old, on_new = split.old, split.on_old, split.on_new
+        fence_a, fence_b = split.fence_a, split.fence_b
+        assert old.writable(), "the deposed primary stopped taking writes: something fenced it off"
         fencing = {
             "B on the new primary": fenced_write(on_new, "B", fence_b),
             "A on the new primary": fenced_write(on_new, "A", fence_a),
@@ -215,27 +272,26 @@ def test_without_a_watchdog_a_primary_whose_patroni_died_stays_writable_and_fenc
         fencing["B on the deposed primary"] = fenced_write(on_old, "B", fence_b)
         fencing["A on the deposed primary, after B's write reached it"] = fenced_write(on_old, "A", fence_a)
 
-        time.sleep(max(0.0, promoted + HOLD - time.monotonic()))
+        time.sleep(max(0.0, split.promoted + HOLD - time.monotonic()))
         still_writable = old.writable()
-        window = time.monotonic() - promoted
-        join()
-        assert errors == [], errors
+        window = time.monotonic() - split.promoted
+        split.join()
+        assert split.errors == [], split.errors
         assert still_writable, "without a watchdog nothing stops the deposed primary"
         # What ends the window here: its Patroni started again (a service manager's restart).
         pair.restart_patroni(old)
         demoted = pair.wait_demoted(old)
 
-        measured = Measured(acknowledged=[n for n, _, _ in timed.acknowledged], in_doubt=timed.in_doubt)
-        begun_after = {n for n, began, _ in timed.acknowledged if began > promoted}
-        count_losses(on_new, tokens, measured)
+        measured = split.measured()
+        begun_after = {n for n, began, _ in split.timed.acknowledged if began > split.promoted}
         print(
             measured.line(
                 "async, only the primary's Patroni SIGKILLed, no watchdog, durability local", "patroni"
             )
         )
         print(
-            f"patroni | no watchdog | kill to promotion {promoted - killed:.2f} s | both primaries writable "
-            f"{window:.2f} s, then its Patroni restarted demoted it in {demoted:.2f} s | "
+            f"patroni | no watchdog | kill to promotion {split.promoted - split.killed:.2f} s | both "
+            f"primaries writable {window:.2f} s, then its Patroni restarted demoted it in {demoted:.2f} s | "
             f"units begun after the promotion {len(begun_after)}"
         )
         print(f"patroni | fencing | {fencing}")
@@ -250,15 +306,6 @@ def test_without_a_watchdog_a_primary_whose_patroni_died_stays_writable_and_fenc
         assert len(begun_after) > 0, "no unit was written to the deposed primary after the promotion"
         assert measured.lost >= len(begun_after)
         assert measured.tokens_twice == measured.lost
-    finally:
-        stop.set()
-        if join is not None:
-            join()
-        for zk in (zk_a, zk_b):
-            zk.stop()
-            zk.close()
-        for engine in (writers_engine, on_old, on_new):
-            engine.dispose()
 
 
 # -- synchronous_mode: Patroni keeps a synchronous standby ------------------------------------------
@@ -297,66 +344,32 @@ def test_with_synchronous_mode_a_deposed_primary_cannot_confirm_a_durable_write_
 ) -> None:
     """synchronous_mode on, only Patroni killed: durable units there raise ReplicationTimeout, none lost."""
     pair.set_synchronous(True)
-    assert pair.primary is not None and pair.standby is not None
-    old, new = pair.primary, pair.standby
     writers_engine = routing_engine(routing_url(pair, deposed_first=True), local=True)
-    on_old, on_new = node_engine(old), node_engine(new)
-    assert pair.zookeeper is not None
-    zk_a, zk_b = client_for(pair.zookeeper.hosts), client_for(pair.zookeeper.hosts)
-    stop = threading.Event()
-    errors: list[BaseException] = []
-    join = None
-    try:
-        tokens = issue_tokens(writers_engine, 1500)
-        seed_payout(on_old)
-        fence_a = ZooKeeperLock(zk_a, LOCK_PATH, identifier="A").acquire(timeout=10)
-        assert fenced_write(on_old, "A", fence_a) == "APPLIED"
-        pair.wait_replayed()
-        set_durability(writers_engine, "replicated", timeout=timedelta(seconds=1))
-        set_durability(on_old, None, timeout=timedelta(seconds=1))
-
-        timed, join = timed_storm(writers_engine, tokens, writers=3, stop=stop, errors=errors)
-        time.sleep(0.5)
-        killed = pair.kill_patroni()
-        pair.wait_promoted(timeout=FAILOVER_WITHIN)
-        promoted = time.monotonic()
-
-        zk_a.stop()
-        fence_b = ZooKeeperLock(zk_b, LOCK_PATH, identifier="B").acquire(timeout=10)
-        assert fence_b > fence_a
-        assert fenced_write(on_new, "B", fence_b) == "APPLIED"
-        assert fenced_write(on_new, "A", fence_a) == "STALE"
+    with patroni_killed_mid_storm(pair, writers_engine, durability="replicated") as split:
+        old, new, on_old, on_new = split.old, split.new, split.on_old, split.on_new
+        assert fenced_write(on_new, "B", split.fence_b) == "APPLIED"
+        assert fenced_write(on_new, "A", split.fence_a) == "STALE"
         # A's old fence on the deposed primary, in a durable transaction: committed there, not confirmed.
         with pytest.raises(ReplicationTimeout) as raised:
-            durable_fenced_write(on_old, "A-durable", fence_a)
+            durable_fenced_write(on_old, "A-durable", split.fence_a)
         assert raised.value.acknowledged == 0
         assert holder_on(old) == "A-durable" and holder_on(new) == "B"
 
-        time.sleep(max(0.0, promoted + HOLD - time.monotonic()))
-        join()
-        assert errors == [], errors
+        time.sleep(max(0.0, split.promoted + HOLD - time.monotonic()))
+        split.join()
+        assert split.errors == [], split.errors
         set_durability(writers_engine, None)
-        measured = Measured(acknowledged=[n for n, _, _ in timed.acknowledged], in_doubt=timed.in_doubt)
-        count_losses(on_new, tokens, measured)
-        unconfirmed_after = len(timed.unconfirmed)
+        measured = split.measured()
+        unconfirmed_after = len(split.timed.unconfirmed)
         print(
             measured.line(
                 'sync mode, only the primary\'s Patroni SIGKILLed, durability="replicated" 1 s', "patroni"
             )
         )
         print(
-            f"patroni | no watchdog, synchronous_mode | kill to promotion {promoted - killed:.2f} s | "
-            f"ReplicationTimeout on the deposed primary {unconfirmed_after}"
+            f"patroni | no watchdog, synchronous_mode | kill to promotion "
+            f"{split.promoted - split.killed:.2f} s | ReplicationTimeout on the deposed primary "
+            f"{unconfirmed_after}"
         )
         assert measured.lost == 0 and measured.tokens_twice == 0
         assert unconfirmed_after > 0, "no unit reached the deposed primary after the promotion"
-    finally:
-        stop.set()
-        if join is not None:
-            join()
-        for zk in (zk_a, zk_b):
-            zk.stop()
-            zk.close()
-        for engine in (writers_engine, on_old, on_new):
-            set_durability(engine, None)
-            engine.dispose()
