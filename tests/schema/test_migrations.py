@@ -124,12 +124,16 @@ def test_wheel_installs_in_a_fresh_venv_and_its_revisions_upgrade_and_downgrade(
     assert "stateguard/py.typed" in names
     assert "stateguard/migrations/versions/sg_0003_keys.py" in names
     venv = tmp_path / "venv"
+    # The new venv's programs see only what is installed there: a PYTHONPATH exported for the
+    # checkout (a worktree run) would put the source tree first and the test would check that.
+    isolated = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     bin_dir = venv / "bin"
     subprocess.run(
         [str(bin_dir / "pip"), "install", "-q", f"{wheel}[postgres,mysql]"],
         check=True,
         timeout=600,
+        env=isolated,
         cwd=tmp_path,
     )
     project = tmp_path / "userapp"
@@ -144,6 +148,7 @@ def test_wheel_installs_in_a_fresh_venv_and_its_revisions_upgrade_and_downgrade(
         capture_output=True,
         text=True,
         timeout=60,
+        env=isolated,
         cwd=tmp_path,  # not the checkout: the installed package must answer
     ).stdout.strip()
     assert locations.startswith(str(venv)), locations
@@ -151,7 +156,7 @@ def test_wheel_installs_in_a_fresh_venv_and_its_revisions_upgrade_and_downgrade(
         ini.write(f"version_locations = %(here)s/alembic/versions{os.pathsep}{locations}\n")
     for backend in (pg, mariadb):
         alembic = [str(bin_dir / "alembic")]
-        env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+        env = {**isolated, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
         url_opt = ["-c", str(project / "alembic.ini")]
         ini_text = (project / "alembic.ini").read_text()
         (project / "alembic.ini").write_text(
