@@ -13,6 +13,9 @@ behave like the other databases' transactions.
 from __future__ import annotations
 
 import json
+import re
+import threading
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from decimal import Decimal
 from typing import Any, Final
@@ -27,6 +30,7 @@ from sqlalchemy import (
     Table,
     Text,
     cast,
+    event,
     func,
     insert,
     literal_column,
@@ -193,8 +197,40 @@ def ensure_causal_writes(conn: Connection) -> None:
     if CAUSAL_MARK in record:
         return
     if is_galera(conn):
+        _watch_session_settings(conn.engine)
         conn.exec_driver_sql(f"SET SESSION wsrep_sync_wait = @@session.wsrep_sync_wait | {CAUSAL_BITS}")
     record[CAUSAL_MARK] = True
+
+
+#: A SET naming ``wsrep_sync_wait`` (the application's own ``SET SESSION wsrep_sync_wait = 0``
+#: for a fast read, ``= DEFAULT``, ``SET @@wsrep_sync_wait``): the mark is dropped before it runs.
+#: Reads of the variable (``SELECT @@session.wsrep_sync_wait``) keep it.
+_SETS_SYNC_WAIT: Final = re.compile(r"\s*SET\b[^;]*wsrep_sync_wait", re.IGNORECASE)
+_watched: weakref.WeakSet[Engine] = weakref.WeakSet()
+_watched_lock = threading.Lock()
+
+
+def _watch_session_settings(engine: Engine) -> None:
+    """Forget :data:`CAUSAL_MARK` on a connection of ``engine`` whenever a statement sent through
+    it sets ``wsrep_sync_wait``, so stateguard's next call there raises the bits again.
+
+    The mark says "this session waits"; an application that lowers the setting on a pooled
+    connection stateguard raised earlier (its own reads need not wait) would otherwise leave
+    stateguard's later UPDATEs there unwaited, and a lagging node would answer REJECTED,
+    NOT_FOUND or STALE for changes the cluster has made, silently.  Statements sent on the raw
+    DBAPI connection are not seen (SQLAlchemy's events only see its own).
+    """
+    base: Engine = getattr(engine, "_proxied", engine)  # Engine.execution_options(): the engine
+    with _watched_lock:
+        if base in _watched:
+            return
+        _watched.add(base)
+    event.listen(base, "before_cursor_execute", _forget_raise)
+
+
+def _forget_raise(conn: Connection, cursor: Any, statement: str, *args: Any) -> None:
+    if _SETS_SYNC_WAIT.match(statement) is not None:
+        conn.connection.info.pop(CAUSAL_MARK, None)
 
 
 def own_bind(session: Session, table: Table | None) -> Engine | Connection:
