@@ -468,3 +468,29 @@ def test_a_node_killed_and_rejoining_while_writers_storm_stays_exact(
         assert balance == 6 * per_worker == sum(1 for e in effects if e[0] == "add")
         assert sum(1 for e in effects if e[0] == "pay") == orders
         assert sum(1 for e in effects if e[0] == "ship") == orders
+
+
+def test_the_skip_locked_job_queue_recipe_hands_one_job_to_a_worker_on_each_node(
+    engines: list[Engine],
+) -> None:
+    """row_lock(skip_locked=True), the docs' job queue: a worker on node 0 and one on node 1 both get
+    job 1 (the lock is node-local); both mark it done and one COMMIT fails with DeadlockDetected,
+    so a job is done once only if its worker writes the job row and has no outside effect first."""
+    with Session(engines[0]) as s, s.begin():
+        s.add(Account(id=1, balance=0))
+    with engines[1].connect() as conn:
+        conn.exec_driver_sql("SET SESSION wsrep_sync_wait = 1")
+        assert conn.scalar(select(func.count()).select_from(Account)) == 1
+    with Session(engines[0]) as a, Session(engines[1]) as b:
+        a.begin()
+        b.begin()
+        got_a = stateguard.row_lock(a, Account, [1], skip_locked=True)
+        got_b = stateguard.row_lock(b, Account, [1], skip_locked=True)
+        assert [r.id for r in got_a] == [r.id for r in got_b] == [1]  # both "own" the job
+        got_a[0].balance += 1
+        got_b[0].balance += 1
+        a.commit()
+        with pytest.raises(sa_exc.OperationalError) as lost:
+            b.commit()
+        assert classify_db_error(lost.value) is stateguard.DeadlockDetected
+        b.rollback()
