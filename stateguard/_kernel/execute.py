@@ -170,13 +170,17 @@ def own_connection(session: Session, table: Table | None) -> Connection:
 #: Key in the pooled DBAPI connection's ``info`` (kept across checkouts, cleared when the
 #: connection is replaced): stateguard has raised this connection's ``wsrep_sync_wait``.
 CAUSAL_MARK: Final = "stateguard.causal"
-#: The ``wsrep_sync_wait`` bits stateguard needs: 1 (reads: SELECT, BEGIN) and 2 (UPDATE, DELETE).
-CAUSAL_BITS: Final = 3
+#: The ``wsrep_sync_wait`` bits stateguard needs: 1 (reads: SELECT, BEGIN), 2 (UPDATE, DELETE) and
+#: 4 (INSERT, REPLACE).  MariaDB waits only for a transaction's first statement (and for each
+#: autocommit one), so whatever statement begins a transaction must wait: a transaction begun by
+#: an INSERT (the application's row, flushed by stateguard's own call) left the guarded UPDATE
+#: after it unwaited, and its REJECTED on a lagging node committed.
+CAUSAL_BITS: Final = 7
 
 
 def ensure_causal_writes(conn: Connection) -> None:
     """On a Galera node, make ``conn``'s UPDATEs and reads wait until the node has applied every
-    write the cluster committed before them (``wsrep_sync_wait`` bits 1 and 2); elsewhere nothing.
+    write the cluster committed before them (``wsrep_sync_wait`` bits 1, 2 and 4); elsewhere nothing.
 
     A Galera node applies the writesets of the other nodes asynchronously: a
     conditional UPDATE on a node that has not applied a transition committed
@@ -187,7 +191,7 @@ def ensure_causal_writes(conn: Connection) -> None:
     classifying read alone is not enough: the UPDATE itself has to wait.
 
     Sent once per pooled DBAPI connection, on the first stateguard call through
-    it (``SET SESSION wsrep_sync_wait = @@session.wsrep_sync_wait | 3``: bits
+    it (``SET SESSION wsrep_sync_wait = @@session.wsrep_sync_wait | 7``: bits
     the application set are kept); a connection the pool replaces is raised
     again.  The SET is session state: the application's own statements on that
     connection wait too (one round trip to the cluster per statement, see

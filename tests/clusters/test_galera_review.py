@@ -154,7 +154,7 @@ def test_the_documented_init_command_makes_a_read_first_transaction_exact(
     fresh = create_engine(
         cluster.urls[1],
         poolclass=NullPool,
-        connect_args={"init_command": "SET SESSION wsrep_sync_wait = 3"},
+        connect_args={"init_command": "SET SESSION wsrep_sync_wait = 7"},
     )
     try:
         with _paid_elsewhere_while_node_1_lags(engines) as release:
@@ -494,3 +494,43 @@ def test_the_skip_locked_job_queue_recipe_hands_one_job_to_a_worker_on_each_node
             b.commit()
         assert classify_db_error(lost.value) is stateguard.DeadlockDetected
         b.rollback()
+
+
+@pytest.mark.lag
+def test_a_transaction_that_begins_with_an_insert_then_a_guarded_write_on_a_lagging_node(
+    cluster: galera.GaleraCluster, engines: list[Engine]
+) -> None:
+    """On a raised connection, the transaction's first statement is the application's INSERT (an
+    audit row, flushed by stateguard's call itself): INSERTs do not wait (bit 4), so the guarded
+    UPDATE after it runs on the lagging copy; the unit, retried as the docs say, must still end
+    with the order shipped once and its answer APPLIED (a wrong REJECTED may not commit)."""
+    one = create_engine(cluster.urls[1], pool_size=1, max_overflow=0)
+    answers: list[str] = []
+    commits: list[object] = []
+    try:
+        lag = _paid_elsewhere_while_node_1_lags(engines)
+        with Session(one) as s, s.begin():
+            assert Order.flow.pay(s, 3).outcome.name == "APPLIED"  # raises the one connection
+        with lag as release:
+            _pay_order_1(engines)
+            timer = threading.Timer(0.5, release)
+            timer.start()
+
+            def unit() -> None:
+                with Session(one) as s:
+                    s.begin()
+                    s.add(Effect(kind="audit", item="ship-1"))  # flushed first: the first statement
+                    answers.append(Order.flow.ship(s, 1).outcome.name)
+                    try:
+                        s.commit()
+                    except sa_exc.OperationalError as exc:
+                        commits.append(classify_db_error(exc))
+                        raise
+                    commits.append("committed")
+
+            retry_on_conflict(unit)
+            timer.join()
+        assert answers[-1] == "APPLIED", (answers, commits)
+        assert commits[-1] == "committed", commits
+    finally:
+        one.dispose()
