@@ -534,3 +534,103 @@ def test_a_transaction_that_begins_with_an_insert_then_a_guarded_write_on_a_lagg
         assert commits[-1] == "committed", commits
     finally:
         one.dispose()
+
+
+@pytest.mark.lag
+def test_an_async_application_lowering_wsrep_sync_wait_is_noticed_too(
+    cluster: galera.GaleraCluster, engines: list[Engine]
+) -> None:
+    """The same as the sync case through an AsyncSession (aiomysql): the application's SET of 0 on a
+    raised connection is seen, the next guarded call raises it again, waits, and answers APPLIED."""
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    with Session(engines[0]) as s, s.begin():
+        s.add(Blocker(id=1))
+        s.add_all([Order(id=1), Order(id=9)])
+    assert _synced_count(engines[1]) == 2
+
+    async def scenario() -> list[str]:
+        one = create_async_engine(cluster.urls[1].replace("pymysql", "aiomysql"), pool_size=1, max_overflow=0)
+        try:
+            async with AsyncSession(one) as s, s.begin():
+                assert (await Order.flow.pay(s, 9)).applied
+            async with AsyncSession(one) as s, s.begin():
+                await s.execute(text("SET SESSION wsrep_sync_wait = 0"))
+            lag = _lagging(engines[1], engines[0])
+            with lag as release:
+                _pay_order_1(engines)
+                loop = asyncio.get_running_loop()
+                loop.call_later(0.5, release)
+                async with AsyncSession(one) as s, s.begin():
+                    got = [(await Order.flow.ship(s, 1)).outcome.name]
+                    got.append(str((await s.execute(text("SELECT @@session.wsrep_sync_wait"))).scalar()))
+            return got
+        finally:
+            await one.dispose()
+
+    assert asyncio.run(scenario()) == ["APPLIED", "7"]
+
+
+@pytest.mark.restart
+def test_a_node_frozen_mid_storm_and_resumed_loses_and_doubles_nothing(
+    cluster: galera.GaleraCluster, engines: list[Engine]
+) -> None:
+    """Node 2 is SIGSTOPped mid-storm (the others evict it) and resumed 8 s later (it rejoins):
+    writers stuck on it carry on wherever they can; each transition and each ref applies once."""
+    orders, stock = 10, 8
+    with Session(engines[0]) as s, s.begin():
+        s.add_all([Order(id=i) for i in range(1, orders + 1)])
+        s.add(Stock(id=1, amount=stock))
+    done = itertools.count()
+
+    def unit_for(kind: str, key: int) -> Callable[[Engine], None]:
+        def unit(engine: Engine) -> None:
+            with Session(engine) as s, s.begin():
+                if kind == "buy":
+                    applied = decrement(s, Stock.amount, 1, by=1, ref=f"fz{key}").applied
+                else:
+                    applied = getattr(Order.flow, kind)(s, key).applied
+                if applied:
+                    s.add(Effect(kind=kind, item=str(key)))
+            next(done)
+
+        return unit
+
+    def work(i: int) -> None:
+        keys = list(range(1, orders + 1))
+        random.Random(300 + i).shuffle(keys)
+        for k in keys:
+            for kind in ("pay", "buy", "ship"):
+                _persist(engines, i % 3, unit_for(kind, k))
+
+    problems: list[BaseException] = []
+
+    def freezer() -> None:
+        try:
+            deadline = time.monotonic() + 60
+            while next(done) < 20 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            cluster.kill(2, signal.SIGSTOP)
+            time.sleep(8.0)
+            cluster.kill(2, signal.SIGCONT)
+        except BaseException as exc:
+            problems.append(exc)
+
+    TALLY.clear()
+    f = threading.Thread(target=freezer)
+    f.start()
+    errors = _storm(6, work)
+    f.join(timeout=120)
+    assert errors == [] and problems == [], (errors, problems)
+    assert TALLY["moved"] > 0, f"no writer was stuck on the frozen node ({TALLY})"
+    cluster._wait_ready(cluster.nodes[2], size=3)
+    for eng in engines:
+        eng.dispose()
+        with Session(eng) as s:
+            s.execute(text("SET SESSION wsrep_sync_wait = 1"))
+            effects = Counter((kind, item) for kind, item in s.execute(select(Effect.kind, Effect.item)))
+            left = s.scalar(select(Stock.amount))
+        assert set(effects.values()) == {1}, [k for k, v in effects.items() if v > 1]
+        assert sum(1 for e in effects if e[0] == "pay") == orders
+        assert sum(1 for e in effects if e[0] == "ship") == orders
+        assert sum(1 for e in effects if e[0] == "buy") == stock and left == 0
