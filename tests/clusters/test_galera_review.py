@@ -634,3 +634,28 @@ def test_a_node_frozen_mid_storm_and_resumed_loses_and_doubles_nothing(
         assert sum(1 for e in effects if e[0] == "pay") == orders
         assert sum(1 for e in effects if e[0] == "ship") == orders
         assert sum(1 for e in effects if e[0] == "buy") == stock and left == 0
+
+
+def test_a_certification_failure_at_commit_is_the_drivers_1213_which_retry_on_conflict_retries(
+    engines: list[Engine],
+) -> None:
+    """The loser's COMMIT raises SQLAlchemy's OperationalError (1213), not stateguard.DeadlockDetected
+    (stateguard does not wrap COMMIT); retry_on_conflict retries it, and once out of attempts
+    re-raises it as it came, as the retries page says."""
+    with Session(engines[0]) as s, s.begin():
+        s.add(Order(id=1))
+    assert _synced_count(engines[1]) == 1
+
+    with Session(engines[0]) as a, Session(engines[1]) as b:
+        a.begin()
+        b.begin()
+        assert Order.flow.pay(a, 1).applied
+        assert Order.flow.pay(b, 1).applied  # node 1's copy still allows it
+        a.commit()
+        with pytest.raises(sa_exc.OperationalError) as caught:
+            retry_on_conflict(b.commit, attempts=1)  # out of attempts at once: raised as it came
+        b.rollback()
+    lost = caught.value
+    assert not isinstance(lost, stateguard.DeadlockDetected)
+    assert lost.orig is not None and lost.orig.args[0] == 1213
+    assert classify_db_error(lost) is stateguard.DeadlockDetected
