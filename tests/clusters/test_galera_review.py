@@ -9,6 +9,7 @@ cluster and the tables are those of ``test_galera.py`` (one cluster for this mod
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import itertools
 import random
@@ -60,12 +61,15 @@ def test_stateguard_inspect_on_a_node_says_it_is_a_galera_node(cluster: galera.G
 
     for url in cluster.urls:
         out = io.StringIO()
-        import contextlib
-
         with contextlib.redirect_stdout(out):
             code = main(["inspect", "--db", url])
         assert code == 0, out.getvalue()
         assert "Galera cluster node, 3 nodes" in out.getvalue(), out.getvalue()
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = main(["inspect", "--db", url, "--json"])
+        assert code == 0, out.getvalue()
+        assert "Galera cluster node, 3 nodes, causal: wsrep_sync_wait raised to 7" in out.getvalue()
 
 
 @pytest.mark.lag
