@@ -663,3 +663,47 @@ def test_a_certification_failure_at_commit_is_the_drivers_1213_which_retry_on_co
     assert not isinstance(lost, stateguard.DeadlockDetected)
     assert lost.orig is not None and lost.orig.args[0] == 1213
     assert classify_db_error(lost) is stateguard.DeadlockDetected
+
+
+def test_a_transaction_brute_force_aborted_mid_savepoint_is_retried_as_a_conflict(
+    engines: list[Engine],
+) -> None:
+    """Node 1's transaction pays order 1 inside the caller's begin_nested() and holds the row; node 0
+    commits a write to that row, and node 1's applier aborts the local transaction (a BF abort): the
+    next guarded call there fails, leaving the savepoint fails too, and retry_on_conflict reruns the
+    unit, which then answers REPEATED (the pay is node 0's)."""
+    with Session(engines[0]) as s, s.begin():
+        s.add_all([Order(id=1), Order(id=2)])
+    assert _synced_count(engines[1]) == 2
+    holding = threading.Event()
+    written = threading.Event()
+    answers: list[list[str]] = []
+    raised: list[str] = []
+
+    def unit() -> None:
+        with Session(engines[1]) as s, s.begin():
+            with s.begin_nested():
+                got = [Order.flow.pay(s, 1).outcome.name]
+                if not holding.is_set():
+                    holding.set()
+                    assert written.wait(30)
+                    time.sleep(0.5)  # node 1 applies node 0's write: it aborts this transaction
+                try:
+                    got.append(Order.flow.pay(s, 2).outcome.name)
+                except Exception as exc:
+                    raised.append(type(exc).__name__)
+                    raise
+            answers.append(got)
+
+    def other() -> None:
+        assert holding.wait(30)
+        with Session(engines[0]) as s, s.begin():
+            assert Order.flow.pay(s, 1).applied
+        written.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    retry_on_conflict(unit)
+    t.join(timeout=60)
+    assert raised, "the local transaction was not aborted"
+    assert answers == [["REPEATED", "APPLIED"]], (answers, raised)
