@@ -88,6 +88,15 @@ def row_lock(
     Backends: PostgreSQL; MariaDB (NOWAIT needs 10.3, SKIP LOCKED 10.6,
     ``of`` is not supported) and MySQL 8; an option the server cannot honour
     raises :class:`~stateguard.NotSupported` instead of being dropped.
+
+    **MariaDB Galera**: ``FOR UPDATE`` locks are local to the node.  Holders
+    on one node queue as above; a holder on another node is *not* excluded
+    (``nowait`` does not raise, ``skip_locked`` hands the same row to a worker
+    on each node).  When both write the row, the second COMMIT fails with
+    :class:`~stateguard.DeadlockDetected`: the critical section must write
+    the locked row, be retryable (:func:`~stateguard.retry_on_conflict`) and
+    do nothing outside the database before COMMIT.  A holder that only reads
+    excludes nothing across nodes (docs/explanation/clusters-galera.md).
     SQLite has no row locks: the honest equivalent is that the transaction
     holds the database's write lock from its start: on an engine from
     :func:`~stateguard.sqlite_engine` a transaction that ``row_lock`` starts

@@ -13,6 +13,9 @@ behave like the other databases' transactions.
 from __future__ import annotations
 
 import json
+import re
+import threading
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from decimal import Decimal
 from typing import Any, Final
@@ -27,6 +30,7 @@ from sqlalchemy import (
     Table,
     Text,
     cast,
+    event,
     func,
     insert,
     literal_column,
@@ -166,13 +170,17 @@ def own_connection(session: Session, table: Table | None) -> Connection:
 #: Key in the pooled DBAPI connection's ``info`` (kept across checkouts, cleared when the
 #: connection is replaced): stateguard has raised this connection's ``wsrep_sync_wait``.
 CAUSAL_MARK: Final = "stateguard.causal"
-#: The ``wsrep_sync_wait`` bits stateguard needs: 1 (reads: SELECT, BEGIN) and 2 (UPDATE, DELETE).
-CAUSAL_BITS: Final = 3
+#: The ``wsrep_sync_wait`` bits stateguard needs: 1 (reads: SELECT, BEGIN), 2 (UPDATE, DELETE) and
+#: 4 (INSERT, REPLACE).  MariaDB waits only for a transaction's first statement (and for each
+#: autocommit one), so whatever statement begins a transaction must wait: a transaction begun by
+#: an INSERT (the application's row, flushed by stateguard's own call) left the guarded UPDATE
+#: after it unwaited, and its REJECTED on a lagging node committed.
+CAUSAL_BITS: Final = 7
 
 
 def ensure_causal_writes(conn: Connection) -> None:
     """On a Galera node, make ``conn``'s UPDATEs and reads wait until the node has applied every
-    write the cluster committed before them (``wsrep_sync_wait`` bits 1 and 2); elsewhere nothing.
+    write the cluster committed before them (``wsrep_sync_wait`` bits 1, 2 and 4); elsewhere nothing.
 
     A Galera node applies the writesets of the other nodes asynchronously: a
     conditional UPDATE on a node that has not applied a transition committed
@@ -183,7 +191,7 @@ def ensure_causal_writes(conn: Connection) -> None:
     classifying read alone is not enough: the UPDATE itself has to wait.
 
     Sent once per pooled DBAPI connection, on the first stateguard call through
-    it (``SET SESSION wsrep_sync_wait = @@session.wsrep_sync_wait | 3``: bits
+    it (``SET SESSION wsrep_sync_wait = @@session.wsrep_sync_wait | 7``: bits
     the application set are kept); a connection the pool replaces is raised
     again.  The SET is session state: the application's own statements on that
     connection wait too (one round trip to the cluster per statement, see
@@ -193,8 +201,40 @@ def ensure_causal_writes(conn: Connection) -> None:
     if CAUSAL_MARK in record:
         return
     if is_galera(conn):
+        _watch_session_settings(conn.engine)
         conn.exec_driver_sql(f"SET SESSION wsrep_sync_wait = @@session.wsrep_sync_wait | {CAUSAL_BITS}")
     record[CAUSAL_MARK] = True
+
+
+#: A SET naming ``wsrep_sync_wait`` (the application's own ``SET SESSION wsrep_sync_wait = 0``
+#: for a fast read, ``= DEFAULT``, ``SET @@wsrep_sync_wait``): the mark is dropped before it runs.
+#: Reads of the variable (``SELECT @@session.wsrep_sync_wait``) keep it.
+_SETS_SYNC_WAIT: Final = re.compile(r"\s*SET\b[^;]*wsrep_sync_wait", re.IGNORECASE)
+_watched: weakref.WeakSet[Engine] = weakref.WeakSet()
+_watched_lock = threading.Lock()
+
+
+def _watch_session_settings(engine: Engine) -> None:
+    """Forget :data:`CAUSAL_MARK` on a connection of ``engine`` whenever a statement sent through
+    it sets ``wsrep_sync_wait``, so stateguard's next call there raises the bits again.
+
+    The mark says "this session waits"; an application that lowers the setting on a pooled
+    connection stateguard raised earlier (its own reads need not wait) would otherwise leave
+    stateguard's later UPDATEs there unwaited, and a lagging node would answer REJECTED,
+    NOT_FOUND or STALE for changes the cluster has made, silently.  Statements sent on the raw
+    DBAPI connection are not seen (SQLAlchemy's events only see its own).
+    """
+    base: Engine = getattr(engine, "_proxied", engine)  # Engine.execution_options(): the engine
+    with _watched_lock:
+        if base in _watched:
+            return
+        _watched.add(base)
+    event.listen(base, "before_cursor_execute", _forget_raise)
+
+
+def _forget_raise(conn: Connection, cursor: Any, statement: str, *args: Any) -> None:
+    if _SETS_SYNC_WAIT.match(statement) is not None:
+        conn.connection.info.pop(CAUSAL_MARK, None)
 
 
 def own_bind(session: Session, table: Table | None) -> Engine | Connection:

@@ -28,6 +28,7 @@ from typing import Any, Final
 from sqlalchemy import ColumnElement, Connection, String, and_, case, cast, func, inspect, literal, select
 
 from .._kernel import backend, db_now_ms, is_galera
+from .._kernel.execute import CAUSAL_BITS
 from ..machine import StateMachine
 from ..machine.ddl import stored_states
 from ..tables import idempotency_keys, metadata, outbox, tokens, worker_leases
@@ -410,7 +411,7 @@ def _outbox(conn: Connection, stale_ms: int, limit: int) -> dict[str, Any]:
 
 def describe_server(conn: Connection) -> str:
     """The server as stateguard treats it: ``"postgresql"``, ``"mariadb"``, or ``"mariadb (Galera
-    cluster node, 3 nodes, causal: wsrep_sync_wait raised to 3)"`` where advisory_lock is refused,
+    cluster node, 3 nodes, causal: wsrep_sync_wait raised to 7)"`` where advisory_lock is refused,
     conflicts surface at COMMIT and stateguard's connections wait for the cluster's earlier
     writes before they write::
 
@@ -422,7 +423,7 @@ def describe_server(conn: Connection) -> str:
         return name
     row = conn.exec_driver_sql("SHOW GLOBAL STATUS LIKE 'wsrep_cluster_size'").first()
     size = f", {row[1]} nodes" if row is not None else ""
-    return f"{name} (Galera cluster node{size}, causal: wsrep_sync_wait raised to 3)"
+    return f"{name} (Galera cluster node{size}, causal: wsrep_sync_wait raised to {CAUSAL_BITS})"
 
 
 def inspect_database(

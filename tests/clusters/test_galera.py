@@ -200,7 +200,7 @@ def test_every_node_is_recognised_as_galera_and_a_single_server_is_not(engines: 
         with eng.connect() as conn:
             assert is_galera(conn)
             assert describe_server(conn) == (
-                "mysql (Galera cluster node, 3 nodes, causal: wsrep_sync_wait raised to 3)"
+                "mysql (Galera cluster node, 3 nodes, causal: wsrep_sync_wait raised to 7)"
             )
     single = create_engine(MYSQL_URL)
     try:
@@ -339,7 +339,7 @@ def test_a_lagging_node_classifies_a_zero_row_write_exactly_because_its_writes_w
         with Session(engines[1]) as s, s.begin():
             right = on_lagging(s, version)
             waited = time.monotonic() - started
-            assert s.connection().exec_driver_sql("SELECT @@session.wsrep_sync_wait").scalar() == 3
+            assert s.connection().exec_driver_sql("SELECT @@session.wsrep_sync_wait").scalar() == 7
         timer.join()
     assert right == ["APPLIED", "APPLIED", "APPLIED"], right
     assert waited >= 0.4, f"the writes did not wait for the node to catch up ({waited:.2f}s)"
@@ -809,7 +809,7 @@ def test_a_lost_commit_reply_on_a_node_is_recognised_as_a_repeat_on_retry(
 def test_wsrep_sync_wait_is_raised_once_per_connection_keeping_the_applications_bits(
     cluster: galera.GaleraCluster, engines: list[Engine]
 ) -> None:
-    """The SET is sent on a connection's first stateguard call only, ORs in 3 (the app's 4 stays), is sent
+    """The SET is sent on a connection's first stateguard call only, ORs in 7 (the app's 8 stays), is sent
     again on a connection the pool replaced, and never on a MariaDB that is not a Galera node."""
     with Session(engines[0]) as s, s.begin():
         s.add_all([Order(id=1), Order(id=2)])
@@ -828,12 +828,12 @@ def test_wsrep_sync_wait_is_raised_once_per_connection_keeping_the_applications_
     event.listen(one, "before_cursor_execute", record)
     try:
         with one.connect() as conn:
-            conn.exec_driver_sql("SET SESSION wsrep_sync_wait = 4")  # the application's own setting
-        assert pay(one, 1) == ("APPLIED", 7) and len(sent) == 1
-        assert pay(one, 1) == ("REPEATED", 7) and len(sent) == 1  # the same pooled connection: not again
+            conn.exec_driver_sql("SET SESSION wsrep_sync_wait = 8")  # the application's own setting
+        assert pay(one, 1) == ("APPLIED", 15) and len(sent) == 1
+        assert pay(one, 1) == ("REPEATED", 15) and len(sent) == 1  # the same pooled connection: not again
         with one.connect() as conn:
             conn.invalidate()  # the pool opens a new connection, at the server's default (0)
-        assert pay(one, 2) == ("APPLIED", 3) and len(sent) == 2
+        assert pay(one, 2) == ("APPLIED", 7) and len(sent) == 2
     finally:
         one.dispose()
 
