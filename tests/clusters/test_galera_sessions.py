@@ -1,9 +1,10 @@
-"""A review of docs/explanation/clusters-galera.md: its promises attacked the way production would.
+"""stateguard on a Galera cluster under what applications do with their own sessions and nodes.
 
-Writers on different nodes at once, an application that tweaks ``wsrep_sync_wait`` on its own
-sessions, transactions that read before stateguard's first call, ORM objects loaded before a
-conflict, engines and sessions set up in odd ways, a node killed and rejoining mid-storm.  The
-cluster and the tables are those of ``test_galera.py`` (one cluster for this module).
+An application that sets ``wsrep_sync_wait`` itself, transactions that read or insert before
+stateguard's first call, ORM objects loaded before a conflict and ``on_commit`` effects, odd
+isolation levels and engine set-ups, the job-queue recipe with ``skip_locked``, a certification
+failure at COMMIT, and a node killed (or frozen) and rejoining mid-storm, writers on every node.
+The cluster and the tables are those of ``test_galera.py`` (one cluster for this module).
 """
 
 from __future__ import annotations
