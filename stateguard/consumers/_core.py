@@ -18,15 +18,15 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Final, Protocol
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine, bindparam, select
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
 from .. import _kernel
-from ..exceptions import InvalidArgument, StateguardError
+from ..exceptions import InvalidArgument, StateguardError, TransactionAborted
 from ..inserts import consume_once
 from ..observe import failed
-from ..tables import MAX_KEY, MAX_SCOPE
+from ..tables import MAX_KEY, MAX_SCOPE, consumed_messages
 
 
 class ConsumerLog:
@@ -170,6 +170,36 @@ def is_transient(error: BaseException) -> bool:
     )
 
 
+_RECORDED: Final = select(consumed_messages.c.consumer).where(
+    consumed_messages.c.consumer == bindparam("sg_consumer"),
+    consumed_messages.c.message_id == bindparam("sg_message"),
+)
+
+
+def still_recorded(session: Session, consumer: str, message_id: str) -> None:
+    """Raise TransactionAborted unless the transaction still holds ``message_id``'s record.
+
+    A handler that catches a database error of its own and returns would
+    otherwise have its message acknowledged for a transaction the database
+    threw away: PostgreSQL answers the COMMIT of an aborted transaction
+    ``ROLLBACK`` without an error (the record and the effect gone, the
+    message acknowledged), and MariaDB rolls a deadlock's whole transaction
+    back and starts a new one with the next statement (the handler's later
+    writes commit without the record, and a redelivery applies them again).
+    One primary-key read before the COMMIT: PostgreSQL refuses it (25P02),
+    MariaDB no longer finds the row.
+    """
+    conn = _kernel.own_connection(session, consumed_messages)
+    params = {"sg_consumer": consumer, "sg_message": message_id}
+    if _kernel.execute(conn, _RECORDED, params).first() is None:
+        raise TransactionAborted(
+            f"message {message_id!r}: its consume_once record is no longer in the transaction (the "
+            "database rolled the transaction back under the handler: a deadlock it caught?); rolled "
+            "back, not acknowledged.  Let the handler's database errors propagate, or put a statement "
+            "that may fail in session.begin_nested()"
+        )
+
+
 class Handling:
     """The algorithm, once: ``consume_once`` and the handler in one transaction, committed; a verdict."""
 
@@ -191,6 +221,8 @@ class Handling:
             if not consume_once(session, self.consumer, message.id).applied:
                 return False
             self.handler(session, message)
+            session.flush()
+            still_recorded(session, self.consumer, message.id)
         return True
 
     def handle(self, message: Message, keep_alive: Callable[[], Any] | None = None) -> Verdict:
