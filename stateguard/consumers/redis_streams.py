@@ -291,7 +291,7 @@ class RedisStreamConsumer:
             after,
         )
 
-    def _raw(self, *command: Any) -> Any:
+    def _raw(self, *command: Any, **options: Any) -> Any:
         """``command``'s reply as bytes, even from a ``decode_responses`` client.
 
         Decoding an entry is this module's job: redis-py's decoder is strict, so an entry holding
@@ -301,7 +301,7 @@ class RedisStreamConsumer:
         """
         from redis.client import NEVER_DECODE
 
-        return self.client.execute_command(*command, **{NEVER_DECODE: []})
+        return self.client.execute_command(*command, **options, **{NEVER_DECODE: []})
 
     def _with_counts(self, entries: list[Any]) -> list[tuple[Any, Any, int]]:
         """``entries`` with how often Redis delivered each (one XPENDING over their id range)."""
@@ -312,11 +312,37 @@ class RedisStreamConsumer:
 
     def _handle_entries(self, entries: list[tuple[Any, Any, int]]) -> int:
         done = 0
-        for entry_id, fields, deliveries in entries:
+        for index, (entry_id, fields, deliveries) in enumerate(entries):
             if self._handling.stop_event.is_set():
-                break  # the rest stays pending: this worker's next start, or another's claim, takes it
+                # The rest stays pending: this worker's next start, or another's claim, takes it.
+                self._give_back(entries[index:])
+                break
             done += self._handle(entry_id, fields, deliveries)
         return done
+
+    def _give_back(self, entries: list[tuple[Any, Any, int]]) -> None:
+        """Take back the delivery Redis counted for entries read and not started (a stop).
+
+        Otherwise the next read counts them once more, and with ``max_deliveries=1`` they would be
+        dead-lettered unhandled as if they had crashed a worker.  ``XCLAIM ... RETRYCOUNT n
+        JUSTID`` sets the count (JUSTID does not add one); one call per count.
+        """
+        by_count: dict[int, list[Any]] = {}
+        for entry_id, _, deliveries in entries:
+            by_count.setdefault(max(deliveries - 1, 0), []).append(entry_id)
+        for count, ids in by_count.items():
+            self._raw(
+                "XCLAIM",
+                self.stream,
+                self.group,
+                self.worker,
+                0,
+                *ids,
+                "RETRYCOUNT",
+                count,
+                "JUSTID",
+                parse_justid=True,  # for redis-py's reply parser: ids, not entries
+            )
 
     def _handle(self, entry_id: Any, fields: Any, deliveries: int) -> int:
         if not fields:

@@ -252,3 +252,35 @@ def test_a_poison_entry_with_many_fields_is_dead_lettered_whole(
     assert pending(client, name) == 0
     [(_, dead)] = client.xrange(f"{name}:dead")
     assert dead[b"id"] == b"9" and len(dead) == 4 + fields + 5
+
+
+@pytest.mark.cancel
+@pytest.mark.parametrize("max_deliveries", [1, 5])
+def test_entries_left_unstarted_by_stop_are_handled_at_the_next_start_not_dead_lettered(
+    db: Engine, stream: tuple[Any, str], max_deliveries: int
+) -> None:
+    """stop() while the first of a batch of five runs: the four read and not started stay pending;
+    the restarted worker handles them (they never ran, let alone crashed a worker), even with
+    max_deliveries=1."""
+    client, name = stream
+    for i in range(5):
+        add(client, name, str(i))
+    inside, release = threading.Event(), threading.Event()
+
+    def slow(session: Session, message: Message) -> None:
+        record(session, message)
+        inside.set()
+        release.wait(5)
+
+    first = consumer(db, client, name, slow, max_deliveries=max_deliveries)
+    thread = threading.Thread(target=first.run)
+    thread.start()
+    assert inside.wait(5)
+    first.stop()
+    release.set()
+    thread.join(10)
+    assert not thread.is_alive() and pending(client, name) == 4
+    again = consumer(db, client, name, max_deliveries=max_deliveries)
+    run_in_thread(again, lambda: again.handled + again.dead_lettered >= 4)
+    assert again.dead_lettered == 0 and client.xlen(f"{name}:dead") == 0
+    assert applied(db) == dict.fromkeys(map(str, range(5)), 1)
