@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Final, Protocol
 
-from sqlalchemy import Engine, bindparam, select
+from sqlalchemy import Engine, bindparam, select, text
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
@@ -156,18 +156,45 @@ def session_factory(bind: Any, who: str) -> Callable[[], Session]:
     )
 
 
-def is_transient(error: BaseException) -> bool:
+def is_transient(error: BaseException, reachable: Callable[[], bool] | None = None) -> bool:
     """Whether ``error`` says the database is unreachable or busy, not that the message is bad.
 
     A lost connection (``OperationalError``, ``InterfaceError``) or a
     retryable stateguard error (deadlock, serialization failure) does not
     count against the message: the consumer tries it again where it is.
+    ``OperationalError`` is also what drivers raise for a statement's own
+    failure (sqlite3's "no such table", PyMySQL's errors it has no class for:
+    a trigger's ``SIGNAL``, a CHECK constraint; PostgreSQL's statement
+    timeout): one that is neither a lost connection nor a known conflict is
+    transient only if ``reachable()`` (a fresh ``SELECT 1``) fails, so a
+    handler that always fails that way is counted and dead-lettered instead
+    of blocking its worker for good.
     """
     if isinstance(error, StateguardError):
         return error.retryable
-    return isinstance(error, sa_exc.OperationalError | sa_exc.InterfaceError) or (
+    if isinstance(error, sa_exc.InterfaceError) or (
         isinstance(error, sa_exc.DBAPIError) and error.connection_invalidated
-    )
+    ):
+        return True
+    if not isinstance(error, sa_exc.OperationalError):
+        return False
+    if isinstance(error.orig, OSError) or _kernel.classify_db_error(error) is not None:
+        return True
+    return reachable is None or not reachable()
+
+
+def reachable(factory: Callable[[], Session]) -> Callable[[], bool]:
+    """A check that the database answers a ``SELECT 1`` on a new session of ``factory``."""
+
+    def check() -> bool:
+        try:
+            with factory() as session:
+                session.execute(text("SELECT 1"))
+        except Exception:  # unreachable, whatever the driver calls it
+            return False
+        return True
+
+    return check
 
 
 _RECORDED: Final = select(consumed_messages.c.consumer).where(
@@ -242,7 +269,7 @@ class Handling:
             try:
                 applied = self.apply(message)
             except Exception as error:
-                if not is_transient(error):
+                if not is_transient(error, reachable(self.factory)):
                     log.warning(
                         "consumer %r: the handler of message %s failed (delivery %d): %s: %s",
                         self.consumer,

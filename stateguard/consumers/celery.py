@@ -31,7 +31,7 @@ from .. import _compat
 from ..exceptions import InvalidArgument
 from ..inserts import consume_once
 from ..outbox import emit
-from ._core import MAX_BACKOFF, check_name, is_transient, session_factory, still_recorded
+from ._core import MAX_BACKOFF, check_name, is_transient, reachable, session_factory, still_recorded
 
 if TYPE_CHECKING:
     from celery import Celery, Task
@@ -116,7 +116,7 @@ def exactly_once(
                     still_recorded(session, name, message_id)  # not a COMMIT of a thrown-away transaction
                     return result
             except Exception as error:
-                if not is_transient(error):
+                if not is_transient(error, reachable(factory)):
                     raise
                 countdown = min(2.0 ** (task.request.retries or 0), MAX_BACKOFF)
                 raise task.retry(

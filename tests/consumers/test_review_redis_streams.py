@@ -210,13 +210,6 @@ def test_a_broken_observer_does_not_change_the_redis_consumer(
     assert (c.handled, c.dead_lettered) == (2, 1) and pending(client, name) == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="is_transient() takes every OperationalError for an unreachable database: a handler whose "
-    "own statement fails with one (SQLite's 'no such table', PyMySQL's unmapped errors >= 1000 such as "
-    "a trigger's SIGNAL or a CHECK constraint, PostgreSQL's statement timeout) is retried in place "
-    "forever, never counted, never dead-lettered, and blocks the worker",
-)
 def test_a_handler_whose_own_statement_fails_operationally_is_dead_lettered(
     db: Engine, stream: tuple[Any, str]
 ) -> None:
