@@ -275,10 +275,11 @@ class RedisStreamConsumer:
         entries = reply[1]
         return self._handle_entries(self._with_counts(entries)) if entries else 0
 
-    def _read(self, after: str, *, block: bool = False) -> Any:
-        """XREADGROUP from ``after`` (``>``: new entries), waiting ``block`` ms for new ones if asked."""
+    def _read(self, after: str, *, block: bool = False) -> list[Any]:
+        """XREADGROUP from ``after`` (``>``: new entries), waiting ``block`` ms for new ones if asked:
+        ``[(stream, entries)]``, whichever protocol the client speaks."""
         waiting = ("BLOCK", self.block_ms) if block else ()
-        return self._raw(
+        reply = self._raw(
             "XREADGROUP",
             "GROUP",
             self.group,
@@ -290,6 +291,9 @@ class RedisStreamConsumer:
             self.stream,
             after,
         )
+        if isinstance(reply, dict):  # RESP3 (protocol=3): {stream: [entries]}, not [[stream, entries]]
+            return [(name, value[0] if value else []) for name, value in reply.items()]
+        return list(reply or ())
 
     def _raw(self, *command: Any, **options: Any) -> Any:
         """``command``'s reply as bytes, even from a ``decode_responses`` client.

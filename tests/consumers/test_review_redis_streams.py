@@ -277,3 +277,29 @@ def test_entries_left_unstarted_by_stop_are_handled_at_the_next_start_not_dead_l
     run_in_thread(again, lambda: again.handled + again.dead_lettered >= 4)
     assert again.dead_lettered == 0 and client.xlen(f"{name}:dead") == 0
     assert applied(db) == dict.fromkeys(map(str, range(5)), 1)
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_a_resp3_client_reads_recovers_claims_and_dead_letters_like_a_resp2_one(
+    db: Engine, stream: tuple[Any, str], protocol: int
+) -> None:
+    """``redis.Redis(protocol=3)`` answers XREADGROUP with a map, not a list: the consumer still
+    handles new entries, its own pending ones at start, claimed ones and a poison entry (instead of
+    run() dying on a KeyError at its first round)."""
+    raw, name = stream
+    kwargs = raw.connection_pool.connection_kwargs
+    client = redis.Redis(host=kwargs["host"], port=kwargs["port"], db=kwargs["db"], protocol=protocol)
+    try:
+        raw.xgroup_create(name, GROUP, id="0", mkstream=True)
+        add(raw, name, "mine")
+        raw.xreadgroup(GROUP, "w1", {name: ">"})  # read by w1 before it died: recovered at start
+        add(raw, name, "theirs")
+        raw.xreadgroup(GROUP, "w9", {name: ">"})  # read by w9, which died: claimed after claim_idle
+        add(raw, name, "new")
+        add(raw, name, "poison", payload="not json")
+        c = consumer(db, client, name, claim_idle=timedelta(milliseconds=50), max_deliveries=2)
+        run_in_thread(c, lambda: c.handled == 3 and c.dead_lettered == 1)
+        assert applied(db) == {"mine": 1, "theirs": 1, "new": 1}
+        assert pending(raw, name) == 0 and raw.xlen(f"{name}:dead") == 1
+    finally:
+        client.close()
