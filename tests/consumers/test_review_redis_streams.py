@@ -303,3 +303,44 @@ def test_a_resp3_client_reads_recovers_claims_and_dead_letters_like_a_resp2_one(
         assert pending(raw, name) == 0 and raw.xlen(f"{name}:dead") == 1
     finally:
         client.close()
+
+
+def test_an_entry_claimed_by_another_worker_while_its_handler_runs_is_applied_once(
+    db: Engine, stream: tuple[Any, str]
+) -> None:
+    """claim_idle shorter than a slow handler: w2 XAUTOCLAIMs the entry w1 is still handling and
+    handles it too; the two transactions race on the consume_once record, the effect is in once and
+    the entry ends acknowledged."""
+    client, name = stream
+    add(client, name, "slow")
+    claimed, w1_done = threading.Event(), threading.Event()
+    runs: list[str] = []
+
+    def slow(session: Session, message: Message) -> None:
+        runs.append(message.id)
+        record(session, message)
+        if len(runs) == 1:  # w1: hold the transaction until w2 took the entry over
+            assert claimed.wait(10)
+
+    w1 = consumer(db, client, name, slow, worker="w1", claim_idle=timedelta(hours=1))
+    w2 = consumer(db, client, name, slow, worker="w2", claim_idle=timedelta(milliseconds=100))
+    first = threading.Thread(target=lambda: (w1.run_once(), w1_done.set()))
+    first.start()
+    deadline = time.monotonic() + 10
+    while not runs and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # idle past w2's claim_idle
+    w2._ensure_group()
+    second = threading.Thread(target=w2.run_once)
+    second.start()
+    while time.monotonic() < deadline:
+        owners = client.xpending_range(name, GROUP, "-", "+", 10)
+        if owners and owners[0]["consumer"] == b"w2":
+            break
+        time.sleep(0.01)
+    claimed.set()
+    first.join(15)
+    second.join(15)
+    assert w1_done.is_set()
+    assert applied(db) == {"slow": 1}
+    assert pending(client, name) == 0
