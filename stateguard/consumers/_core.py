@@ -18,15 +18,15 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Final, Protocol
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine, bindparam, select, text
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
 from .. import _kernel
-from ..exceptions import InvalidArgument, StateguardError
+from ..exceptions import InvalidArgument, StateguardError, TransactionAborted
 from ..inserts import consume_once
 from ..observe import failed
-from ..tables import MAX_KEY, MAX_SCOPE
+from ..tables import MAX_KEY, MAX_SCOPE, consumed_messages
 
 
 class ConsumerLog:
@@ -156,18 +156,75 @@ def session_factory(bind: Any, who: str) -> Callable[[], Session]:
     )
 
 
-def is_transient(error: BaseException) -> bool:
+def is_transient(error: BaseException, reachable: Callable[[], bool] | None = None) -> bool:
     """Whether ``error`` says the database is unreachable or busy, not that the message is bad.
 
     A lost connection (``OperationalError``, ``InterfaceError``) or a
     retryable stateguard error (deadlock, serialization failure) does not
     count against the message: the consumer tries it again where it is.
+    ``OperationalError`` is also what drivers raise for a statement's own
+    failure (sqlite3's "no such table", PyMySQL's errors it has no class for:
+    a trigger's ``SIGNAL``, a CHECK constraint; PostgreSQL's statement
+    timeout): one that is neither a lost connection nor a known conflict is
+    transient only if ``reachable()`` (a fresh ``SELECT 1``) fails, so a
+    handler that always fails that way is counted and dead-lettered instead
+    of blocking its worker for good.
     """
     if isinstance(error, StateguardError):
         return error.retryable
-    return isinstance(error, sa_exc.OperationalError | sa_exc.InterfaceError) or (
+    if isinstance(error, sa_exc.InterfaceError) or (
         isinstance(error, sa_exc.DBAPIError) and error.connection_invalidated
-    )
+    ):
+        return True
+    if not isinstance(error, sa_exc.OperationalError):
+        return False
+    if isinstance(error.orig, OSError) or _kernel.classify_db_error(error) is not None:
+        return True
+    return reachable is None or not reachable()
+
+
+def reachable(factory: Callable[[], Session]) -> Callable[[], bool]:
+    """A check that the database answers a ``SELECT 1`` on a new session of ``factory``."""
+
+    def check() -> bool:
+        try:
+            with factory() as session:
+                session.execute(text("SELECT 1"))
+        except Exception:  # unreachable, whatever the driver calls it
+            return False
+        return True
+
+    return check
+
+
+_RECORDED: Final = select(consumed_messages.c.consumer).where(
+    consumed_messages.c.consumer == bindparam("sg_consumer"),
+    consumed_messages.c.message_id == bindparam("sg_message"),
+)
+
+
+def still_recorded(session: Session, consumer: str, message_id: str) -> None:
+    """Raise TransactionAborted unless the transaction still holds ``message_id``'s record.
+
+    A handler that catches a database error of its own and returns would
+    otherwise have its message acknowledged for a transaction the database
+    threw away: PostgreSQL answers the COMMIT of an aborted transaction
+    ``ROLLBACK`` without an error (the record and the effect gone, the
+    message acknowledged), and MariaDB rolls a deadlock's whole transaction
+    back and starts a new one with the next statement (the handler's later
+    writes commit without the record, and a redelivery applies them again).
+    One primary-key read before the COMMIT: PostgreSQL refuses it (25P02),
+    MariaDB no longer finds the row.
+    """
+    conn = _kernel.own_connection(session, consumed_messages)
+    params = {"sg_consumer": consumer, "sg_message": message_id}
+    if _kernel.execute(conn, _RECORDED, params).first() is None:
+        raise TransactionAborted(
+            f"message {message_id!r}: its consume_once record is no longer in the transaction (the "
+            "database rolled the transaction back under the handler: a deadlock it caught?); rolled "
+            "back, not acknowledged.  Let the handler's database errors propagate, or put a statement "
+            "that may fail in session.begin_nested()"
+        )
 
 
 class Handling:
@@ -191,6 +248,8 @@ class Handling:
             if not consume_once(session, self.consumer, message.id).applied:
                 return False
             self.handler(session, message)
+            session.flush()
+            still_recorded(session, self.consumer, message.id)
         return True
 
     def handle(self, message: Message, keep_alive: Callable[[], Any] | None = None) -> Verdict:
@@ -210,7 +269,7 @@ class Handling:
             try:
                 applied = self.apply(message)
             except Exception as error:
-                if not is_transient(error):
+                if not is_transient(error, reachable(self.factory)):
                     log.warning(
                         "consumer %r: the handler of message %s failed (delivery %d): %s: %s",
                         self.consumer,

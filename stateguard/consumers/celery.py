@@ -31,7 +31,7 @@ from .. import _compat
 from ..exceptions import InvalidArgument
 from ..inserts import consume_once
 from ..outbox import emit
-from ._core import MAX_BACKOFF, check_name, is_transient, session_factory
+from ._core import MAX_BACKOFF, check_name, is_transient, reachable, session_factory, still_recorded
 
 if TYPE_CHECKING:
     from celery import Celery, Task
@@ -108,11 +108,15 @@ def exactly_once(
                 raise InvalidArgument(f"{task.name}: key() must return a str, got {message_id!r}")
             try:
                 with factory() as session, session.begin():
-                    if not consume_once(session, consumer or task.name, message_id).applied:
+                    name = consumer or task.name
+                    if not consume_once(session, name, message_id).applied:
                         return None
-                    return fn(session, *args, **kwargs)
+                    result = fn(session, *args, **kwargs)
+                    session.flush()
+                    still_recorded(session, name, message_id)  # not a COMMIT of a thrown-away transaction
+                    return result
             except Exception as error:
-                if not is_transient(error):
+                if not is_transient(error, reachable(factory)):
                     raise
                 countdown = min(2.0 ** (task.request.retries or 0), MAX_BACKOFF)
                 raise task.retry(

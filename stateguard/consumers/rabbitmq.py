@@ -52,15 +52,20 @@ def _shown(url: str) -> str:
     return parts._replace(netloc=f"{parts.username or ''}:***@{parts.netloc.rsplit('@', 1)[1]}").geturl()
 
 
-def deliveries_of(properties: Any, redelivered: bool) -> int:
-    """How often this message was delivered, this delivery included (from its headers)."""
+def counted_of(properties: Any) -> int:
+    """The deliveries before this one that a header counted (ours after a failure, a quorum queue's)."""
     headers = getattr(properties, "headers", None) or {}
     counted = 0
     for name in (DELIVERIES_HEADER, QUORUM_COUNT_HEADER):
         value = headers.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value > counted:
             counted = value
-    return max(counted + 1, 2 if redelivered else 1)
+    return counted
+
+
+def deliveries_of(properties: Any, redelivered: bool) -> int:
+    """How often this message was delivered, this delivery included (from its headers)."""
+    return max(counted_of(properties) + 1, 2 if redelivered else 1)
 
 
 class RabbitMQConsumer:
@@ -225,7 +230,10 @@ class RabbitMQConsumer:
             deliveries=deliveries,
             raw=(method, properties),
         )
-        if deliveries > self.max_deliveries:
+        # Counted deliveries only: the redelivered flag alone also marks a message given back
+        # unstarted (a stop() with prefetched messages, a connection lost before its handler ran),
+        # which must not be dead-lettered without running with max_deliveries=1.
+        if counted_of(properties) + 1 > self.max_deliveries:
             self._dead_letter(channel, method, message, "delivered more often than max_deliveries")
             return
         if isinstance(sent_id, bytes):  # pika hands a short string that is not UTF-8 over as bytes

@@ -9,9 +9,10 @@ a restart), then each round claims entries other workers left pending longer
 than ``claim_idle`` (``XAUTOCLAIM``) and reads new ones (``>``).  An entry
 whose handler failed stays pending and is claimed again after
 ``claim_idle``; once Redis delivered it ``max_deliveries`` times (its
-``XPENDING`` count) it moves to a dead-letter stream (``XADD`` + ``XACK`` in
-one ``MULTI``).  redis-py (the ``stateguard[redis]`` extra) is the only
-client this module uses.  See ``docs/how-to/consumers.md``.
+``XPENDING`` count) it moves to a dead-letter stream (``XADD`` then
+``XACK`` in one script, the ``XACK`` only if the ``XADD`` succeeded).
+redis-py (the ``stateguard[redis]`` extra) is the only client this module
+uses.  See ``docs/how-to/consumers.md``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ __all__ = ["RedisStreamConsumer"]
 
 #: Suffix of the default dead-letter stream's name.
 DEAD_SUFFIX: Final = ":dead"
+
+#: KEYS: the stream, its dead-letter stream; ARGV: the group, the entry id, the copy's fields and
+#: values.  The XACK runs only once the XADD has succeeded.
+_DEAD_LETTER: Final = """
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
+return redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+"""
+#: The most field names and values the script passes on: Lua's unpack() refuses ~8000 results.
+_SCRIPT_ARGS: Final = 7000
 
 
 def _text(value: Any) -> str | None:
@@ -217,9 +227,7 @@ class RedisStreamConsumer:
         done += self._claim_stuck()
         if self._handling.stop_event.is_set():
             return done
-        reply = self.client.xreadgroup(
-            self.group, self.worker, {self.stream: ">"}, count=self.batch, block=self.block_ms
-        )
+        reply = self._read(">", block=True)
         for _, entries in reply or ():
             done += self._handle_entries([(entry_id, fields, 1) for entry_id, fields in entries])
         return done
@@ -242,7 +250,7 @@ class RedisStreamConsumer:
         """Handle again what this worker had read and not acknowledged (before a restart)."""
         done, after = 0, "0"
         while not self._handling.stop_event.is_set():
-            reply = self.client.xreadgroup(self.group, self.worker, {self.stream: after}, count=self.batch)
+            reply = self._read(after)
             entries = reply[0][1] if reply else []
             if not entries:
                 return done
@@ -252,18 +260,52 @@ class RedisStreamConsumer:
 
     def _claim_stuck(self) -> int:
         """XAUTOCLAIM entries idle longer than ``claim_idle`` (a worker died, a handler failed)."""
-        reply = self.client.xautoclaim(
+        reply = self._raw(
+            "XAUTOCLAIM",
             self.stream,
             self.group,
             self.worker,
-            min_idle_time=self.claim_idle_ms,
-            start_id=self._claim_cursor,
-            count=self.batch,
+            self.claim_idle_ms,
+            self._claim_cursor,
+            "COUNT",
+            self.batch,
         )
         # Redis 7 answers [cursor, entries, deleted ids]; the deleted ones left the PEL already.
         self._claim_cursor = _text(reply[0]) or "0-0"
         entries = reply[1]
         return self._handle_entries(self._with_counts(entries)) if entries else 0
+
+    def _read(self, after: str, *, block: bool = False) -> list[Any]:
+        """XREADGROUP from ``after`` (``>``: new entries), waiting ``block`` ms for new ones if asked:
+        ``[(stream, entries)]``, whichever protocol the client speaks."""
+        waiting = ("BLOCK", self.block_ms) if block else ()
+        reply = self._raw(
+            "XREADGROUP",
+            "GROUP",
+            self.group,
+            self.worker,
+            "COUNT",
+            self.batch,
+            *waiting,
+            "STREAMS",
+            self.stream,
+            after,
+        )
+        if isinstance(reply, dict):  # RESP3 (protocol=3): {stream: [entries]}, not [[stream, entries]]
+            return [(name, value[0] if value else []) for name, value in reply.items()]
+        return list(reply or ())
+
+    def _raw(self, *command: Any, **options: Any) -> Any:
+        """``command``'s reply as bytes, even from a ``decode_responses`` client.
+
+        Decoding an entry is this module's job: redis-py's decoder is strict, so an entry holding
+        bytes that are not UTF-8 (a hostile id, a binary payload) would raise UnicodeDecodeError
+        out of every read, at every start again (the entry stays pending and is read first), and
+        block every entry after it instead of being dead-lettered.
+        """
+        from redis.client import NEVER_DECODE
+
+        return self.client.execute_command(*command, **options, **{NEVER_DECODE: []})
 
     def _with_counts(self, entries: list[Any]) -> list[tuple[Any, Any, int]]:
         """``entries`` with how often Redis delivered each (one XPENDING over their id range)."""
@@ -274,11 +316,37 @@ class RedisStreamConsumer:
 
     def _handle_entries(self, entries: list[tuple[Any, Any, int]]) -> int:
         done = 0
-        for entry_id, fields, deliveries in entries:
+        for index, (entry_id, fields, deliveries) in enumerate(entries):
             if self._handling.stop_event.is_set():
-                break  # the rest stays pending: this worker's next start, or another's claim, takes it
+                # The rest stays pending: this worker's next start, or another's claim, takes it.
+                self._give_back(entries[index:])
+                break
             done += self._handle(entry_id, fields, deliveries)
         return done
+
+    def _give_back(self, entries: list[tuple[Any, Any, int]]) -> None:
+        """Take back the delivery Redis counted for entries read and not started (a stop).
+
+        Otherwise the next read counts them once more, and with ``max_deliveries=1`` they would be
+        dead-lettered unhandled as if they had crashed a worker.  ``XCLAIM ... RETRYCOUNT n
+        JUSTID`` sets the count (JUSTID does not add one); one call per count.
+        """
+        by_count: dict[int, list[Any]] = {}
+        for entry_id, _, deliveries in entries:
+            by_count.setdefault(max(deliveries - 1, 0), []).append(entry_id)
+        for count, ids in by_count.items():
+            self._raw(
+                "XCLAIM",
+                self.stream,
+                self.group,
+                self.worker,
+                0,
+                *ids,
+                "RETRYCOUNT",
+                count,
+                "JUSTID",
+                parse_justid=True,  # for redis-py's reply parser: ids, not entries
+            )
 
     def _handle(self, entry_id: Any, fields: Any, deliveries: int) -> int:
         if not fields:
@@ -319,10 +387,17 @@ class RedisStreamConsumer:
             deliveries=str(deliveries),
             error=why,
         )
-        pipe = self.client.pipeline(transaction=True)
-        pipe.xadd(self.dead_letter_stream, copy)
-        pipe.xack(self.stream, self.group, entry_id)
-        pipe.execute()
+        pairs = [part for pair in copy.items() for part in pair]
+        # One script, not MULTI: Redis does not roll a MULTI back, so an XADD refused when it runs
+        # (WRONGTYPE: the dead-letter key is not a stream) would still let the XACK run and the
+        # entry vanish from both streams.  A script stops at its first failing redis.call.
+        if len(pairs) <= _SCRIPT_ARGS:
+            self.client.eval(
+                _DEAD_LETTER, 2, self.stream, self.dead_letter_stream, self.group, entry_id, *pairs
+            )
+        else:  # too many fields for one Lua unpack(): XACK after the XADD (a crash between: two copies)
+            self.client.xadd(self.dead_letter_stream, copy)
+            self.client.xack(self.stream, self.group, entry_id)
         log.error(
             "consumer %r: stream entry %s (event %s) moved to %r after %d deliveries: %s",
             self.consumer,
