@@ -27,7 +27,7 @@ from ._effects import applied, metadata, record
 GROUP = "billing"
 
 FAILING = {
-    "sqlite": ("SELECT * FROM review_no_such_table",),
+    "sqlite": ("SELECT * FROM sg_no_such_table",),
     "mariadb": ("SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'refused by a trigger'",),
     "postgresql": ("SET LOCAL statement_timeout = 20", "SELECT pg_sleep(1)"),
 }

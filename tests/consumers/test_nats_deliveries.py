@@ -1,5 +1,5 @@
-"""A review's attacks on NATSConsumer's promises (docs/how-to/consumers.md): stop() mid-batch with
-messages fetched and not started, and ids that differ only in the whitespace nats-py strips."""
+"""What NATSConsumer cannot promise (docs/how-to/consumers.md), pinned as strict xfails: stop()
+mid-batch with messages fetched and not started, and ids that differ only in the whitespace nats-py strips."""
 
 from __future__ import annotations
 

@@ -32,8 +32,8 @@ from ._effects import effects as effects_table
 GROUP = "billing"
 
 locks_metadata = MetaData()
-review_locks = Table(
-    "review_consumer_locks",
+handler_locks = Table(
+    "swallowed_consumer_locks",
     locks_metadata,
     Column("id", Integer, primary_key=True, autoincrement=False),
     Column("n", Integer, nullable=False),
@@ -50,7 +50,7 @@ def direct(backend: Backend) -> Iterator[Engine]:
     drop_tables(engine)
     create_tables(engine)
     with engine.begin() as conn:
-        conn.execute(insert(review_locks), [{"id": 1, "n": 0}, {"id": 2, "n": 0}])
+        conn.execute(insert(handler_locks), [{"id": 1, "n": 0}, {"id": 2, "n": 0}])
     yield engine
     drop_tables(engine)
 
@@ -104,9 +104,9 @@ def test_a_deadlock_the_handler_swallowed_does_not_commit_its_writes_without_the
         try:
             with direct.begin() as conn:
                 # The bigger transaction: InnoDB rolls back the one that changed fewer rows.
-                conn.execute(insert(review_locks), [{"id": i, "n": 0} for i in range(10, 40)])
+                conn.execute(insert(handler_locks), [{"id": i, "n": 0} for i in range(10, 40)])
                 conn.execute(
-                    update(review_locks).where(review_locks.c.id == 2).values(n=review_locks.c.n + 1)
+                    update(handler_locks).where(handler_locks.c.id == 2).values(n=handler_locks.c.n + 1)
                 )
                 other_locked.set()
                 assert first_locked.wait(10)
@@ -114,7 +114,7 @@ def test_a_deadlock_the_handler_swallowed_does_not_commit_its_writes_without_the
                 # deadlock_timeout runs out (the handler's).
                 time.sleep(0.3)
                 conn.execute(
-                    update(review_locks).where(review_locks.c.id == 1).values(n=review_locks.c.n + 1)
+                    update(handler_locks).where(handler_locks.c.id == 1).values(n=handler_locks.c.n + 1)
                 )
         except sa_exc.DBAPIError:
             pass  # this side may be the victim instead: then the handler's side simply goes on
@@ -122,11 +122,13 @@ def test_a_deadlock_the_handler_swallowed_does_not_commit_its_writes_without_the
             errors.append(error)
 
     def handler(session: Session, message: Message) -> None:
-        session.execute(update(review_locks).where(review_locks.c.id == 1).values(n=review_locks.c.n + 1))
+        session.execute(update(handler_locks).where(handler_locks.c.id == 1).values(n=handler_locks.c.n + 1))
         first_locked.set()
         assert other_locked.wait(10)
         try:
-            session.execute(update(review_locks).where(review_locks.c.id == 2).values(n=review_locks.c.n + 1))
+            session.execute(
+                update(handler_locks).where(handler_locks.c.id == 2).values(n=handler_locks.c.n + 1)
+            )
         except sa_exc.DBAPIError as error:
             victims.append(error)  # the deadlock, swallowed
         record(session, message)
@@ -153,7 +155,7 @@ def test_a_celery_task_that_swallowed_a_statement_error_fails_rather_than_succee
     """exactly_once: the body writes its effect and swallows a failing statement; the task must fail
     (Celery redelivers or reports it), not succeed with nothing committed, and its next run applies."""
     celery = pytest.importorskip("celery")
-    app = celery.Celery("sgreview", broker="memory://", backend="cache+memory://", set_as_current=False)
+    app = celery.Celery("sgswallowed", broker="memory://", backend="cache+memory://", set_as_current=False)
     from stateguard.consumers import exactly_once
 
     tries: list[int] = []
@@ -167,10 +169,10 @@ def test_a_celery_task_that_swallowed_a_statement_error_fails_rather_than_succee
                 session.execute(text("SELECT 1/0"))
         return "shipped"
 
-    first = ship.apply((5,), task_id="t-review-1")
+    first = ship.apply((5,), task_id="t-swallowed-1")
     if backend.name == "postgresql":
         assert first.failed()  # not "shipped" for a COMMIT PostgreSQL turned into a ROLLBACK
     assert applied(direct).get("order-5", 0) == (0 if first.failed() else 1)
     if first.failed():
-        assert ship.apply((5,), task_id="t-review-1").get() == "shipped"
+        assert ship.apply((5,), task_id="t-swallowed-1").get() == "shipped"
     assert applied(direct) == {"order-5": 1}

@@ -1,4 +1,4 @@
-"""A review's attacks on RabbitMQConsumer's promises (docs/how-to/consumers.md): stop() mid-batch
+"""How RabbitMQConsumer counts deliveries (docs/how-to/consumers.md): stop() mid-batch
 with prefetched messages, a connection cut while a failed message's copy is being requeued or while
 the database is away, hostile counting headers, a huge poison body, and a raising listener while the
 database is away."""

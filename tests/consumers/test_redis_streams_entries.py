@@ -1,5 +1,5 @@
-"""A review's attacks on RedisStreamConsumer's promises (docs/how-to/consumers.md): poison entries read
-by a decoding client, a dead-letter XADD Redis refuses, replies of XREADGROUP and XACK
+"""RedisStreamConsumer with the entries and replies production sends it (docs/how-to/consumers.md):
+poison entries read by a decoding client, a dead-letter XADD Redis refuses, replies of XREADGROUP and XACK
 lost on the wire, raising observers, and a handler whose own error the driver calls "operational"."""
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ def test_a_handler_whose_own_statement_fails_operationally_is_dead_lettered(
 
     def handler(session: Session, message: Message) -> None:
         if message.id == "bad":
-            session.execute(text("SELECT * FROM review_no_such_table"))
+            session.execute(text("SELECT * FROM sg_no_such_table"))
         record(session, message)
 
     c = consumer(db, client, name, handler, claim_idle=timedelta(milliseconds=20), max_deliveries=2)
