@@ -190,11 +190,17 @@ def ensure_causal_writes(conn: Connection) -> None:
     with 1213, DeadlockDetected.)  Setting ``wsrep_sync_wait`` for the
     classifying read alone is not enough: the UPDATE itself has to wait.
 
-    Sent once per pooled DBAPI connection, on the first stateguard call through
-    it (``SET SESSION wsrep_sync_wait = @@session.wsrep_sync_wait | 7``: bits
-    the application set are kept); a connection the pool replaces is raised
-    again.  The SET is session state: the application's own statements on that
-    connection wait too (one round trip to the cluster per statement, see
+    Sent once per pooled DBAPI connection (``SET SESSION wsrep_sync_wait =
+    @@session.wsrep_sync_wait | 7``: bits the application set are kept): on the
+    first stateguard call through it, and, once an engine is known to be a
+    Galera node, at the checkout of each of its connections not raised yet
+    (a new one, one the pool replaced, one whose setting the application
+    lowered), before the transaction's first statement.  MariaDB waits only at
+    a transaction's first statement, so a SET sent by stateguard's first call
+    in a transaction that the application's own read began comes too late for
+    that transaction; raising at checkout closes that for every connection
+    after the engine's first.  The SET is session state: the application's own
+    statements on those connections wait too (see
     docs/explanation/clusters-galera.md).
     """
     record = conn.connection.info
@@ -230,11 +236,30 @@ def _watch_session_settings(engine: Engine) -> None:
             return
         _watched.add(base)
     event.listen(base, "before_cursor_execute", _forget_raise)
+    event.listen(base, "checkout", _raise_at_checkout)
 
 
 def _forget_raise(conn: Connection, cursor: Any, statement: str, *args: Any) -> None:
     if _SETS_SYNC_WAIT.match(statement) is not None:
         conn.connection.info.pop(CAUSAL_MARK, None)
+
+
+def _raise_at_checkout(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+    """A Galera engine's connection, as the pool hands it out: raised before anything runs on it.
+
+    A transaction that the application begins with its own read (``s.get(Order, 1)``, then a
+    guarded call) waits at that read; raised only by the guarded call, it would not wait at all.
+    The DBAPI cursor, not SQLAlchemy's Connection (there is none yet at checkout).
+    """
+    info = record.info
+    if CAUSAL_MARK in info:
+        return
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute(f"SET SESSION wsrep_sync_wait = @@session.wsrep_sync_wait | {CAUSAL_BITS}")
+    finally:
+        cursor.close()
+    info[CAUSAL_MARK] = True
 
 
 def own_bind(session: Session, table: Table | None) -> Engine | Connection:

@@ -809,8 +809,10 @@ def test_a_lost_commit_reply_on_a_node_is_recognised_as_a_repeat_on_retry(
 def test_wsrep_sync_wait_is_raised_once_per_connection_keeping_the_applications_bits(
     cluster: galera.GaleraCluster, engines: list[Engine]
 ) -> None:
-    """The SET is sent on a connection's first stateguard call only, ORs in 7 (the app's 8 stays), is sent
-    again on a connection the pool replaced, and never on a MariaDB that is not a Galera node."""
+    """The SET is sent on a connection's first stateguard call only, ORs in 7 (the app's 8 stays); once
+    the engine is known to be a Galera node, a connection the pool replaced (or one whose setting the
+    application lowered) is raised at its checkout, before anything runs on it; never on a MariaDB
+    that is not a Galera node."""
     with Session(engines[0]) as s, s.begin():
         s.add_all([Order(id=1), Order(id=2)])
     sent: list[str] = []
@@ -833,7 +835,13 @@ def test_wsrep_sync_wait_is_raised_once_per_connection_keeping_the_applications_
         assert pay(one, 1) == ("REPEATED", 15) and len(sent) == 1  # the same pooled connection: not again
         with one.connect() as conn:
             conn.invalidate()  # the pool opens a new connection, at the server's default (0)
-        assert pay(one, 2) == ("APPLIED", 7) and len(sent) == 2
+        with one.connect() as conn:  # raised as the pool handed it out, no stateguard call on it
+            assert conn.exec_driver_sql("SELECT @@session.wsrep_sync_wait").scalar_one() == 7
+        assert pay(one, 2) == ("APPLIED", 7) and len(sent) == 1  # the call had nothing left to send
+        with one.connect() as conn:
+            conn.exec_driver_sql("SET SESSION wsrep_sync_wait = 0")  # the application lowers it
+        with one.connect() as conn:
+            assert conn.exec_driver_sql("SELECT @@session.wsrep_sync_wait").scalar_one() == 7
     finally:
         one.dispose()
 
@@ -845,7 +853,7 @@ def test_wsrep_sync_wait_is_raised_once_per_connection_keeping_the_applications_
             s.add(Order(id=1))
         with Session(single) as s, s.begin():
             assert Order.flow.pay(s, 1).applied
-        assert len(sent) == 2, sent
+        assert len(sent) == 1, sent  # none on a MariaDB that is not a Galera node
     except sa_exc.OperationalError as exc:
         unavailable("MariaDB", exc)
     finally:

@@ -125,16 +125,16 @@ def _pay_order_1(engines: list[Engine]) -> None:
 @pytest.mark.xfail(
     strict=True,
     reason="MariaDB's causal wait (wsrep_sync_wait) runs only for the first statement of a "
-    "transaction (wsrep_sync_wait() skips in_active_multi_stmt_transaction()): the SET stateguard "
-    "sends on its first call through a connection comes after the application's own read began the "
-    "transaction, so the guarded UPDATE does not wait, matches 0 rows on the lagging copy, and the "
-    "REJECTED commits (nothing was written, nothing certified)",
+    "transaction (wsrep_sync_wait() skips in_active_multi_stmt_transaction()): on an engine "
+    "stateguard has not used yet, the SET its first call sends comes after the application's own "
+    "read began the transaction, so the guarded UPDATE does not wait, matches 0 rows on the lagging "
+    "copy, and the REJECTED commits (nothing was written, nothing certified)",
 )
 def test_a_transaction_that_read_before_stateguards_first_call_on_a_lagging_node_is_exact(
     cluster: galera.GaleraCluster, engines: list[Engine]
 ) -> None:
-    """The ORM's everyday shape, on a fresh connection to a lagging node: load the order, then ship
-    it.  The cluster has it paid, so ship must answer APPLIED (after a wait), not REJECTED."""
+    """The ORM's everyday shape, on a new engine's first connection to a lagging node: load the
+    order, then ship it.  The cluster has it paid, so ship must answer APPLIED (after a wait)."""
     fresh = create_engine(cluster.urls[1], poolclass=NullPool)  # every connection a fresh one
     try:
         with _paid_elsewhere_while_node_1_lags(engines) as release:
@@ -146,6 +146,31 @@ def test_a_transaction_that_read_before_stateguards_first_call_on_a_lagging_node
                 got = Order.flow.ship(s, order).outcome.name
             timer.join()  # the COMMIT above succeeded: the answer is final
         assert got == "APPLIED", got
+    finally:
+        fresh.dispose()
+
+
+@pytest.mark.lag
+def test_a_read_first_transaction_on_a_new_connection_of_an_engine_stateguard_used_is_exact(
+    cluster: galera.GaleraCluster, engines: list[Engine]
+) -> None:
+    """The same load-then-ship on a connection the pool has just opened (NullPool: every one new),
+    once stateguard has run on the engine: the connection is raised at checkout, so the load that
+    begins the transaction waits, and ship answers APPLIED."""
+    fresh = create_engine(cluster.urls[1], poolclass=NullPool)
+    try:
+        lag = _paid_elsewhere_while_node_1_lags(engines)
+        with Session(fresh) as s, s.begin():
+            assert Order.flow.pay(s, 3).outcome.name == "APPLIED"  # the engine is known now
+        with lag as release:
+            _pay_order_1(engines)
+            timer = threading.Timer(0.5, release)
+            timer.start()
+            with Session(fresh) as s, s.begin():
+                order = s.get_one(Order, 1)  # a new connection: its first statement waits
+                got = (order.status, Order.flow.ship(s, order).outcome.name)
+            timer.join()
+        assert got == ("paid", "APPLIED"), got
     finally:
         fresh.dispose()
 
