@@ -4,6 +4,7 @@ key is being committed, and raising observers, against docs/how-to/http.md."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -87,10 +88,8 @@ def test_a_request_cancelled_while_its_claim_commits_frees_the_key(target: Async
             task = asyncio.ensure_future(middleware(_scope(), receive, send))
             await asyncio.sleep(delay)
             task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await task
-            except asyncio.CancelledError:
-                pass
             async with engine.connect() as conn:
                 rows = [r.status for r in await conn.execute(select(idempotency_keys))]
             transport = httpx.ASGITransport(app=middleware)

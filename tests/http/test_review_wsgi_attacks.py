@@ -9,11 +9,11 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from flask import Flask, Response, abort, request
-from sqlalchemy.orm import sessionmaker
+from sqlalchemy.orm import Session, sessionmaker
 from werkzeug.test import EnvironBuilder
 
 from stateguard.http.wsgi import WSGIIdempotencyMiddleware
@@ -420,3 +420,76 @@ def test_raising_observers_change_no_answer(world: World, where: str) -> None:
     assert [first.code, retry.code, other.code, refused.code] == [201, 201, 422, 400]
     assert retry.replayed and retry.body == first.body
     assert len(rows) == 1 and world.effects() == 1
+
+
+def test_sixteen_threads_with_two_bodies_at_one_instant_answer_409_or_422_as_documented(world: World) -> None:
+    """Sixteen same-key requests released by one barrier, eight of each of two bodies: one runs; while
+    it holds the key its same-body twins get 409 and the other body's requests 422 (never 503 or a
+    second run); afterwards its twins replay it and the other body stays 422."""
+    app = flask_app(world, lease=timedelta(seconds=30))
+    gate: threading.Event = app.app.__self__.config["gate"]  # type: ignore[attr-defined]
+    barrier = threading.Barrier(16)
+    answers: list[tuple[bytes, Served]] = []
+    lock = threading.Lock()
+    bodies = [b'{"amount": 1}'] * 8 + [b'{"amount": 2}'] * 8
+
+    def one(body: bytes) -> None:
+        barrier.wait()
+        served = serve(app, environ("/wait", key="rev-mixed", body=body))
+        with lock:
+            answers.append((body, served))
+            if len(answers) == 15:
+                gate.set()
+
+    threads = [threading.Thread(target=one, args=(b,)) for b in bodies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    gate.set()
+    (winner_body, winner), *_ = [(b, s) for b, s in answers if s.code == 201]
+    codes = sorted((b == winner_body, s.code) for b, s in answers if s is not winner)
+    assert codes == [(False, 422)] * 8 + [(True, 409)] * 7, [(b, s.code, s.body[:80]) for b, s in answers]
+    assert world.effects() == 1
+    twin = serve(app, environ("/wait", key="rev-mixed", body=winner_body))
+    other = serve(app, environ("/wait", key="rev-mixed", body=b'{"amount": 3}'))
+    assert twin.code == 201 and twin.replayed and twin.body == winner.body and other.code == 422
+
+
+class _CountedSession(Session):
+    """A Session that counts the sessions made and closed, to see the middleware close each one."""
+
+    made: ClassVar[list[_CountedSession]] = []
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.closes = 0
+        _CountedSession.made.append(self)
+
+    def close(self) -> None:
+        self.closes += 1
+        super().close()
+
+
+def test_every_session_the_middleware_opens_is_closed_whatever_it_answers(
+    world: World, backend: Backend
+) -> None:
+    """The reference: the middleware "opens one [session] per keyed request for the key record only and
+    closes it afterwards", on the run, the replay, the 409 of a twin and the 422 of another body."""
+    _CountedSession.made = []
+    counted = sessionmaker(backend.engine, class_=_CountedSession)
+    app = flask_app(world, session_factory=counted, lease=timedelta(seconds=30))
+    gate: threading.Event = app.app.__self__.config["gate"]  # type: ignore[attr-defined]
+    entered: threading.Event = app.app.__self__.config["entered"]  # type: ignore[attr-defined]
+    answers: list[Served] = []
+    holder = threading.Thread(target=lambda: answers.append(serve(app, environ("/wait", key="rev-close-s"))))
+    holder.start()
+    assert entered.wait(30)
+    twin = serve(app, environ("/wait", key="rev-close-s"))
+    other = serve(app, environ("/wait", key="rev-close-s", body=b'{"amount": 2}'))
+    gate.set()
+    holder.join(30)
+    replay = serve(app, environ("/wait", key="rev-close-s"))
+    assert [answers[0].code, twin.code, other.code, replay.code] == [201, 409, 422, 201] and replay.replayed
+    assert len(_CountedSession.made) == 4
+    assert [s.closes >= 1 for s in _CountedSession.made] == [True] * 4
