@@ -79,6 +79,25 @@ def _request(scope: Scope) -> HttpRequest:
     )
 
 
+def _route_path(scope: Scope) -> str:
+    """The path the app routes on: ``path`` without the ``root_path`` it starts with.
+
+    ``required_paths`` and ``routes`` name the app's own routes.  Under uvicorn's ``--root-path
+    /api`` (and in an app mounted with Starlette's ``Mount``) ``path`` is ``/api/payments`` and
+    ``root_path`` ``/api``, while the app's route is ``/payments``: Starlette routes on the
+    difference (``starlette._utils.get_route_path``), and so do these patterns.  A ``path`` that
+    does not start with ``root_path`` (servers that strip it) is the route path itself.
+    """
+    path = str(scope.get("path", ""))
+    root_path = str(scope.get("root_path", "") or "")
+    if not root_path or not path.startswith(root_path):
+        return path
+    rest = path[len(root_path) :]
+    if not rest:
+        return "/"
+    return rest if rest.startswith("/") else path
+
+
 def principal_of(scope: Scope, *, session_cookies: Iterable[str] = ()) -> str | None:
     """Who sent the request, as an opaque string, or ``None`` when nothing in it names the client.
 
@@ -279,7 +298,7 @@ class IdempotencyMiddleware(MiddlewareCore["ASGIApp", "Callable[[], Session] | C
 
     def _settings_for(self, scope: Scope) -> Settings | None:
         """The effective settings for a request, or ``None`` when its route is disabled."""
-        return self.options.settings_for(str(scope.get("path", "")), scope)
+        return self.options.settings_for(_route_path(scope), scope)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
