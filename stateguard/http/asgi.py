@@ -383,9 +383,9 @@ class IdempotencyMiddleware(MiddlewareCore["ASGIApp", "Callable[[], Session] | C
         await stop_beat()
         await session.run(keyed.incomplete)
         if not recorder.streaming and recorder.start is not None:
-            # A start without its final body message: sent, with an empty body to end it.
+            # A start without its final body message: sent, with the chunk it held to end it.
             await send(recorder.start)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send({"type": "http.response.body", "body": recorder.held, "more_body": False})
 
 
 class _TooLarge(Exception):
@@ -428,16 +428,20 @@ def _replaying_receive(body: bytes, receive: Receive) -> Receive:
 class _Recorder:
     """Buffers the app's response; switches to pass-through when it turns out to stream.
 
-    Once the app sent its whole response (one body message without ``more_body``), ``settle``
-    is awaited with it (the middleware records the key, then sends the response), right then:
-    not after the app returns, which with Starlette is after the response's background tasks.
+    Once the app sent its whole response, ``settle`` is awaited with it (the middleware records the
+    key, then sends the response), right then: not after the app returns, which with Starlette is
+    after the response's background tasks.  "Whole" counts non-empty body chunks, as the WSGI face
+    does: one chunk among empty ones (Starlette's ``BaseHTTPMiddleware`` sends a response as its one
+    chunk and an empty final one) is a whole response; a second non-empty chunk before the end makes
+    a stream, passed on from there (the first chunk waits for the second, as on the WSGI face).
     """
 
     def __init__(self, send: Send, settle: Callable[[Message, bytes], Awaitable[None]]) -> None:
         self._send = send
         self._settle = settle
         self.start: Message | None = None
-        self.body: bytes | None = None
+        #: The one non-empty body chunk received so far (not sent yet), or ``b""``.
+        self.held = b""
         self.streaming = False
         #: The whole response was handed to ``settle``.
         self.settled = False
@@ -452,17 +456,19 @@ class _Recorder:
             if message.get("trailers", False):
                 await self._stream()
             return
-        if (
-            kind == "http.response.body"
-            and self.start is not None
-            and self.body is None
-            and not message.get("more_body", False)
-        ):
-            self.body = body = bytes(message.get("body", b""))
-            self.settled = True
-            await self._settle(self.start, body)
-            return
-        # More than one body chunk, trailers, pathsend, ...: a streaming
+        if kind == "http.response.body" and self.start is not None:
+            chunk = bytes(message.get("body", b""))
+            if not message.get("more_body", False):
+                if not (chunk and self.held):
+                    self.settled = True
+                    await self._settle(self.start, self.held or chunk)
+                    return
+            elif not chunk:
+                return  # an empty chunk changes nothing
+            elif not self.held:
+                self.held = chunk
+                return
+        # A second non-empty chunk, trailers, pathsend, ...: a streaming
         # response.  It is passed on as it comes and never stored.
         await self._stream()
         await self._send(message)
@@ -471,6 +477,8 @@ class _Recorder:
         self.streaming = True
         if self.start is not None:
             await self._send(self.start)
+        if self.held:
+            await self._send({"type": "http.response.body", "body": self.held, "more_body": True})
 
 
 async def _send_response(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
