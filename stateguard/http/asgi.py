@@ -264,7 +264,9 @@ class IdempotencyMiddleware(MiddlewareCore["ASGIApp", "Callable[[], Session] | C
         another's key and body receives the other's stored response).  Also
         per route (:class:`RouteOptions`).  Not used with ``scope``.
     :param required_paths: paths (``/payments``, or prefixes ``/payments/*``)
-        where a request without a key is answered 400.
+        where a request without a key is answered 400.  These and ``routes``
+        patterns are the app's route paths: under a ``root_path`` (uvicorn
+        ``--root-path``, a Starlette ``Mount``) they match the path without it.
     :param methods: the methods the header is honoured on (default POST, PATCH).
     :param lease: how long a claim stays "in progress" before another request
         may take it over (a worker that died); longer than your slowest handler.
