@@ -216,3 +216,75 @@ def test_other_methods_with_a_key_are_neither_claimed_nor_replayed(world: World,
     first, second = asyncio.run(scenario())
     assert first.status == second.status == 201 and not second.replayed
     assert world.effects() == 2 and world.key_rows() == []
+
+
+@contextlib.contextmanager
+def _slow_statement(engine: Engine, prefix: str, reached: threading.Event, pause: float) -> Iterator[None]:
+    """Hold the worker thread for ``pause`` seconds after each statement starting with ``prefix``."""
+
+    def after(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.lstrip().startswith(prefix):
+            reached.set()
+            time.sleep(pause)
+
+    event.listen(engine, "after_cursor_execute", after)
+    try:
+        yield
+    finally:
+        event.remove(engine, "after_cursor_execute", after)
+
+
+@pytest.mark.cancel
+def test_a_request_cancelled_while_its_response_is_recorded_is_replayed_not_run_again(
+    world: World, backend: Backend
+) -> None:
+    """The app answered whole; the client goes away while the answer is being recorded: the record
+    finishes, and the retry gets the stored answer without running the app again."""
+    app = middleware(world, lease=timedelta(seconds=30))
+    reached = threading.Event()
+
+    async def scenario() -> Any:
+        with _slow_statement(backend.engine, "UPDATE stateguard_idempotency_keys", reached, 0.5):
+            task = asyncio.create_task(request(app, "/pay", key=b"rev-cancel-settle", headers=ALICE))
+            deadline = time.monotonic() + 30
+            while not reached.is_set():
+                assert time.monotonic() < deadline, "the record's UPDATE was never seen"
+                await asyncio.sleep(0.005)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        return await request(app, "/pay", key=b"rev-cancel-settle", headers=ALICE)
+
+    retry = asyncio.run(scenario())
+    assert retry.status == 201 and retry.replayed, (retry.status, retry.body, _statuses(world))
+    assert world.effects() == 1
+
+
+@pytest.mark.failing_observer
+def test_a_heartbeat_keeps_the_key_under_raising_observers(world: World) -> None:
+    """lease 1 s, heartbeat every 0.2 s, a handler of 2.5 s, and a listener that raises on every event
+    (each beat included): the twin at 2 s is still 409, and the retry afterwards replays."""
+    app = middleware(world, lease=timedelta(seconds=1), heartbeat_every=timedelta(seconds=0.2))
+
+    def bad_listener(_event: Any) -> None:
+        raise RuntimeError("listener broke")
+
+    remove = on_event(bad_listener)
+    try:
+
+        async def scenario() -> list[Any]:
+            world.entered, world.gate = asyncio.Event(), asyncio.Event()
+            first = asyncio.create_task(request(app, "/wait", key=b"rev-beat", headers=ALICE))
+            await asyncio.wait_for(world.entered.wait(), 30)
+            await asyncio.sleep(2)
+            twin = await request(app, "/wait", key=b"rev-beat", headers=ALICE)
+            await asyncio.sleep(0.5)
+            world.gate.set()
+            done = await first
+            return [done, twin, await request(app, "/wait", key=b"rev-beat", headers=ALICE)]
+
+        done, twin, retry = asyncio.run(scenario())
+    finally:
+        remove()
+    assert [done.status, twin.status, retry.status] == [201, 409, 201] and retry.replayed
+    assert retry.body == done.body and world.effects() == 1
