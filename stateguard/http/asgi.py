@@ -165,7 +165,20 @@ class _Session:
     async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
         if isinstance(self.made, AsyncSession):
             return await self.made.run_sync(fn, *args)
-        return await _in_thread(fn, self.made, *args)
+        return await self.run_to_end(fn, *args)
+
+    async def run_to_end(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run a step to its end even if the task is cancelled meanwhile, then deliver the cancellation.
+
+        A worker thread is not stopped by a cancellation: a native ``task.cancel()`` (an
+        ``asyncio.wait_for`` or ``asyncio.timeout`` around the app) is not held off by anyio's
+        shield either, so the awaiting task went on (releasing the key on this very Session, from
+        another thread) while the thread was still recording the response: the record was lost
+        and a retry ran the app again.  A recording on an AsyncSession is not cut half-way either.
+        """
+        if isinstance(self.made, AsyncSession):
+            return await _uncut(self.made.run_sync(fn, *args))
+        return await _uncut(_in_thread(fn, self.made, *args))
 
     async def run_uncut(self, fn: Callable[..., None], *args: Any) -> None:
         """Run a step that must finish although the task is being cancelled (the key's release)."""
@@ -339,7 +352,15 @@ class IdempotencyMiddleware(MiddlewareCore["ASGIApp", "Callable[[], Session] | C
     async def _keyed(
         self, scope: Scope, receive: Receive, send: Send, session: _Session, keyed: KeyedRequest
     ) -> None:
-        answer = await session.run(keyed.claim)
+        try:
+            answer = await session.run(keyed.claim)
+        except BaseException as error:
+            # Cancelled while the claim was written (a Session's claim is finished first): the key
+            # was claimed for an app that will not run, so it is released at once, not left in
+            # progress for its whole lease.
+            if keyed.call is not None and not keyed.exited:
+                await session.run_uncut(keyed.fail, error)
+            raise
         if answer is not None:
             await _send_response(send, *answer)
             return
@@ -357,7 +378,7 @@ class IdempotencyMiddleware(MiddlewareCore["ASGIApp", "Callable[[], Session] | C
         async def settle(start: Message, body: bytes) -> None:
             # The app's whole response: record the key (store, forget or release), then send it.
             await stop_beat()
-            await session.run(keyed.settle, int(start["status"]), start.get("headers", ()), body)
+            await session.run_to_end(keyed.settle, int(start["status"]), start.get("headers", ()), body)
             await send(start)
             await send({"type": "http.response.body", "body": body, "more_body": False})
 
