@@ -157,3 +157,65 @@ def test_raising_observers_change_no_answer_on_an_async_session(target: AsyncTar
     assert [first.status_code, retry.status_code, other.status_code] == [201, 201, 422]
     assert retry.headers["idempotency-replayed"] == "true" and retry.content == first.content
     assert runs == ["pay"]
+
+
+@pytest.mark.cancel
+@pytest.mark.parametrize("target", ["asyncpg", "psycopg_async"], indirect=True)
+def test_a_request_cancelled_while_its_response_is_recorded_is_replayed(target: AsyncTarget) -> None:
+    """The record's COMMIT takes 0.4 s (a deferred trigger on UPDATE sleeps); the client goes away during
+    it: the record finishes, and the retry gets the stored answer without running the app again."""
+    with target.backend.engine.begin() as conn:
+        conn.execute(text(
+            "CREATE FUNCTION rev_slow_record() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN PERFORM pg_sleep(0.4); RETURN NULL; END $$"
+        ))  # fmt: skip
+        conn.execute(text(
+            "CREATE CONSTRAINT TRIGGER rev_slow_record AFTER UPDATE ON stateguard_idempotency_keys "
+            "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION rev_slow_record()"
+        ))  # fmt: skip
+    runs: list[str] = []
+
+    async def scenario() -> httpx.Response:
+        answering = asyncio.Event()
+
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            await receive()
+            runs.append("pay")
+            await send({"type": "http.response.start", "status": 201, "headers": [(b"x-paid", b"1")]})
+            answering.set()
+            await send({"type": "http.response.body", "body": b'{"paid": 1}', "more_body": False})
+
+        engine = target.engine()
+        try:
+            middleware = IdempotencyMiddleware(app, session_factory=async_sessionmaker(engine))
+            messages = [{"type": "http.request", "body": b'{"amount": 5}', "more_body": False}]
+
+            async def receive() -> dict[str, Any]:
+                if messages:
+                    return messages.pop()
+                await asyncio.sleep(3600)
+                raise AssertionError("unreachable")
+
+            async def send(message: Any) -> None:
+                pass
+
+            task = asyncio.ensure_future(middleware(_scope(), receive, send))
+            await asyncio.wait_for(answering.wait(), 30)
+            await asyncio.sleep(0.15)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            transport = httpx.ASGITransport(app=middleware)
+            async with httpx.AsyncClient(transport=transport, base_url="http://shop") as client:
+                return await client.post("/payments", json={"amount": 5}, headers=HEADERS)
+        finally:
+            await engine.dispose()
+
+    try:
+        retry = asyncio.run(scenario())
+    finally:
+        with target.backend.engine.begin() as conn:
+            conn.execute(text("DROP TRIGGER IF EXISTS rev_slow_record ON stateguard_idempotency_keys"))
+            conn.execute(text("DROP FUNCTION IF EXISTS rev_slow_record()"))
+    assert retry.status_code == 201 and retry.headers.get("idempotency-replayed") == "true", retry.text
+    assert runs == ["pay"]
