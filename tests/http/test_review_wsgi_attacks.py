@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -493,3 +494,32 @@ def test_every_session_the_middleware_opens_is_closed_whatever_it_answers(
     assert [answers[0].code, twin.code, other.code, replay.code] == [201, 409, 422, 201] and replay.replayed
     assert len(_CountedSession.made) == 4
     assert [s.closes >= 1 for s in _CountedSession.made] == [True] * 4
+
+
+@pytest.mark.failing_observer
+def test_a_heartbeat_keeps_a_wsgi_key_under_a_raising_listener(world: World) -> None:
+    """lease 1 s, heartbeat every 0.2 s, a handler held 2.5 s, a listener raising on every event (each
+    beat included): the twin at 2 s is 409, and the retry afterwards replays the one run."""
+    app = flask_app(world, lease=timedelta(seconds=1), heartbeat_every=timedelta(seconds=0.2))
+    gate: threading.Event = app.app.__self__.config["gate"]  # type: ignore[attr-defined]
+    entered: threading.Event = app.app.__self__.config["entered"]  # type: ignore[attr-defined]
+
+    def bad_listener(_event: Any) -> None:
+        raise RuntimeError("listener broke")
+
+    remove = on_event(bad_listener)
+    try:
+        answers: list[Served] = []
+        holder = threading.Thread(target=lambda: answers.append(serve(app, environ("/wait", key="rev-beat"))))
+        holder.start()
+        assert entered.wait(30)
+        time.sleep(2)
+        twin = serve(app, environ("/wait", key="rev-beat"))
+        time.sleep(0.5)
+        gate.set()
+        holder.join(30)
+        retry = serve(app, environ("/wait", key="rev-beat"))
+    finally:
+        remove()
+    assert [answers[0].code, twin.code, retry.code] == [201, 409, 201] and retry.replayed
+    assert retry.body == answers[0].body and world.effects() == 1
