@@ -79,6 +79,25 @@ def _request(scope: Scope) -> HttpRequest:
     )
 
 
+def _route_path(scope: Scope) -> str:
+    """The path the app routes on: ``path`` without the ``root_path`` it starts with.
+
+    ``required_paths`` and ``routes`` name the app's own routes.  Under uvicorn's ``--root-path
+    /api`` (and in an app mounted with Starlette's ``Mount``) ``path`` is ``/api/payments`` and
+    ``root_path`` ``/api``, while the app's route is ``/payments``: Starlette routes on the
+    difference (``starlette._utils.get_route_path``), and so do these patterns.  A ``path`` that
+    does not start with ``root_path`` (servers that strip it) is the route path itself.
+    """
+    path = str(scope.get("path", ""))
+    root_path = str(scope.get("root_path", "") or "")
+    if not root_path or not path.startswith(root_path):
+        return path
+    rest = path[len(root_path) :]
+    if not rest:
+        return "/"
+    return rest if rest.startswith("/") else path
+
+
 def principal_of(scope: Scope, *, session_cookies: Iterable[str] = ()) -> str | None:
     """Who sent the request, as an opaque string, or ``None`` when nothing in it names the client.
 
@@ -146,7 +165,20 @@ class _Session:
     async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
         if isinstance(self.made, AsyncSession):
             return await self.made.run_sync(fn, *args)
-        return await _in_thread(fn, self.made, *args)
+        return await self.run_to_end(fn, *args)
+
+    async def run_to_end(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run a step to its end even if the task is cancelled meanwhile, then deliver the cancellation.
+
+        A worker thread is not stopped by a cancellation: a native ``task.cancel()`` (an
+        ``asyncio.wait_for`` or ``asyncio.timeout`` around the app) is not held off by anyio's
+        shield either, so the awaiting task went on (releasing the key on this very Session, from
+        another thread) while the thread was still recording the response: the record was lost
+        and a retry ran the app again.  A recording on an AsyncSession is not cut half-way either.
+        """
+        if isinstance(self.made, AsyncSession):
+            return await _uncut(self.made.run_sync(fn, *args))
+        return await _uncut(_in_thread(fn, self.made, *args))
 
     async def run_uncut(self, fn: Callable[..., None], *args: Any) -> None:
         """Run a step that must finish although the task is being cancelled (the key's release)."""
@@ -245,7 +277,9 @@ class IdempotencyMiddleware(MiddlewareCore["ASGIApp", "Callable[[], Session] | C
         another's key and body receives the other's stored response).  Also
         per route (:class:`RouteOptions`).  Not used with ``scope``.
     :param required_paths: paths (``/payments``, or prefixes ``/payments/*``)
-        where a request without a key is answered 400.
+        where a request without a key is answered 400.  These and ``routes``
+        patterns are the app's route paths: under a ``root_path`` (uvicorn
+        ``--root-path``, a Starlette ``Mount``) they match the path without it.
     :param methods: the methods the header is honoured on (default POST, PATCH).
     :param lease: how long a claim stays "in progress" before another request
         may take it over (a worker that died); longer than your slowest handler.
@@ -279,7 +313,7 @@ class IdempotencyMiddleware(MiddlewareCore["ASGIApp", "Callable[[], Session] | C
 
     def _settings_for(self, scope: Scope) -> Settings | None:
         """The effective settings for a request, or ``None`` when its route is disabled."""
-        return self.options.settings_for(str(scope.get("path", "")), scope)
+        return self.options.settings_for(_route_path(scope), scope)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -318,7 +352,15 @@ class IdempotencyMiddleware(MiddlewareCore["ASGIApp", "Callable[[], Session] | C
     async def _keyed(
         self, scope: Scope, receive: Receive, send: Send, session: _Session, keyed: KeyedRequest
     ) -> None:
-        answer = await session.run(keyed.claim)
+        try:
+            answer = await session.run(keyed.claim)
+        except BaseException as error:
+            # Cancelled while the claim was written (a Session's claim is finished first): the key
+            # was claimed for an app that will not run, so it is released at once, not left in
+            # progress for its whole lease.
+            if keyed.call is not None and not keyed.exited:
+                await session.run_uncut(keyed.fail, error)
+            raise
         if answer is not None:
             await _send_response(send, *answer)
             return
@@ -336,7 +378,7 @@ class IdempotencyMiddleware(MiddlewareCore["ASGIApp", "Callable[[], Session] | C
         async def settle(start: Message, body: bytes) -> None:
             # The app's whole response: record the key (store, forget or release), then send it.
             await stop_beat()
-            await session.run(keyed.settle, int(start["status"]), start.get("headers", ()), body)
+            await session.run_to_end(keyed.settle, int(start["status"]), start.get("headers", ()), body)
             await send(start)
             await send({"type": "http.response.body", "body": body, "more_body": False})
 
@@ -364,9 +406,9 @@ class IdempotencyMiddleware(MiddlewareCore["ASGIApp", "Callable[[], Session] | C
         await stop_beat()
         await session.run(keyed.incomplete)
         if not recorder.streaming and recorder.start is not None:
-            # A start without its final body message: sent, with an empty body to end it.
+            # A start without its final body message: sent, with the chunk it held to end it.
             await send(recorder.start)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send({"type": "http.response.body", "body": recorder.held, "more_body": False})
 
 
 class _TooLarge(Exception):
@@ -409,16 +451,20 @@ def _replaying_receive(body: bytes, receive: Receive) -> Receive:
 class _Recorder:
     """Buffers the app's response; switches to pass-through when it turns out to stream.
 
-    Once the app sent its whole response (one body message without ``more_body``), ``settle``
-    is awaited with it (the middleware records the key, then sends the response), right then:
-    not after the app returns, which with Starlette is after the response's background tasks.
+    Once the app sent its whole response, ``settle`` is awaited with it (the middleware records the
+    key, then sends the response), right then: not after the app returns, which with Starlette is
+    after the response's background tasks.  "Whole" counts non-empty body chunks, as the WSGI face
+    does: one chunk among empty ones (Starlette's ``BaseHTTPMiddleware`` sends a response as its one
+    chunk and an empty final one) is a whole response; a second non-empty chunk before the end makes
+    a stream, passed on from there (the first chunk waits for the second, as on the WSGI face).
     """
 
     def __init__(self, send: Send, settle: Callable[[Message, bytes], Awaitable[None]]) -> None:
         self._send = send
         self._settle = settle
         self.start: Message | None = None
-        self.body: bytes | None = None
+        #: The one non-empty body chunk received so far (not sent yet), or ``b""``.
+        self.held = b""
         self.streaming = False
         #: The whole response was handed to ``settle``.
         self.settled = False
@@ -433,17 +479,19 @@ class _Recorder:
             if message.get("trailers", False):
                 await self._stream()
             return
-        if (
-            kind == "http.response.body"
-            and self.start is not None
-            and self.body is None
-            and not message.get("more_body", False)
-        ):
-            self.body = body = bytes(message.get("body", b""))
-            self.settled = True
-            await self._settle(self.start, body)
-            return
-        # More than one body chunk, trailers, pathsend, ...: a streaming
+        if kind == "http.response.body" and self.start is not None:
+            chunk = bytes(message.get("body", b""))
+            if not message.get("more_body", False):
+                if not (chunk and self.held):
+                    self.settled = True
+                    await self._settle(self.start, self.held or chunk)
+                    return
+            elif not chunk:
+                return  # an empty chunk changes nothing
+            elif not self.held:
+                self.held = chunk
+                return
+        # A second non-empty chunk, trailers, pathsend, ...: a streaming
         # response.  It is passed on as it comes and never stored.
         await self._stream()
         await self._send(message)
@@ -452,6 +500,8 @@ class _Recorder:
         self.streaming = True
         if self.start is not None:
             await self._send(self.start)
+        if self.held:
+            await self._send({"type": "http.response.body", "body": self.held, "more_body": True})
 
 
 async def _send_response(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:

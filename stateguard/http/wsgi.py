@@ -175,9 +175,10 @@ class WSGIIdempotencyMiddleware(MiddlewareCore["WSGIApp", "Callable[[], Session]
             raise ConfigurationError(f"session_factory() returned {session!r}, not a Session")
         try:
             answer = keyed.claim(session)
-            if answer is not None:
-                return _answer(start_response, answer)
-            result = self._run(environ, start_response, session, keyed)
+            if answer is None:
+                result = self._run(environ, start_response, session, keyed)
+            else:  # a replay, 409, 422 or 503: the app does not run, and the session is closed below
+                result = _answer(start_response, answer)
         except BaseException:
             session.close()
             raise

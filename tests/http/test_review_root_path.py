@@ -1,0 +1,105 @@
+"""The middleware's path patterns (``required_paths``, ``routes``) under an ASGI ``root_path``, as uvicorn
+``--root-path /api`` (behind a proxy that strips the prefix) or a Starlette ``Mount`` hand it: they must
+mean what the app's own routes mean, or a payment route's options silently stop applying."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from sqlalchemy.orm import sessionmaker
+from starlette.applications import Starlette
+from starlette.routing import Mount
+
+from stateguard.asgi import IdempotencyMiddleware, RouteOptions, default_store_status
+from stateguard.tables import metadata as stateguard_metadata
+from tests.conftest import Backend
+
+pytestmark = pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
+
+ALICE = {"Authorization": "Bearer rev-root-alice"}
+
+
+def _payments(charges: list[int]) -> FastAPI:
+    """A payments app whose handler charges first and may then find a conflict (409 after acting)."""
+    app = FastAPI()
+
+    @app.post("/payments")
+    def pay(body: dict[str, Any]) -> JSONResponse:
+        charges.append(body["amount"])  # psp.charge(...)
+        if body.get("conflict"):
+            return JSONResponse({"charged": len(charges), "error": "order changed"}, status_code=409)
+        return JSONResponse({"charged": len(charges)}, status_code=201)
+
+    return app
+
+
+def _middleware(app: Any, backend: Backend) -> IdempotencyMiddleware:
+    backend.create(stateguard_metadata)
+    return IdempotencyMiddleware(
+        app,
+        session_factory=sessionmaker(backend.engine),
+        required_paths=["/payments"],
+        # the how-to's advice for a handler that answers 409 after it acted
+        routes={"/payments": RouteOptions(store_status=lambda s: s == 409 or default_store_status(s))},
+    )
+
+
+async def _post(app: Any, url: str, root_path: str, **kw: Any) -> httpx.Response:
+    transport = httpx.ASGITransport(app=app, root_path=root_path)
+    async with httpx.AsyncClient(transport=transport, base_url="http://shop") as client:
+        return await client.post(url, **kw)
+
+
+def _served_under_root_path(backend: Backend, charges: list[int]) -> tuple[Any, str, str]:
+    """uvicorn --root-path /api: scope["path"] is "/api/payments", scope["root_path"] "/api"."""
+    return _middleware(_payments(charges), backend), "http://shop/api/payments", "/api"
+
+
+def _plain(backend: Backend, charges: list[int]) -> tuple[Any, str, str]:
+    """The control: no root path."""
+    return _middleware(_payments(charges), backend), "http://shop/payments", ""
+
+
+def _mounted(backend: Backend, charges: list[int]) -> tuple[Any, str, str]:
+    """The middleware on a sub-app mounted at /v1 (Starlette's Mount sets root_path "/v1")."""
+    return (
+        Starlette(routes=[Mount("/v1", app=_middleware(_payments(charges), backend))]),
+        "http://shop/v1/payments",
+        "",
+    )
+
+
+@pytest.mark.parametrize(
+    "serve", [_plain, _served_under_root_path, _mounted], ids=["plain", "root-path", "mount"]
+)
+def test_a_required_path_needs_its_key_under_a_root_path(backend: Backend, serve: Any) -> None:
+    """POST /payments without a key is 400 and charges nothing, whether or not the app is served
+    under a root path."""
+    charges: list[int] = []
+    app, url, root_path = serve(backend, charges)
+    response = asyncio.run(_post(app, url, root_path, json={"amount": 5}, headers=ALICE))
+    assert response.status_code == 400 and charges == [], (response.status_code, response.text)
+
+
+@pytest.mark.parametrize(
+    "serve", [_plain, _served_under_root_path, _mounted], ids=["plain", "root-path", "mount"]
+)
+def test_a_routes_store_status_applies_under_a_root_path(backend: Backend, serve: Any) -> None:
+    """The route stores its 409-after-charging, so the retry replays the 409 instead of charging again,
+    under a root path as without one."""
+    charges: list[int] = []
+    app, url, root_path = serve(backend, charges)
+    headers = {**ALICE, "Idempotency-Key": "rev-root-1"}
+    body = {"amount": 5, "conflict": True}
+
+    async def scenario() -> list[httpx.Response]:
+        return [await _post(app, url, root_path, json=body, headers=headers) for _ in range(2)]
+
+    first, retry = asyncio.run(scenario())
+    assert first.status_code == 409 and retry.status_code == 409
+    assert retry.headers.get("idempotency-replayed") == "true" and charges == [5], charges
