@@ -1,4 +1,4 @@
-"""A demanding user's attacks on the ASGI face over an AsyncSession: a client that goes away while its
+"""The ASGI face over an AsyncSession: a client that goes away while its
 key is being committed, and raising observers, against docs/how-to/http.md."""
 
 from __future__ import annotations

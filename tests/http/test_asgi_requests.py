@@ -1,4 +1,4 @@
-"""A demanding user's attacks on the ASGI face: cancellation at every step of a keyed request, raising
+"""The ASGI face as production calls it: cancellation at every step of a keyed request, raising
 observers, header-name case, hostile keys, repeated headers and huge bodies, each against the promises
 of docs/how-to/http.md."""
 

@@ -1,4 +1,4 @@
-"""A demanding user's attacks on the WSGI face, called as a PEP 3333 server calls it: twins at one
+"""The WSGI face, called as a PEP 3333 server calls it: twins at one
 instant, repeated response headers, iterables with ``close()``, streams that break, chunked and lying
 request bodies, hostile keys, huge responses and raising observers, against docs/how-to/http.md."""
 
