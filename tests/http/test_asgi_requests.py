@@ -17,9 +17,10 @@ from sqlalchemy import event, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import sessionmaker
 
-from stateguard.observe import on_event, on_span
+from stateguard.observe import on_event
 from stateguard.tables import idempotency_keys
 from stateguard.tables import metadata as stateguard_metadata
+from tests._support.failing_observers import raising_listener_and_span
 from tests._support.raw_asgi import BINARY_BODY, BINARY_HEADERS, World, _Base, middleware, request
 from tests.conftest import Backend
 
@@ -85,21 +86,6 @@ def test_a_request_cancelled_while_its_key_is_claimed_frees_the_key(world: World
     assert not retry.replayed and world.effects() == 1
 
 
-class _BadSpan:
-    """A span whose entry or exit raises."""
-
-    def __init__(self, where: str) -> None:
-        self.where = where
-
-    def __enter__(self) -> None:
-        if self.where == "enter":
-            raise RuntimeError("span entry broke")
-
-    def __exit__(self, *exc: object) -> None:
-        if self.where == "exit":
-            raise RuntimeError("span exit broke")
-
-
 @pytest.mark.failing_observer
 @pytest.mark.parametrize("where", ["factory", "enter", "exit"])
 def test_a_raising_event_listener_and_span_change_no_answer(world: World, where: str) -> None:
@@ -107,18 +93,8 @@ def test_a_raising_event_listener_and_span_change_no_answer(world: World, where:
     answer, its replay, the 409 of a twin and the 422 of another body are what they are without them,
     and the app runs once."""
 
-    def bad_listener(_event: Any) -> None:
-        raise RuntimeError("listener broke")
-
-    def bad_span(_operation: str, _attributes: dict[str, Any]) -> _BadSpan:
-        if where == "factory":
-            raise RuntimeError("span factory broke")
-        return _BadSpan(where)
-
     app = middleware(world, lease=timedelta(seconds=30))
-    remove_listener = on_event(bad_listener)
-    remove_span = on_span(bad_span)
-    try:
+    with raising_listener_and_span(where):
 
         async def scenario() -> list[Any]:
             world.entered, world.gate = asyncio.Event(), asyncio.Event()
@@ -132,9 +108,6 @@ def test_a_raising_event_listener_and_span_change_no_answer(world: World, where:
             return [done, twin, other, replay]
 
         done, twin, other, replay = asyncio.run(scenario())
-    finally:
-        remove_listener()
-        remove_span()
     assert (done.error, twin.error, other.error, replay.error) == (None, None, None, None)
     assert [done.status, twin.status, other.status, replay.status] == [201, 409, 422, 201]
     assert replay.replayed and replay.body == done.body

@@ -18,10 +18,10 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from stateguard.asgi import IdempotencyMiddleware
-from stateguard.observe import on_event, on_span
 from stateguard.tables import idempotency_keys
 from stateguard.tables import metadata as stateguard_metadata
 from tests._support.async_helpers import AsyncTarget, target_from
+from tests._support.failing_observers import raising_listener_and_span
 
 HEADERS = {"Idempotency-Key": "rev-async-1", "Authorization": "Bearer rev-async-alice"}
 
@@ -108,38 +108,16 @@ def test_a_request_cancelled_while_its_claim_commits_frees_the_key(target: Async
     assert runs == ["pay"]
 
 
-class _BadSpan:
-    def __init__(self, where: str) -> None:
-        self.where = where
-
-    def __enter__(self) -> None:
-        if self.where == "enter":
-            raise RuntimeError("span entry broke")
-
-    def __exit__(self, *exc: object) -> None:
-        if self.where == "exit":
-            raise RuntimeError("span exit broke")
-
-
 @pytest.mark.failing_observer
 @pytest.mark.parametrize("where", ["factory", "enter", "exit"])
 def test_raising_observers_change_no_answer_on_an_async_session(target: AsyncTarget, where: str) -> None:
     """A raising listener and span around an AsyncSession's key record: the first answer, its replay and
     the 422 of another body are as without them, and the app runs once."""
 
-    def bad_listener(_event: Any) -> None:
-        raise RuntimeError("listener broke")
-
-    def bad_span(_operation: str, _attributes: dict[str, Any]) -> _BadSpan:
-        if where == "factory":
-            raise RuntimeError("span factory broke")
-        return _BadSpan(where)
-
     runs: list[str] = []
 
     async def scenario() -> list[httpx.Response]:
         engine = target.engine()
-        remove = [on_event(bad_listener), on_span(bad_span)]
         try:
             middleware = IdempotencyMiddleware(_shop(runs), session_factory=async_sessionmaker(engine))
             transport = httpx.ASGITransport(app=middleware)
@@ -149,11 +127,10 @@ def test_raising_observers_change_no_answer_on_an_async_session(target: AsyncTar
                 other = await client.post("/payments", json={"amount": 6}, headers=HEADERS)
                 return [first, retry, other]
         finally:
-            for r in remove:
-                r()
             await engine.dispose()
 
-    first, retry, other = asyncio.run(scenario())
+    with raising_listener_and_span(where):
+        first, retry, other = asyncio.run(scenario())
     assert [first.status_code, retry.status_code, other.status_code] == [201, 201, 422]
     assert retry.headers["idempotency-replayed"] == "true" and retry.content == first.content
     assert runs == ["pay"]

@@ -18,8 +18,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from werkzeug.test import EnvironBuilder
 
 from stateguard.http.wsgi import WSGIIdempotencyMiddleware
-from stateguard.observe import on_event, on_span
+from stateguard.observe import on_event
 from stateguard.tables import metadata as stateguard_metadata
+from tests._support.failing_observers import raising_listener_and_span
 from tests._support.raw_asgi import World, _Base
 from tests.conftest import Backend
 
@@ -379,44 +380,19 @@ def test_a_json_body_sent_as_text_is_another_request_than_the_same_json(world: W
     assert world.effects() == 1
 
 
-class _BadSpan:
-    def __init__(self, where: str) -> None:
-        self.where = where
-
-    def __enter__(self) -> None:
-        if self.where == "enter":
-            raise RuntimeError("span entry broke")
-
-    def __exit__(self, *exc: object) -> None:
-        if self.where == "exit":
-            raise RuntimeError("span exit broke")
-
-
 @pytest.mark.failing_observer
 @pytest.mark.parametrize("where", ["factory", "enter", "exit"])
 def test_raising_observers_change_no_answer(world: World, where: str) -> None:
     """A raising listener and a raising span: the first answer, its replay, the 422 of another body and a
     refusal's forgotten key are as without them."""
 
-    def bad_listener(_event: Any) -> None:
-        raise RuntimeError("listener broke")
-
-    def bad_span(_operation: str, _attributes: dict[str, Any]) -> _BadSpan:
-        if where == "factory":
-            raise RuntimeError("span factory broke")
-        return _BadSpan(where)
-
     app = flask_app(world)
-    remove = [on_event(bad_listener), on_span(bad_span)]
-    try:
+    with raising_listener_and_span(where):
         first = serve(app, environ("/pay", key="rev-obs"))
         retry = serve(app, environ("/pay", key="rev-obs"))
         other = serve(app, environ("/pay", key="rev-obs", body=b'{"amount": 9}'))
         refused = serve(app, environ("/invalid", key="rev-obs-2", body=b'{"amount": 0}'))
         rows = world.key_rows()
-    finally:
-        for r in remove:
-            r()
     assert (first.error, retry.error, other.error, refused.error) == (None, None, None, None)
     assert [first.code, retry.code, other.code, refused.code] == [201, 201, 422, 400]
     assert retry.replayed and retry.body == first.body
