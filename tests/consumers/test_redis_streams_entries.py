@@ -21,6 +21,7 @@ from stateguard.consumers import Message, RedisStreamConsumer
 
 from .._support.failing_observers import ObserverBug, QuietHandler
 from .._support.faultproxy import FaultProxy
+from ._drive import run_until
 from ._effects import applied, effects, record
 
 GROUP = "billing"
@@ -38,29 +39,6 @@ def add(client: Any, name: str, entry_id: Any, payload: Any = "{}") -> None:
 
 def pending(client: Any, name: str) -> int:
     return int(client.xpending(name, GROUP)["pending"])
-
-
-def run_in_thread(c: RedisStreamConsumer, done: Callable[[], bool], timeout: float = 10) -> None:
-    """``c.run`` in a thread until ``done()`` (or the timeout), then stopped; its error raised here."""
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def work() -> None:
-        try:
-            c.run(stop)
-        except BaseException as error:
-            errors.append(error)
-
-    thread = threading.Thread(target=work)
-    thread.start()
-    deadline = time.monotonic() + timeout
-    while not done() and time.monotonic() < deadline and thread.is_alive():
-        time.sleep(0.02)
-    stop.set()
-    thread.join(15)
-    assert not thread.is_alive()
-    if errors:
-        raise errors[0]
 
 
 @pytest.fixture
@@ -92,7 +70,7 @@ def test_a_non_utf8_entry_read_by_a_decoding_client_is_dead_lettered_not_fatal(
         session.execute(insert(effects).values(event_id=message.id, pid=0))
 
     c = consumer(db, decoding, name, handler)
-    run_in_thread(c, lambda: c.handled == 2 and c.dead_lettered == 1)
+    run_until(c, lambda: c.handled == 2 and c.dead_lettered == 1)
     assert seen == ["bin", "good"] and applied(db) == {"bin": 1, "good": 1}
     assert pending(raw, name) == 0
     [(_, dead)] = raw.xrange(f"{name}:dead")
@@ -109,12 +87,12 @@ def test_a_dead_letter_stream_redis_refuses_does_not_lose_the_entry(
     client.set(f"{name}:dead", "not a stream")
     add(client, name, "9", payload="not json")
     c = consumer(db, client, name, claim_idle=timedelta(milliseconds=20), max_deliveries=2)
-    run_in_thread(c, lambda: False, timeout=1.5)
+    run_until(c, lambda: False, timeout=1.5)
     assert applied(db) == {}
     # Not dead-lettered (Redis refused), so it must still be pending, to be dead-lettered once fixed.
     assert pending(client, name) == 1
     client.delete(f"{name}:dead")
-    run_in_thread(c, lambda: c.dead_lettered == 1)
+    run_until(c, lambda: c.dead_lettered == 1)
     assert pending(client, name) == 0 and client.xlen(f"{name}:dead") == 1
 
 
@@ -202,7 +180,7 @@ def test_a_broken_observer_does_not_change_the_redis_consumer(
         stops.append(restore)
     try:
         c = consumer(db, client, name, flaky, claim_idle=timedelta(milliseconds=50))
-        run_in_thread(c, lambda: c.handled == 2 and c.dead_lettered == 1)
+        run_until(c, lambda: c.handled == 2 and c.dead_lettered == 1)
     finally:
         for stop in stops:
             stop()
@@ -226,7 +204,7 @@ def test_a_handler_whose_own_statement_fails_operationally_is_dead_lettered(
         record(session, message)
 
     c = consumer(db, client, name, handler, claim_idle=timedelta(milliseconds=20), max_deliveries=2)
-    run_in_thread(c, lambda: c.dead_lettered == 1 and c.handled == 1, timeout=6)
+    run_until(c, lambda: c.dead_lettered == 1 and c.handled == 1, timeout=6)
     assert applied(db) == {"good": 1} and c.dead_lettered == 1
 
 
@@ -241,7 +219,7 @@ def test_a_poison_entry_with_many_fields_is_dead_lettered_whole(
     extra = {f"f{i}": "v" for i in range(fields)}
     client.xadd(name, {"id": "9", "topic": "t", "key": "k", "payload": "not json", **extra})
     c = consumer(db, client, name, max_deliveries=1)
-    run_in_thread(c, lambda: c.dead_lettered == 1)
+    run_until(c, lambda: c.dead_lettered == 1)
     assert pending(client, name) == 0
     [(_, dead)] = client.xrange(f"{name}:dead")
     assert dead[b"id"] == b"9" and len(dead) == 4 + fields + 5
@@ -274,7 +252,7 @@ def test_entries_left_unstarted_by_stop_are_handled_at_the_next_start_not_dead_l
     thread.join(10)
     assert not thread.is_alive() and pending(client, name) == 4
     again = consumer(db, client, name, max_deliveries=max_deliveries)
-    run_in_thread(again, lambda: again.handled + again.dead_lettered >= 4)
+    run_until(again, lambda: again.handled + again.dead_lettered >= 4)
     assert again.dead_lettered == 0 and client.xlen(f"{name}:dead") == 0
     assert applied(db) == dict.fromkeys(map(str, range(5)), 1)
 
@@ -298,7 +276,7 @@ def test_a_resp3_client_reads_recovers_claims_and_dead_letters_like_a_resp2_one(
         add(raw, name, "new")
         add(raw, name, "poison", payload="not json")
         c = consumer(db, client, name, claim_idle=timedelta(milliseconds=50), max_deliveries=2)
-        run_in_thread(c, lambda: c.handled == 3 and c.dead_lettered == 1)
+        run_until(c, lambda: c.handled == 3 and c.dead_lettered == 1)
         assert applied(db) == {"mine": 1, "theirs": 1, "new": 1}
         assert pending(raw, name) == 0 and raw.xlen(f"{name}:dead") == 1
     finally:
