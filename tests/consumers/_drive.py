@@ -20,9 +20,9 @@ class Runs(Protocol):
     def run(self, stop_event: threading.Event | None = None) -> None: ...
 
 
-def run_until(c: Runs, done: Callable[[], bool], timeout: float = 10) -> None:
-    """Run the consumer in a thread until ``done()`` holds (or the timeout), then stop it; an error
-    ``run()`` raised is raised here."""
+def run_until(c: Runs, done: Callable[[], bool], timeout: float = 10, *, waiting_out: bool = False) -> None:
+    """Run the consumer in a thread until ``done()`` holds, then stop it; an error ``run()`` raised
+    is raised here, and ``done()`` still false at the timeout fails (unless ``waiting_out``)."""
     stop = threading.Event()
     errors: list[BaseException] = []
 
@@ -44,6 +44,13 @@ def run_until(c: Runs, done: Callable[[], bool], timeout: float = 10) -> None:
     assert not thread.is_alive()
     if errors:
         raise errors[0]
+    if not waiting_out:
+        assert done(), f"not done within {timeout} s"
+
+
+def run_for(c: Runs, seconds: float) -> None:
+    """Run the consumer in a thread for ``seconds`` (whatever it meets meanwhile), then stop it."""
+    run_until(c, lambda: False, timeout=seconds, waiting_out=True)
 
 
 def publish_amqp(

@@ -27,7 +27,7 @@ from stateguard.outbox.sinks import NATSSink, RabbitMQSink
 from .._support.brokers import NATS_URL, RABBITMQ_URL, Queue, Stream
 from .._support.faultproxy import FaultProxy, commit_of, proxied_engine
 from ..conftest import Backend, backends_with
-from ._drive import publish_amqp, publish_nats, run_until
+from ._drive import publish_amqp, publish_nats, run_for, run_until
 from ._effects import applied, committed_ids, emit_events, metadata, record
 
 LEASE = timedelta(seconds=30)
@@ -172,7 +172,7 @@ def test_a_lost_commit_reply_is_settled_before_the_nats_ack(
     assert calls == ["1", "2"]
     assert applied(direct) == {"1": 1, "2": 1}
     again = nats(engine, js)
-    run_until(again, lambda: False, timeout=0.5)
+    run_for(again, 0.5)
     assert again.handled == 0  # acked: JetStream has nothing to deliver again
 
 

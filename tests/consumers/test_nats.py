@@ -21,7 +21,7 @@ from .._support.brokers import NATS_URL, Stream, nats_stream
 from .._support.nats_server import NATSServer
 from . import _behaviours
 from ._drive import publish_nats as publish
-from ._drive import publish_nats_bytes, run_until
+from ._drive import publish_nats_bytes, run_for, run_until
 from ._effects import applied, committed_ids, emit_events, record
 
 LEASE = timedelta(seconds=30)
@@ -94,7 +94,7 @@ def test_a_poison_message_is_copied_to_the_dead_letter_subject_and_terminated(db
     assert dead.headers["Stateguard-Deliveries"] == "3"
     assert dead.headers["Stateguard-Stream"] == js.name
     again = consumer(db, js, max_deliveries=3)
-    run_until(again, lambda: False, timeout=0.5)
+    run_for(again, 0.5)
     assert again.handled == again.dead_lettered == 0  # terminated: JetStream does not deliver it again
 
 
@@ -117,7 +117,7 @@ def test_a_missing_stream_is_a_configuration_error(db: Engine) -> None:
     """A stream that does not exist ends run() with ConfigurationError naming it."""
     c = NATSConsumer(db, record, NATS_URL, stream="SGCNOSUCHSTREAM", durable="x")
     with pytest.raises(ConfigurationError, match="SGCNOSUCHSTREAM"):
-        run_until(c, lambda: False, timeout=5)
+        run_for(c, 5)
 
 
 def test_bad_arguments_are_refused(db: Engine) -> None:
@@ -151,7 +151,7 @@ def test_messages_whose_ids_cannot_be_recorded_are_dead_lettered_at_once(
     assert len(dead) == len(HOSTILE_IDS)
     assert {letter.headers["Stateguard-Deliveries"] for letter in dead} == {"1"}  # never retried
     again = consumer(db, js)
-    run_until(again, lambda: False, timeout=0.5)
+    run_for(again, 0.5)
     assert again.handled == again.dead_lettered == 0  # terminated: none comes back
 
 

@@ -21,7 +21,7 @@ from stateguard.consumers import Message, RedisStreamConsumer
 
 from .._support.failing_observers import ObserverBug, QuietHandler
 from .._support.faultproxy import FaultProxy
-from ._drive import run_until
+from ._drive import run_for, run_until
 from ._effects import applied, effects, record
 
 GROUP = "billing"
@@ -87,7 +87,7 @@ def test_a_dead_letter_stream_redis_refuses_does_not_lose_the_entry(
     client.set(f"{name}:dead", "not a stream")
     add(client, name, "9", payload="not json")
     c = consumer(db, client, name, claim_idle=timedelta(milliseconds=20), max_deliveries=2)
-    run_until(c, lambda: False, timeout=1.5)
+    run_for(c, 1.5)
     assert applied(db) == {}
     # Not dead-lettered (Redis refused), so it must still be pending, to be dead-lettered once fixed.
     assert pending(client, name) == 1
