@@ -24,7 +24,7 @@ session (a Redis client, an Engine of its own) as a sans-I/O generator.
 
 from __future__ import annotations
 
-from .bridge import Dual, DualConnectable, DualContext, dual, dual_bind, dual_connectable
+from .bridge import Dual, DualConnectable, DualContext, DualContextManager, dual, dual_bind, dual_connectable
 from .methods import DualObject, dual_member, dual_method
 from .sessions import AsyncSession, as_session, sync_session_of, wrong_session
 from .steps import Awaited, Steps, run_steps, step
@@ -35,6 +35,7 @@ __all__ = [
     "Dual",
     "DualConnectable",
     "DualContext",
+    "DualContextManager",
     "DualObject",
     "Steps",
     "as_session",

@@ -57,6 +57,7 @@ from .errors import (
     out_of_range,
 )
 from .execute import (
+    SIZE_CHECK_FROM,
     InsertOnce,
     check_statement_size,
     connection_for,
@@ -105,6 +106,7 @@ __all__ = [
     "INFO_KEY",
     "MAX_LIMIT",
     "POSTGRESQL_FAMILY",
+    "SIZE_CHECK_FROM",
     "AnySelect",
     "Backend",
     "ClauseElement",

@@ -55,6 +55,7 @@ from .models import ModelInfo, inexact_text_key
 from .statements import insert_or_skip
 
 __all__ = [
+    "SIZE_CHECK_FROM",
     "InsertOnce",
     "check_statement_size",
     "connection_for",
@@ -477,7 +478,13 @@ class InsertOnce:
         if not backend.dml_cte:
             return self(conn, params) is not None, None
         stmt = self._read_statement(backend)
-        row: Any = execute(conn, stmt, params).first()
+        result = execute(conn, stmt, params)
+        if result.rowcount == 0:
+            # The INSERT created the row (no row returned), told without a fetch; the result, a
+            # client-side cursor with nothing in it, is dropped as it is.  A driver that counts no
+            # rows for a SELECT (-1) takes the fetch below.
+            return True, None
+        row: Any = result.first()
         if row is None:
             return True, None
         record = row[0]
@@ -520,7 +527,7 @@ class InsertOnce:
 #: Texts shorter than this (in characters, 4 UTF-8 bytes each at most) are not checked against
 #: the server's statement size: a max_allowed_packet under 256 KiB is not supported (MariaDB's
 #: default is 16 MiB, MySQL's 64 MiB).
-_SIZE_CHECK_FROM: Final = 16 * 1024
+SIZE_CHECK_FROM: Final = 16 * 1024
 #: What a statement needs besides the checked text (keys, other values, SQL).
 _STATEMENT_OVERHEAD: Final = 16 * 1024
 _PACKET_INFO: Final = "stateguard.max_allowed_packet"
@@ -529,7 +536,7 @@ _MAX_PACKET: Final = text("SELECT @@max_allowed_packet")
 
 def needs_size_check(conn: Connection, value: str) -> bool:
     """Whether :func:`check_statement_size` has anything to check (a large text on MySQL/MariaDB)."""
-    return len(value) >= _SIZE_CHECK_FROM and backend_of(conn.dialect).packet_limit
+    return len(value) >= SIZE_CHECK_FROM and backend_of(conn.dialect).packet_limit
 
 
 def check_statement_size(conn: Connection, value: str, what: str) -> None:
@@ -541,7 +548,7 @@ def check_statement_size(conn: Connection, value: str, what: str) -> None:
     drivers escape ``\\ ' " NUL \\n \\r ^Z`` client-side, so those count twice.
     PostgreSQL (1 GB per value) and SQLite (1e9 bytes) need no check here.
     """
-    if len(value) < _SIZE_CHECK_FROM or not backend_of(conn.dialect).packet_limit:
+    if len(value) < SIZE_CHECK_FROM or not backend_of(conn.dialect).packet_limit:
         return
     info = conn.info
     packet = info.get(_PACKET_INFO)

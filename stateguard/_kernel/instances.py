@@ -194,11 +194,20 @@ def _savepoint_statement(conn: Connection, statement: str) -> str | None:
 # an engine the application's statements pay one short call each.
 
 
+#: The dialect :func:`hook_engine` last saw hooked: nearly every application has one engine, and
+#: a hit skips the weak set's lookup (a weakref built per call).
+_last_hooked: Any = None
+
+
 def hook_engine(conn: Connection) -> None:
     """Make sure stateguard's statement hook is registered on ``conn``'s engine (once per dialect)."""
+    global _last_hooked
     dialect = conn.dialect
+    if dialect is _last_hooked:
+        return
     if dialect not in HOOKED:
         hook_dialect(dialect, _on_execute, _on_execute_no_params)
+    _last_hooked = dialect
 
 
 def _on_execute(cursor: Any, statement: str, parameters: Any, context: Any) -> bool:
@@ -281,7 +290,8 @@ class DeferredSavepoint:
         self._paused = False
         self.nested = session.begin_nested()
         self._root = conn._transaction
-        hook_engine(conn)
+        if conn.dialect is not _last_hooked:
+            hook_engine(conn)
         conn.__dict__[_DEFERRED] = self
 
     def open(self) -> None:
@@ -330,7 +340,9 @@ class DeferredSavepoint:
         ``SessionTransaction.commit()`` would flush, fire ``before_commit`` and merge an empty
         snapshot into its parent, three times the cost of the whole bookkeeping.
         """
-        self.close()
+        state = self._conn.__dict__  # close(), written out: end() runs at every completed block
+        if state.get(_DEFERRED) is self:
+            del state[_DEFERRED]
         nested = self.nested
         if not nested.is_active:
             return

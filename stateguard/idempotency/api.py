@@ -19,8 +19,8 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
 from .. import _kernel
-from .._async import AsyncSession, DualContext, as_session, dual_bind
-from ..exceptions import InvalidArgument, NotSupported
+from .._async import AsyncSession, DualContext, dual_bind
+from ..exceptions import InvalidArgument
 from ..tables import MAX_KEY, MAX_SCOPE, idempotency_keys
 from .call import IdempotentCall
 from .claim import Claim
@@ -48,28 +48,7 @@ def idempotent_with(
     """
     _kernel.check_text(scope, "scope", MAX_SCOPE)
     _kernel.check_text(key, "idempotency key", MAX_KEY)
-    return _claimed(session, options, scope, key, fingerprint)
-
-
-def _claimed(
-    session: SessionT, options: IdempotencyOptions, scope: str, key: str, fingerprint: Any
-) -> DualContext[IdempotentCall[SessionT]]:
-    """What :func:`idempotent` and :func:`idempotent_with` return once their arguments are checked:
-    the context of one :class:`Claim` of ``(scope, key)`` on ``session``.
-
-    :raises NotSupported: ``heartbeat_every`` with an AsyncSession.
-    """
-    if isinstance(session, AsyncSession):
-        if options.heartbeat_every is not None:
-            raise NotSupported(
-                "heartbeat_every runs a thread, which cannot use an AsyncSession's connections; "
-                "await call.heartbeat() from your own task instead"
-            )
-        sync_session = session.sync_session
-    else:
-        session = sync_session = as_session(session, "idempotent()")
-    claim = Claim(sync_session, session, scope, key, options, fingerprint_of(fingerprint))
-    return DualContext.checked(session, sync_session, lambda _sync: claim, "idempotent()")
+    return Claim(session, scope, key, options, fingerprint_of(fingerprint))
 
 
 def idempotent(
@@ -130,7 +109,7 @@ def idempotent(
     _kernel.check_text(scope, "scope", MAX_SCOPE)
     _kernel.check_text(key, "idempotency key", MAX_KEY)
     options = options_of(lease, ttl, mode, serializer, heartbeat_every, non_retryable)
-    return _claimed(session, options, scope, key, fingerprint)
+    return Claim(session, scope, key, options, fingerprint_of(fingerprint))
 
 
 def idempotent_function(

@@ -19,14 +19,17 @@ import os
 import threading
 from collections.abc import Callable
 from datetime import timedelta
+from logging import DEBUG
 from types import TracebackType
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
 from .. import _kernel
+from .. import observe as _observe
+from .._async import AsyncSession, DualContextManager, as_session
 from ..exceptions import (
     ConfigurationError,
     DeadlockDetected,
@@ -41,7 +44,7 @@ from ..exceptions import (
 )
 from ..tables import idempotency_keys
 from .call import IdempotentCall
-from .events import emit, log
+from .events import _listeners, emit, log
 from .options import IdempotencyOptions
 from .serialization import exception_text, load
 from .statements import (
@@ -75,24 +78,42 @@ MAX_ROUNDS = 8
 CLAIM_ATTEMPTS = 5
 
 
-class Claim(Generic[S]):
+class Claim(DualContextManager[IdempotentCall[S]]):
     """The claim of one key: the whole algorithm, written once against a Session; a one-use context manager.
 
-    :func:`idempotent` wraps it in a :class:`~stateguard._async.DualContext`,
-    which runs it inside ``run_sync`` for an AsyncSession; ``face`` is the
-    session the caller passed, so the :class:`IdempotentCall` it hands out
-    answers in the caller's kind (awaitables for an AsyncSession).
+    :func:`idempotent` returns it: a :class:`~stateguard._async.DualContextManager`,
+    entered directly with ``with`` and inside ``run_sync`` with ``async with``;
+    ``face`` is the session the caller passed, so the :class:`IdempotentCall`
+    it hands out answers in the caller's kind (awaitables for an AsyncSession).
     """
 
     def __init__(
         self,
-        session: Session,
         face: S,
         scope: str,
         key: str,
         options: IdempotencyOptions,
         fingerprint: str | None,
     ) -> None:
+        """``face``: the Session or AsyncSession the caller passed; the other arguments are checked.
+
+        :raises NotSupported: ``heartbeat_every`` with an AsyncSession.
+        :raises InvalidArgument: ``face`` is not a session.
+        """
+        session: Session
+        if isinstance(face, AsyncSession):
+            if options.heartbeat_every is not None:
+                raise NotSupported(
+                    "heartbeat_every runs a thread, which cannot use an AsyncSession's connections; "
+                    "await call.heartbeat() from your own task instead"
+                )
+            session = face.sync_session
+            self._async = face
+        else:
+            session = face if isinstance(face, Session) else as_session(face, "idempotent()")
+            face = session  # a scoped_session's current Session
+            self._async = None
+        self._name = "idempotent()"  # DualContextManager's attributes, set here: one call less per claim
         self.session = session
         self.face = face
         self.scope = scope
@@ -135,7 +156,7 @@ class Claim(Generic[S]):
         emit(kind, self.scope, self.key, attempt, self.options.mode)
 
     @property
-    def _name(self) -> str:
+    def _what(self) -> str:
         return f"idempotency key {self.key!r} in scope {self.scope!r}"
 
     def _refuse(self, kind: str, attempt: int, cls: Callable[..., E], message: str, **found: Any) -> E:
@@ -145,39 +166,36 @@ class Claim(Generic[S]):
 
     # -- entering ----------------------------------------------------------
 
-    def __enter__(self) -> IdempotentCall[S]:
+    def _enter(self) -> IdempotentCall[S]:
         if self.call is not None:
             raise InvalidArgument(
                 "an idempotent() context manager can be entered only once; call idempotent() again"
             )
-        if self.options.mode == "same_transaction":
-            self.call = self._enter_same()
+        options = self.options
+        if options.mode == "same_transaction":
+            # The claim needs no SAVEPOINT: its INSERT cannot abort the transaction
+            # (ON CONFLICT DO NOTHING; InnoDB rolls back only a duplicate-key
+            # statement).  The block gets one, sent before its first statement
+            # (none if it sends none): an exception rolls back the block's writes,
+            # and the claim is deleted (a new record) or rolled back with the
+            # savepoint (a takeover or reclaim, which opens it before its UPDATE).
+            # A replay wrote nothing and its block only returns the response: no savepoint.
+            session = self.session
+            binds = self._binds = {"bind": _kernel.own_bind(session, idempotency_keys)}
+            conn = self._conn = session.connection(bind_arguments=binds)
+            try:
+                call = self.call = self._claim(conn)
+            except BaseException:
+                self._drop_savepoint()
+                raise
+            if self._block_savepoint is None and call._state == "open":
+                self._block_savepoint = _kernel.DeferredSavepoint(session, conn, binds)
         else:
-            self.call = self._enter_separate()
-        if self.options.heartbeat_every is not None and self.call._state == "open":
+            call = self.call = self._enter_separate()
+        if options.heartbeat_every is not None and call._state == "open":
             self._start_heartbeat()
         elif self._beat_conn is not None:
             self._close_beat_conn()  # replayed or refused: nothing to keep alive
-        return self.call
-
-    def _enter_same(self) -> IdempotentCall[S]:
-        # The claim needs no SAVEPOINT: its INSERT cannot abort the transaction
-        # (ON CONFLICT DO NOTHING; InnoDB rolls back only a duplicate-key
-        # statement).  The block gets one, sent before its first statement
-        # (none if it sends none): an exception rolls back the block's writes,
-        # and the claim is deleted (a new record) or rolled back with the
-        # savepoint (a takeover or reclaim, which opens it before its UPDATE).
-        # A replay wrote nothing and its block only returns the response: no savepoint.
-        session = self.session
-        binds = self._binds = {"bind": _kernel.own_bind(session, idempotency_keys)}
-        conn = self._conn = session.connection(bind_arguments=binds)
-        try:
-            call = self._claim(conn)
-        except BaseException:
-            self._drop_savepoint()
-            raise
-        if self._block_savepoint is None and call._state == "open":
-            self._block_savepoint = _kernel.DeferredSavepoint(session, conn, binds)
         return call
 
     def _savepoint_now(self) -> None:
@@ -208,7 +226,7 @@ class Claim(Generic[S]):
                 # connection): the record cannot be committed with it either, and the block's own
                 # exception is what the caller must see.
                 log.warning(
-                    "could not delete the claim of %s after its block failed", self._name, exc_info=True
+                    "could not delete the claim of %s after its block failed", self._what, exc_info=True
                 )
 
     def _enter_separate(self) -> IdempotentCall[S]:
@@ -251,7 +269,8 @@ class Claim(Generic[S]):
 
     def _claimed(self) -> IdempotentCall[S]:
         self.fresh = True
-        emit("claimed", self.scope, self.key, 1, self.options.mode)
+        if _observe.hooked or _listeners or log.isEnabledFor(DEBUG):
+            emit("claimed", self.scope, self.key, 1, self.options.mode)
         return IdempotentCall(self)
 
     def _claim(self, conn: Connection) -> IdempotentCall[S]:
@@ -259,7 +278,11 @@ class Claim(Generic[S]):
         # PostgreSQL: one statement claims the key or returns its record.
         inserted, values = CLAIM.insert_or_read(conn, params)
         if inserted:
-            return self._claimed()
+            # _claimed(), written out: the path of every first call.
+            self.fresh = True
+            if _observe.hooked or _listeners or log.isEnabledFor(DEBUG):
+                emit("claimed", self.scope, self.key, 1, self.options.mode)
+            return IdempotentCall(self)
         row: Any = None if values is None else Record._make(values)
         read = READ_LOCKING if _kernel.backend(conn.dialect).fresh_read_needs_lock else READ
         for _ in range(MAX_ROUNDS):
@@ -276,7 +299,7 @@ class Claim(Generic[S]):
                 return call
             row = None
         raise SerializationConflict(
-            f"{self._name} changed {MAX_ROUNDS} times while it was being claimed; retry the request"
+            f"{self._what} changed {MAX_ROUNDS} times while it was being claimed; retry the request"
         )
 
     def _decide(self, conn: Connection, row: Any, params: dict[str, Any]) -> IdempotentCall[S] | None:
@@ -301,7 +324,7 @@ class Claim(Generic[S]):
                 "key_reused",
                 row.attempt,
                 IdempotencyKeyReused,
-                f"{self._name} was first used for a different request (another fingerprint); send a new key "
+                f"{self._what} was first used for a different request (another fingerprint); send a new key "
                 f"for a new request",
             )
         if row.status == COMPLETED:
@@ -315,7 +338,7 @@ class Claim(Generic[S]):
                 "failed_replayed",
                 row.attempt,
                 RequestFailed,
-                f"the request of {self._name} failed with a non-retryable error ({row.error}); use a new key "
+                f"the request of {self._what} failed with a non-retryable error ({row.error}); use a new key "
                 f"to try again",
                 error=row.error,
             )
@@ -325,7 +348,7 @@ class Claim(Generic[S]):
                 "in_progress",
                 row.attempt,
                 RequestInProgress,
-                f"{self._name} is being worked on by another request; retry after its lease ends",
+                f"{self._what} is being worked on by another request; retry after its lease ends",
                 retry_after=timedelta(milliseconds=locked_until - now),
             )
         self._savepoint_now()
@@ -349,14 +372,16 @@ class Claim(Generic[S]):
         parameters, no mode dispatch, the UPDATE run by the block's savepoint
         without opening it.
         """
-        savepoint = self._open(self._block_savepoint)
+        savepoint = self._block_savepoint
+        conn = self._conn
+        if savepoint is None or conn is None:
+            raise self._not_open()
         params = self._base_params.copy()
         params["sg_text"] = text
         stmt = COMPLETE_FRESH if self.fresh else COMPLETE
         self._finishing = True
         try:
-            conn = self._open(self._conn)
-            if durability is not None or _kernel.DURABLE or _kernel.needs_size_check(conn, text):
+            if durability is not None or _kernel.DURABLE or len(text) >= _kernel.SIZE_CHECK_FROM:
                 # What write() does: anything these send is stateguard's, outside the block's savepoint.
                 with savepoint.paused():
                     if _kernel.needs_size_check(conn, text):
@@ -373,7 +398,8 @@ class Claim(Generic[S]):
         if matched != 1:
             self._lost(call)
         call._state = "completed"
-        emit("completed", self.scope, self.key, call.attempt, self.options.mode)
+        if _observe.hooked or _listeners or log.isEnabledFor(DEBUG):
+            emit("completed", self.scope, self.key, call.attempt, self.options.mode)
 
     def write(
         self,
@@ -447,7 +473,7 @@ class Claim(Generic[S]):
 
         Called only when :func:`stateguard._kernel.needs_size_check` says ``text`` may be too large.
         """
-        _kernel.check_statement_size(conn, text, f"the stored value of {self._name}")
+        _kernel.check_statement_size(conn, text, f"the stored value of {self._what}")
 
     def heartbeat(self, call: IdempotentCall[S], dedicated: Connection | None = None) -> None:
         """Extend the lease; LeaseLost when another owner took the key (not when this owner finished it).
@@ -489,8 +515,11 @@ class Claim(Generic[S]):
     def _open(self, part: T | None) -> T:
         """A part of the open claim (its connection, savepoint, call ...); InvalidArgument once it is over."""
         if part is None:
-            raise InvalidArgument(f"{self._name} is not open: use the call inside its with block")
+            raise self._not_open()
         return part
+
+    def _not_open(self) -> InvalidArgument:
+        return InvalidArgument(f"{self._what} is not open: use the call inside its with block")
 
     def _lost(self, call: IdempotentCall[S]) -> None:
         self._stop_heartbeat()
@@ -499,7 +528,7 @@ class Claim(Generic[S]):
             "lease_lost",
             call.attempt,
             LeaseLost,
-            f"the lease on {self._name} expired and another request took the key over; its record was left "
+            f"the lease on {self._what} expired and another request took the key over; its record was left "
             f"untouched. Use a longer lease or heartbeat() for long work",
         )
 
@@ -600,7 +629,7 @@ class Claim(Generic[S]):
                 self.write(call, RELEASE, {"sg_text": text}, "released")
         except LeaseLost:
             exc.add_note(
-                f"stateguard: the lease on {self._name} had been taken over; the new owner's record was "
+                f"stateguard: the lease on {self._what} had been taken over; the new owner's record was "
                 f"left untouched"
             )
         except Exception:

@@ -131,7 +131,8 @@ def fingerprint_of(value: Any) -> str | None:
 def dump(serializer: Serializer, value: Any, what: str) -> str:
     """``value`` as the text to store; InvalidArgument (nothing sent) for what no database can take."""
     try:
-        text = serializer.dumps(value)
+        # The default serializer's own encoder called directly: dump() runs on every completion.
+        text = _kernel.dumps_json(value) if serializer is JSON else serializer.dumps(value)
     except RecursionError:
         raise InvalidArgument(
             f"the {what} is nested too deeply for {type(serializer).__name__} to store; flatten it"
@@ -148,7 +149,9 @@ def dump(serializer: Serializer, value: Any, what: str) -> str:
         )
     # PostgreSQL refuses NUL in text and no driver encodes a lone surrogate
     # (JSON with ensure_ascii=False passes one through).
-    return _kernel.check_storable(text, f"the serialised {what}")
+    if "\x00" in text or not text.isascii():  # check_storable's own first test, without its call
+        _kernel.check_storable(text, f"the serialised {what}")
+    return text
 
 
 def load(serializer: Serializer, text: str | None) -> Any:
