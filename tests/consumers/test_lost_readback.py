@@ -189,7 +189,7 @@ def test_stopped_with_the_fate_unknown_the_message_is_given_back_and_settled_nex
         record(session, message)
 
     second = lane.consumer(direct, handler, max_deliveries=1)
-    run_until(second, lambda: second.handled == 1, timeout=20)
+    run_until(second, lambda: second.handled + second.dead_lettered >= 1, timeout=20)
     assert again == (["7"] if cut == "readback" else [])
     assert applied(direct) == {"7": 1}
     assert (second.handled, second.dead_lettered) == (1, 0)
