@@ -1,5 +1,5 @@
 """The consumer's read-back of its consume_once record, and the COMMIT after it, whose reply is lost on
-the wire: RabbitMQ and Redis Streams on PostgreSQL and MariaDB.
+the wire: RabbitMQ, Redis Streams and NATS JetStream on PostgreSQL and MariaDB.
 
 Just before COMMIT the consumer reads its own record back (``still_recorded``: one primary-key SELECT),
 so that a transaction the database threw away under a handler is not acknowledged.  Here that SELECT
@@ -12,11 +12,13 @@ went away before its COMMIT): the next try must apply the message again.  After 
 transaction did commit: the next try must recognise the message as consumed.  Either way the effect is
 in the database once, the consumer neither crashes nor hangs, and nothing is acknowledged that did not
 commit: a consumer stopped while the fate is unknown gives the message back, and the one after it
-settles it (with ``max_deliveries=1``, so a delivery wrongly counted would dead-letter it unhandled).
+settles it (with ``max_deliveries=1``, so a delivery wrongly counted would dead-letter it unhandled;
+JetStream counts the nak'd one whatever the consumer does: a strict xfail there).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,13 +29,13 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from stateguard import create_tables, drop_tables
-from stateguard.consumers import Message, RabbitMQConsumer, RedisStreamConsumer
+from stateguard.consumers import Message, NATSConsumer, RabbitMQConsumer, RedisStreamConsumer
 
-from .._support.brokers import RABBITMQ_URL
+from .._support.brokers import NATS_URL, RABBITMQ_URL
 from .._support.faultproxy import FaultProxy, commit_of, proxied_engine
 from ..conftest import Backend, backends_with
 from ._behaviours import Counting
-from ._drive import publish_amqp, run_until
+from ._drive import publish_amqp, publish_nats, run_until
 from ._effects import applied, metadata, record
 
 pytestmark = [
@@ -76,8 +78,46 @@ class Lane:
     dead: Callable[[], int]
 
 
-@pytest.fixture(params=["rabbitmq", "redis"])
+def unsettled(url: str, stream: str, durable: str) -> int:
+    """The durable JetStream consumer's messages not delivered yet or not acknowledged."""
+
+    async def ask() -> int:
+        import nats
+
+        client = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0)
+        try:
+            info = await client.jetstream().consumer_info(stream, durable)
+            return int(info.num_pending) + int(info.num_ack_pending)
+        finally:
+            await client.close()
+
+    return asyncio.run(ask())
+
+
+@pytest.fixture(params=["rabbitmq", "redis", "nats"])
 def lane(request: pytest.FixtureRequest) -> Lane:
+    if request.param == "nats":
+        js = request.getfixturevalue("js")
+
+        def jetstream(engine: Engine, handler: Any, **kw: Any) -> NATSConsumer:
+            return NATSConsumer(
+                engine,
+                handler,
+                NATS_URL,
+                stream=js.name,
+                durable="billing",
+                dead_letter_subject=js.dead_subject,
+                poll=timedelta(milliseconds=100),
+                retry_delay=timedelta(milliseconds=50),
+                **kw,
+            )
+
+        return Lane(
+            publish=lambda message_id: publish_nats(js, message_id),
+            consumer=jetstream,
+            waiting=lambda: unsettled(NATS_URL, js.name, "billing"),
+            dead=lambda: len(js.messages(js.dead_name)),
+        )
     if request.param == "rabbitmq":
         mq = request.getfixturevalue("mq")
 
@@ -164,11 +204,20 @@ def test_a_lost_reply_is_settled_before_the_ack(
 
 @pytest.mark.parametrize("cut", CUTS)
 def test_stopped_with_the_fate_unknown_the_message_is_given_back_and_settled_next(
-    proxied: tuple[Engine, FaultProxy], direct: Engine, lane: Lane, cut: str
+    request: pytest.FixtureRequest, proxied: tuple[Engine, FaultProxy], direct: Engine, lane: Lane, cut: str
 ) -> None:
     """Stop asked while the read-back's or the COMMIT's reply is lost: the message is not acknowledged
     but given back, uncounted; the next consumer (``max_deliveries=1``) applies it (nothing had
     committed) or acknowledges it as a repeat (it had), and it is in once, nothing dead-lettered."""
+    if "js" in request.fixturenames:
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                reason="JetStream counts the nak'd delivery (num_delivered) and nothing can take it "
+                "back: with max_deliveries=1 the next consumer dead-letters it (docs/how-to/consumers.md, "
+                "as test_nats_deliveries' stop mid-batch)",
+            )
+        )
     engine, proxy = proxied
     lane.publish("7")
     calls: list[str] = []
