@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session
 from stateguard import create_tables, drop_tables
 from stateguard.consumers import Message, NATSConsumer, RabbitMQConsumer, RedisStreamConsumer
 
-from .._support.brokers import NATS_URL, RABBITMQ_URL
+from .._support.brokers import NATS_URL, RABBITMQ_URL, Queue, rabbit_queue
 from .._support.faultproxy import FaultProxy, commit_of, proxied_engine
 from ..conftest import Backend, backends_with
 from ._behaviours import Counting
@@ -94,8 +94,30 @@ def unsettled(url: str, stream: str, durable: str) -> int:
     return asyncio.run(ask())
 
 
-@pytest.fixture(params=["rabbitmq", "redis", "nats"])
-def lane(request: pytest.FixtureRequest) -> Lane:
+def rabbit_lane(mq: Queue) -> Lane:
+    def rabbit(engine: Engine, handler: Any, **kw: Any) -> RabbitMQConsumer:
+        return RabbitMQConsumer(
+            engine, handler, RABBITMQ_URL, queue=mq.queue, consumer="billing", poll=0.05, **kw
+        )
+
+    return Lane(
+        publish=lambda message_id: publish_amqp(mq, message_id),
+        consumer=rabbit,
+        waiting=lambda: mq.count(),
+        dead=lambda: mq.count(mq.dead_queue),
+    )
+
+
+@pytest.fixture(params=["rabbitmq", "rabbitmq-quorum", "redis", "nats"])
+def lane(request: pytest.FixtureRequest) -> Iterator[Lane]:
+    if request.param == "rabbitmq-quorum":
+        with rabbit_queue(quorum=True) as quorum:
+            yield rabbit_lane(quorum)
+        return
+    yield made_lane(request)
+
+
+def made_lane(request: pytest.FixtureRequest) -> Lane:
     if request.param == "nats":
         js = request.getfixturevalue("js")
 
@@ -119,19 +141,7 @@ def lane(request: pytest.FixtureRequest) -> Lane:
             dead=lambda: len(js.messages(js.dead_name)),
         )
     if request.param == "rabbitmq":
-        mq = request.getfixturevalue("mq")
-
-        def rabbit(engine: Engine, handler: Any, **kw: Any) -> RabbitMQConsumer:
-            return RabbitMQConsumer(
-                engine, handler, RABBITMQ_URL, queue=mq.queue, consumer="billing", poll=0.05, **kw
-            )
-
-        return Lane(
-            publish=lambda message_id: publish_amqp(mq, message_id),
-            consumer=rabbit,
-            waiting=lambda: mq.count(),
-            dead=lambda: mq.count(mq.dead_queue),
-        )
+        return rabbit_lane(request.getfixturevalue("mq"))
     client, name = request.getfixturevalue("stream")
 
     def streams(engine: Engine, handler: Any, **kw: Any) -> RedisStreamConsumer:
@@ -209,6 +219,15 @@ def test_stopped_with_the_fate_unknown_the_message_is_given_back_and_settled_nex
     """Stop asked while the read-back's or the COMMIT's reply is lost: the message is not acknowledged
     but given back, uncounted; the next consumer (``max_deliveries=1``) applies it (nothing had
     committed) or acknowledges it as a repeat (it had), and it is in once, nothing dead-lettered."""
+    if "rabbitmq-quorum" in request.node.callspec.id:
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                reason="a quorum queue counts the nack(requeue) of the message in hand in x-delivery-count, "
+                "which RabbitMQConsumer reads as failed deliveries: with max_deliveries=1 the next "
+                "consumer dead-letters it unhandled",
+            )
+        )
     if "js" in request.fixturenames:
         request.applymarker(
             pytest.mark.xfail(
