@@ -376,6 +376,10 @@ class RedisStreamConsumer:
             return self._dead_letter(entry_id, fields, deliveries, "its id cannot be recorded")
         if verdict is Verdict.FAILED and deliveries >= self.max_deliveries:
             return self._dead_letter(entry_id, fields, deliveries, "the handler failed")
+        if verdict is Verdict.STOPPED:
+            # Stopped while waiting out the database (a COMMIT's fate unknown): not a failure, so
+            # not a delivery either, or with max_deliveries=1 the next read dead-letters it unhandled.
+            self._give_back([(entry_id, fields, deliveries)])
         return 0  # pending: claimed again after claim_idle
 
     def _dead_letter(self, entry_id: Any, fields: Any, deliveries: int, why: str) -> int:

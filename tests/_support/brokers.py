@@ -106,11 +106,12 @@ class Queue:
 
 
 @contextmanager
-def rabbit_queue(*, dead_letters: bool = True) -> Iterator[Queue]:
+def rabbit_queue(*, dead_letters: bool = True, quorum: bool = False) -> Iterator[Queue]:
     """A :class:`Queue` with unique names, deleted afterwards.
 
     ``dead_letters=False``: the queue is declared without arguments (what a Celery worker declares
-    for itself), its dead letters are dropped.
+    for itself), its dead letters are dropped.  ``quorum=True``: a quorum queue (RabbitMQ counts
+    every return to it in the ``x-delivery-count`` header).
     """
     import pika
 
@@ -128,7 +129,9 @@ def rabbit_queue(*, dead_letters: bool = True) -> Iterator[Queue]:
         ch.exchange_declare(dlx, "fanout")
         ch.queue_declare(box.dead_queue, durable=True)
         ch.queue_bind(box.dead_queue, dlx)
-        arguments = {"x-dead-letter-exchange": dlx} if dead_letters else None
+        arguments: dict[str, Any] | None = {"x-dead-letter-exchange": dlx} if dead_letters else None
+        if quorum:
+            arguments = (arguments or {}) | {"x-queue-type": "quorum"}
         ch.queue_declare(box.queue, durable=True, arguments=arguments)
         ch.queue_bind(box.queue, box.exchange, "#")
         yield box
