@@ -14,8 +14,11 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.orm import sessionmaker
 from starlette.applications import Starlette
 from starlette.routing import Mount
+from flask import Flask, jsonify, request
+from werkzeug.test import Client
 
 from stateguard.asgi import IdempotencyMiddleware, RouteOptions, default_store_status
+from stateguard.http.wsgi import WSGIIdempotencyMiddleware
 from stateguard.tables import metadata as stateguard_metadata
 from tests.conftest import Backend
 
@@ -101,5 +104,68 @@ def test_a_routes_store_status_applies_under_a_root_path(backend: Backend, serve
         return [await _post(app, url, root_path, json=body, headers=headers) for _ in range(2)]
 
     first, retry = asyncio.run(scenario())
+    assert first.status_code == 409 and retry.status_code == 409
+    assert retry.headers.get("idempotency-replayed") == "true" and charges == [5], charges
+
+
+def _flask_payments(backend: Backend, charges: list[int]) -> Client:
+    """The same payments app in Flask, behind the WSGI face with the same patterns; a non-ASCII route too."""
+    backend.create(stateguard_metadata)
+    app = Flask(__name__)
+
+    @app.post("/payments")
+    @app.post("/zahlungen/über")
+    def pay() -> Any:
+        body = request.get_json()
+        charges.append(body["amount"])  # psp.charge(...)
+        status = 409 if body.get("conflict") else 201
+        return jsonify(charged=len(charges)), status
+
+    app.wsgi_app = WSGIIdempotencyMiddleware(  # type: ignore[method-assign]
+        app.wsgi_app,
+        session_factory=sessionmaker(backend.engine),
+        required_paths=["/payments", "/zahlungen/über"],
+        routes={"/payments": RouteOptions(store_status=lambda s: s == 409 or default_store_status(s))},
+    )
+    return Client(app)
+
+
+# PATH_INFO as gunicorn hands it (PEP 3333: the request path's bytes, percent-decoded, as latin-1), for
+# spellings Flask routes to a required route: leading slashes (werkzeug strips them), SCRIPT_NAME cut
+# off as a string (gunicorn: SCRIPT_NAME "/api", request "/apipayments"), and UTF-8 bytes.
+WSGI_SPELLINGS = [
+    ("", "//payments"),
+    ("/api", "payments"),
+    ("/api", "//payments"),
+    ("", "/zahlungen/über".encode().decode("latin-1")),
+]
+WSGI_IDS = ["double-slash", "script-name-not-a-segment", "script-name-double-slash", "utf-8"]
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize(("script_name", "path_info"), WSGI_SPELLINGS, ids=WSGI_IDS)
+def test_a_required_path_needs_its_key_however_the_wsgi_server_spells_it(
+    backend: Backend, script_name: str, path_info: str
+) -> None:
+    """A keyless POST that Flask routes to a required route is 400 and charges nothing."""
+    charges: list[int] = []
+    client = _flask_payments(backend, charges)
+    environ = {"SCRIPT_NAME": script_name, "PATH_INFO": path_info}
+    response = client.post("/", json={"amount": 5}, headers=ALICE, environ_overrides=environ)
+    assert response.status_code == 400 and charges == [], (response.status_code, response.text)
+
+
+@pytest.mark.hostile
+def test_a_routes_store_status_applies_however_the_wsgi_server_spells_it(backend: Backend) -> None:
+    """The 409-after-charging of /payments, requested as //payments, is stored and replayed: the
+    retry does not charge again."""
+    charges: list[int] = []
+    client = _flask_payments(backend, charges)
+    headers = {**ALICE, "Idempotency-Key": "rev-root-wsgi-1"}
+    environ = {"PATH_INFO": "//payments"}
+    first, retry = (
+        client.post("/", json={"amount": 5, "conflict": True}, headers=headers, environ_overrides=environ)
+        for _ in range(2)
+    )
     assert first.status_code == 409 and retry.status_code == 409
     assert retry.headers.get("idempotency-replayed") == "true" and charges == [5], charges
