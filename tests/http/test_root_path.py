@@ -11,10 +11,10 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from flask import Flask, jsonify, request
 from sqlalchemy.orm import sessionmaker
 from starlette.applications import Starlette
 from starlette.routing import Mount
-from flask import Flask, jsonify, request
 from werkzeug.test import Client
 
 from stateguard.asgi import IdempotencyMiddleware, RouteOptions, default_store_status
@@ -27,11 +27,13 @@ pytestmark = pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indire
 ALICE = {"Authorization": "Bearer rev-root-alice"}
 
 
-def _payments(charges: list[int]) -> FastAPI:
-    """A payments app whose handler charges first and may then find a conflict (409 after acting)."""
+def _payments(charges: list[int], extra: str | None = None) -> FastAPI:
+    """A payments app whose handler charges first and may then find a conflict (409 after acting);
+    ``extra`` is a second path to it."""
     app = FastAPI()
 
     @app.post("/payments")
+    @app.post(extra or "/payments")
     def pay(body: dict[str, Any]) -> JSONResponse:
         charges.append(body["amount"])  # psp.charge(...)
         if body.get("conflict"):
@@ -41,12 +43,12 @@ def _payments(charges: list[int]) -> FastAPI:
     return app
 
 
-def _middleware(app: Any, backend: Backend) -> IdempotencyMiddleware:
+def _middleware(app: Any, backend: Backend, also: str | None = None) -> IdempotencyMiddleware:
     backend.create(stateguard_metadata)
     return IdempotencyMiddleware(
         app,
         session_factory=sessionmaker(backend.engine),
-        required_paths=["/payments"],
+        required_paths=["/payments", *([also] if also else [])],
         # the how-to's advice for a handler that answers 409 after it acted
         routes={"/payments": RouteOptions(store_status=lambda s: s == 409 or default_store_status(s))},
     )
@@ -106,6 +108,40 @@ def test_a_routes_store_status_applies_under_a_root_path(backend: Backend, serve
     first, retry = asyncio.run(scenario())
     assert first.status_code == 409 and retry.status_code == 409
     assert retry.headers.get("idempotency-replayed") == "true" and charges == [5], charges
+
+
+# (root_path, URL path) as uvicorn hands them (its scope path is root_path + the request's path, so
+# --root-path "/" or "/api/" doubles a slash), as a proxy that strips the prefix, or hypercorn, hands
+# them (path without root_path), and hostile ones: a root_path that is not a whole segment of the
+# path, equal to the path, longer than it, of another case, non-ASCII.  Starlette routes the first
+# ones to /payments, and the others nowhere (404).
+ASGI_SPELLINGS = [
+    ("/", "//payments", 400),
+    ("/api/", "/api//payments", 400),
+    ("/api", "/payments", 400),
+    ("/café", "/caf%C3%A9/payments", 400),
+    ("/café", "/caf%C3%A9/zahlungen/%C3%BCber", 400),
+    ("", "//payments", 404),
+    ("/api", "/api//payments", 404),
+    ("/api", "/apiary/payments", 404),
+    ("/api", "/apipayments", 404),
+    ("/api/payments", "/api/payments", 404),
+    ("/api", "/API/payments", 404),
+    ("/api/payments/x", "/api/payments", 404),
+]
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize(("root_path", "path", "status"), ASGI_SPELLINGS)
+def test_a_required_path_needs_its_key_however_the_root_path_is_spelled(
+    backend: Backend, root_path: str, path: str, status: int
+) -> None:
+    """The patterns mean what Starlette's routes mean under any root_path: a keyless POST that reaches
+    a required route is 400, and none charges."""
+    charges: list[int] = []
+    app = _middleware(_payments(charges, extra="/zahlungen/über"), backend, also="/zahlungen/über")
+    response = asyncio.run(_post(app, "http://shop" + path, root_path, json={"amount": 5}, headers=ALICE))
+    assert response.status_code == status and charges == [], (response.status_code, response.text)
 
 
 def _flask_payments(backend: Backend, charges: list[int]) -> Client:

@@ -167,7 +167,8 @@ def _raw_post(server: Server, target: str, body: bytes, headers: dict[str, str])
     """POST ``target`` byte for byte (an HTTP client would normalise ``//charges``); the status code."""
     host, port = server.url.removeprefix("http://").split(":")
     lines = [f"POST {target} HTTP/1.1", f"Host: {host}", "Content-Type: application/json",
-             f"Content-Length: {len(body)}", "Connection: close", *(f"{k}: {v}" for k, v in headers.items())]  # fmt: skip
+             f"Content-Length: {len(body)}", "Connection: close"]  # fmt: skip
+    lines += [f"{name}: {value}" for name, value in headers.items()]
     with socket.create_connection((host, int(port)), timeout=60) as conn:
         conn.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
         reply = b""
