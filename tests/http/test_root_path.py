@@ -5,6 +5,7 @@ mean what the app's own routes mean, or a payment route's options silently stop 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import httpx
@@ -15,6 +16,8 @@ from flask import Flask, jsonify, request
 from sqlalchemy.orm import sessionmaker
 from starlette.applications import Starlette
 from starlette.routing import Mount
+from werkzeug.exceptions import NotFound
+from werkzeug.routing import Map, Rule
 from werkzeug.test import Client
 
 from stateguard.asgi import IdempotencyMiddleware, RouteOptions, default_store_status
@@ -142,6 +145,57 @@ def test_a_required_path_needs_its_key_however_the_root_path_is_spelled(
     app = _middleware(_payments(charges, extra="/zahlungen/über"), backend, also="/zahlungen/über")
     response = asyncio.run(_post(app, "http://shop" + path, root_path, json={"amount": 5}, headers=ALICE))
     assert response.status_code == status and charges == [], (response.status_code, response.text)
+
+
+def _werkzeug_routed(charges: list[int]) -> Any:
+    """The payments route of an ASGI app that routes as Quart (Flask's ASGI twin) does: ``root_path``
+    cut off ``path`` as a string, then werkzeug's ``Map``, which strips the leading slashes."""
+    routes = Map([Rule("/payments", endpoint="pay", methods=["POST"])])
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path, root_path = scope["path"], scope.get("root_path", "")
+        if root_path:  # quart.asgi._normalise_path
+            path = " " if path == root_path or not path.startswith(root_path) else path[len(root_path) :]
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        try:
+            routes.bind("shop").match(path, method=scope["method"])
+            charges.append(json.loads(body)["amount"])  # psp.charge(...)
+            status, answer = 201, b'{"charged": true}'
+        except NotFound:
+            status, answer = 404, b"{}"
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": answer})
+
+    return app
+
+
+# Where the werkzeug-routed app reaches /payments: leading slashes, a root_path cut off mid-segment
+# ("/api" off "/apipayments") or with its trailing slash ("/api/" off "/api/payments").
+WERKZEUG_SPELLINGS = [
+    ("", "//payments"),
+    ("/api", "/api//payments"),
+    ("/api", "/apipayments"),
+    ("/api/", "/api/payments"),
+]
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize(("root_path", "path"), WERKZEUG_SPELLINGS)
+def test_a_required_path_needs_its_key_in_an_app_that_routes_as_werkzeug(
+    backend: Backend, root_path: str, path: str
+) -> None:
+    """The ASGI face in front of a Quart-style app: a keyless POST that its router takes to
+    /payments is 400 and charges nothing."""
+    charges: list[int] = []
+    app = _middleware(_werkzeug_routed(charges), backend)
+    response = asyncio.run(_post(app, "http://shop" + path, root_path, json={"amount": 5}, headers=ALICE))
+    assert response.status_code == 400 and charges == [], (response.status_code, response.text)
 
 
 def _flask_payments(backend: Backend, charges: list[int]) -> Client:
