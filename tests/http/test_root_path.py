@@ -117,17 +117,18 @@ def test_a_routes_store_status_applies_under_a_root_path(backend: Backend, serve
 # --root-path "/" or "/api/" doubles a slash), as a proxy that strips the prefix, or hypercorn, hands
 # them (path without root_path), and hostile ones: a root_path that is not a whole segment of the
 # path, equal to the path, longer than it, of another case, non-ASCII.  Starlette routes the first
-# ones to /payments, and the others nowhere (404).
+# ones to /payments; the next ones it answers 404, but an app that routes as werkzeug does (below)
+# reaches /payments there, so the key is required; the last ones reach no route at all.
 ASGI_SPELLINGS = [
     ("/", "//payments", 400),
     ("/api/", "/api//payments", 400),
     ("/api", "/payments", 400),
     ("/café", "/caf%C3%A9/payments", 400),
     ("/café", "/caf%C3%A9/zahlungen/%C3%BCber", 400),
-    ("", "//payments", 404),
-    ("/api", "/api//payments", 404),
+    ("", "//payments", 400),
+    ("/api", "/api//payments", 400),
+    ("/api", "/apipayments", 400),
     ("/api", "/apiary/payments", 404),
-    ("/api", "/apipayments", 404),
     ("/api/payments", "/api/payments", 404),
     ("/api", "/API/payments", 404),
     ("/api/payments/x", "/api/payments", 404),
