@@ -79,23 +79,28 @@ def _request(scope: Scope) -> HttpRequest:
     )
 
 
-def _route_path(scope: Scope) -> str:
-    """The path the app routes on: ``path`` without the ``root_path`` it starts with.
+def _route_paths(scope: Scope) -> tuple[str, ...]:
+    """The paths the app may route on: as Starlette, then as werkzeug (Quart) routes, if other.
 
     ``required_paths`` and ``routes`` name the app's own routes.  Under uvicorn's ``--root-path
     /api`` (and in an app mounted with Starlette's ``Mount``) ``path`` is ``/api/payments`` and
     ``root_path`` ``/api``, while the app's route is ``/payments``: Starlette routes on the
-    difference (``starlette._utils.get_route_path``), and so do these patterns.  A ``path`` that
-    does not start with ``root_path`` (servers that strip it) is the route path itself.
+    difference (``starlette._utils.get_route_path``), only where ``root_path`` is whole segments
+    of ``path``.  A ``path`` that does not start with ``root_path`` (servers that strip it) is the
+    route path itself.  Quart cuts ``root_path`` off as a string and werkzeug strips the leading
+    slashes: ``//payments``, ``/apipayments`` under ``/api`` and ``/api/payments`` under ``/api/``
+    are its ``/payments``, so that path is a second candidate (a key required where Starlette
+    answers 404 costs nothing).
     """
     path = str(scope.get("path", ""))
     root_path = str(scope.get("root_path", "") or "")
-    if not root_path or not path.startswith(root_path):
-        return path
-    rest = path[len(root_path) :]
-    if not rest:
-        return "/"
-    return rest if rest.startswith("/") else path
+    starlette = path
+    if root_path and path.startswith(root_path):
+        rest = path[len(root_path) :]
+        starlette = "/" if not rest else rest if rest.startswith("/") else path
+        path = rest
+    werkzeug = "/" + path.lstrip("/")
+    return (starlette,) if werkzeug == starlette else (starlette, werkzeug)
 
 
 def principal_of(scope: Scope, *, session_cookies: Iterable[str] = ()) -> str | None:
@@ -279,7 +284,8 @@ class IdempotencyMiddleware(MiddlewareCore["ASGIApp", "Callable[[], Session] | C
     :param required_paths: paths (``/payments``, or prefixes ``/payments/*``)
         where a request without a key is answered 400.  These and ``routes``
         patterns are the app's route paths: under a ``root_path`` (uvicorn
-        ``--root-path``, a Starlette ``Mount``) they match the path without it.
+        ``--root-path``, a Starlette ``Mount``) they match the path without it,
+        as Starlette and as Quart route it (``//payments`` is ``/payments``).
     :param methods: the methods the header is honoured on (default POST, PATCH).
     :param lease: how long a claim stays "in progress" before another request
         may take it over (a worker that died); longer than your slowest handler.
@@ -313,7 +319,7 @@ class IdempotencyMiddleware(MiddlewareCore["ASGIApp", "Callable[[], Session] | C
 
     def _settings_for(self, scope: Scope) -> Settings | None:
         """The effective settings for a request, or ``None`` when its route is disabled."""
-        return self.options.settings_for(_route_path(scope), scope)
+        return self.options.settings_for(_route_paths(scope), scope)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

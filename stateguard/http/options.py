@@ -385,16 +385,22 @@ class Options:
         for pattern, options in self.routes:
             self.merge(options, required=False, where=f"routes[{pattern!r}]")
 
-    def settings_for(self, path: str, native: Native) -> Settings | None:
-        """The effective settings for a request, or ``None`` when its route is disabled."""
+    def settings_for(self, path: str | tuple[str, ...], native: Native) -> Settings | None:
+        """The effective settings for a request, or ``None`` when its route is disabled.
+
+        ``path`` may be several spellings of the request's route path (the face cannot tell which
+        one the app routes on): the key is required if a required pattern matches any of them, and
+        the route is the first one's, else the next's.
+        """
+        paths = (path,) if isinstance(path, str) else path
         route: RouteOptions | None
         if self.routes_fn is not None:
             route = self.routes_fn(native)
             if route is not None and not isinstance(route, RouteOptions):
                 raise InvalidArgument(f"the routes callable must return RouteOptions or None, got {route!r}")
         else:
-            route = next((o for p, o in self.routes if matches(p, path)), None)
-        required = any(matches(p, path) for p in self.required_paths)
+            route = next((o for one in paths for p, o in self.routes if matches(p, one)), None)
+        required = any(matches(p, one) for one in paths for p in self.required_paths)
         if route is None:
             return replace(self.defaults, required=required)
         where = "routes" if self.routes_fn is None else "the RouteOptions of the routes callable"

@@ -21,6 +21,7 @@ until the server closes it.  See ``docs/how-to/http.md``.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 from collections.abc import Callable, Iterable, Iterator
@@ -125,6 +126,23 @@ def _read_body(environ: Environ, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
+def _route_path(environ: Environ) -> str:
+    """The path the app routes on, as werkzeug (Flask) routes it: ``PATH_INFO`` from UTF-8, one
+    leading slash.
+
+    ``required_paths`` and ``routes`` name the app's own routes, and PATH_INFO is already without
+    SCRIPT_NAME.  But PEP 3333 hands its bytes as latin-1 (``/zahlungen/über`` arrives as
+    ``/zahlungen/Ã¼ber``), and werkzeug routes ``//payments`` and ``payments`` (what gunicorn leaves
+    of ``/apipayments`` under ``SCRIPT_NAME=/api``) to ``/payments``: matched as they came, those
+    keyless requests ran a required route.  A framework that does not strip them answers 404 there;
+    a key required for a 404 costs nothing.
+    """
+    path = str(environ.get("PATH_INFO", ""))
+    with contextlib.suppress(UnicodeEncodeError):  # not latin-1: a server that already decoded it
+        path = path.encode("latin-1").decode("utf-8", "replace")
+    return "/" + path.lstrip("/")
+
+
 class WSGIIdempotencyMiddleware(MiddlewareCore["WSGIApp", "Callable[[], Session]"]):
     """Make POST and PATCH requests with an ``Idempotency-Key`` header run once and replay after (WSGI).
 
@@ -134,7 +152,9 @@ class WSGIIdempotencyMiddleware(MiddlewareCore["WSGIApp", "Callable[[], Session]
     ``sessionmaker``): an ``async_sessionmaker`` or an Engine is refused
     when the middleware is built.  A Flask app that logs users in with its
     session cookie names it in ``session_cookies``; a keyed request that
-    names no client is answered 400 unless ``anonymous="shared"``::
+    names no client is answered 400 unless ``anonymous="shared"``.  Path
+    patterns match ``PATH_INFO`` as Flask routes it: decoded from UTF-8, its
+    leading slashes as one (``//payments`` is ``/payments``)::
 
         app.wsgi_app = WSGIIdempotencyMiddleware(
             app.wsgi_app,
@@ -150,7 +170,7 @@ class WSGIIdempotencyMiddleware(MiddlewareCore["WSGIApp", "Callable[[], Session]
     allow_async: ClassVar[bool] = False
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
-        settings = self.options.settings_for(str(environ.get("PATH_INFO", "")), environ)
+        settings = self.options.settings_for(_route_path(environ), environ)
         method = str(environ.get("REQUEST_METHOD", "")).upper()
         if settings is None or method not in settings.methods:
             return self.app(environ, start_response)

@@ -163,6 +163,36 @@ def test_the_drafts_answers_through_a_wsgi_server(server: Server, backend: Backe
     assert corrected.status_code == 409 and "idempotency-replayed" not in corrected.headers
 
 
+def _raw_post(server: Server, target: str, body: bytes, headers: dict[str, str]) -> int:
+    """POST ``target`` byte for byte (an HTTP client would normalise ``//charges``); the status code."""
+    host, port = server.url.removeprefix("http://").split(":")
+    lines = [f"POST {target} HTTP/1.1", f"Host: {host}", "Content-Type: application/json",
+             f"Content-Length: {len(body)}", "Connection: close"]  # fmt: skip
+    lines += [f"{name}: {value}" for name, value in headers.items()]
+    with socket.create_connection((host, int(port)), timeout=60) as conn:
+        conn.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
+        reply = b""
+        while chunk := conn.recv(65536):
+            reply += chunk
+    return int(reply.split(b" ", 2)[1])
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize(
+    ("target", "headers"),
+    [("//charges", {}), ("///charges", {}), ("/apicharges", {"SCRIPT_NAME": "/api"})],
+    ids=["double-slash", "triple-slash", "script-name-not-a-segment"],
+)
+def test_a_required_path_needs_its_key_however_gunicorn_spells_it(
+    server: Server, backend: Backend, target: str, headers: dict[str, str]
+) -> None:
+    """Flask routes ``//charges`` (werkzeug strips the leading slashes) and, behind a proxy that sets
+    ``SCRIPT_NAME: /api``, ``/apicharges`` (gunicorn cuts SCRIPT_NAME off as a string: PATH_INFO is
+    ``charges``) to ``/charges``, which requires a key: without one it is 400 and nothing is charged."""
+    status = _raw_post(server, target, b'{"amount": 3}', headers)
+    assert status == 400 and _charges(backend, "") == [], (status, _charges(backend, ""))
+
+
 @pytest.mark.restart
 def test_a_worker_killed_mid_request_frees_its_key_when_the_lease_ends(
     short_lease_server: Server, backend: Backend, tmp_path: Path
