@@ -376,8 +376,10 @@ class KeyedRequest:
             }
         else:
             # A 4xx not stored was refused before it ran: forget the key, so that the
-            # corrected request may use it (not only a byte-identical retry).
-            reason, forget = f"HTTP {status}, not stored", 400 <= status < 500
+            # corrected request may use it (not only a byte-identical retry); so was a 307 or
+            # 308, whose redirected request (another path) comes with the same key.
+            reason = f"HTTP {status}, not stored"
+            forget = 400 <= status < 500 or status == 307 or status == 308
         try:
             self._finish(response, reason, forget)
         except Exception as error:

@@ -50,13 +50,15 @@ __all__ = [
 ScopeFn: TypeAlias = Callable[[Native], str]
 RoutesFn: TypeAlias = Callable[[Native], "RouteOptions | None"]
 
-#: 4xx answers that mean the request was refused before it ran: not stored by default (Stripe saves
+#: Answers that mean the request was refused before it ran: not stored by default (Stripe saves
 #: no result "if incoming parameters failed validation, or the request conflicted with another that
 #: was executing concurrently").  Malformed or invalid (400, 422), not authenticated or not allowed
 #: (401, 403), no such route or method (404, 405), a conflict with the resource's current state
 #: (409), a body the app does not take (413, 415), and "try again later" (408, 425, 429): storing
 #: them would turn the retry they ask for (or a corrected request) into a replay of the refusal.
-REFUSED_BEFORE_EXECUTION = frozenset({400, 401, 403, 404, 405, 408, 409, 413, 415, 422, 425, 429})
+#: And 307 and 308, "send this same request to another URL" (a router's trailing-slash redirect):
+#: stored, the redirected request with the key would be another request under it (422) for good.
+REFUSED_BEFORE_EXECUTION = frozenset({307, 308, 400, 401, 403, 404, 405, 408, 409, 413, 415, 422, 425, 429})
 
 _TOKEN_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
 
@@ -67,7 +69,8 @@ def default_store_status(status: int) -> bool:
     Not stored: 5xx (the server failed: the client retries and the app runs
     again) and :data:`REFUSED_BEFORE_EXECUTION` (400, 401, 403, 404, 405,
     408, 409, 413, 415, 422, 425, 429: the request was refused before it
-    ran, so its key is forgotten and a corrected request may use it).
+    ran, so its key is forgotten and a corrected request may use it; 307
+    and 308: the same request is to be sent elsewhere, with its key).
     Other 4xx (402 "card declined", 410, 412 ...) are outcomes of a request
     that ran: stored and replayed.  A handler that answers one of the
     refusal codes *after* acting must be covered by its own policy::

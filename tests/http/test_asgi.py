@@ -412,6 +412,27 @@ def test_every_refusal_status_forgets_the_key(sqlite_client: Client, sqlite_shop
     assert sqlite_shop.calls["pay"] == 2
 
 
+def test_a_trailing_slash_redirect_is_followed_with_its_key(client: Client, shop: Shop) -> None:
+    """The router's 307 for ``/payments/`` (to ``/payments``) is not stored under the key: the
+    client that follows it with the same key pays once, and its retry to ``/payments`` replays the
+    payment.  Stored, the redirected request (another path) was 422 under that key for good."""
+    tc = client()
+    headers = {"Idempotency-Key": "slash"}
+    redirect = tc.post("/payments/", json={"amount": 7}, headers=headers, follow_redirects=False)
+    assert redirect.status_code == 307 and redirect.headers["location"].endswith("/payments")
+    assert key_rows(shop) == []  # forgotten
+    paid = tc.post("/payments/", json={"amount": 7}, headers=headers, follow_redirects=True)
+    assert paid.status_code == 201 and "idempotency-replayed" not in paid.headers
+    again = tc.post("/payments", json={"amount": 7}, headers=headers)  # the retry, where it was redirected
+    assert again.status_code == 201 and again.headers["idempotency-replayed"] == "true"
+    assert again.json() == paid.json()
+    # The key now belongs to the request at /payments: the one at /payments/ is another request.
+    assert (
+        tc.post("/payments/", json={"amount": 7}, headers=headers, follow_redirects=False).status_code == 422
+    )
+    assert shop.calls["pay"] == 1 and payments_rows(shop) == 1
+
+
 def test_forgetting_never_deletes_a_record_taken_over_since(shop: Shop) -> None:
     """release(forget=True) deletes only its own call's record: after a takeover it is LeaseLost and the
     new owner's record stays."""
@@ -934,10 +955,11 @@ def test_stored_headers_drop_hop_by_hop_connection_named_and_credential_headers(
 
 
 def test_default_store_policy() -> None:
-    """2xx, 3xx and 4xx outcomes are stored; refusals before execution and 5xx never."""
-    stored = [s for s in (200, 201, 204, 301, 303, 402, 410, 412, 418) if default_store_status(s)]
-    assert stored == [200, 201, 204, 301, 303, 402, 410, 412, 418]
-    refused = (400, 401, 403, 404, 405, 408, 409, 413, 415, 422, 425, 429)
+    """2xx, 3xx and 4xx outcomes are stored; refusals before execution (307 and 308: the same
+    request to be sent elsewhere) and 5xx never."""
+    stored = [s for s in (200, 201, 204, 301, 302, 303, 402, 410, 412, 418) if default_store_status(s)]
+    assert stored == [200, 201, 204, 301, 302, 303, 402, 410, 412, 418]
+    refused = (307, 308, 400, 401, 403, 404, 405, 408, 409, 413, 415, 422, 425, 429)
     assert frozenset(refused) == REFUSED_BEFORE_EXECUTION
     assert not any(default_store_status(s) for s in (*refused, 100, 500, 502, 503, 504))
 
