@@ -245,6 +245,21 @@ class GaleraCluster(Started):
         self._launch(node)
         self._wait_ready(node, size=self.size)
 
+    def heal(self) -> None:
+        """Every node running and synced: a frozen one resumed, a dead one started again (it rejoins).
+
+        The cluster outlives a module (tests/clusters/conftest.py), so a test that failed between
+        :meth:`kill` and :meth:`restart` must not leave the next one a node short.
+        """
+        for node in self.nodes:
+            proc = node.process
+            if proc is not None and proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)  # harmless on a running node
+            else:
+                self._launch(node)
+        for node in self.nodes:
+            self._wait_ready(node, size=self.size)
+
     def stop(self) -> None:
         for node in reversed(self.nodes):
             proc = node.process

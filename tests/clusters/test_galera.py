@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
-from sqlalchemy import Engine, Integer, String, create_engine, event, func, select, text
+from sqlalchemy import Engine, Integer, String, Table, create_engine, event, func, select, text
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
@@ -46,7 +46,6 @@ from stateguard.tooling.inspection import describe_server
 from .._support import galera
 from .._support.faultproxy import COMMIT, FaultProxy
 from ..conftest import MYSQL_URL, unavailable
-from ._started import started
 
 T = TypeVar("T")
 LEASE = datetime.timedelta(seconds=3)
@@ -105,35 +104,59 @@ class Effect(Base):
     item: Mapped[str] = mapped_column(String(60))
 
 
+@pytest.fixture
+def cluster(galera_cluster: galera.GaleraCluster) -> galera.GaleraCluster:
+    """The package's 3-node cluster (tests/clusters/conftest.py, shared with test_galera_sessions.py),
+    every node running and synced again: a test before may have killed or frozen one and failed
+    before bringing it back."""
+    galera_cluster.heal()
+    return galera_cluster
+
+
+def _all_tables() -> list[Table]:
+    return [*Base.metadata.sorted_tables, *stateguard.tables.metadata.sorted_tables]
+
+
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[galera.GaleraCluster]:
-    """A fresh 3-node cluster for this module (about 20 s to start), stopped by pid afterwards."""
-    yield from started("a Galera cluster", galera.available, lambda: galera.GaleraCluster(3))
+def galera_tables(galera_cluster: galera.GaleraCluster) -> Iterator[None]:
+    """This module's tables and stateguard's, made afresh on node 0 (Galera replicates the DDL) as
+    the module begins and dropped after it; each test empties them (``engines``)."""
+    made = create_engine(galera_cluster.urls[0])
+    try:
+        Base.metadata.drop_all(made)
+        Base.metadata.create_all(made)
+        stateguard.drop_tables(made)
+        create_tables(made)
+    finally:
+        made.dispose()
+    yield
+    galera_cluster.heal()
+    cleanup = create_engine(galera_cluster.urls[0])
+    Base.metadata.drop_all(cleanup)
+    stateguard.drop_tables(cleanup)
+    cleanup.dispose()
 
 
 @pytest.fixture
-def engines(cluster: galera.GaleraCluster) -> Iterator[list[Engine]]:
-    """One engine per node, the tables created on node 0 (Galera replicates the DDL)."""
+def engines(cluster: galera.GaleraCluster, galera_tables: None) -> Iterator[list[Engine]]:
+    """One engine per node, every table empty: deleted from on node 0 in one transaction (a
+    writeset, where dropping and creating them was some 40 DDL statements, each a cluster-wide
+    total-order operation), and each node waited on until it has applied it."""
     made = [create_engine(url, pool_size=12, max_overflow=4, pool_pre_ping=True) for url in cluster.urls]
-    Base.metadata.drop_all(made[0])
-    Base.metadata.create_all(made[0])
-    stateguard.drop_tables(made[0])
-    create_tables(made[0])
+    with made[0].begin() as conn:
+        for table in reversed(_all_tables()):
+            conn.execute(table.delete())
     for eng in made:
-        # DDL replicates in total order but is applied on the other nodes after node 0 answers:
-        # wait on each node until it has applied everything node 0 committed.
+        # Writesets are applied on the other nodes after node 0 answers: wait on each node until
+        # it has applied everything node 0 committed.
         with eng.connect() as conn:
             conn.exec_driver_sql("SET SESSION wsrep_sync_wait = 15")
-            for table in (*Base.metadata.sorted_tables, *stateguard.tables.metadata.sorted_tables):
-                conn.exec_driver_sql(f"SELECT 1 FROM {table.name} LIMIT 0")
+            for table in _all_tables():
+                assert conn.scalar(select(func.count()).select_from(table)) == 0, table.name
             conn.exec_driver_sql("SET SESSION wsrep_sync_wait = 0")
     yield made
     for eng in made:
         eng.dispose()
-    cleanup = create_engine(cluster.urls[0])
-    Base.metadata.drop_all(cleanup)
-    stateguard.drop_tables(cleanup)
-    cleanup.dispose()
 
 
 #: How often units ran again (a conflict retried) and moved to another node (theirs was gone).
@@ -192,6 +215,51 @@ def _storm(workers: int, work: Callable[[int], None]) -> list[BaseException]:
     for t in threads:
         t.join(timeout=300)
     return errors
+
+
+def _pay_buy_ship_storm(
+    engines: list[Engine], orders: int, stock: int, *, ref: str, seed: int, done: Iterator[int]
+) -> Callable[[int], None]:
+    """Orders 1..``orders`` pending and ``stock`` units made; the work of one storm writer: pay, buy
+    (a decrement with ref ``<ref><key>``) and ship each order in its own shuffled order, each unit
+    recording its effect in its transaction and counting itself on ``done`` (a killer's cue)."""
+    with Session(engines[0]) as s, s.begin():
+        s.add_all([Order(id=i) for i in range(1, orders + 1)])  # id 0 would mean 'next auto value'
+        s.add(Stock(id=1, amount=stock))
+
+    def unit_for(kind: str, key: int) -> Callable[[Engine], None]:
+        def unit(engine: Engine) -> None:
+            with Session(engine) as s, s.begin():
+                if kind == "buy":
+                    applied = decrement(s, Stock.amount, 1, by=1, ref=f"{ref}{key}").applied
+                else:
+                    applied = getattr(Order.flow, kind)(s, key).applied
+                if applied:
+                    s.add(Effect(kind=kind, item=str(key)))
+            next(done)
+
+        return unit
+
+    def work(i: int) -> None:
+        keys = list(range(1, orders + 1))
+        random.Random(seed + i).shuffle(keys)
+        for k in keys:
+            for kind in ("pay", "buy", "ship"):
+                _persist(engines, i % 3, unit_for(kind, k))
+
+    return work
+
+
+def _assert_paid_shipped_and_sold_once(engine: Engine, orders: int, stock: int) -> None:
+    """Read on ``engine``'s node once in sync: every order paid and shipped once, ``stock`` sold once each."""
+    with Session(engine) as s:
+        s.execute(text("SET SESSION wsrep_sync_wait = 1"))
+        effects = Counter((kind, item) for kind, item in s.execute(select(Effect.kind, Effect.item)))
+        left = s.scalar(select(Stock.amount))
+    assert set(effects.values()) == {1}, [k for k, v in effects.items() if v > 1]
+    assert sum(1 for e in effects if e[0] == "pay") == orders
+    assert sum(1 for e in effects if e[0] == "ship") == orders
+    assert sum(1 for e in effects if e[0] == "buy") == stock and left == 0
 
 
 def test_every_node_is_recognised_as_galera_and_a_single_server_is_not(engines: list[Engine]) -> None:
@@ -431,33 +499,8 @@ def test_a_node_killed_mid_storm_loses_and_doubles_nothing(
 ) -> None:
     """Node 2 is SIGKILLed while 9 writers storm; its writers move on; each change applies once."""
     orders, stock = 20, 15
-    with Session(engines[0]) as s, s.begin():
-        s.add_all([Order(id=i) for i in range(1, orders + 1)])  # id 0 would mean 'next auto value'
-        s.add(Stock(id=1, amount=stock))
     done = itertools.count()
-
-    def unit_for(kind: str, key: int) -> Callable[[Engine], None]:
-        def unit(engine: Engine) -> None:
-            with Session(engine) as s, s.begin():
-                if kind == "buy":
-                    applied = decrement(s, Stock.amount, 1, by=1, ref=f"r{key}").applied
-                else:
-                    applied = getattr(Order.flow, kind)(s, key).applied
-                if applied:
-                    s.add(Effect(kind=kind, item=str(key)))
-            next(done)
-
-        return unit
-
-    def work(i: int) -> None:
-        rng = random.Random(100 + i)
-        keys = list(range(1, orders + 1))
-        rng.shuffle(keys)
-        for k in keys:
-            _persist(engines, i % 3, unit_for("pay", k))
-            _persist(engines, i % 3, unit_for("buy", k))
-            _persist(engines, i % 3, unit_for("ship", k))
-
+    work = _pay_buy_ship_storm(engines, orders, stock, ref="r", seed=100, done=done)
     killer_errors: list[BaseException] = []
 
     def killer() -> None:
@@ -477,14 +520,7 @@ def test_a_node_killed_mid_storm_loses_and_doubles_nothing(
     assert errors == [] and killer_errors == []
     assert cluster.nodes[2].process is not None and cluster.nodes[2].process.poll() is not None, "not killed"
     assert TALLY["moved"] > 0, "no writer lost its node"
-    with Session(engines[0]) as s:
-        s.execute(text("SET SESSION wsrep_sync_wait = 1"))
-        effects = Counter((kind, item) for kind, item in s.execute(select(Effect.kind, Effect.item)))
-        assert set(effects.values()) == {1}, [k for k, v in effects.items() if v > 1]
-        assert sum(1 for e in effects if e[0] == "pay") == orders
-        assert sum(1 for e in effects if e[0] == "ship") == orders
-        assert sum(1 for e in effects if e[0] == "buy") == stock
-        assert s.scalar(select(Stock.amount)) == 0
+    _assert_paid_shipped_and_sold_once(engines[0], orders, stock)
     engines[2].dispose()
     cluster.restart(2)
     with Session(engines[2]) as s:

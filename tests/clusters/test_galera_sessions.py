@@ -4,7 +4,7 @@ An application that sets ``wsrep_sync_wait`` itself, transactions that read or i
 stateguard's first call, ORM objects loaded before a conflict and ``on_commit`` effects, odd
 isolation levels and engine set-ups, the job-queue recipe with ``skip_locked``, a certification
 failure at COMMIT, and a node killed (or frozen) and rejoining mid-storm, writers on every node.
-The cluster and the tables are those of ``test_galera.py`` (one cluster for this module).
+The cluster (the package's, tests/clusters/conftest.py) and the tables are those of ``test_galera.py``.
 """
 
 from __future__ import annotations
@@ -40,14 +40,17 @@ from .test_galera import (  # the module's cluster and tables (fixtures re-used,
     Effect,
     Order,
     Stock,
+    _assert_paid_shipped_and_sold_once,
     _lagging,
+    _pay_buy_ship_storm,
     _persist,
     _storm,
     cluster,
     engines,
+    galera_tables,
 )
 
-__all__ = ["cluster", "engines"]  # fixtures imported for pytest
+__all__ = ["cluster", "engines", "galera_tables"]  # fixtures imported for pytest
 
 
 def _synced_count(engine: Engine) -> int:
@@ -608,31 +611,8 @@ def test_a_node_frozen_mid_storm_and_resumed_loses_and_doubles_nothing(
     """Node 2 is SIGSTOPped mid-storm (the others evict it) and resumed 8 s later (it rejoins):
     writers stuck on it carry on wherever they can; each transition and each ref applies once."""
     orders, stock = 10, 8
-    with Session(engines[0]) as s, s.begin():
-        s.add_all([Order(id=i) for i in range(1, orders + 1)])
-        s.add(Stock(id=1, amount=stock))
     done = itertools.count()
-
-    def unit_for(kind: str, key: int) -> Callable[[Engine], None]:
-        def unit(engine: Engine) -> None:
-            with Session(engine) as s, s.begin():
-                if kind == "buy":
-                    applied = decrement(s, Stock.amount, 1, by=1, ref=f"fz{key}").applied
-                else:
-                    applied = getattr(Order.flow, kind)(s, key).applied
-                if applied:
-                    s.add(Effect(kind=kind, item=str(key)))
-            next(done)
-
-        return unit
-
-    def work(i: int) -> None:
-        keys = list(range(1, orders + 1))
-        random.Random(300 + i).shuffle(keys)
-        for k in keys:
-            for kind in ("pay", "buy", "ship"):
-                _persist(engines, i % 3, unit_for(kind, k))
-
+    work = _pay_buy_ship_storm(engines, orders, stock, ref="fz", seed=300, done=done)
     problems: list[BaseException] = []
 
     def freezer() -> None:
@@ -656,14 +636,7 @@ def test_a_node_frozen_mid_storm_and_resumed_loses_and_doubles_nothing(
     cluster._wait_ready(cluster.nodes[2], size=3)
     for eng in engines:
         eng.dispose()
-        with Session(eng) as s:
-            s.execute(text("SET SESSION wsrep_sync_wait = 1"))
-            effects = Counter((kind, item) for kind, item in s.execute(select(Effect.kind, Effect.item)))
-            left = s.scalar(select(Stock.amount))
-        assert set(effects.values()) == {1}, [k for k, v in effects.items() if v > 1]
-        assert sum(1 for e in effects if e[0] == "pay") == orders
-        assert sum(1 for e in effects if e[0] == "ship") == orders
-        assert sum(1 for e in effects if e[0] == "buy") == stock and left == 0
+        _assert_paid_shipped_and_sold_once(eng, orders, stock)
 
 
 def test_a_certification_failure_at_commit_is_the_drivers_1213_which_retry_on_conflict_retries(

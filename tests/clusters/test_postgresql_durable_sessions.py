@@ -29,21 +29,25 @@ from stateguard import (
 
 from .._support import pg_cluster
 from .._support.failover_units import TOKEN_SCOPE, issue_tokens
-from ._started import fresh_tables, started
+from ._started import fresh_tables
 
 TIMEOUT = timedelta(seconds=1)
 TOKENS_CONSUMED = "SELECT count(*) FROM stateguard_tokens WHERE consumed_ms IS NOT NULL"
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[pg_cluster.PgReplicaPair]:
-    """A primary and its synchronous standby for this module, stopped by pid afterwards."""
-    yield from started("a PostgreSQL primary with a standby", pg_cluster.available, pg_cluster.PgReplicaPair)
+@pytest.fixture
+def cluster(pg_pair: pg_cluster.PgReplicaPair) -> pg_cluster.PgReplicaPair:
+    """The package's primary and standby (tests/clusters/conftest.py, shared with
+    test_postgresql_replication.py)."""
+    return pg_pair
 
 
 @pytest.fixture
 def pair(cluster: pg_cluster.PgReplicaPair) -> Iterator[pg_cluster.PgReplicaPair]:
-    """The pair, synchronous, fresh stateguard tables; the standby running again afterwards."""
+    """The pair made whole (the other module fails it over), synchronous, fresh stateguard tables;
+    the standby running again afterwards."""
+    if not cluster.healthy:
+        cluster.repair()
     if cluster.standby is not None and not cluster.standby.running:
         cluster.start_standby()
     cluster.set_synchronous(True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -50,7 +49,7 @@ from .._support.failover_units import (
     unit,
 )
 from ..conftest import count_statements
-from ._started import fresh_tables, started
+from ._started import fresh_tables
 
 pytestmark = pytest.mark.failover
 
@@ -82,10 +81,11 @@ class Stock(Base):
     amount: Mapped[int] = mapped_column(default=0)
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[pg_cluster.PgReplicaPair]:
-    """A primary and its standby for this module (a few seconds to start), stopped by pid afterwards."""
-    yield from started("a PostgreSQL primary with a standby", pg_cluster.available, pg_cluster.PgReplicaPair)
+@pytest.fixture
+def cluster(pg_pair: pg_cluster.PgReplicaPair) -> pg_cluster.PgReplicaPair:
+    """The package's primary and standby (tests/clusters/conftest.py, shared with
+    test_postgresql_durable_sessions.py)."""
+    return pg_pair
 
 
 @pytest.fixture

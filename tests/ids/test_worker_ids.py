@@ -197,7 +197,8 @@ def test_the_last_free_worker_ids_go_to_exactly_as_many_racers_and_a_close_frees
 def test_exhausted_namespace_recovers_when_a_holder_dies(engine: Engine) -> None:
     """1,023 live generators and one that dies (never renews, never closes): its worker id frees on expiry."""
     held = [Snowflake(engine, namespace="die", heartbeat=False) for _ in range(1023)]
-    dead = Snowflake(engine, namespace="die", lease=timedelta(seconds=2), heartbeat=False)
+    # The shortest lease there is: the exhausted check below runs within milliseconds of the claim.
+    dead = Snowflake(engine, namespace="die", lease=timedelta(seconds=1), heartbeat=False)
     dead_ids = [dead.next_id() for _ in range(100)]
     del dead  # the process died: no close(), no renewal
     with pytest.raises(WorkerIdsExhausted):

@@ -114,20 +114,27 @@ def test_wheel_installs_in_a_fresh_venv_and_its_revisions_upgrade_and_downgrade(
     pg: Backend, mariadb: Backend, tmp_path: Path
 ) -> None:
     """The built wheel, installed in a new venv, runs `alembic upgrade stateguard@head` and back down."""
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
-        check=True,
-        timeout=300,
-    )
+    venv = tmp_path / "venv"
+    # The venv (its pip bootstrapped) is made while the wheel builds: two processes, two cores.
+    making_venv = subprocess.Popen([sys.executable, "-m", "venv", str(venv)])
+    try:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+            check=True,
+            timeout=300,
+        )
+        assert making_venv.wait(timeout=120) == 0, "python -m venv failed"
+    finally:
+        if making_venv.poll() is None:
+            making_venv.kill()
+            making_venv.wait()
     wheel = next(tmp_path.glob("stateguard-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "stateguard/py.typed" in names
     assert "stateguard/migrations/versions/sg_0003_keys.py" in names
-    venv = tmp_path / "venv"
     # The new venv's programs see only what is installed there: a PYTHONPATH exported for the
     # checkout (a worktree run) would put the source tree first and the test would check that.
     isolated = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     bin_dir = venv / "bin"
     subprocess.run(
         [str(bin_dir / "pip"), "install", "-q", f"{wheel}[postgres,mysql]"],
