@@ -12,6 +12,7 @@ from sqlalchemy import Engine
 from stateguard import create_tables, drop_tables
 
 from .._support import brokers as _brokers
+from .._support.faultproxy import FaultProxy, proxied_engine
 from ..conftest import Backend
 from ._effects import metadata
 
@@ -24,6 +25,24 @@ def db(sqlite: Backend) -> Iterator[Engine]:
     sqlite.create(metadata)
     yield sqlite.engine
     drop_tables(sqlite.engine)
+
+
+@pytest.fixture
+def direct(backend: Backend) -> Iterator[Engine]:
+    """stateguard's tables and ``consumer_effects`` on a ``backend``-parametrized test's
+    backend, dropped afterwards."""
+    engine = backend.create(metadata)
+    drop_tables(engine)
+    create_tables(engine)
+    yield engine
+    drop_tables(engine)
+
+
+@pytest.fixture
+def proxied(backend: Backend, direct: Engine) -> Iterator[tuple[Engine, FaultProxy]]:
+    """An engine reaching the server through a FaultProxy, and the proxy."""
+    with proxied_engine(backend.url) as made:
+        yield made
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ next handling is recognised as a repeat.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -20,36 +19,19 @@ import pytest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from stateguard import CallableSink, Relay, create_tables, drop_tables
+from stateguard import CallableSink, Relay
 from stateguard.consumers import Message, NATSConsumer, RabbitMQConsumer
 from stateguard.outbox.sinks import NATSSink, RabbitMQSink
 
 from .._support.brokers import NATS_URL, RABBITMQ_URL, Queue, Stream
-from .._support.faultproxy import FaultProxy, commit_of, proxied_engine
-from ..conftest import Backend, backends_with
+from .._support.faultproxy import FaultProxy, commit_of
+from ..conftest import backends_with
 from ._drive import publish_amqp, publish_nats, run_for, run_until
-from ._effects import applied, committed_ids, emit_events, metadata, record
+from ._effects import applied, committed_ids, emit_events, record
 
 LEASE = timedelta(seconds=30)
 
 pytestmark = pytest.mark.parametrize("backend", backends_with("tcp_server"), indirect=True)
-
-
-@pytest.fixture
-def direct(backend: Backend) -> Iterator[Engine]:
-    """stateguard's tables and ``consumer_effects`` on the backend, dropped afterwards."""
-    engine = backend.create(metadata)
-    drop_tables(engine)
-    create_tables(engine)
-    yield engine
-    drop_tables(engine)
-
-
-@pytest.fixture
-def proxied(backend: Backend, direct: Engine) -> Iterator[tuple[Engine, FaultProxy]]:
-    """An engine reaching the server through a FaultProxy, and the proxy."""
-    with proxied_engine(backend.url) as made:
-        yield made
 
 
 def rabbit(engine: Engine, mq: Queue, handler: Any = record, **kw: Any) -> RabbitMQConsumer:

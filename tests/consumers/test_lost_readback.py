@@ -28,15 +28,14 @@ import pytest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from stateguard import create_tables, drop_tables
 from stateguard.consumers import Message, NATSConsumer, RabbitMQConsumer, RedisStreamConsumer
 
 from .._support.brokers import NATS_URL, RABBITMQ_URL, Queue, rabbit_queue
-from .._support.faultproxy import FaultProxy, commit_of, proxied_engine
-from ..conftest import Backend, backends_with
+from .._support.faultproxy import FaultProxy, commit_of
+from ..conftest import backends_with
 from ._behaviours import Counting
 from ._drive import publish_amqp, publish_nats, run_until
-from ._effects import applied, metadata, record
+from ._effects import applied, record
 
 pytestmark = [
     pytest.mark.lost_reply,
@@ -48,23 +47,6 @@ pytestmark = [
 READBACK = b"SELECT stateguard_consumed_messages.consumer \nFROM stateguard_consumed_messages"
 
 CUTS = ["readback", "commit"]
-
-
-@pytest.fixture
-def direct(backend: Backend) -> Iterator[Engine]:
-    """stateguard's tables and ``consumer_effects`` on the backend, dropped afterwards."""
-    engine = backend.create(metadata)
-    drop_tables(engine)
-    create_tables(engine)
-    yield engine
-    drop_tables(engine)
-
-
-@pytest.fixture
-def proxied(backend: Backend, direct: Engine) -> Iterator[tuple[Engine, FaultProxy]]:
-    """An engine reaching the server through a FaultProxy, and the proxy."""
-    with proxied_engine(backend.url) as made:
-        yield made
 
 
 @dataclass(frozen=True)

@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
-import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from stateguard import create_tables, drop_tables
 from stateguard.consumers import Message, RedisStreamConsumer
 
 from ..conftest import Backend
-from ._effects import applied, metadata, record
+from ._effects import applied, record
 
 GROUP = "billing"
 
@@ -31,15 +28,6 @@ FAILING = {
     "mariadb": ("SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'refused by a trigger'",),
     "postgresql": ("SET LOCAL statement_timeout = 20", "SELECT pg_sleep(1)"),
 }
-
-
-@pytest.fixture
-def direct(backend: Backend) -> Iterator[Engine]:
-    engine = backend.create(metadata)
-    drop_tables(engine)
-    create_tables(engine)
-    yield engine
-    drop_tables(engine)
 
 
 def test_a_handler_whose_own_statement_fails_operationally_is_dead_lettered(
