@@ -358,7 +358,9 @@ def fire_where(
 
     Rows not in a source state are left alone.  With ``limit``, at most
     that many rows, in primary-key order; concurrent sweepers skip each
-    other's locked rows instead of waiting::
+    other's locked rows instead of waiting (on PostgreSQL and MariaDB, rows any
+    other transaction holds are skipped, so an empty result does not prove that
+    no row matches)::
 
         expired = Order.flow.cancel.where(session, Order.created_at < cutoff, limit=500)
 
