@@ -82,9 +82,23 @@ def _mounted(backend: Backend, charges: list[int]) -> tuple[Any, str, str]:
     )
 
 
-@pytest.mark.parametrize(
-    "serve", [_plain, _served_under_root_path, _mounted], ids=["plain", "root-path", "mount"]
-)
+def _mounted_twice(backend: Backend, charges: list[int]) -> tuple[Any, str, str]:
+    """A Mount inside a Mount (root_path "/shop/v1" by the time the middleware runs)."""
+    inner = Starlette(routes=[Mount("/v1", app=_middleware(_payments(charges), backend))])
+    return Starlette(routes=[Mount("/shop", app=inner)]), "http://shop/shop/v1/payments", ""
+
+
+def _mounted_under_root_path(backend: Backend, charges: list[int]) -> tuple[Any, str, str]:
+    """uvicorn --root-path /api in front of a Mount at /v1 (root_path "/api/v1")."""
+    app = Starlette(routes=[Mount("/v1", app=_middleware(_payments(charges), backend))])
+    return app, "http://shop/api/v1/payments", "/api"
+
+
+SERVED = [_plain, _served_under_root_path, _mounted, _mounted_twice, _mounted_under_root_path]
+SERVED_IDS = ["plain", "root-path", "mount", "mount-in-mount", "mount-under-root-path"]
+
+
+@pytest.mark.parametrize("serve", SERVED, ids=SERVED_IDS)
 def test_a_required_path_needs_its_key_under_a_root_path(backend: Backend, serve: Any) -> None:
     """POST /payments without a key is 400 and charges nothing, whether or not the app is served
     under a root path."""
@@ -94,9 +108,7 @@ def test_a_required_path_needs_its_key_under_a_root_path(backend: Backend, serve
     assert response.status_code == 400 and charges == [], (response.status_code, response.text)
 
 
-@pytest.mark.parametrize(
-    "serve", [_plain, _served_under_root_path, _mounted], ids=["plain", "root-path", "mount"]
-)
+@pytest.mark.parametrize("serve", SERVED, ids=SERVED_IDS)
 def test_a_routes_store_status_applies_under_a_root_path(backend: Backend, serve: Any) -> None:
     """The route stores its 409-after-charging, so the retry replays the 409 instead of charging again,
     under a root path as without one."""
