@@ -12,6 +12,7 @@ behave like the other databases' transactions.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
@@ -39,6 +40,7 @@ from sqlalchemy import (
 )
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import util as sql_util
 from sqlalchemy.sql.elements import ColumnElement
@@ -236,8 +238,13 @@ def _watch_session_settings(engine: Engine) -> None:
         if base in _watched:
             return
         _watched.add(base)
+    dialect = base.dialect
+
+    def raise_at_checkout(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+        _raise_at_checkout(dialect, dbapi_connection, record)
+
     event.listen(base, "before_cursor_execute", _forget_raise)
-    event.listen(base, "checkout", _raise_at_checkout)
+    event.listen(base, "checkout", raise_at_checkout)
 
 
 def _forget_raise(conn: Connection, cursor: Any, statement: str, *args: Any) -> None:
@@ -245,12 +252,17 @@ def _forget_raise(conn: Connection, cursor: Any, statement: str, *args: Any) -> 
         conn.connection.info.pop(CAUSAL_MARK, None)
 
 
-def _raise_at_checkout(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+def _raise_at_checkout(dialect: Dialect, dbapi_connection: Any, record: Any) -> None:
     """A Galera engine's connection, as the pool hands it out: raised before anything runs on it.
 
     A transaction that the application begins with its own read (``s.get(Order, 1)``, then a
     guarded call) waits at that read; raised only by the guarded call, it would not wait at all.
     The DBAPI cursor, not SQLAlchemy's Connection (there is none yet at checkout).
+
+    A pooled connection the server dropped meanwhile (a node restarted, the connection killed)
+    fails the SET: that is a :class:`~sqlalchemy.exc.DisconnectionError`, on which the pool
+    replaces the connection and hands out a new one, raised in turn (as ``pool_pre_ping`` does;
+    nothing has run on it yet, so nothing is lost).  Any other error propagates.
     """
     info = record.info
     if CAUSAL_MARK in info:
@@ -258,8 +270,15 @@ def _raise_at_checkout(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
     cursor = dbapi_connection.cursor()
     try:
         cursor.execute(f"SET SESSION wsrep_sync_wait = @@session.wsrep_sync_wait | {CAUSAL_BITS}")
+    except dialect.loaded_dbapi.Error as error:
+        if dialect.is_disconnect(error, dbapi_connection, cursor):
+            raise sa_exc.DisconnectionError(
+                f"stateguard could not raise wsrep_sync_wait on a pooled connection: {error}"
+            ) from error
+        raise
     finally:
-        cursor.close()
+        with contextlib.suppress(Exception):  # a dropped connection's cursor may fail to close
+            cursor.close()
     info[CAUSAL_MARK] = True
 
 

@@ -109,6 +109,34 @@ def test_an_application_lowering_wsrep_sync_wait_on_a_connection_stateguard_rais
         one.dispose()
 
 
+@pytest.mark.restart
+def test_a_dropped_pooled_connection_whose_wait_was_lowered_is_replaced_at_checkout(
+    cluster: galera.GaleraCluster, engines: list[Engine]
+) -> None:
+    """The application lowered the wait on a pooled connection stateguard raised, then the server
+    dropped that connection (KILL here; a node restart alike): the checkout that raises the wait
+    again fails on it.  The pool must replace it, raised, and the next transaction run as usual:
+    not an unwrapped driver error from inside the pool."""
+    with Session(engines[0]) as s, s.begin():
+        s.add_all([Order(id=1), Order(id=9)])
+    assert _synced_count(engines[1]) == 2
+    one = create_engine(cluster.urls[1], pool_size=1, max_overflow=0)
+    try:
+        with Session(one) as s, s.begin():
+            assert Order.flow.pay(s, 9).applied  # stateguard raises this pooled connection
+        with Session(one) as s, s.begin():
+            s.execute(text("SET SESSION wsrep_sync_wait = 0"))  # the application's own fast read
+            dropped = s.execute(text("SELECT CONNECTION_ID()")).scalar_one()
+        with engines[1].connect() as conn:
+            conn.exec_driver_sql(f"KILL {int(dropped)}")
+        with Session(one) as s, s.begin():
+            assert s.execute(text("SELECT CONNECTION_ID()")).scalar_one() != dropped
+            assert s.execute(text("SELECT @@session.wsrep_sync_wait")).scalar_one() == 7
+            assert Order.flow.pay(s, 1).applied
+    finally:
+        one.dispose()
+
+
 def _paid_elsewhere_while_node_1_lags(engines: list[Engine]) -> Any:
     """Orders 1 and 3 pending everywhere; the context returned makes node 1 lag (it yields
     ``release``)."""
