@@ -22,7 +22,7 @@ from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import Any, Final
 
-from sqlalchemy import Engine, bindparam, select, update
+from sqlalchemy import Engine, bindparam, func, select, update
 
 from . import _kernel
 from . import observe as _observe
@@ -142,14 +142,26 @@ def _wall_ms() -> int:
 # later); the next holder starts after that, and an orderly close() stores the
 # exact last millisecond instead.
 _NOW: Final = _kernel.db_now_ms()
-_LIVE_ROWS: Final = (
-    select(
-        worker_leases.c.worker_id,
-        worker_leases.c.owner,
-        worker_leases.c.lease_expires_ms,
-        worker_leases.c.last_ms,
-        _NOW.label("db_now"),
+#: How many free (never leased, released or expired) rows one look reads.
+FREE_BATCH: Final = 8
+# Free or not is the database's judgement (its clock), as in the UPDATE; the server filters, so a
+# claim reads a few rows, not the namespace's 1,024.
+_FREE_ROWS: Final = (
+    select(worker_leases.c.worker_id, worker_leases.c.last_ms)
+    .where(
+        worker_leases.c.namespace == bindparam("sg_ns"),
+        (worker_leases.c.owner.is_(None)) | (worker_leases.c.lease_expires_ms < _NOW),
     )
+    .order_by(worker_leases.c.worker_id)
+    .limit(FREE_BATCH)
+)
+#: How many worker rows the namespace has, and its highest worker id: ids are created lowest
+#: unused first, so with no gap (no row deleted by hand) the next unused one is the count.
+_ID_SPAN: Final = select(func.count(), func.max(worker_leases.c.worker_id)).where(
+    worker_leases.c.namespace == bindparam("sg_ns")
+)
+_ALL_IDS: Final = (
+    select(worker_leases.c.worker_id)
     .where(worker_leases.c.namespace == bindparam("sg_ns"))
     .order_by(worker_leases.c.worker_id)
 )
@@ -300,10 +312,7 @@ class Snowflake:
             started_mono = time.monotonic()
             now = self._clock()
             with self.engine.connect() as conn:
-                rows = _kernel.execute(conn, _LIVE_ROWS, params).all()
-            taken = {row.worker_id for row in rows}
-            # Live or not is the database's judgement (its clock), as in the UPDATE.
-            free = [row for row in rows if row.owner is None or row.lease_expires_ms < row.db_now]
+                free = _kernel.execute(conn, _FREE_ROWS, params).all()
             for row in free:
                 params["sg_worker"] = row.worker_id
                 params["sg_seen_last"] = row.last_ms
@@ -312,7 +321,7 @@ class Snowflake:
                     if _kernel.execute(conn, _CLAIM, params).rowcount == 1:
                         self._set_deadlines(now, started_mono)
                         return row.worker_id, int(row.last_ms)
-            unused = next((w for w in range(MAX_WORKERS) if w not in taken), None)
+            unused = self._unused(params)
             if unused is None:
                 if not free:
                     raise WorkerIdsExhausted(
@@ -332,6 +341,17 @@ class Snowflake:
             f"lost a race with another generator; retry",
             namespace=self.namespace,
         )
+
+    def _unused(self, params: dict[str, Any]) -> int | None:
+        """The lowest worker id the namespace has no row for (``None``: all 1,024 exist)."""
+        with self.engine.connect() as conn:
+            span = _kernel.execute(conn, _ID_SPAN, params).one()
+            count, top = int(span[0]), span[1]
+            if top is None or top == count - 1:  # no rows, or 0 .. count-1 with no gap
+                return count if count < MAX_WORKERS else None
+            # A gap (rows deleted by hand): find it.
+            taken = set(_kernel.execute(conn, _ALL_IDS, params).scalars())
+        return next((w for w in range(MAX_WORKERS) if w not in taken), None)
 
     def _insert(self, params: dict[str, Any]) -> bool:
         """Create the worker row already leased to us; ``False`` if someone created it first."""

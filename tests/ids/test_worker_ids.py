@@ -22,6 +22,7 @@ from stateguard import (
     WorkerIdsExhausted,
     WorkerLeaseLost,
 )
+from stateguard.tables import worker_leases
 from tests._support.snowflake_clocks import (
     _REAL_TIME_NS,
     WAIT,
@@ -191,6 +192,32 @@ def test_the_last_free_worker_ids_go_to_exactly_as_many_racers_and_a_close_frees
     for g in held:
         g.close()
     assert all(r.owner is None for r in _rows(engine, "full")) and len(_rows(engine, "full")) == 1024
+
+
+@pytest.mark.hostile
+def test_worker_rows_deleted_by_hand_leave_gaps_that_new_generators_fill_lowest_first(engine: Engine) -> None:
+    """Ids are created lowest unused first, so a claim counts the rows instead of reading them;
+    rows an operator deleted (and one inserted by hand far out of order) leave gaps that the next
+    generators take, lowest first, before they create id 6; every id stays with one holder."""
+    held = [Snowflake(engine, namespace="gaps", heartbeat=False) for _ in range(6)]
+    assert [g.worker_id for g in held] == [0, 1, 2, 3, 4, 5]
+    for gone in (held.pop(3), held.pop(1)):  # closed, then their rows deleted
+        gone.close()
+    with engine.begin() as conn:
+        conn.execute(
+            worker_leases.delete().where(
+                worker_leases.c.namespace == "gaps", worker_leases.c.worker_id.in_([1, 3])
+            )
+        )
+        conn.execute(
+            worker_leases.insert().values(
+                namespace="gaps", worker_id=1000, owner="by-hand", lease_expires_ms=2**62, last_ms=0
+            )
+        )
+    more = [Snowflake(engine, namespace="gaps", heartbeat=False) for _ in range(3)]
+    assert [g.worker_id for g in more] == [1, 3, 6]
+    for g in held + more:
+        g.close()
 
 
 @pytest.mark.restart
