@@ -345,7 +345,7 @@ class Snowflake:
     def _unused(self, params: dict[str, Any]) -> int | None:
         """The lowest worker id the namespace has no row for (``None``: all 1,024 exist)."""
         with self.engine.connect() as conn:
-            span = _kernel.execute(conn, _ID_SPAN, params).one()
+            span: Any = _kernel.execute(conn, _ID_SPAN, params).one()
             count, top = int(span[0]), span[1]
             if top is None or top == count - 1:  # no rows, or 0 .. count-1 with no gap
                 return count if count < MAX_WORKERS else None
