@@ -67,6 +67,23 @@ async def _pause(stop: threading.Event, seconds: float) -> None:
         await asyncio.sleep(min(left, 0.1))
 
 
+async def _unless_stopped(stop: threading.Event, task: asyncio.Future[Any]) -> bool:
+    """Wait for ``task``; ``False`` (and ``task`` cancelled) if ``stop`` is set first.
+
+    nats-py's first connect retries for several seconds while the server is down; stop() must not
+    wait for that.  The task's own error, if it fails first, is raised.
+    """
+    while not stop.is_set():
+        done, _ = await asyncio.wait({task}, timeout=0.1)
+        if done:
+            task.result()
+            return True
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    return False
+
+
 class NATSConsumer:
     """Pull messages from a JetStream durable consumer; run ``handler(session, message)`` once per event.
 
@@ -213,7 +230,7 @@ class NATSConsumer:
                 pause = min(pause * 2, MAX_BACKOFF)
 
     async def _consume(self, stop: threading.Event) -> None:
-        import nats
+        from nats.aio.client import Client
         from nats.errors import TimeoutError as NatsTimeout
         from nats.js.api import AckPolicy, ConsumerConfig
         from nats.js.errors import NotFoundError
@@ -221,9 +238,14 @@ class NATSConsumer:
         async def on_error(error: Exception) -> None:
             log.warning("consumer %r: NATS: %s: %s", self.consumer, type(error).__name__, error)
 
-        client = await nats.connect(
-            self.servers, connect_timeout=5, max_reconnect_attempts=3, error_cb=on_error
+        client = Client()
+        connecting = asyncio.ensure_future(
+            client.connect(self.servers, connect_timeout=5, max_reconnect_attempts=3, error_cb=on_error)
         )
+        if not await _unless_stopped(stop, connecting):
+            with contextlib.suppress(Exception):  # never connected: nothing to flush
+                await asyncio.wait_for(client.close(), 2)
+            return
         try:
             js = client.jetstream()
             config = ConsumerConfig(
