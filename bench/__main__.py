@@ -3,7 +3,9 @@
 Prints one table per scenario and database and writes them, with the machine
 and server versions, as JSON.  Every comparison runs in the same process, on
 the same database, in the same run.  ``python -m bench report [PATH]`` turns
-a JSON file into the Markdown of docs/development/benchmarks.md (``--plots DIR``: and PNG charts).
+a JSON file into the Markdown of docs/development/benchmarks.md (``--plots DIR``: and PNG charts);
+``python -m bench compare --before A.json ... --after B.json ...`` puts two trees' results side by
+side (:mod:`bench.compare`).
 """
 
 from __future__ import annotations
@@ -250,7 +252,22 @@ def main(argv: list[str] | None = None) -> int:
         default=".",
         help="link the charts in the Markdown relative to DIR, where it will live (default: here)",
     )
+    cmp = sub.add_parser("compare", help="two trees' results side by side, as one Markdown table")
+    cmp.add_argument("--before", nargs="+", required=True, type=Path, metavar="JSON")
+    cmp.add_argument("--after", nargs="+", required=True, type=Path, metavar="JSON")
+    cmp.add_argument(
+        "--labels",
+        nargs=2,
+        default=("before", "after"),
+        metavar=("BEFORE", "AFTER"),
+        help="the two columns' headings (default: before after)",
+    )
     args = parser.parse_args(argv)
+    if args.command == "compare":
+        from .compare import compare
+
+        print(compare(args.before, args.after, tuple(args.labels)))
+        return 0
     if args.command == "report":
         return report(Path(args.path), args.plots and Path(args.plots), Path(args.relative_to))
     sizes = overrides(args.set, args.only, args.quick)
