@@ -143,7 +143,7 @@ def _wall_ms() -> int:
 # exact last millisecond instead.
 _NOW: Final = _kernel.db_now_ms()
 #: How many free (never leased, released or expired) rows one look reads.
-FREE_BATCH: Final = 8
+_FREE_BATCH: Final = 8
 # Free or not is the database's judgement (its clock), as in the UPDATE; the server filters, so a
 # claim reads a few rows, not the namespace's 1,024.
 _FREE_ROWS: Final = (
@@ -153,7 +153,7 @@ _FREE_ROWS: Final = (
         (worker_leases.c.owner.is_(None)) | (worker_leases.c.lease_expires_ms < _NOW),
     )
     .order_by(worker_leases.c.worker_id)
-    .limit(FREE_BATCH)
+    .limit(_FREE_BATCH)
 )
 #: How many worker rows the namespace has, and its highest worker id: ids are created lowest
 #: unused first, so with no gap (no row deleted by hand) the next unused one is the count.
