@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, bindparam, event, func, insert, select, text, update
+from sqlalchemy import Engine, Insert, bindparam, event, func, insert, select, text, update
 from sqlalchemy.orm import Session
 
 from stateguard import _kernel, idempotent
@@ -47,7 +47,10 @@ VARIANTS = [BASELINE, FLOOR, FLOOR2, FIRST, REPLAY, FIRST_SEPARATE, REPLAY_SEPAR
 #: ``--set breakdown=true``: where a first call's time goes, between the floor and stateguard.
 BY_HAND = "stateguard's two statements, hand-written"
 BY_HAND_SAVEPOINT = "the same, with the block's savepoint"
-BREAKDOWN = [BY_HAND, BY_HAND_SAVEPOINT]
+#: The claim's INSERT alone (no read of an existing row in the same statement): what a first call
+#: would send if a replay could take two statements.
+BY_HAND_BARE = "the same without the claim's read (replays would take 2 statements)"
+BREAKDOWN = [BY_HAND, BY_HAND_SAVEPOINT, BY_HAND_BARE]
 
 #: Rows per INSERT ... SELECT (and per transaction) while pre-filling.
 FILL_BATCH = 250_000
@@ -267,6 +270,16 @@ _COMPLETE_ROW = (
 )
 
 
+def _bare_claim(backend: _kernel.Backend) -> Insert:
+    """The claim's INSERT with nothing read back: ``ON CONFLICT DO NOTHING`` where the database has it
+    (its row count tells a claim from a taken key), a plain INSERT on MariaDB (as the claim there)."""
+    stmt = (
+        _kernel.insert_or_skip(backend, idempotency_keys) if backend.on_conflict else insert(idempotency_keys)
+    )
+    # preserve_rowcount: SQLAlchemy reports an INSERT's row count as -1 otherwise.
+    return stmt.values(CLAIM.values).execution_options(preserve_rowcount=True)
+
+
 def _calls(engine: Engine) -> dict[str, Callable[[str], None]]:
     """Each variant as a function of the key it works on; each call is one committed transaction."""
     fp = fingerprint_of(BODY)
@@ -310,8 +323,9 @@ def _calls(engine: Engine) -> dict[str, Callable[[str], None]]:
 
     backend = _kernel.backend(engine.dialect)
     claim = CLAIM._read_statement(backend) if backend.dml_cte else CLAIM.statement(backend)
+    bare = _bare_claim(backend)
 
-    def by_hand(key: str, savepoint: bool = False) -> None:
+    def by_hand(key: str, savepoint: bool = False, bare_claim: bool = False) -> None:
         # What a first call sends, written on a Session with nothing of the call's Python around
         # it but what any implementation computes (the request's hash, the response's text, an
         # owner); ``savepoint``: and the block's begin_nested(), closed without a SAVEPOINT sent.
@@ -325,7 +339,11 @@ def _calls(engine: Engine) -> dict[str, Callable[[str], None]]:
         }
         with Session(engine) as s, s.begin():
             conn = s.connection()
-            conn.execute(claim, params)
+            if bare_claim:
+                if conn.execute(bare, params).rowcount != 1:
+                    raise AssertionError(f"the bare claim of {key!r} inserted nothing")
+            else:
+                conn.execute(claim, params)
             nested = s.begin_nested() if savepoint else None
             params["sg_text"] = dumps_json(RESPONSE)
             conn.execute(COMPLETE_FRESH, params)
@@ -378,6 +396,7 @@ def _calls(engine: Engine) -> dict[str, Callable[[str], None]]:
         REPLAY_SEPARATE: replay_separate,
         BY_HAND: by_hand,
         BY_HAND_SAVEPOINT: functools.partial(by_hand, savepoint=True),
+        BY_HAND_BARE: functools.partial(by_hand, bare_claim=True),
     }
 
 
