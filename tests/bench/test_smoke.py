@@ -139,9 +139,10 @@ def test_set_replaces_a_size_of_the_scenarios_run(sqlite: Backend, tmp_path: Pat
 
 
 def test_idempotency_breakdown_adds_stateguards_statements_written_by_hand(backend: Backend) -> None:
-    """`--set breakdown=true`: two more variants, stateguard's own two statements sent by hand without
-    and with the block's savepoint, each a first call (the same statements as stateguard's)."""
-    from bench.idempotency import BREAKDOWN, FIRST, idempotency_keys_scenario
+    """`--set breakdown=true`: three more variants, stateguard's own two statements sent by hand
+    without and with the block's savepoint (the same statements as a first call's), and with the
+    claim's bare INSERT instead of the claim (an INSERT and the UPDATE, two statements too)."""
+    from bench.idempotency import BREAKDOWN, BY_HAND_BARE, FIRST, idempotency_keys_scenario
 
     table = idempotency_keys_scenario(backend.url, [1000], 3, breakdown=True)
     rows = {r["variant"]: r for r in table.rows}
@@ -150,7 +151,7 @@ def test_idempotency_breakdown_adds_stateguards_statements_written_by_hand(backe
     first = shapes.split(f"{FIRST}: ", 1)[1].split(";", 1)[0]
     for variant in BREAKDOWN:
         assert rows[variant]["stmts_per_call"] == rows[FIRST]["stmts_per_call"]
-        assert f"{variant}: {first}" in shapes
+        assert f"{variant}: {first if variant != BY_HAND_BARE else 'INSERT UPDATE'}" in shapes
     assert not set(BREAKDOWN) & {r["variant"] for r in idempotency_keys_scenario(backend.url, [1000], 1).rows}
 
 
