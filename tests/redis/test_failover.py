@@ -749,7 +749,12 @@ def test_failover_in_the_middle_of_a_storm(
     storm = Storm(cluster, fenced_db, tag, wait_replicas)
     storm.start()
     try:
-        time.sleep(1.2)
+        # At least 1.2 s, and until the storm has acknowledged enough to count losses in (on a
+        # loaded machine 1.2 s once held only 8 consumes; a cut-off replica stalls WAIT-ed writes).
+        started = time.monotonic()
+        while time.monotonic() - started < 1.2 or len(storm.kept) < 10 or len(storm.consumed) < 10:
+            assert time.monotonic() - started < 30, "the storm acknowledged too little in 30 s"
+            time.sleep(0.05)
         if replica == "cut-off":
             follower.pause()
             on_victim = redis.Redis(host=victim.host, port=victim.port)
