@@ -321,6 +321,8 @@ class Snowflake:
                     if _kernel.execute(conn, _CLAIM, params).rowcount == 1:
                         self._set_deadlines(now, started_mono)
                         return row.worker_id, int(row.last_ms)
+            if len(free) == _FREE_BATCH:
+                continue  # racers took all we read and more free rows may be left: reuse before creating
             unused = self._unused(params)
             if unused is None:
                 if not free:

@@ -194,6 +194,28 @@ def test_the_last_free_worker_ids_go_to_exactly_as_many_racers_and_a_close_frees
     assert all(r.owner is None for r in _rows(engine, "full")) and len(_rows(engine, "full")) == 1024
 
 
+def test_racers_for_many_free_worker_ids_reuse_them_before_creating_new_ones(engine: Engine) -> None:
+    """20 released worker ids, 16 threads starting generators at once: each takes a distinct one of
+    the 20 (a claim reads 8 free rows at a time; losing all 8 to racers looks again rather than
+    creating id 20 while free ones are left)."""
+    for g in [Snowflake(engine, namespace="reuse", heartbeat=False) for _ in range(20)]:
+        g.close()
+    n = 16
+    barrier = threading.Barrier(n)
+
+    def race() -> Snowflake:
+        barrier.wait(WAIT)
+        return Snowflake(engine, namespace="reuse", heartbeat=False)
+
+    with ThreadPoolExecutor(n) as pool:
+        winners = [f.result() for f in [pool.submit(race) for _ in range(n)]]
+    taken = sorted(w.worker_id for w in winners)
+    assert len(set(taken)) == n and taken[-1] < 20, taken
+    assert len(_rows(engine, "reuse")) == 20
+    for g in winners:
+        g.close()
+
+
 @pytest.mark.hostile
 def test_worker_rows_deleted_by_hand_leave_gaps_that_new_generators_fill_lowest_first(engine: Engine) -> None:
     """Ids are created lowest unused first, so a claim counts the rows instead of reading them;
