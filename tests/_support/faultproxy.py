@@ -291,3 +291,19 @@ def proxied_engine(url: str, **engine_kw: Any) -> Iterator[tuple[Engine, FaultPr
             yield engine, proxy
         finally:
             engine.dispose()
+
+
+@contextlib.contextmanager
+def proxied_with_tables(backend: Any, *metadatas: Any) -> Iterator[tuple[Engine, FaultProxy]]:
+    """stateguard's tables (made afresh) and ``metadatas``' on a test's ``backend``, and
+    :func:`proxied_engine` to its server; stateguard's tables dropped at the end."""
+    from stateguard import create_tables, drop_tables
+
+    direct = backend.create(*metadatas)
+    drop_tables(direct)
+    create_tables(direct)
+    try:
+        with proxied_engine(backend.url) as made:
+            yield made
+    finally:
+        drop_tables(direct)

@@ -76,6 +76,22 @@ def test_stateguard_inspect_on_a_node_says_it_is_a_galera_node(cluster: galera.G
         assert "Galera cluster node, 3 nodes, causal: wsrep_sync_wait raised to 7" in out.getvalue()
 
 
+def _lower_the_wait_stateguard_raised(engines: list[Engine], one: Engine) -> int:
+    """Orders 1 and 9 pending on every node (and the lag blocker); ``one`` (a pool of one connection
+    to node 1) pays order 9, so stateguard raises its connection, then the application's own report
+    query lowers the wait there (``SET SESSION wsrep_sync_wait = 0``).  The connection's id."""
+    with Session(engines[0]) as s, s.begin():
+        s.add(Blocker(id=1))
+        s.add_all([Order(id=1), Order(id=9)])
+    assert _synced_count(engines[1]) == 2
+    with Session(one) as s, s.begin():
+        assert Order.flow.pay(s, 9).applied  # stateguard raises this pooled connection
+    with Session(one) as s, s.begin():
+        s.execute(text("SET SESSION wsrep_sync_wait = 0"))
+        s.execute(select(func.count()).select_from(Order)).scalar()
+        return int(s.execute(text("SELECT CONNECTION_ID()")).scalar_one())
+
+
 @pytest.mark.lag
 def test_an_application_lowering_wsrep_sync_wait_on_a_connection_stateguard_raised_is_still_exact(
     cluster: galera.GaleraCluster, engines: list[Engine]
@@ -83,18 +99,9 @@ def test_an_application_lowering_wsrep_sync_wait_on_a_connection_stateguard_rais
     """The app turns the wait off for its own fast reads (``SET SESSION wsrep_sync_wait = 0``) on a
     pooled connection stateguard raised earlier; stateguard's next call there must still wait and
     answer APPLIED on a lagging node, not REJECTED / NOT_FOUND."""
-    with Session(engines[0]) as s, s.begin():
-        s.add(Blocker(id=1))
-        s.add_all([Order(id=1), Order(id=9)])
-    assert _synced_count(engines[1]) == 2
     one = create_engine(cluster.urls[1], pool_size=1, max_overflow=0)
     try:
-        with Session(one) as s, s.begin():
-            assert Order.flow.pay(s, 9).applied  # stateguard raises this pooled connection
-        with Session(one) as s, s.begin():
-            # The application's own report query, on the same pooled connection, without the wait.
-            s.execute(text("SET SESSION wsrep_sync_wait = 0"))
-            s.execute(select(func.count()).select_from(Order)).scalar()
+        _lower_the_wait_stateguard_raised(engines, one)
         with _lagging(engines[1], engines[0]) as release:
             with Session(engines[0]) as s, s.begin():
                 assert Order.flow.pay(s, 1).applied
@@ -117,16 +124,9 @@ def test_a_dropped_pooled_connection_whose_wait_was_lowered_is_replaced_at_check
     dropped that connection (KILL here; a node restart alike): the checkout that raises the wait
     again fails on it.  The pool must replace it, raised, and the next transaction run as usual:
     not an unwrapped driver error from inside the pool."""
-    with Session(engines[0]) as s, s.begin():
-        s.add_all([Order(id=1), Order(id=9)])
-    assert _synced_count(engines[1]) == 2
     one = create_engine(cluster.urls[1], pool_size=1, max_overflow=0)
     try:
-        with Session(one) as s, s.begin():
-            assert Order.flow.pay(s, 9).applied  # stateguard raises this pooled connection
-        with Session(one) as s, s.begin():
-            s.execute(text("SET SESSION wsrep_sync_wait = 0"))  # the application's own fast read
-            dropped = s.execute(text("SELECT CONNECTION_ID()")).scalar_one()
+        dropped = _lower_the_wait_stateguard_raised(engines, one)
         with engines[1].connect() as conn:
             conn.exec_driver_sql(f"KILL {int(dropped)}")
         with Session(one) as s, s.begin():

@@ -17,9 +17,9 @@ from sqlalchemy import Engine, func, select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from stateguard import create_tables, drop_tables, idempotent
+from stateguard import idempotent
 from stateguard.tables import idempotency_keys
-from tests._support.faultproxy import FaultProxy, proxied_engine
+from tests._support.faultproxy import FaultProxy, proxied_with_tables
 from tests.conftest import Backend, backends_with
 
 pytestmark = [
@@ -36,12 +36,8 @@ COMPLETION = b"UPDATE stateguard_idempotency_keys SET status='completed'"
 @pytest.fixture
 def proxied(backend: Backend) -> Iterator[tuple[Engine, FaultProxy]]:
     """stateguard's tables on ``backend``, and an engine reaching it through a FaultProxy."""
-    direct = backend.create()
-    drop_tables(direct)
-    create_tables(direct)
-    with proxied_engine(backend.url) as made:
+    with proxied_with_tables(backend) as made:
         yield made
-    drop_tables(direct)
 
 
 def _records(engine: Engine, scope: str) -> int:

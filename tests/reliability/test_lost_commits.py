@@ -27,9 +27,7 @@ from stateguard import (
     StripedCounter,
     consume_once,
     consume_token,
-    create_tables,
     decrement,
-    drop_tables,
     idempotent,
     insert_once,
     issue_token,
@@ -37,7 +35,7 @@ from stateguard import (
     release,
     reserve,
 )
-from tests._support.faultproxy import FaultProxy, commit_of, proxied_engine
+from tests._support.faultproxy import FaultProxy, commit_of, proxied_with_tables
 from tests._support.models import Base, Invoice, Message
 from tests._support.stock_workers import Stock, StockBase
 from tests.conftest import Backend, backends_with
@@ -52,12 +50,8 @@ pytestmark = pytest.mark.parametrize("backend", backends_with("tcp_server"), ind
 @pytest.fixture
 def proxied(backend: Backend) -> Iterator[tuple[Engine, FaultProxy]]:
     """stateguard's tables and the models on ``backend``, and an engine reaching it through a FaultProxy."""
-    direct = backend.create(Base.metadata, StockBase.metadata)
-    drop_tables(direct)
-    create_tables(direct)
-    with proxied_engine(backend.url) as made:
+    with proxied_with_tables(backend, Base.metadata, StockBase.metadata) as made:
         yield made
-    drop_tables(direct)
 
 
 def arm_commit_cut(engine: Engine, proxy: FaultProxy) -> None:
